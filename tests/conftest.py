@@ -1,0 +1,47 @@
+"""Shared fixtures, markers and hypothesis profiles.
+
+Profiles: ``ci`` (derandomized, bounded, no deadline; the default and what .ci/run uses),
+``gpu`` (more examples, for the H200 run), ``dev`` (quick). Pick with HYPOTHESIS_PROFILE.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+try:
+    from hypothesis import HealthCheck, settings
+
+    _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    settings.register_profile("ci", max_examples=25, derandomize=True, print_blob=True, **_common)
+    settings.register_profile("gpu", max_examples=200, derandomize=False, print_blob=True, **_common)
+    settings.register_profile("dev", max_examples=8, derandomize=True, **_common)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # pragma: no cover
+    pass
+
+
+def cuda_sm80() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "slow: slow on 2 CPU cores")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

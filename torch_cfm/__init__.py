@@ -1,0 +1,24 @@
+"""torch_cfm: fast, compile-ready flow-matching (CFM) DiT speech decoders.
+
+Importing the package loads the C++ extension (op schemas + CPU kernels), then registers the
+Python side of each op (fake kernels, autocast rules, CUDA kernels).
+"""
+
+from __future__ import annotations
+
+try:
+    from . import _C  # noqa: F401  (runs TORCH_LIBRARY registrations)
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "torch_cfm: the C++ extension torch_cfm._C is not built or does not match this torch "
+        f"({exc}). Rebuild in place: python -m pip install --no-build-isolation --no-deps -e ."
+    ) from exc
+
+from . import policy
+from .config import DiTConfig, SolverConfig
+from .explain import explain
+from .ops import cfm_attention
+
+__version__ = "0.1.0"
+
+__all__ = ["cfm_attention", "explain", "policy", "DiTConfig", "SolverConfig", "__version__"]
