@@ -6,6 +6,8 @@ Python side of each op (fake kernels, autocast rules, CUDA kernels).
 
 from __future__ import annotations
 
+import torch  # noqa: F401  (loads libtorch before the extension)
+
 try:
     from . import _C  # noqa: F401  (runs TORCH_LIBRARY registrations)
 except ImportError as exc:  # pragma: no cover - depends on the install
@@ -16,7 +18,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 from . import policy
 from .config import DiTConfig, SolverConfig
-from .explain import explain
+from .diagnostics import explain
 from .ops import cfm_attention
 
 __version__ = "0.1.0"

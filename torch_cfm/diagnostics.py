@@ -1,4 +1,4 @@
-"""``torch_cfm.explain()`` / ``python -m torch_cfm.explain``: what runs on this machine, and why.
+"""``torch_cfm.explain()`` / ``python -m torch_cfm``: what runs on this machine, and why.
 
 Prints versions, the device, the TF32 state, then for each op and dtype the decision of
 :func:`torch_cfm.policy.decide` with its reasons (the same function eager dispatch and the
@@ -80,6 +80,3 @@ def explain(model: Optional[torch.nn.Module] = None, example_inputs: Optional[Se
         print(text, file=file or sys.stdout)
     return text
 
-
-if __name__ == "__main__":
-    explain()
