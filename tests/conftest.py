@@ -41,6 +41,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Print how many hypothesis examples each property ran (counted by tests/strategies.py)."""
+    import sys
+
+    strategies = sys.modules.get("strategies")
+    counts = getattr(strategies, "CASES", None)
+    if not counts:
+        return
+    profile = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    terminalreporter.section(f"property cases tried (hypothesis profile {profile})")
+    for name, count in sorted(counts.items()):
+        terminalreporter.write_line(f"{name:48s} {count:6d}")
+    terminalreporter.write_line(f"{'total':48s} {sum(counts.values()):6d}")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

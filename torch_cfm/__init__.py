@@ -20,7 +20,9 @@ from . import policy
 from .config import DiTConfig, SolverConfig
 from .diagnostics import explain
 from .ops import cfm_attention
+from .models import CFMServer, DiT, StreamingCFM, load_checkpoint
 
 __version__ = "0.1.0"
 
-__all__ = ["cfm_attention", "explain", "policy", "DiTConfig", "SolverConfig", "__version__"]
+__all__ = ["cfm_attention", "explain", "policy", "DiTConfig", "SolverConfig", "__version__",
+           "DiT", "StreamingCFM", "CFMServer", "load_checkpoint"]

@@ -1,0 +1,201 @@
+"""Shared benchmark harness: CUDA-graph and eager timing, provenance, upserted JSON rows, tables.
+
+Used by ``bench/attention.py`` and the DiT-step benchmarks. Nothing here knows about an op.
+
+Timing (SPEC §7 "inside a CUDA graph"): the callable is warmed up on a side stream (compiles,
+allocator pools), then ``calls`` back-to-back calls are captured into one CUDA graph; each repeat
+replays the graph once between two CUDA events and yields µs per call. ``us_p20/p50/p80`` are
+percentiles over the repeats. Eager timing runs the same ``calls`` back to back without a graph
+(host launch overhead included). Rows are JSON objects upserted by their identity key
+(op, provider, variant, shape, dtype, precision, timing, gpu) into a JSON list file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import subprocess
+from typing import Callable, ContextManager, Iterable, Optional, Sequence
+
+import torch
+
+IDENTITY = ("op", "provider", "variant", "shape", "dtype", "precision", "timing", "gpu")
+ROW_FIELDS = ("op", "provider", "variant", "shape", "dtype", "precision", "timing", "us_p20", "us_p50",
+              "us_p80", "rel_err", "error", "gpu", "capability", "torch", "triton", "commit", "timestamp")
+
+
+def _percentiles(values: Sequence[float]) -> dict[str, float]:
+    xs = sorted(values)
+
+    def pct(p: float) -> float:
+        if not xs:
+            return float("nan")
+        pos = (len(xs) - 1) * p
+        lo, hi = math.floor(pos), math.ceil(pos)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return {"us_p20": round(pct(0.2), 3), "us_p50": round(pct(0.5), 3), "us_p80": round(pct(0.8), 3)}
+
+
+def _null_context() -> ContextManager:
+    return contextlib.nullcontext()
+
+
+def time_cuda_graph(fn: Callable[[], object], *, calls: int = 20, repeats: int = 30, warmup: int = 3,
+                    context: Callable[[], ContextManager] = _null_context) -> dict[str, float]:
+    """µs per call of ``fn`` replayed from one CUDA graph of ``calls`` calls (p20/p50/p80 over repeats).
+
+    ``context`` is entered around warm-up and capture (e.g. an SDPA backend selection).
+    """
+    with context():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    for _ in range(warmup):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(repeats):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000.0 / calls)
+    del graph
+    return _percentiles(samples)
+
+
+def time_eager(fn: Callable[[], object], *, calls: int = 20, repeats: int = 30, warmup: int = 3,
+               context: Callable[[], ContextManager] = _null_context) -> dict[str, float]:
+    """µs per call of ``calls`` back-to-back eager calls (host launch overhead included)."""
+    with context():
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        samples = []
+        for _ in range(repeats):
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1000.0 / calls)
+    return _percentiles(samples)
+
+
+def git_commit(repo: Optional[str] = None) -> str:
+    """``git rev-parse HEAD`` of the repository (``"unknown"`` without git or .git)."""
+    repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def env_info() -> dict[str, object]:
+    """Provenance fields of every row: gpu, capability, torch, triton, commit, timestamp."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover
+        triton_version = None
+    if torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name()
+        capability = list(torch.cuda.get_device_capability())
+    else:
+        gpu, capability = f"cpu ({platform.processor() or platform.machine()})", None
+    return {
+        "gpu": gpu,
+        "capability": capability,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "commit": git_commit(),
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def make_row(env: dict, **fields) -> dict:
+    """A result row with every ROW_FIELDS key (missing ones None) plus any extra fields."""
+    row = {k: None for k in ROW_FIELDS}
+    row.update(env)
+    row.update(fields)
+    row.setdefault("variant", "")
+    if row["variant"] is None:
+        row["variant"] = ""
+    return row
+
+
+def _identity(row: dict) -> str:
+    return json.dumps([row.get(k) for k in IDENTITY], sort_keys=True)
+
+
+def upsert_rows(path: str, rows: Iterable[dict]) -> list[dict]:
+    """Merge ``rows`` into the JSON list at ``path``, replacing rows with the same identity key."""
+    existing: list[dict] = []
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                existing = json.load(f)
+        except (OSError, ValueError):
+            existing = []
+    index = {_identity(r): i for i, r in enumerate(existing)}
+    for row in rows:
+        key = _identity(row)
+        if key in index:
+            existing[index[key]] = row
+        else:
+            index[key] = len(existing)
+            existing.append(row)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(existing, f, indent=1)
+    return existing
+
+
+def rel_err(out: torch.Tensor, ref64: torch.Tensor) -> float:
+    """Relative Frobenius error of ``out`` against a float64 reference."""
+    diff = (out.double() - ref64.double()).norm().item()
+    return diff / max(ref64.double().norm().item(), 1e-30)
+
+
+def markdown_table(rows: Sequence[dict], row_key: Callable[[dict], str], col_key: Callable[[dict], str],
+                   value: Callable[[dict], str], row_title: str = "", columns: Optional[Sequence[str]] = None) -> str:
+    """A markdown table: one line per distinct ``row_key``, one column per ``col_key``."""
+    row_names: list[str] = []
+    cols: list[str] = list(columns) if columns else []
+    cells: dict[tuple[str, str], str] = {}
+    for r in rows:
+        rk, ck = row_key(r), col_key(r)
+        if rk not in row_names:
+            row_names.append(rk)
+        if ck not in cols:
+            cols.append(ck)
+        cells[(rk, ck)] = value(r)
+    lines = ["| " + " | ".join([row_title] + cols) + " |", "|" + "---|" * (len(cols) + 1)]
+    for rk in row_names:
+        lines.append("| " + " | ".join([rk] + [cells.get((rk, c), "") for c in cols]) + " |")
+    return "\n".join(lines)
+
+
+def fmt_us(row: dict) -> str:
+    """Cell text: p50 µs, or a short error tag."""
+    if row.get("error"):
+        return "err"
+    p50 = row.get("us_p50")
+    return "" if p50 is None else f"{p50:.1f}"

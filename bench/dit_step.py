@@ -1,0 +1,428 @@
+"""Benchmark one DiT estimator step and the whole 10-step CFG chunk solve (SPEC §7, issue 4).
+
+op "dit_step", shape {N, T, L}: one estimator evaluation of a chunk of N rows (all rows full,
+T new frames, L cached frames), µs per call inside a CUDA graph (and eager), providers:
+
+    torch_cfm             the fused body op (packed weights, precomputed modulation table) —
+                          what every Euler step of the graph runner runs
+    torch_cfm/hook        variant "forward_chunk": DiT.forward_chunk(fused=True) (stages the input
+                          and computes the table per call)
+    reference_eager       DiT.forward_chunk(fused=False), eager
+    reference_graph       the same inside a CUDA graph
+    torch_compile_graph   torch.compile(mode="max-autotune-no-cudagraphs") of the reference step,
+                          inside a CUDA graph (slow to compile: skipped with --quick)
+
+op "cfm_solve_chunk", shape {B, N=2B, T, L}: the whole n-step CFG solve of a chunk:
+
+    torch_cfm             CFMGraphRunner: one graph replay per chunk
+    reference_eager       the reference module stepped in Python (CFG + Euler), eager
+    reference_graph       that whole loop captured in one CUDA graph
+
+Extra fields per row: ``kernels`` (CUDA kernels per step/solve, torch.profiler), ``floor_us`` (max
+of the compute floor at SPEC §7 ceilings and the weight+cache traffic floor), ``floor_frac``,
+``rel_err`` (velocity / mel vs a float64 run of the same module), ``arena_bytes`` and
+``graph_pool_bytes`` (solve rows).
+
+    python3 bench/dit_step.py --quick --out "$OUT"
+    python3 bench/dit_step.py                      # everything (fp16, bf16, fp32-tf32, fp32-ieee)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import sys
+import time
+import traceback
+from typing import Callable, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import (env_info, fmt_us, make_row, markdown_table, rel_err, time_cuda_graph,  # noqa: E402
+                      time_eager, upsert_rows)
+
+from torch_cfm import policy  # noqa: E402
+from torch_cfm.config import BODY_BENCH_SHAPES, DiTConfig, cosine_timesteps  # noqa: E402
+from torch_cfm.graphs import CFMGraphRunner  # noqa: E402
+from torch_cfm.models import random_dit  # noqa: E402
+from torch_cfm.ops.dit_body import _empty_outputs, check_dit_body, dit_body_fused_into, stage_input  # noqa: E402
+from torch_cfm.packing import modulation_table, packed_for  # noqa: E402
+
+DTYPES: dict[str, tuple[torch.dtype, Optional[str]]] = {
+    "fp16": (torch.float16, None),
+    "bf16": (torch.bfloat16, None),
+    "fp32-tf32": (torch.float32, "tf32"),
+    "fp32-ieee": (torch.float32, "ieee"),
+}
+PEAK_TFLOPS = {"fp16": 751.0, "bf16": 751.0, "fp32-tf32": 417.0, "fp32-ieee": 51.0}  # SPEC §7 ceilings
+COPY_TBS = 4.25
+PROVIDERS = ("torch_cfm", "torch_cfm/hook", "reference_eager", "reference_graph", "torch_compile_graph")
+QUICK_SHAPES = ((8, 50, 400), (32, 50, 400))
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DEVICE = "cuda"
+
+
+def floor_us(cfg: DiTConfig, n: int, t: int, l_len: int, dname: str, elem: int) -> float:
+    """max(compute floor, memory floor) of one step in µs (SPEC §7 ceilings)."""
+    c, hd, mlp = cfg.hidden, cfg.inner, cfg.mlp_hidden
+    per_token = 2 * (3 * c * hd + hd * c + 2 * 3 * c * c + 2 * c * mlp)
+    flops = cfg.depth * (n * t * per_token + 4 * n * cfg.heads * t * (t + l_len) * cfg.head_dim)
+    flops += 2 * n * t * (cfg.in_channels * c + c * cfg.out_channels)
+    weights = cfg.depth * (3 * c * hd + hd * c + 2 * 3 * c * c + 2 * c * mlp) * elem
+    cache = cfg.depth * n * cfg.heads * (l_len + (t + l_len)) * 2 * cfg.head_dim * elem
+    return max(flops / (PEAK_TFLOPS[dname] * 1e6), (weights + cache) / (COPY_TBS * 1e6))
+
+
+def count_kernels(fn: Callable[[], object]) -> Optional[int]:
+    """CUDA kernels launched by one call of ``fn`` (torch.profiler)."""
+    if DEVICE != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset")))
+
+
+def step_inputs(cfg: DiTConfig, n: int, t: int, l_len: int, dtype: torch.dtype, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float32).to(device=DEVICE, dtype=dtype)
+
+    return dict(x=r(n, 80, t), mu=r(n, 80, t), cond=r(n, 80, t), spks=r(n, 80),
+                t=torch.full((n,), 0.42, device=DEVICE), cnn=r(cfg.depth, n, 2 * cfg.hidden, 2),
+                att=r(cfg.depth, n, cfg.heads, l_len, 2 * cfg.head_dim))
+
+
+def tf32_ctx(dtype: torch.dtype, precision: Optional[str]):
+    if dtype == torch.float32 and DEVICE == "cuda":
+        return lambda: policy.tf32_scope(precision == "tf32")
+    return contextlib.nullcontext
+
+
+def step_providers(model, model_dtype, inp, dname, precision):
+    """(provider, variant, fn returning the velocity)."""
+    dtype = model_dtype
+    fns = []
+    packed = packed_for(model, dtype, torch.device(DEVICE))
+    x_in = stage_input(inp["x"], inp["mu"], inp["spks"], inp["cond"], dtype)
+    with tf32_ctx(dtype, precision)():
+        table = modulation_table(packed, inp["t"][:1])
+    s = check_dit_body(x_in, packed.body, table, inp["cnn"], inp["att"], None, None, precision or "auto")
+    outs = _empty_outputs(x_in, s)
+
+    def fused():
+        return dit_body_fused_into(x_in, packed.body, table, inp["cnn"], inp["att"], None, None, precision, outs)[0]
+
+    def hook():
+        return model.forward_chunk(inp["x"], inp["mu"], inp["t"], inp["spks"], inp["cond"], inp["cnn"], inp["att"],
+                                   fused=True)[0]
+
+    def ref():
+        return model.forward_chunk(inp["x"], inp["mu"], inp["t"], inp["spks"], inp["cond"], inp["cnn"], inp["att"],
+                                   fused=False)[0]
+
+    fns += [("torch_cfm", "", fused), ("torch_cfm", "forward_chunk", hook), ("reference_eager", "", ref),
+            ("reference_graph", "", ref)]
+    return fns
+
+
+def run_steps(cfg, shapes, dnames, providers, args, env) -> list[dict]:
+    rows = []
+    base = random_dit(cfg, seed=0)
+    for n, t, l_len in shapes:
+        ref64 = None
+        if DEVICE == "cuda":
+            try:
+                m64 = random_dit(cfg, seed=0).to(device=DEVICE, dtype=torch.float64)
+                i64 = step_inputs(cfg, n, t, l_len, torch.float64)
+                with torch.no_grad():
+                    ref64 = m64.forward_chunk(i64["x"], i64["mu"], i64["t"], i64["spks"], i64["cond"], i64["cnn"],
+                                              i64["att"], fused=False)[0]
+                del m64
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+        for dname in dnames:
+            dtype, precision = DTYPES[dname]
+            model = random_dit(cfg, seed=0).to(device=DEVICE, dtype=dtype)
+            model.load_state_dict(base.state_dict())
+            inp = step_inputs(cfg, n, t, l_len, dtype)
+            ctx = tf32_ctx(dtype, precision)
+            shape = {"N": n, "T": t, "L": l_len}
+            fl = floor_us(cfg, n, t, l_len, dname, torch.finfo(dtype).bits // 8)
+            fns = [f for f in step_providers(model, dtype, inp, dname, precision)
+                   if (f[0] if not f[1] else f"{f[0]}/hook") in providers]
+            if "torch_compile_graph" in providers and not args.quick:
+                fns.append(("torch_compile_graph", "", compile_step(model, inp)))
+            for prov, variant, fn in fns:
+                timing = "eager" if prov == "reference_eager" else "cuda_graph"
+                row = dict(op="dit_step", provider=prov, variant=variant, shape=shape, dtype=dname.split("-")[0],
+                           precision=precision, timing=timing, floor_us=round(fl, 2))
+                try:
+                    with torch.no_grad():
+                        with ctx():
+                            out = fn()
+                        if ref64 is not None:
+                            row["rel_err"] = rel_err(out.float(), ref64)
+                        timer = time_eager if timing == "eager" else time_cuda_graph
+                        row.update(timer(lambda: fn(), calls=args.calls, repeats=args.repeats, context=ctx))
+                        if prov == "torch_cfm" and not variant or prov == "reference_eager":
+                            with ctx():
+                                row["kernels"] = count_kernels(fn)
+                    if row.get("us_p50"):
+                        row["floor_frac"] = round(fl / row["us_p50"], 4)
+                except Exception as exc:  # noqa: BLE001
+                    traceback.print_exc()
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                rows.append(make_row(env, **row))
+                print(f"dit_step {shape} {dname} {prov}{('/' + variant) if variant else ''}: "
+                      f"p50 {row.get('us_p50')} us, rel_err {row.get('rel_err')}, kernels {row.get('kernels')}",
+                      flush=True)
+            del model
+            torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    return rows
+
+
+def compile_step(model, inp):
+    def step(x, mu, t, spks, cond, cnn, att):
+        return model.forward_chunk(x, mu, t, spks, cond, cnn, att, fused=False)[0]
+
+    compiled = torch.compile(step, mode="max-autotune-no-cudagraphs", fullgraph=False)
+    args = (inp["x"], inp["mu"], inp["t"], inp["spks"], inp["cond"], inp["cnn"], inp["att"])
+    return lambda: compiled(*args)
+
+
+# --------------------------------------------------------------------------------------------
+# whole chunk solve
+# --------------------------------------------------------------------------------------------
+
+def reference_solve(model, mu2, spks2, cond2, x0, cnn, att, n_steps, cfg_rate=0.7):
+    """The reference module stepped in Python: 2B rows, CFG, Euler in float32. Returns mel."""
+    ts = [float(v) for v in cosine_timesteps(n_steps, torch.float64)]
+    b = x0.shape[0]
+    x = x0.float()
+    dtype = mu2.dtype
+    for i in range(n_steps):
+        xi = x.to(dtype).repeat(2, 1, 1)
+        tt = torch.full((2 * b,), ts[i], device=x.device)
+        v = model.forward_chunk(xi, mu2, tt, spks2, cond2, cnn[i], att[i], fused=False)[0]
+        x = x + (ts[i + 1] - ts[i]) * ((1 + cfg_rate) * v[:b].float() - cfg_rate * v[b:].float())
+    return x
+
+
+def run_solve(cfg, b, t, l_len, dnames, args, env, n_steps=10) -> list[dict]:
+    rows = []
+    base = random_dit(cfg, seed=0)
+    g = torch.Generator().manual_seed(1)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    mu, cond, spks, x0 = r(b, 80, t), r(b, 80, t), r(b, 80), r(b, 80, t)
+    att = r(n_steps, cfg.depth, 2 * b, cfg.heads, l_len, 2 * cfg.head_dim)
+    cnn = r(n_steps, cfg.depth, 2 * b, 2 * cfg.hidden, 2)
+
+    def rows2(dtype):
+        z = torch.zeros_like
+        d = lambda v: v.to(device=DEVICE, dtype=dtype)  # noqa: E731
+        return (d(torch.cat([mu, z(mu)])), d(torch.cat([spks, z(spks)])), d(torch.cat([cond, z(cond)])),
+                d(x0), d(cnn), d(att))
+
+    mel64 = None
+    if DEVICE == "cuda":
+        try:
+            m64 = random_dit(cfg, seed=0).to(device=DEVICE, dtype=torch.float64)
+            with torch.no_grad():
+                mel64 = reference_solve(m64, *rows2(torch.float64), n_steps)
+            del m64
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+    shape = {"B": b, "N": 2 * b, "T": t, "L": l_len}
+    for dname in dnames:
+        dtype, precision = DTYPES[dname]
+        model = random_dit(cfg, seed=0).to(device=DEVICE, dtype=dtype)
+        model.load_state_dict(base.state_dict())
+        ctx = tf32_ctx(dtype, precision)
+        fl = n_steps * floor_us(cfg, 2 * b, t, l_len, dname, torch.finfo(dtype).bits // 8)
+        mu2, spks2, cond2, x0d, cnnd, attd = rows2(dtype)
+        runner = CFMGraphRunner(model, dtype=dtype, device=DEVICE, n_timesteps=n_steps, precision=precision,
+                                batch_buckets=(b,), chunk_buckets=(t,), cache_buckets=(l_len,))
+        common = dict(op="cfm_solve_chunk", shape=shape, dtype=dname.split("-")[0], precision=precision,
+                      floor_us=round(fl, 2))
+        # torch_cfm: graph replay of the runner
+        row = dict(common, provider="torch_cfm", variant="", timing="cuda_graph")
+        try:
+            with torch.no_grad():
+                mem0 = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+                mel, _, _ = runner.solve(mu2[:b], spks2[:b], cond2[:b], x0d.float(), attd, cnnd)
+                ent = runner.entry((b, t, l_len))
+                row["arena_bytes"] = ent.bufs.arena_bytes()
+                row["buffers_bytes"] = ent.bufs.nbytes()
+                row["graph_pool_bytes"] = ent.pool_bytes
+                row["captured"] = ent.graph is not None
+                row["capture_error"] = ent.failed
+                if DEVICE == "cuda":
+                    row["allocated_delta_bytes"] = torch.cuda.memory_allocated() - mem0
+                if mel64 is not None:
+                    row["rel_err"] = rel_err(mel.float(), mel64)
+                row.update(time_replay(lambda: runner.run(ent), args))
+                row["kernels"] = count_kernels(lambda: runner.run_eager(ent.bufs))
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        rows.append(make_row(env, **row))
+        print(f"solve {shape} {dname} torch_cfm: p50 {row.get('us_p50')} us, rel_err {row.get('rel_err')}, "
+              f"arena {row.get('arena_bytes')}, pool {row.get('graph_pool_bytes')}", flush=True)
+        del runner
+
+        def ref():
+            return reference_solve(model, mu2, spks2, cond2, x0d, cnnd, attd, n_steps)
+
+        for prov, timing in (("reference_eager", "eager"), ("reference_graph", "cuda_graph")):
+            row = dict(common, provider=prov, variant="", timing=timing)
+            try:
+                with torch.no_grad():
+                    with ctx():
+                        out = ref()
+                    if mel64 is not None:
+                        row["rel_err"] = rel_err(out.float(), mel64)
+                    timer = time_eager if timing == "eager" else time_cuda_graph
+                    row.update(timer(ref, calls=1, repeats=max(3, args.repeats // 3), context=ctx))
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            rows.append(make_row(env, **row))
+            print(f"solve {shape} {dname} {prov}: p50 {row.get('us_p50')} us, rel_err {row.get('rel_err')}", flush=True)
+        del model
+        torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    for row in rows:
+        if row.get("us_p50"):
+            row["floor_frac"] = round(row["floor_us"] / row["us_p50"], 4)
+    return rows
+
+
+def time_replay(fn, args) -> dict:
+    """µs of one call of ``fn`` (itself a graph replay), p20/p50/p80 over repeats."""
+    if DEVICE != "cuda":
+        fn()
+        return {"us_p20": 0.0, "us_p50": 0.0, "us_p80": 0.0}
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    xs = []
+    for _ in range(max(5, args.repeats)):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        xs.append(start.elapsed_time(end) * 1000.0)
+    xs.sort()
+    pick = lambda p: xs[int(round((len(xs) - 1) * p))]  # noqa: E731
+    return {"us_p20": round(pick(0.2), 3), "us_p50": round(pick(0.5), 3), "us_p80": round(pick(0.8), 3)}
+
+
+def write_table(rows: list[dict], out_dir: str, command: str) -> str:
+    def row_key(r):
+        s = r["shape"]
+        prec = f"-{r['precision']}" if r["precision"] else ""
+        return f"{r['op']} {','.join(str(v) for v in s.values())} {r['dtype']}{prec}"
+
+    def col_key(r):
+        return r["provider"] + (f" ({r['variant']})" if r["variant"] else "") + (" eager" if r["timing"] == "eager" else "")
+
+    def cell(r):
+        if r.get("error"):
+            return "err"
+        p50 = r.get("us_p50")
+        return "" if p50 is None else f"{p50 / 1000:.3f}"
+
+    text = ("# DiT step / chunk solve, ms (p50; CUDA graph unless 'eager')\n\n"
+            + markdown_table(rows, row_key, col_key, cell, row_title="op shape dtype") + "\n")
+    extra = ["| row | kernels | floor ms | floor frac | rel_err vs fp64 | arena MiB | graph pool MiB |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["provider"] == "torch_cfm" and not r.get("variant"):
+            mib = lambda v: "" if v is None else f"{v / 2**20:.1f}"  # noqa: E731
+            extra.append(f"| {row_key(r)} | {r.get('kernels')} | {r.get('floor_us', 0) / 1000:.3f} | "
+                         f"{r.get('floor_frac')} | {r.get('rel_err')} | {mib(r.get('arena_bytes'))} | "
+                         f"{mib(r.get('graph_pool_bytes'))} |")
+    text += "\n## torch_cfm details\n\n" + "\n".join(extra) + "\n"
+    env = rows[0] if rows else {}
+    text += (f"\nGPU {env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, commit "
+             f"{env.get('commit')}, {env.get('timestamp')}.\n\nReproduce: `{command}`\n")
+    with open(os.path.join(out_dir, "dit_step.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def _enable_dry_run() -> None:
+    global DEVICE, time_cuda_graph, time_eager
+    DEVICE = "cpu"
+
+    def one_call(fn, *, calls=1, repeats=1, warmup=0, context=contextlib.nullcontext):
+        with context():
+            fn()
+        return {"us_p20": 0.0, "us_p50": 0.0, "us_p80": 0.0}
+
+    time_cuda_graph = time_eager = one_call
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 shapes, fp16 + fp32-tf32, no torch.compile")
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--shapes", default=None, help="N,T,L;N,T,L... (default SPEC §7 body shapes)")
+    ap.add_argument("--dtypes", default=None, help=f"comma list of {tuple(DTYPES)}")
+    ap.add_argument("--providers", default=None, help=f"comma list of {PROVIDERS}")
+    ap.add_argument("--solve-dtypes", default=None, help="dtypes of the chunk-solve rows (default = --dtypes)")
+    ap.add_argument("--no-solve", action="store_true")
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--dry-run", action="store_true", help="CPU smoke test (TRITON_INTERPRET=1, tiny model)")
+    args = ap.parse_args(argv)
+    cfg = DiTConfig()
+    if args.dry_run:
+        _enable_dry_run()
+        cfg = DiTConfig(hidden=64, depth=2, heads=4, head_dim=16)
+    elif not torch.cuda.is_available():
+        print("bench/dit_step.py needs a CUDA device")
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    shapes = BODY_BENCH_SHAPES
+    dnames = list(DTYPES)
+    providers = list(PROVIDERS)
+    if args.quick:
+        shapes, dnames = QUICK_SHAPES, ["fp16", "fp32-tf32"]
+        providers = [p for p in providers if p != "torch_compile_graph"]
+    if args.dry_run:
+        shapes = ((2, 5, 4),)
+    if args.shapes:
+        shapes = tuple(tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";"))
+    if args.dtypes:
+        dnames = args.dtypes.split(",")
+    if args.providers:
+        providers = args.providers.split(",")
+    env = env_info()
+    command = "python3 " + shlex.join([os.path.relpath(__file__)] + list(argv if argv is not None else sys.argv[1:]))
+    t0 = time.time()
+    rows = run_steps(cfg, shapes, dnames, providers, args, env)
+    if not args.no_solve:
+        sdn = args.solve_dtypes.split(",") if args.solve_dtypes else dnames
+        b, t, l_len = (1, 5, 4) if args.dry_run else (4, 50, 400)
+        rows += run_solve(cfg, b, t, l_len, sdn, args, env, n_steps=2 if args.dry_run else 10)
+    all_rows = upsert_rows(os.path.join(args.out, "dit_step.json"), rows)
+    print(write_table(rows, args.out, command))
+    print(f"{len(rows)} rows in {time.time() - t0:.0f} s; {len(all_rows)} rows in {args.out}/dit_step.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One full GPU session (run on the H200 through the device tool, from the repo root):
+#   build in place, explain, the whole test suite with CUDA (GPU-marked tests included,
+#   hypothesis "gpu" profile), the compute-sanitizer check, then the benchmarks.
+# Everything lands under $OUT (default ./device_out): run.log, explain.txt, *.json, *.md.
+# Usage: bash bench/run_device.sh [--quick] [--tests-only] [--bench-only]
+set -uo pipefail
+OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+QUICK=""; TESTS=1; BENCH=1
+for a in "$@"; do
+  case "$a" in
+    --quick) QUICK="--quick" ;;
+    --tests-only) BENCH=0 ;;
+    --bench-only) TESTS=0 ;;
+  esac
+done
+log="$OUT/run.log"
+{
+  echo "== build"; date -u
+  python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exit 1; }
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -m torch_cfm | tee "$OUT/explain.txt"
+  if [ "$TESTS" = 1 ]; then
+    echo "== tests"; date -u
+    HYPOTHESIS_PROFILE=gpu timeout 420 python3 -m pytest -q -x -p no:cacheprovider -n 6 2>&1 | tail -60
+    if command -v compute-sanitizer >/dev/null && [ -f tests/gpu_memcheck.py ]; then
+      echo "== compute-sanitizer memcheck"; date -u
+      timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/gpu_memcheck.py 2>&1 | tail -15
+      echo "memcheck exit: ${PIPESTATUS[0]}"
+    fi
+  fi
+  if [ "$BENCH" = 1 ]; then
+    echo "== bench attention"; date -u
+    python3 bench/attention.py $QUICK --out "$OUT" 2>&1 | tail -60
+    if [ -f bench/dit_step.py ]; then
+      echo "== bench dit_step"; date -u
+      python3 bench/dit_step.py $QUICK --out "$OUT" 2>&1 | tail -80
+    fi
+  fi
+  echo "== done"; date -u
+} 2>&1 | tee "$log"

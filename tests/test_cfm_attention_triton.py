@@ -1,0 +1,322 @@
+"""The Triton kernel of cfm_attention itself: CPU interpreter cases (CI) and CUDA cases (gpu marker).
+
+Interpreter cases: Triton reads ``TRITON_INTERPRET`` when a kernel is *decorated* (module import),
+so setting it inside this pytest process would either come too late (the kernel module already
+imported) or leak into every Triton kernel imported afterwards (GPU runs of other tests). The
+cases therefore run in one child process started with ``TRITON_INTERPRET=1``: the parent draws the
+inputs (seeded), the child builds the strided views, poisons ``out`` with NaN, calls the launcher
+and saves the outputs; the parent checks them against the SPEC §6 oracle.
+
+Same-dtype reference (SPEC §6, the FlashAttention idiom): ``cfm_attention_reference`` with
+``compute_dtype`` = the input dtype, i.e. for fp16 every matmul and the softmax run in fp16. It is
+"plain PyTorch math in the same dtype"; the kernel (fp32 accumulation and softmax, P rounded to
+fp16 for the second dot) must land within twice its error. For fp32 the reference computes in
+fp32 and SPEC's IEEE bound (1e-5 relative) is checked as well. The interpreter ignores
+``input_precision``, so TF32 and bf16 are covered by the gpu-marked cases only (SPEC §8).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import zlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import pytest
+import torch
+
+from oracle import IEEE_REL_BOUND, TF32_REL_BOUND, assert_within_oracle, err_rel_fro, naive_attention64
+from torch_cfm.reference.cfm_attention import cfm_attention_reference
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One launcher call. ``config`` = (block_q, block_k, splits) or None for choose_config."""
+
+    name: str
+    dtype: torch.dtype
+    n: int
+    h: int
+    q: int
+    k: int
+    d: int
+    lengths: Optional[tuple[int, ...]] = None
+    mask: Optional[str] = None  # None | "random" | "expanded" (a (Q, K) mask expanded to (N, Q, K))
+    kv_interleaved: bool = False  # k, v = cache[..., :D], cache[..., D:] of an (R, H, K, 2D) cache
+    q_transposed: bool = False  # q = (N, Q, H, D) buffer viewed as (N, H, Q, D)
+    kv_rows: Optional[tuple[int, ...]] = None  # pool rows (R = pool) incl. out-of-range values
+    pool: int = 0
+    precision: Optional[str] = None  # fp32: "ieee" | "tf32"
+    config: Optional[tuple[int, int, int]] = None
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+
+F32, F16 = torch.float32, torch.float16
+_B = 16  # BLOCK_K of the explicit configs below: lengths straddle its multiples
+_EDGE = (0, 1, _B - 1, _B, _B + 1, 2 * _B + 1, 3 * _B - 1, 40)
+
+CASES: list[Case] = []
+for _dt in (F32, F16):
+    _p = "ieee" if _dt == F32 else None
+    _t = "f32" if _dt == F32 else "f16"
+    CASES += [
+        Case(f"{_t}-edge-lengths-nosplit", _dt, 8, 2, 5, 40, 16, _EDGE, precision=_p, config=(16, _B, 1)),
+        Case(f"{_t}-edge-lengths-split3", _dt, 8, 2, 5, 40, 16, _EDGE, precision=_p, config=(16, _B, 3)),
+        Case(f"{_t}-q1-split2", _dt, 3, 2, 1, 37, 32, (37, 20, 5), precision=_p, config=(16, _B, 2)),
+        Case(f"{_t}-k0", _dt, 2, 2, 3, 0, 16, (0, 4), precision=_p, config=(16, _B, 1)),
+        Case(f"{_t}-k0-nolengths", _dt, 2, 2, 3, 0, 16, precision=_p),
+        Case(f"{_t}-interleaved-transposed-split2", _dt, 2, 2, 20, 50, 32, (50, 23),
+             kv_interleaved=True, q_transposed=True, precision=_p, config=(16, _B, 2)),
+        Case(f"{_t}-expanded-mask-and-lengths", _dt, 3, 2, 6, 33, 16, (33, 17, 2), mask="expanded",
+             precision=_p, config=(16, _B, 2)),
+        Case(f"{_t}-random-mask-nolengths", _dt, 2, 2, 7, 30, 16, mask="random", precision=_p,
+             config=(16, _B, 1)),
+        Case(f"{_t}-pool-rows-clamped", _dt, 4, 2, 5, 24, 16, (24, 9, -3, 1000), kv_interleaved=True,
+             kv_rows=(4, 7, 0, -2), pool=5, precision=_p, config=(16, _B, 2)),
+        Case(f"{_t}-pool-rows-mask", _dt, 3, 2, 4, 21, 16, (21, 16, 3), mask="random",
+             kv_rows=(2, 2, 0), pool=3, precision=_p, config=(16, _B, 1)),
+    ]
+    for _d in (16, 32, 64, 128):  # each head dim through the default heuristic
+        CASES.append(Case(f"{_t}-d{_d}-default-config", _dt, 2, 2, 9, 70, _d, (70, 31), precision=_p))
+CASES.append(Case("f32-tf32-flag-interpreter", F32, 2, 2, 4, 20, 16, (20, 7), precision="tf32",
+                  config=(16, _B, 1)))
+
+
+def _gen(case: Case) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(case.name.encode()))
+
+
+def make_base(case: Case) -> dict[str, torch.Tensor]:
+    """Contiguous base tensors of a case (fresh random values, never zeros)."""
+    g = _gen(case)
+    rows = case.pool if case.kv_rows is not None else case.n
+    base: dict[str, torch.Tensor] = {}
+    q_shape = (case.n, case.q, case.h, case.d) if case.q_transposed else (case.n, case.h, case.q, case.d)
+    base["q"] = torch.randn(q_shape, generator=g).to(case.dtype)
+    if case.kv_interleaved:
+        base["kv"] = torch.randn(rows, case.h, case.k, 2 * case.d, generator=g).to(case.dtype)
+    else:
+        base["k"] = torch.randn(rows, case.h, case.k, case.d, generator=g).to(case.dtype)
+        base["v"] = torch.randn(rows, case.h, case.k, case.d, generator=g).to(case.dtype)
+    if case.lengths is not None:
+        base["key_lengths"] = torch.tensor(case.lengths, dtype=torch.int32)
+    if case.kv_rows is not None:
+        base["kv_rows"] = torch.tensor(case.kv_rows, dtype=torch.int32)
+    if case.mask == "random":
+        base["mask"] = torch.rand(case.n, case.q, case.k, generator=g) > 0.4
+        if case.q > 1 and case.k > 0:
+            base["mask"][0, 1] = False  # one query with no valid key at all
+    elif case.mask == "expanded":
+        m = torch.rand(case.q, case.k, generator=g) > 0.3
+        m[-1] = False  # last query sees nothing in every row
+        base["mask"] = m
+    return base
+
+
+def make_views(case: Case, base: dict[str, torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
+    """The launcher's arguments: strided views of the base tensors, as the case asks."""
+    q = base["q"].transpose(1, 2) if case.q_transposed else base["q"]
+    if case.kv_interleaved:
+        k, v = base["kv"][..., : case.d], base["kv"][..., case.d:]
+    else:
+        k, v = base["k"], base["v"]
+    mask = base.get("mask")
+    if case.mask == "expanded":
+        mask = mask.expand(case.n, case.q, case.k)
+    return dict(q=q, k=k, v=v, key_lengths=base.get("key_lengths"), mask=mask, kv_rows=base.get("kv_rows"))
+
+
+def _run_child(in_path: str, out_path: str) -> None:
+    """Child process body (TRITON_INTERPRET=1): run every case, save outputs or error strings."""
+    import traceback
+
+    from torch_cfm.kernels.cfm_attention import AttentionConfig, cfm_attention_triton
+
+    bases = torch.load(in_path)
+    results: dict[str, object] = {}
+    for case in CASES:
+        try:
+            a = make_views(case, bases[case.name])
+            if case.mask == "expanded":
+                assert a["mask"].stride()[0] == 0, "expanded mask lost its stride 0"
+            if case.q_transposed:
+                assert not a["q"].is_contiguous()
+            out = torch.full((case.n, case.q, case.h, case.d), float("nan"), dtype=case.dtype).transpose(1, 2)
+            cfg = None if case.config is None else AttentionConfig(*case.config)
+            res = cfm_attention_triton(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], a["kv_rows"],
+                                       case.precision, out, config=cfg)
+            assert res is out, "launcher must return the out it was given"
+            results[case.name] = out.clone()
+        except Exception:  # reported per case by the parent
+            results[case.name] = traceback.format_exc()
+    torch.save(results, out_path)
+
+
+@pytest.fixture(scope="module")
+def interpreter_outputs(tmp_path_factory) -> dict[str, object]:
+    tmp = tmp_path_factory.mktemp("triton_interp")
+    in_path, out_path = str(tmp / "inputs.pt"), str(tmp / "outputs.pt")
+    torch.save({c.name: make_base(c) for c in CASES}, in_path)
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([_HERE, _ROOT, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", in_path, out_path],
+                          env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"interpreter child failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return torch.load(out_path)
+
+
+def _check(case: Case, out: torch.Tensor, args: dict) -> None:
+    ref64 = naive_attention64(args["q"], args["k"], args["v"], args["key_lengths"], args["mask"], args["kv_rows"])
+    same = cfm_attention_reference(args["q"], args["k"], args["v"], args["key_lengths"], args["mask"],
+                                   args["kv_rows"], compute_dtype=case.dtype)
+    assert out.dtype == case.dtype
+    assert torch.isfinite(out).all(), f"{case.name}: NaN/inf in output (poison not overwritten?)"
+    assert_within_oracle(out, same, ref64, case.name)
+    if case.dtype == torch.float32 and case.precision == "ieee":
+        assert err_rel_fro(out, ref64) <= IEEE_REL_BOUND
+    # queries with no valid key are exactly 0
+    empty = ref64.abs().amax(dim=-1) == 0
+    assert (out.double().abs().amax(dim=-1)[empty] == 0).all(), f"{case.name}: empty query not exactly 0"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_interpreter_matches_oracle(case: Case, interpreter_outputs) -> None:
+    res = interpreter_outputs[case.name]
+    if isinstance(res, str):
+        pytest.fail(f"{case.name} raised in the interpreter:\n{res}")
+    _check(case, res, make_views(case, make_base(case)))
+
+
+def test_cases_cover_edges() -> None:
+    """The case list keeps its coverage promises (a guard against silent pruning)."""
+    assert {c.d for c in CASES} == {16, 32, 64, 128}
+    assert {0, 1, _B - 1, _B, _B + 1} <= {x for c in CASES if c.lengths for x in c.lengths}
+    assert any(c.k == 0 for c in CASES) and any(c.q == 1 for c in CASES)
+    assert any(c.kv_interleaved and c.q_transposed for c in CASES)
+    assert any(c.mask == "expanded" and c.lengths for c in CASES)
+    assert any(c.kv_rows and (max(c.kv_rows) >= c.pool or min(c.kv_rows) < 0) for c in CASES)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA (H200): every dtype/precision, the default heuristic at the bench shapes, explicit
+# split/no-split variants, graph capture and sync-freedom.
+
+_GPU_DTYPES = [(torch.float16, None), (torch.bfloat16, None), (torch.float32, "tf32"), (torch.float32, "ieee")]
+
+
+def _gpu_inputs(n, h, q_len, k_len, d, dtype, *, seed=0, mask=False, pool=0, lengths_zero=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = pool or n
+    q = torch.randn(n, q_len, h, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+    cache = torch.randn(rows, h, k_len, 2 * d, device="cuda", dtype=dtype, generator=g)
+    lengths = torch.randint(k_len // 2, k_len + 1, (n,), device="cuda", dtype=torch.int32, generator=g)
+    if lengths_zero and n > 1:
+        lengths[1] = 0
+    m = (torch.rand(n, q_len, k_len, device="cuda", generator=g) > 0.2) if mask else None
+    rows_t = (torch.randint(0, rows, (n,), device="cuda", dtype=torch.int32, generator=g) if pool else None)
+    return dict(q=q, k=cache[..., :d], v=cache[..., d:], key_lengths=lengths, mask=m, kv_rows=rows_t)
+
+
+def _gpu_check(a, dtype, precision, config=None):
+    from torch_cfm.kernels.cfm_attention import cfm_attention_triton
+
+    n, h, q_len, d = a["q"].shape
+    out = torch.full((n, q_len, h, d), float("nan"), device="cuda", dtype=dtype).transpose(1, 2)
+    cfm_attention_triton(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], a["kv_rows"], precision, out,
+                         config=config)
+    torch.cuda.synchronize()
+    cpu = {k: (v.cpu() if v is not None else None) for k, v in a.items()}
+    ref64 = naive_attention64(cpu["q"], cpu["k"], cpu["v"], cpu["key_lengths"], cpu["mask"], cpu["kv_rows"])
+    out_c = out.cpu()
+    assert torch.isfinite(out_c).all()
+    rel = err_rel_fro(out_c, ref64)
+    if dtype == torch.float32:
+        assert rel <= (IEEE_REL_BOUND if precision == "ieee" else TF32_REL_BOUND), rel
+        if precision == "ieee":
+            same = cfm_attention_reference(cpu["q"], cpu["k"], cpu["v"], cpu["key_lengths"], cpu["mask"],
+                                           cpu["kv_rows"], compute_dtype=torch.float32)
+            assert_within_oracle(out_c, same, ref64)
+    else:
+        same = cfm_attention_reference(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], a["kv_rows"],
+                                       compute_dtype=dtype).cpu()
+        assert_within_oracle(out_c, same, ref64)
+    empty = ref64.abs().amax(dim=-1) == 0
+    assert (out_c.double().abs().amax(dim=-1)[empty] == 0).all()
+    return rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision", _GPU_DTYPES, ids=["f16", "bf16", "f32-tf32", "f32-ieee"])
+@pytest.mark.parametrize("shape", [(2, 8, 50, 450), (8, 8, 50, 450), (16, 8, 150, 524), (2, 2, 300, 300)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_gpu_default_config(dtype, precision, shape):
+    n, h, q_len, k_len = shape
+    _gpu_check(_gpu_inputs(n, h, q_len, k_len, 64, dtype), dtype, precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision", _GPU_DTYPES, ids=["f16", "bf16", "f32-tf32", "f32-ieee"])
+@pytest.mark.parametrize("config", [(16, 64, 1), (32, 32, 3), (64, 64, 4), (16, 128, 2), (64, 32, 8)],
+                         ids=lambda c: "q%d_k%d_s%d" % c)
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_gpu_variants(dtype, precision, config, d):
+    from torch_cfm.kernels.cfm_attention import AttentionConfig
+
+    if dtype == torch.float32 and d * config[1] >= 128 * 128:
+        pytest.skip("fp32 K/V tiles of 128x128 exceed shared memory (choose_config never picks them)")
+    a = _gpu_inputs(3, 2, 37, 300, d, dtype, mask=True, pool=5, seed=d)
+    _gpu_check(a, dtype, precision, AttentionConfig(*config))
+
+
+@pytest.mark.gpu
+def test_gpu_graph_replay_matches_eager():
+    from torch_cfm.kernels.cfm_attention import cfm_attention_triton
+
+    a = _gpu_inputs(8, 8, 50, 450, 64, torch.float16)
+    out = torch.empty(8, 50, 8, 64, device="cuda", dtype=torch.float16).transpose(1, 2)
+    args = (a["q"], a["k"], a["v"], a["key_lengths"], None, None, None, out)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cfm_attention_triton(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cfm_attention_triton(*args)
+    b = _gpu_inputs(8, 8, 50, 450, 64, torch.float16, seed=7)
+    for name in ("q", "k", "v", "key_lengths"):
+        a[name].copy_(b[name])
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = torch.empty_like(out)
+    cfm_attention_triton(a["q"], a["k"], a["v"], a["key_lengths"], None, None, None, fresh)
+    assert torch.equal(out, fresh)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision", _GPU_DTYPES[:1] + _GPU_DTYPES[2:3], ids=["f16", "f32-tf32"])
+def test_gpu_no_host_sync(dtype, precision):
+    from torch_cfm.kernels.cfm_attention import cfm_attention_triton
+
+    a = _gpu_inputs(8, 8, 50, 450, 64, dtype, mask=True)
+    out = torch.empty(8, 50, 8, 64, device="cuda", dtype=dtype).transpose(1, 2)
+    cfm_attention_triton(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], None, precision, out)  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cfm_attention_triton(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], None, precision, out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--child":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run the child with TRITON_INTERPRET=1")
+    _run_child(sys.argv[2], sys.argv[3])

@@ -1,0 +1,390 @@
+"""The fused DiT body (``torch_cfm::dit_body``): reference math, op contract, Triton path, GPU oracle.
+
+* CPU: the op's CPU kernel (reference math on packed weights) against the independent SPEC
+  oracle ``tests/dit_oracle.py`` in float64 (ragged rows, every cache); fp32 against the
+  SPEC §6 oracle with the model's reference path as the same-dtype reference; padded row ==
+  solo row; autocast; packing/repacking; ValueErrors; fake metadata; opcheck.
+* Triton interpreter (child process, ``TRITON_INTERPRET=1``): the fused driver in fp32/fp16 on
+  tiny shapes against the fp64 reference (SPEC §6), incl. no caches, T_n = 0, L = 0, T = 1.
+* GPU (``gpu`` marker, H200): fused vs the model's reference path for fp16 / bf16 / fp32-tf32 /
+  fp32-ieee with ragged rows at the shipped widths (C=512, H=8, D=64; 4 blocks), outputs and
+  every cache; the model hook; sync-debug mode.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dit_oracle as O
+from oracle import IEEE_REL_BOUND, assert_within_oracle, err_rel_fro
+from torch_cfm.config import DiTConfig
+from torch_cfm.models import random_dit
+from torch_cfm.ops.dit_body import check_dit_body, dit_body, dit_forward_chunk_fused, stage_input
+from torch_cfm.packing import clear_packed, modulation_table, pack_dit, packed_for
+from torch_cfm.reference.dit_body import dit_body_reference
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+TINY = DiTConfig(hidden=64, depth=2, heads=4, head_dim=16)
+
+
+def make_inputs(cfg: DiTConfig, n: int, t: int, l_len: int, dtype=torch.float32, seed: int = 0,
+                valid=None, cached=None, device="cpu"):
+    """Seeded chunk inputs (x, mu, t, spks, cond, cnn, att, valid, cached); caches of scale ~1."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+
+    x, mu, cond = r(n, 80, t), r(n, 80, t), r(n, 80, t)
+    spks = r(n, 80)
+    cnn = r(cfg.depth, n, 2 * cfg.hidden, 2)
+    att = r(cfg.depth, n, cfg.heads, l_len, 2 * cfg.head_dim) if l_len else None
+    tt = torch.full((n,), 0.37, dtype=torch.float64, device=device)
+    v = None if valid is None else torch.tensor(valid, dtype=torch.int32, device=device)
+    c = None if cached is None else torch.tensor(cached, dtype=torch.int32, device=device)
+    return x, mu, tt, spks, cond, cnn, att, v, c
+
+
+def valid_parts(vel, cnn, att, valid, cached, t, l_len):
+    """Concatenate, per row, the valid velocity frames, the conv cache and the valid att frames."""
+    n = vel.shape[0]
+    vs, cs, as_ = [], [], []
+    for i in range(n):
+        tn = t if valid is None else int(valid[i])
+        ln = l_len if cached is None else int(cached[i])
+        vs.append(vel[i, :, :tn].reshape(-1))
+        cs.append(cnn[:, i].reshape(-1))
+        as_.append(att[:, i, :, :tn + ln].reshape(-1))
+    return torch.cat(vs), torch.cat(cs), torch.cat(as_)
+
+
+def oracle64(model, inputs):
+    x, mu, tt, spks, cond, cnn, att, valid, cached = inputs
+    sd = O.to_dtype(model.state_dict())
+    d = torch.float64
+    vels, cnns, atts = O.batch_chunk(sd, x.double().cpu(), mu.double().cpu(), tt.cpu(), spks.double().cpu(),
+                                     cond.double().cpu(), cnn.double().cpu(),
+                                     None if att is None else att.to(d).cpu(),
+                                     None if valid is None else valid.cpu(), None if cached is None else cached.cpu())
+    return (torch.cat([v.reshape(-1) for v in vels]), torch.cat([c.reshape(-1) for c in cnns]),
+            torch.cat([a.reshape(-1) for a in atts]))
+
+
+def _att_rows(att, valid, cached, t, l_len):
+    """(depth, H, T_n+L_n, 2D) per row, flattened in the oracle's order."""
+    out = []
+    for i in range(att.shape[1]):
+        tn = t if valid is None else int(valid[i])
+        ln = l_len if cached is None else int(cached[i])
+        out.append(att[:, i, :, :tn + ln].reshape(-1))
+    return torch.cat(out)
+
+
+RAGGED = [
+    dict(n=3, t=7, l_len=5, valid=[7, 3, 0], cached=[5, 2, 4]),
+    dict(n=2, t=5, l_len=0, valid=None, cached=None),
+    dict(n=2, t=1, l_len=3, valid=[1, 1], cached=[3, 0]),
+]
+
+
+@pytest.mark.parametrize("case", RAGGED, ids=["ragged", "no_cache", "t1"])
+def test_reference_body_fp64_matches_independent_oracle(case):
+    model = random_dit(TINY, seed=1).double()
+    inputs = make_inputs(TINY, case["n"], case["t"], case["l_len"], torch.float64, seed=3,
+                         valid=case["valid"], cached=case["cached"])
+    x, mu, tt, spks, cond, cnn, att, valid, cached = inputs
+    vel, ncnn, natt = dit_forward_chunk_fused(model, x, mu, tt, spks, cond, cnn, att,
+                                              valid_lengths=valid, cache_lengths=cached)
+    assert vel.dtype == torch.float64 and natt.shape == (2, case["n"], 4, case["t"] + case["l_len"], 32)
+    ref_v, ref_c, ref_a = oracle64(model, inputs)
+    got_v, got_c, _ = valid_parts(vel, ncnn, natt, valid, cached, case["t"], case["l_len"])
+    got_a = _att_rows(natt, valid, cached, case["t"], case["l_len"])
+    assert ref_v.abs().max() > 0.1  # never compare zeros
+    torch.testing.assert_close(got_v, ref_v, rtol=0, atol=1e-10)
+    torch.testing.assert_close(got_c, ref_c, rtol=0, atol=1e-10)
+    torch.testing.assert_close(got_a, ref_a, rtol=0, atol=1e-10)
+    # frames after T_n + L_n are zero padding
+    for i in range(case["n"]):
+        tn = case["t"] if valid is None else int(valid[i])
+        ln = case["l_len"] if cached is None else int(cached[i])
+        assert (natt[:, i, :, tn + ln:] == 0).all()
+
+
+def test_fp32_op_within_oracle_vs_model_reference():
+    case = RAGGED[0]
+    model = random_dit(TINY, seed=2)
+    inputs = make_inputs(TINY, case["n"], case["t"], case["l_len"], seed=4, valid=case["valid"],
+                         cached=case["cached"])
+    x, mu, tt, spks, cond, cnn, att, valid, cached = inputs
+    fast = dit_forward_chunk_fused(model, x, mu, tt, spks, cond, cnn, att, valid_lengths=valid, cache_lengths=cached)
+    same = model.forward_chunk(x, mu, tt, spks, cond, cnn, att, valid_lengths=valid, cache_lengths=cached, fused=False)
+    ref = oracle64(random_dit(TINY, seed=2), inputs)
+    f_parts = valid_parts(*fast, valid, cached, case["t"], case["l_len"])[:2] + (_att_rows(fast[2], valid, cached, 7, 5),)
+    s_parts = valid_parts(*same, valid, cached, case["t"], case["l_len"])[:2] + (_att_rows(same[2], valid, cached, 7, 5),)
+    for name, f, s, r in zip(("velocity", "cnn_cache", "att_cache"), f_parts, s_parts, ref):
+        assert_within_oracle(f, s, r, name)
+        assert err_rel_fro(f, r) <= IEEE_REL_BOUND, name
+
+
+def test_padded_row_equals_solo_row_and_leaves_others():
+    model = random_dit(TINY, seed=5).double()
+    x, mu, tt, spks, cond, cnn, att, valid, cached = make_inputs(TINY, 3, 6, 4, torch.float64, seed=6,
+                                                                 valid=[6, 2, 4], cached=[4, 1, 0])
+    full = dit_forward_chunk_fused(model, x, mu, tt, spks, cond, cnn, att, valid_lengths=valid, cache_lengths=cached)
+    for i in range(3):
+        tn, ln = int(valid[i]), int(cached[i])
+        solo = dit_forward_chunk_fused(model, x[i:i + 1, :, :tn], mu[i:i + 1, :, :tn], tt[i:i + 1], spks[i:i + 1],
+                                       cond[i:i + 1, :, :tn], cnn[:, i:i + 1], att[:, i:i + 1, :, :ln])
+        torch.testing.assert_close(full[0][i, :, :tn], solo[0][0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(full[1][:, i], solo[1][:, 0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(full[2][:, i, :, :tn + ln], solo[2][:, 0], rtol=0, atol=1e-12)
+    # changing row 2's inputs (incl. its padding) leaves rows 0 and 1 unchanged
+    x2, att2 = x.clone(), att.clone()
+    x2[2] += 1.0
+    att2[:, 2] = -att2[:, 2]
+    other = dit_forward_chunk_fused(model, x2, mu, tt, spks, cond, cnn, att2, valid_lengths=valid, cache_lengths=cached)
+    for a, b in zip(full, other):
+        rows = (slice(None), slice(0, 2)) if a.dim() >= 4 else (slice(0, 2),)
+        torch.testing.assert_close(a[rows], b[rows], rtol=0, atol=1e-12)
+
+
+def test_autocast_follows_ambient_dtype_cpu():
+    model = random_dit(TINY, seed=7)
+    x, mu, tt, spks, cond, cnn, att, valid, cached = make_inputs(TINY, 2, 5, 3, seed=8, valid=[5, 2], cached=[3, 1])
+    packed = pack_dit(model, torch.float32, "cpu")
+    x_in = stage_input(x, mu, spks, cond, torch.float32)
+    table = modulation_table(packed, tt[:1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.ops.torch_cfm.dit_body(x_in, packed.body, table, cnn, att, valid, cached, "auto")
+    direct = dit_body(x_in.bfloat16(), [w.bfloat16() for w in packed.body], table, cnn.bfloat16(), att.bfloat16(),
+                      valid_lengths=valid, cache_lengths=cached)
+    for a, b in zip(got, direct):
+        assert a.dtype == torch.bfloat16
+        assert torch.equal(a, b)
+
+
+def test_packing_is_cached_and_repacked_on_change():
+    clear_packed()
+    model = random_dit(TINY, seed=9)
+    p1 = packed_for(model, torch.float32, "cpu")
+    assert packed_for(model, torch.float32, "cpu") is p1
+    p16 = packed_for(model, torch.float16, "cpu")
+    assert p16 is not p1 and p16.body[0].dtype == torch.float16
+    with torch.no_grad():
+        model.blocks[1].mlp.fc2.weight.mul_(2.0)
+    p2 = packed_for(model, torch.float32, "cpu")
+    assert p2 is not p1
+    w = model.blocks[1].mlp.fc2.weight
+    assert torch.equal(p2.body[2 + 18 + 16], w)
+    # conv taps: row k*C + o of the packed weight is W[o, :, k]
+    wc = model.blocks[0].conv.block[1].weight
+    assert torch.equal(p2.body[2 + 8][2 * 64 + 5], wc[5, :, 2])
+    # the table matches the model's own modulation_table (one row's time)
+    table = modulation_table(p2, torch.tensor([0.25]))
+    torch.testing.assert_close(table[0], model.modulation_table(0.25), rtol=1e-5, atol=1e-5)
+
+
+def _sample(dtype=torch.float32, l_len=3):
+    model = random_dit(TINY, seed=10)
+    packed = pack_dit(model, dtype, "cpu")
+    x, mu, tt, spks, cond, cnn, att, valid, cached = make_inputs(TINY, 2, 4, l_len, dtype, seed=11,
+                                                                 valid=[4, 2], cached=[l_len, 1] if l_len else None)
+    x_in = stage_input(x, mu, spks, cond, dtype)
+    table = modulation_table(packed, tt)
+    return (x_in, packed.body, table, cnn, att, valid, cached, "auto")
+
+
+def test_fake_kernel_metadata_matches_real():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args = _sample()
+    real = torch.ops.torch_cfm.dit_body.default(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fargs = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else
+                 ([mode.from_tensor(w) for w in a] if isinstance(a, list) else a) for a in args]
+        fake = torch.ops.torch_cfm.dit_body.default(*fargs)
+    for r, f in zip(real, fake):
+        assert r.shape == f.shape and r.dtype == f.dtype and r.stride() == f.stride()
+
+
+def test_opcheck_cpu():
+    args = _sample()
+    torch.library.opcheck(torch.ops.torch_cfm.dit_body.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@pytest.mark.parametrize("bad", ["x_rank", "table_shape", "len_dtype", "weight_dtype", "precision", "att_heads"])
+def test_value_errors_name_the_argument(bad):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x_in, w, table, cnn, att, valid, cached, prec = _sample()
+    if bad == "x_rank":
+        x_in, arg = x_in[0], "x_in"
+    elif bad == "table_shape":
+        table, arg = table[:, :1], "mod_table"
+    elif bad == "len_dtype":
+        valid, arg = valid.long(), "valid_lengths"
+    elif bad == "weight_dtype":
+        w, arg = [w[0].double()] + list(w[1:]), "weights[0]"
+    elif bad == "precision":
+        prec, arg = "fp8", "precision"
+    else:
+        att, arg = att[:, :, :2], "att_cache"
+    with pytest.raises(ValueError, match=re.escape(f"dit_body: {arg} must")):
+        dit_body(x_in, w, table, cnn, att, valid_lengths=valid, cache_lengths=cached, precision=prec)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(ValueError, match="dit_body: "):
+            check_dit_body(x_in, w, table, cnn, att, valid, cached, prec)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton interpreter: the fused driver itself (child process)
+# --------------------------------------------------------------------------------------------
+
+INTERP_CASES = [
+    dict(name="ragged_f32", dtype=torch.float32, n=3, t=7, l_len=5, valid=[7, 3, 0], cached=[5, 2, 4]),
+    dict(name="nocache_f32", dtype=torch.float32, n=2, t=5, l_len=0, valid=None, cached=None, no_cnn=True),
+    dict(name="t1_f32", dtype=torch.float32, n=2, t=1, l_len=3, valid=[1, 0], cached=[3, 3]),
+    dict(name="ragged_f16", dtype=torch.float16, n=2, t=6, l_len=4, valid=[6, 4], cached=[4, 2]),
+]
+
+
+def _interp_args(case):
+    model = random_dit(TINY, seed=12)
+    packed = pack_dit(model, case["dtype"], "cpu")
+    x, mu, tt, spks, cond, cnn, att, valid, cached = make_inputs(
+        TINY, case["n"], case["t"], case["l_len"], torch.float32, seed=13, valid=case["valid"], cached=case["cached"])
+    dt = case["dtype"]
+    x_in = stage_input(x, mu, spks, cond, dt)
+    table = modulation_table(pack_dit(model, torch.float32, "cpu"), tt[:1])
+    cnn = None if case.get("no_cnn") else cnn.to(dt)
+    att = None if att is None else att.to(dt)
+    return model, x_in, packed.body, table, cnn, att, valid, cached
+
+
+def _child(out_path: str) -> None:
+    from torch_cfm.ops.dit_body import _empty_outputs, dit_body_fused_into
+
+    results = {}
+    for case in INTERP_CASES:
+        _, x_in, w, table, cnn, att, valid, cached = _interp_args(case)
+        s = check_dit_body(x_in, w, table, cnn, att, valid, cached, "ieee")
+        out = tuple(o.fill_(float("nan")) for o in _empty_outputs(x_in, s))  # poisoned
+        dit_body_fused_into(x_in, w, table, cnn, att, valid, cached, "ieee", out)
+        results[case["name"]] = out
+    torch.save(results, out_path)
+
+
+@pytest.fixture(scope="module")
+def interp_results(tmp_path_factory):
+    out_path = str(tmp_path_factory.mktemp("dit_interp") / "out.pt")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", out_path], env=env, cwd=_HERE,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out_path)
+
+
+@pytest.mark.parametrize("case", INTERP_CASES, ids=[c["name"] for c in INTERP_CASES])
+def test_triton_driver_interpreter_within_oracle(case, interp_results):
+    fast = interp_results[case["name"]]
+    model, x_in, w, table, cnn, att, valid, cached = _interp_args(case)
+    same = dit_body_reference(x_in, w, table, cnn, att, valid, cached)
+    w64 = [t.double() for t in pack_dit(model, torch.float64, "cpu").body]
+    ref = dit_body_reference(x_in.double(), w64, table.double(), None if cnn is None else cnn.double(),
+                             None if att is None else att.double(), valid, cached)
+    t, l_len = case["t"], case["l_len"]
+    for name, f, s, r in zip(("velocity", "cnn_cache", "att_cache"), valid_parts(*fast, valid, cached, t, l_len),
+                             valid_parts(*same, valid, cached, t, l_len), valid_parts(*ref, valid, cached, t, l_len)):
+        assert torch.isfinite(f).all(), name
+        assert_within_oracle(f, s, r, name)
+        if case["dtype"] == torch.float32:
+            assert err_rel_fro(f, r) <= IEEE_REL_BOUND, name
+    # padding frames of the new attention cache are zero, not poison
+    assert torch.isfinite(fast[2]).all()
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: fused vs the model's reference path (SPEC §6), shipped widths, 4 blocks
+# --------------------------------------------------------------------------------------------
+
+GPU_CFG = DiTConfig(depth=4)
+GPU_PRECISIONS = [(torch.float16, None), (torch.bfloat16, None), (torch.float32, "tf32"), (torch.float32, "ieee")]
+
+
+def _gpu_case(dtype, precision, seed=20):
+    dev = torch.device("cuda")
+    n, t, l_len = 4, 50, 64
+    valid, cached = [50, 37, 1, 0], [64, 10, 0, 64]
+    model64 = random_dit(GPU_CFG, seed=seed).double()
+    inputs = make_inputs(GPU_CFG, n, t, l_len, torch.float64, seed=seed + 1, valid=valid, cached=cached)
+    ref = model64.forward_chunk(*inputs[:7], valid_lengths=inputs[7], cache_lengths=inputs[8], fused=False)
+    model = random_dit(GPU_CFG, seed=seed).to(device=dev, dtype=dtype)
+    dev_in = [None if a is None else a.to(dev) for a in inputs]
+    dev_in = [a.to(dtype) if a is not None and a.is_floating_point() and i != 2 else a for i, a in enumerate(dev_in)]
+    tf32 = precision == "tf32"
+    from torch_cfm import policy
+    with policy.tf32_scope(tf32):
+        same = model.forward_chunk(*dev_in[:7], valid_lengths=dev_in[7], cache_lengths=dev_in[8], fused=False)
+    fast = dit_forward_chunk_fused(model, *dev_in[:7], valid_lengths=dev_in[7], cache_lengths=dev_in[8],
+                                   precision=precision)
+    torch.cuda.synchronize()
+    return fast, same, ref, inputs[7], inputs[8], t, l_len
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision", GPU_PRECISIONS, ids=["fp16", "bf16", "fp32-tf32", "fp32-ieee"])
+def test_gpu_fused_within_oracle(dtype, precision):
+    fast, same, ref, valid, cached, t, l_len = _gpu_case(dtype, precision)
+    parts = [valid_parts(*(o.cpu() for o in outs), valid, cached, t, l_len) for outs in (fast, same, ref)]
+    for k, name in enumerate(("velocity", "cnn_cache", "att_cache")):
+        f, s, r = parts[0][k], parts[1][k], parts[2][k]
+        assert torch.isfinite(f).all(), name
+        print(f"{name}: fused rel {err_rel_fro(f, r):.3e} reference rel {err_rel_fro(s, r):.3e}")
+        assert_within_oracle(f, s, r, name)
+        if precision == "ieee":
+            assert err_rel_fro(f, r) <= IEEE_REL_BOUND, name
+
+
+@pytest.mark.gpu
+def test_gpu_model_hook_uses_fused_body():
+    dev = torch.device("cuda")
+    model = random_dit(GPU_CFG, seed=30).to(device=dev, dtype=torch.float16)
+    inputs = [None if a is None else a.to(dev) for a in
+              make_inputs(GPU_CFG, 2, 50, 32, torch.float16, seed=31, valid=[50, 20], cached=[32, 5])]
+    via_model = model.forward_chunk(*inputs[:7], valid_lengths=inputs[7], cache_lengths=inputs[8], fused=True)
+    direct = dit_forward_chunk_fused(model, *inputs[:7], valid_lengths=inputs[7], cache_lengths=inputs[8])
+    for a, b in zip(via_model, direct):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_sync():
+    dev = torch.device("cuda")
+    model = random_dit(GPU_CFG, seed=40).to(device=dev, dtype=torch.bfloat16)
+    x, mu, tt, spks, cond, cnn, att, valid, cached = [
+        None if a is None else a.to(dev) for a in
+        make_inputs(GPU_CFG, 2, 50, 32, torch.bfloat16, seed=41, valid=[50, 20], cached=[32, 5])]
+    packed = packed_for(model, torch.bfloat16, dev)
+    x_in = stage_input(x, mu, spks, cond, torch.bfloat16)
+    table = modulation_table(packed, tt[:1])
+    torch.ops.torch_cfm.dit_body(x_in, packed.body, table, cnn, att, valid, cached, "auto")  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = torch.ops.torch_cfm.dit_body(x_in, packed.body, table, cnn, att, valid, cached, "auto")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(out[0].float()).all()
+
+
+if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--child":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run the child with TRITON_INTERPRET=1")
+    _child(sys.argv[2])

@@ -1,0 +1,215 @@
+"""``python -m torch_cfm.demo``: stream several TTS requests through the CFM server.
+
+Requests with different prompt lengths, chunk counts and start times are solved together, one
+1-second chunk (50 mel frames) per request per tick, through :class:`torch_cfm.models.CFMServer`
+(10-step Euler, CFG 0.7, ragged rows, streaming trim). Weights: seeded random weights of
+realistic scale with the shipped config (C=512, 16 blocks), or ``--checkpoint PATH`` (estimator
+state_dict or a flow checkpoint). Prints the dispatch decision, per-tick latency and the
+real-time factor (compute seconds / audio seconds; < 1 is faster than real time).
+
+Defaults finish in about a minute on 2 CPU cores; ``--device cuda`` uses the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from . import policy
+from .config import DiTConfig
+from .models import CFMServer, DiT, StreamingCFM, load_checkpoint
+
+PROG = "python -m torch_cfm.demo"
+FRAMES_PER_SECOND = 50
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+TINY = DiTConfig(hidden=64, depth=2, heads=4, head_dim=16)
+
+
+class DemoError(Exception):
+    """A user-facing problem: printed as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one clear line instead of usage + traceback
+        raise DemoError(f"{message} (see {PROG} --help)")
+
+
+def _positive(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive int, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive int, got {value}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    p.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
+    p.add_argument("--requests", type=_positive("--requests"), default=3, help="requests to stream (3)")
+    p.add_argument("--chunks", type=_positive("--chunks"), default=3,
+                   help="chunks of the longest request (3); others get fewer")
+    p.add_argument("--steps", type=_positive("--steps"), default=10, help="Euler steps per chunk (10)")
+    p.add_argument("--chunk-frames", type=_positive("--chunk-frames"), default=50,
+                   help="mel frames per chunk (50 = 1 s)")
+    p.add_argument("--prompt-frames", type=_positive("--prompt-frames"), default=40,
+                   help="prompt frames of the first request (40); others vary around it")
+    p.add_argument("--checkpoint", metavar="PATH", default=None,
+                   help="estimator state_dict or flow checkpoint (default: seeded random weights)")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights, noise and inputs (0)")
+    p.add_argument("--tiny", action="store_true", help="tiny model (C=64, 2 blocks) for smoke tests")
+    return p
+
+
+@dataclass
+class _Plan:
+    rid: str
+    start_tick: int
+    prompt: int
+    chunk_lengths: list[int]
+
+
+def plan_requests(n_requests: int, n_chunks: int, chunk_frames: int, prompt_frames: int) -> list[_Plan]:
+    """Staggered requests: request i starts at tick i, has a different prompt and length, and its
+    last chunk is ragged (SPEC §3's final chunk is 56 frames for 50-frame chunks)."""
+    plans = []
+    for i in range(n_requests):
+        chunks = max(1, n_chunks - (i % 2))
+        lengths = [chunk_frames] * chunks
+        lengths[-1] = max(1, chunk_frames + (6 if i % 3 == 0 else -chunk_frames // 3 * (i % 3)))
+        prompt = max(1, prompt_frames + 10 * ((i % 3) - 1))
+        plans.append(_Plan(f"req{i}", i, prompt, lengths))
+    return plans
+
+
+def _resolve(args) -> tuple[torch.device, torch.dtype]:
+    dtype = _DTYPES.get(args.dtype.lower())
+    if dtype is None:
+        raise DemoError(f"--dtype must be one of float32, float16, bfloat16, got {args.dtype!r}")
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, ValueError):
+        raise DemoError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise DemoError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DemoError("--device cuda needs a CUDA GPU, but torch.cuda.is_available() is False")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DemoError(f"--device {args.device}: only {torch.cuda.device_count()} CUDA device(s)")
+    return device, dtype
+
+
+def _build_model(args, device, dtype) -> DiT:
+    if args.checkpoint:
+        try:
+            model = load_checkpoint(None, args.checkpoint)
+        except ValueError as exc:
+            raise DemoError(f"--checkpoint {args.checkpoint}: {exc}") from None
+    else:
+        model = DiT(TINY if args.tiny else DiTConfig()).random_init_(args.seed)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def run(argv: Optional[Sequence[str]] = None, out=None) -> int:
+    out = out or sys.stdout
+    args = build_parser().parse_args(argv)
+    device, dtype = _resolve(args)
+
+    def say(text: str = "") -> None:
+        print(text, file=out, flush=True)
+
+    model = _build_model(args, device, dtype)
+    cfg = model.config
+    n_params = sum(p.numel() for p in model.parameters())
+    source = args.checkpoint or f"seeded random weights (seed {args.seed})"
+    say(f"torch_cfm demo: DiT C={cfg.hidden} depth={cfg.depth} H={cfg.heads} D={cfg.head_dim} "
+        f"({n_params / 1e6:.1f} M params, {source}) on {device} {str(dtype).replace('torch.', '')}")
+    say(f"dispatch: estimator -> {policy.decide(device, dtype).describe()}")
+
+    cfm = StreamingCFM(model, n_timesteps=args.steps, seed=args.seed)
+    plans = plan_requests(args.requests, args.chunks, args.chunk_frames, args.prompt_frames)
+    max_prompt = max(p.prompt for p in plans)
+    max_chunk = max(max(p.chunk_lengths) for p in plans)
+    server = CFMServer(cfm, max_requests=args.requests, max_prompt_frames=max_prompt,
+                       max_chunk_frames=max_chunk)
+    say(f"server: {args.requests} request slots, {args.steps} Euler steps, CFG {cfm.cfg_rate}; "
+        f"arena {server.arenas[0].nbytes() / 2**20:.1f} MiB ({server.max_cache_frames} cache frames)")
+
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    mel_ch = cfg.out_channels
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    latencies, audio_frames, compute_s = [], 0, 0.0
+    done = {p.rid: 0 for p in plans}
+    last_tick = max(p.start_tick + len(p.chunk_lengths) for p in plans)
+    for tick in range(last_tick + 1):
+        for p in plans:
+            if p.start_tick == tick:
+                sync()
+                t0 = time.perf_counter()
+                server.open_request(p.rid, rand(mel_ch), prompt_mu=rand(mel_ch, p.prompt),
+                                    prompt_mel=rand(mel_ch, p.prompt))
+                sync()
+                dt = time.perf_counter() - t0
+                compute_s += dt
+                say(f"  open  {p.rid}: prompt {p.prompt} frames solved in {dt * 1e3:.0f} ms")
+        batch = {p.rid: rand(mel_ch, p.chunk_lengths[done[p.rid]]) for p in plans
+                 if p.rid in server.open_requests and done[p.rid] < len(p.chunk_lengths)}
+        if batch:
+            sync()
+            t0 = time.perf_counter()
+            mels = server.solve_chunk(batch)
+            sync()
+            dt = time.perf_counter() - t0
+            frames = sum(m.shape[1] for m in mels.values())
+            ok = all(bool(torch.isfinite(m).all()) for m in mels.values())
+            latencies.append(dt)
+            compute_s += dt
+            audio_frames += frames
+            rows = ", ".join(f"{rid}[{m.shape[1]} fr, cache {server.cache_length(rid)}]" for rid, m in mels.items())
+            say(f"tick {tick}: {len(mels)} request(s) {rows}: {dt * 1e3:.0f} ms "
+                f"(RTF {dt / (frames / FRAMES_PER_SECOND):.2f}{'' if ok else ', NON-FINITE OUTPUT'})")
+            for rid in mels:
+                done[rid] += 1
+        for p in plans:
+            if p.rid in server.open_requests and done[p.rid] == len(p.chunk_lengths):
+                server.close_request(p.rid)
+                say(f"  close {p.rid}: {sum(p.chunk_lengths)} frames streamed")
+    audio_s = audio_frames / FRAMES_PER_SECOND
+    say(f"done: {len(plans)} requests, {audio_s:.2f} s of audio, chunk latency p50 "
+        f"{statistics.median(latencies) * 1e3:.0f} ms / max {max(latencies) * 1e3:.0f} ms, "
+        f"real-time factor {compute_s / audio_s:.2f} (incl. prompts; < 1 = faster than real time)")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        return run(argv)
+    except DemoError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""Triton kernel of ``cfm_attention`` (SPEC §4): ragged, cache-aware attention with a split-K combine.
+
+At the shapes of a streaming CFM solve (N·H = 16..256 (row, head) pairs, Q = 50..300 queries,
+K ≈ 450 keys, D = 64) one program per (row, head, query tile) leaves most of an H100/H200's 132
+SMs idle while each program walks every key serially. So the key range of each row is split
+across ``splits`` programs (flash-decoding style):
+
+1. ``_cfm_attention_fwd_kernel``: program = (row, head, query tile, split). It walks the keys
+   ``[split·chunk, (split+1)·chunk) ∩ [0, length)`` with an online softmax (FP32, ``exp2`` with
+   log2(e) folded into the scale). With one split it normalises and writes ``out`` directly;
+   otherwise it writes its normalised partial output and its log2-sum-exp to a workspace.
+   ``chunk`` is computed in the kernel from the row's own (clamped) key length, so ragged rows
+   split their *valid* keys evenly and no program walks padding.
+2. ``_cfm_attention_combine_kernel`` (only when splits > 1): merges the partials of each query
+   with weights ``2^(lse_s − max lse)``.
+
+A query whose keys are all invalid ends with ``l = 0``: every exponent is taken against 0 rather
+than ``-inf`` (no ``-inf − -inf``), so it yields exactly 0, never NaN.
+
+The workspace (splits · N·H · Q · (D+1) fp32) is the only allocation besides ``out``: it comes
+from PyTorch's caching allocator on every call, so it is sync-free and CUDA-graph capturable (a
+captured graph keeps it in its private pool). No host synchronisation, no autotuning: tiles
+and splits come from :func:`choose_config`, a deterministic per-shape heuristic tuned on an
+H200 (see ``bench/NOTES_attention.md``), so the first call compiles exactly one variant, the
+Triton interpreter (``TRITON_INTERPRET=1``) runs the same code on CPU tensors, and graph
+capture never benchmarks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import on_device, sm_count
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Launch parameters of one kernel variant.
+
+    Attributes:
+        block_q: queries per program (16, 32, 64 or 128).
+        block_k: keys per loop step (16..128).
+        splits: programs sharing one (row, head, query tile)'s keys; 1 = no combine kernel.
+        num_warps: warps per program of the main kernel.
+        num_stages: software-pipelining depth of the key loop.
+    """
+
+    block_q: int
+    block_k: int
+    splits: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def name(self) -> str:
+        return f"q{self.block_q}_k{self.block_k}_s{self.splits}_w{self.num_warps}_st{self.num_stages}"
+
+
+# Scalars that vary per call and gain nothing from Triton's "== 1" / "% 16" specialisation: leaving
+# them unspecialised keeps one compiled variant per tile config across shapes. n_splits stays
+# specialised so that splits == 1 compiles the direct-store path only.
+_NO_SPEC = ["n_heads", "q_len", "k_len", "n_pool", "q_tiles", "n_rows_heads"]
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
+def _cfm_attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr,  # (N, H, Q, D), (R, H, K, D), (R, H, K, D); any strides
+    lengths_ptr,  # (N,) int32 key lengths (read when HAS_LENGTHS)
+    mask_ptr,  # (N, Q, K) uint8 view of the bool mask, any strides incl. 0 (read when HAS_MASK)
+    rows_ptr,  # (N,) int32 pool row of each query row (read when HAS_ROWS)
+    out_ptr,  # (N, H, Q, D) output (written when n_splits == 1)
+    part_ptr,  # (splits, N·H, Q, D) fp32 normalised partial outputs (written when n_splits > 1)
+    lse_ptr,  # (splits, N·H, Q) fp32 log2-sum-exp of each partial (written when n_splits > 1)
+    stride_q_n, stride_q_h, stride_q_q, stride_q_d,
+    stride_k_n, stride_k_h, stride_k_k, stride_k_d,
+    stride_v_n, stride_v_h, stride_v_k, stride_v_d,
+    stride_m_n, stride_m_q, stride_m_k,
+    stride_o_n, stride_o_h, stride_o_q, stride_o_d,
+    n_heads, q_len, k_len, n_pool, q_tiles, n_splits, n_rows_heads,
+    qk_scale,  # log2(e) / sqrt(D)
+    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_LENGTHS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # program -> (row·head, query tile, split); splits of one tile are adjacent
+    pid = tl.program_id(0)
+    split = pid % n_splits
+    rest = pid // n_splits
+    q_tile = rest % q_tiles
+    nh = rest // q_tiles
+    n = nh // n_heads
+    h = nh % n_heads
+
+    if HAS_LENGTHS:
+        length = tl.load(lengths_ptr + n)
+        length = tl.minimum(tl.maximum(length, 0), k_len)
+    else:
+        length = k_len
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + n)
+        row = tl.minimum(tl.maximum(row, 0), n_pool - 1)
+    else:
+        row = n
+    # this split's keys: an even share of the row's valid keys, rounded up to whole tiles
+    chunk = tl.cdiv(tl.cdiv(length, n_splits), BLOCK_K) * BLOCK_K
+    k_start = split * chunk
+    k_end = tl.minimum(k_start + chunk, length)
+
+    offs_q = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_kb = tl.arange(0, BLOCK_K)
+    q_ok = offs_q < q_len
+
+    q_base = q_ptr + n.to(tl.int64) * stride_q_n + h.to(tl.int64) * stride_q_h
+    k_base = k_ptr + row.to(tl.int64) * stride_k_n + h.to(tl.int64) * stride_k_h
+    v_base = v_ptr + row.to(tl.int64) * stride_v_n + h.to(tl.int64) * stride_v_h
+    m_base = mask_ptr + n.to(tl.int64) * stride_m_n
+
+    # q stays resident for the whole key walk
+    q = tl.load(q_base + offs_q[:, None] * stride_q_q + offs_d[None, :] * stride_q_d,
+                mask=q_ok[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)  # running max (log2 units)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)  # running sum of 2^(s - m_i)
+    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + offs_kb
+        k_ok = offs_k < k_end
+        kt = tl.load(k_base + offs_k[None, :] * stride_k_k + offs_d[:, None] * stride_k_d,
+                     mask=k_ok[None, :], other=0.0)
+        # -- scores in log2 units, FP32 accumulation
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        keep = k_ok[None, :]
+        if HAS_MASK:
+            mk = tl.load(m_base + offs_q[:, None] * stride_m_q + offs_k[None, :] * stride_m_k,
+                         mask=q_ok[:, None] & k_ok[None, :], other=0)
+            keep = keep & (mk != 0)
+        s = tl.where(keep, s, float("-inf"))
+        # -- running max / sum; exponents against 0 while a row has seen no valid key
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # -- rescale and accumulate p·v
+        v = tl.load(v_base + offs_k[:, None] * stride_v_k + offs_d[None, :] * stride_v_d,
+                    mask=k_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]  # rows without a valid key: acc = 0 -> exactly 0
+    if n_splits == 1:
+        out_base = out_ptr + n.to(tl.int64) * stride_o_n + h.to(tl.int64) * stride_o_h
+        tl.store(out_base + offs_q[:, None] * stride_o_q + offs_d[None, :] * stride_o_d,
+                 o.to(out_ptr.dtype.element_ty), mask=q_ok[:, None])
+    else:
+        slot = (split * n_rows_heads + nh).to(tl.int64) * q_len
+        tl.store(part_ptr + (slot + offs_q[:, None]) * HEAD_DIM + offs_d[None, :], o, mask=q_ok[:, None])
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + slot + offs_q, lse, mask=q_ok)
+
+
+@triton.jit(do_not_specialize=["n_heads", "q_len", "q_tiles", "n_splits", "n_rows_heads"])
+def _cfm_attention_combine_kernel(
+    part_ptr,  # (splits, N·H, Q, D) fp32 normalised partial outputs
+    lse_ptr,  # (splits, N·H, Q) fp32 log2-sum-exp per partial (-inf: no valid key)
+    out_ptr,  # (N, H, Q, D) output, any strides
+    stride_o_n, stride_o_h, stride_o_q, stride_o_d,
+    n_heads, q_len, q_tiles, n_splits, n_rows_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    q_tile = pid % q_tiles
+    nh = pid // q_tiles
+    n = nh // n_heads
+    h = nh % n_heads
+    offs_q = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ok = offs_q < q_len
+
+    m = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    w_sum = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+    for s in range(0, n_splits):
+        slot = (s * n_rows_heads + nh).to(tl.int64) * q_len
+        lse = tl.load(lse_ptr + slot + offs_q, mask=q_ok, other=float("-inf"))
+        part = tl.load(part_ptr + (slot + offs_q[:, None]) * HEAD_DIM + offs_d[None, :],
+                       mask=q_ok[:, None], other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_ref)
+        w = tl.math.exp2(lse - m_ref)
+        acc = acc * alpha[:, None] + part * w[:, None]
+        w_sum = w_sum * alpha + w
+        m = m_new
+    o = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+    out_base = out_ptr + n.to(tl.int64) * stride_o_n + h.to(tl.int64) * stride_o_h
+    tl.store(out_base + offs_q[:, None] * stride_o_q + offs_d[None, :] * stride_o_d,
+             o.to(out_ptr.dtype.element_ty), mask=q_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# per-shape heuristic (no autotune: deterministic, graph- and interpreter-safe)
+
+
+def choose_config(dtype: torch.dtype, head_dim: int, rows_heads: int, q_len: int, k_len: int,
+                  n_sm: int = 132) -> AttentionConfig:
+    """Tiles and splits for one call, from the shape alone (tuned on an H200, see NOTES).
+
+    Args:
+        dtype: q/k/v dtype.
+        head_dim: D.
+        rows_heads: N·H, the (row, head) pairs.
+        q_len: Q; k_len: K (the padded key count; ragged lengths are split in the kernel).
+        n_sm: SMs of the device (132 on H100/H200).
+    """
+    fp32 = dtype == torch.float32
+    block_q = 16 if q_len <= 16 else 32 if q_len <= 32 else 64
+    if fp32 and head_dim >= 128:
+        block_q = min(block_q, 32)
+    block_k = 64 if head_dim <= 64 else 32
+    if fp32 and head_dim >= 64:
+        block_k = 32
+    tiles = rows_heads * triton.cdiv(q_len, block_q)
+    # enough programs for ~2 per SM, but never a split of less than two key tiles
+    max_splits = max(1, k_len // (2 * block_k))
+    splits = 1
+    while splits < max_splits and tiles * splits * 2 <= 2 * n_sm:
+        splits *= 2
+    return AttentionConfig(block_q, block_k, min(splits, max_splits), num_warps=4, num_stages=2)
+
+
+def _dot_precision(dtype: torch.dtype, precision: Optional[str]) -> str:
+    if dtype == torch.float32:
+        if precision not in ("tf32", "ieee"):
+            raise ValueError(
+                f"cfm_attention: precision must be 'tf32' or 'ieee' for float32 inputs, got {precision!r}; "
+                "resolve 'auto' with torch_cfm.policy.resolve_precision first")
+        return precision
+    return "tf32"  # ignored by tl.dot for 16-bit operands (tensor cores, FP32 accumulation)
+
+
+def cfm_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_lengths: Optional[torch.Tensor],
+    mask: Optional[torch.Tensor],
+    kv_rows: Optional[torch.Tensor],
+    precision: Optional[str],
+    out: torch.Tensor,
+    config: Optional[AttentionConfig] = None,
+) -> torch.Tensor:
+    """Launch the Triton kernel(s) of ``cfm_attention`` into a preallocated ``out``.
+
+    Inputs are assumed validated (``torch_cfm.ops._checks.check_cfm_attention``). Semantics are
+    SPEC §4: keys ``>= key_lengths[n]`` (clamped to [0, K]) or masked out are ignored; a query
+    with no valid key gets exactly 0; ``kv_rows`` (clamped to [0, R)) picks the pool row.
+
+    Args:
+        q: (N, H, Q, D) float16 | bfloat16 | float32, any strides.
+        k, v: (N, H, K, D), or (R, H, K, D) with kv_rows; q's dtype, any strides.
+        key_lengths: optional (N,) int32.
+        mask: optional bool (N, Q, K), True = attend; any strides (stride 0 allowed).
+        kv_rows: optional (N,) int32.
+        precision: "tf32" | "ieee" for float32 (already resolved), None for 16-bit inputs.
+        out: (N, H, Q, D) in q.dtype, any strides; every element is written.
+        config: launch parameters; default :func:`choose_config` (tests and the sweep pass one).
+    Returns:
+        ``out``.
+    Shapes: N rows, H heads, Q queries, K keys, D in {16, 32, 64, 128}, R pool rows.
+    Graph safety: no host sync; allocates only a workspace when splits > 1 (caching allocator).
+    """
+    n_rows, n_heads, q_len, head_dim = q.shape
+    n_pool, _, k_len, _ = k.shape
+    dot_precision = _dot_precision(q.dtype, precision)
+    rows_heads = n_rows * n_heads
+    if out.numel() == 0:
+        return out
+    if config is None:
+        config = choose_config(q.dtype, head_dim, rows_heads, q_len, k_len, sm_count(q.device))
+    block_q, block_k = config.block_q, config.block_k
+    q_tiles = triton.cdiv(q_len, block_q)
+    splits = max(1, min(config.splits, triton.cdiv(max(k_len, 1), block_k)))
+
+    if splits > 1:
+        work = torch.empty(splits * rows_heads * q_len * (head_dim + 1), device=q.device, dtype=torch.float32)
+        part = work[: splits * rows_heads * q_len * head_dim]
+        lse = work[splits * rows_heads * q_len * head_dim:]
+    else:
+        part = lse = out  # never touched
+    mask_arg = mask.view(torch.uint8) if mask is not None else q
+    m_strides = mask.stride() if mask is not None else (0, 0, 0)
+    qk_scale = LOG2E / math.sqrt(head_dim)
+
+    with on_device(q.device):
+        _cfm_attention_fwd_kernel[(rows_heads * q_tiles * splits,)](
+            q, k, v,
+            key_lengths if key_lengths is not None else q,
+            mask_arg,
+            kv_rows if kv_rows is not None else q,
+            out, part, lse,
+            *q.stride(), *k.stride(), *v.stride(), *m_strides, *out.stride(),
+            n_heads, q_len, k_len, n_pool, q_tiles, splits, rows_heads,
+            qk_scale,
+            HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_K=block_k,
+            HAS_LENGTHS=key_lengths is not None, HAS_MASK=mask is not None, HAS_ROWS=kv_rows is not None,
+            DOT_PRECISION=dot_precision,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+        if splits > 1:
+            block_qc = 16 if q_len <= 16 else 32
+            qc_tiles = triton.cdiv(q_len, block_qc)
+            _cfm_attention_combine_kernel[(rows_heads * qc_tiles,)](
+                part, lse, out, *out.stride(),
+                n_heads, q_len, qc_tiles, splits, rows_heads,
+                HEAD_DIM=head_dim, BLOCK_Q=block_qc,
+                num_warps=4,
+            )
+    return out

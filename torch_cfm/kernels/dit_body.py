@@ -1,0 +1,376 @@
+"""Triton kernels of the fused DiT body and their host launchers (no torch.library here).
+
+The body (one estimator evaluation of a chunk, SPEC §1-2, §4) is cuBLAS GEMMs stitched together
+by three Triton kernels that do everything between them in one pass each:
+
+* ``_dit_rownorm_kernel``: per token row, ``y`` (a GEMM output, or the 3 shifted taps of a causal
+  conv GEMM summed here) + bias -> optional gated residual update of the float32 stream ``h`` ->
+  LayerNorm (float32 statistics) -> adaLN modulation from the per-step table, or affine + Mish ->
+  written in the compute dtype to the next GEMM's input, optionally into a conv history buffer
+  whose first 2 frames it gathers from the conv cache, and optionally emitting the new conv
+  cache (the last 2 valid frames of an earlier history buffer). One kernel per block boundary.
+* ``_dit_qk_cache_kernel``: q/k LayerNorm over D fused with the new attention cache write
+  (row n: its T_n current k|v frames, then its L_n old frames, then zeros).
+* ``_cfg_euler_kernel``: CFG combine + Euler update of x, written back into the staged input.
+
+:func:`dit_body_triton` is the host driver of one body call (sync-free, graph-capturable).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS
+from ..packing import (GATE_A, GATE_C, GATE_M, MOD_VECTORS, PER_BLOCK, SCALE_A, SCALE_C, SCALE_M,
+                       SHIFT_A, SHIFT_C, SHIFT_M)
+from ._launch import on_device
+
+CONV_HISTORY = 2  # causal conv k=3: 2 cached frames in front of the chunk
+
+
+@triton.jit
+def _dit_rownorm_kernel(
+    y_ptr, stride_y,            # GEMM output rows (M, C) [plain] or (N*(T+2), 3C) conv taps [TAPS]
+    bias_ptr,                   # (C,) added to y [HAS_BIAS]
+    h_ptr,                      # (M, C) float32 residual stream, read [HAS_RES] / written [WRITE_H]
+    tab_ptr, stride_tab,        # (R, depth+1, 9, C) float32 modulation table; row stride 0 if R == 1
+    gate_off, shift_off, scale_off,  # element offsets of the vectors inside a table row
+    lnw_ptr, lnb_ptr,           # (C,) LayerNorm affine [NORM == 1]
+    out_ptr,                    # output rows (., C) in the compute dtype
+    out_t, out_off,             # output row of token (n, t) = n*out_t + out_off + t
+    cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j, head_cbase,  # old conv cache (N, 2C, 2) [HEAD]
+    emit_src_ptr,               # (N*(T+2), C) history whose last 2 valid frames are emitted [EMIT]
+    emit_ptr, stride_emit_n, stride_emit_c, stride_emit_j, emit_cbase,  # new conv cache (N, 2C, 2)
+    valid_ptr,                  # (N,) int32 valid lengths, already clamped to [0, T]
+    M, T, C, eps,
+    TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_H: tl.constexpr,
+    HAS_GATE: tl.constexpr, NORM: tl.constexpr, HEAD: tl.constexpr, HAS_CNN: tl.constexpr,
+    EMIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_C)
+    row_ok = rows < M
+    col_ok = cols < C
+    ok = row_ok[:, None] & col_ok[None, :]
+    n = (rows // T).to(tl.int64)
+    t = rows % T
+    rows64 = rows.to(tl.int64)
+
+    # y: plain GEMM rows, or the sum of the 3 conv taps read at hist rows t, t+1, t+2
+    if TAPS:
+        hrow = n * (T + 2) + t
+        y = tl.load(y_ptr + hrow[:, None] * stride_y + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        y += tl.load(y_ptr + (hrow + 1)[:, None] * stride_y + (C + cols)[None, :], mask=ok, other=0.0).to(tl.float32)
+        y += tl.load(y_ptr + (hrow + 2)[:, None] * stride_y + (2 * C + cols)[None, :], mask=ok, other=0.0).to(tl.float32)
+    else:
+        y = tl.load(y_ptr + rows64[:, None] * stride_y + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+
+    tab_row = tab_ptr + n[:, None] * stride_tab + cols[None, :]
+    if HAS_GATE:
+        y = y * tl.load(tab_row + gate_off, mask=ok, other=0.0)
+    if HAS_RES:
+        y += tl.load(h_ptr + rows64[:, None] * C + cols[None, :], mask=ok, other=0.0)
+    if WRITE_H:
+        tl.store(h_ptr + rows64[:, None] * C + cols[None, :], y, mask=ok)
+
+    # LayerNorm over C, float32 statistics
+    mean = tl.sum(y, axis=1) / C
+    diff = tl.where(ok, y - mean[:, None], 0.0)
+    var = tl.sum(diff * diff, axis=1) / C
+    z = diff * tl.rsqrt(var + eps)[:, None]
+    if NORM == 0:  # adaLN: z * (1 + scale) + shift (the table stores 1 + scale)
+        z = z * tl.load(tab_row + scale_off, mask=ok, other=0.0) + tl.load(tab_row + shift_off, mask=ok, other=0.0)
+    else:  # affine LayerNorm then Mish: x * tanh(softplus(x)) = x * e(e+2) / (e(e+2) + 2), e = exp(x)
+        z = z * tl.load(lnw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :] \
+            + tl.load(lnb_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        e = tl.exp(tl.minimum(z, 20.0))
+        p = e * (e + 2.0)
+        z = tl.where(z > 20.0, z, z * p / (p + 2.0))
+    orow = n * out_t + out_off + t
+    tl.store(out_ptr + orow[:, None] * C + cols[None, :], z.to(out_ptr.dtype.element_ty), mask=ok)
+
+    first = row_ok & (t == 0)
+    fmask = first[:, None] & col_ok[None, :]
+    if HEAD:  # history frames 0, 1 <- old conv cache (zeros without one)
+        for j in tl.static_range(2):
+            if HAS_CNN:
+                hv = tl.load(cnn_ptr + n[:, None] * stride_cnn_n + (head_cbase + cols)[None, :] * stride_cnn_c
+                             + j * stride_cnn_j, mask=fmask, other=0.0)
+            else:
+                hv = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
+            tl.store(out_ptr + (n * out_t + j)[:, None] * C + cols[None, :], hv.to(out_ptr.dtype.element_ty),
+                     mask=fmask)
+    if EMIT:  # new conv cache = history frames T_n, T_n + 1 (the last 2 of [cache ; chunk[:T_n]])
+        tn = tl.load(valid_ptr + n, mask=first, other=0).to(tl.int64)
+        for j in tl.static_range(2):
+            ev = tl.load(emit_src_ptr + (n * (T + 2) + tn + j)[:, None] * C + cols[None, :], mask=fmask, other=0.0)
+            tl.store(emit_ptr + n[:, None] * stride_emit_n + (emit_cbase + cols)[None, :] * stride_emit_c
+                     + j * stride_emit_j, ev.to(emit_ptr.dtype.element_ty), mask=fmask)
+
+
+@triton.jit
+def _dit_qk_cache_kernel(
+    qkv_ptr, stride_qkv,        # (N*T, 3*H*D) packed q | k | v GEMM output
+    qn_w_ptr, qn_b_ptr, kn_w_ptr, kn_b_ptr,  # (D,) q/k LayerNorm affine
+    q_out_ptr,                  # (N, T, H, D) contiguous normalised queries
+    old_ptr, s_old_n, s_old_h, s_old_f, s_old_e,   # (N, H, L, 2D) old cache [HAS_OLD]
+    new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,   # (N, H, T+L, 2D) new cache
+    valid_ptr, cached_ptr,      # (N,) int32 clamped T_n, L_n
+    T, L, H, eps,
+    HAS_OLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    pid_nh = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    n = (pid_nh // H).to(tl.int64)
+    h = pid_nh % H
+    f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    d = tl.arange(0, HEAD_DIM)
+    inner = H * HEAD_DIM
+    tn = tl.load(valid_ptr + n)
+    ln = tl.load(cached_ptr + n)
+    is_q = f < T
+    in_cur = f < tn
+    j = f - tn
+    in_old = (f >= tn) & (j < ln)
+    in_new = f < T + L
+    row = (n * T + f)[:, None] * stride_qkv
+
+    # queries: LayerNorm over D (affine), every current frame (padding queries included)
+    qm = is_q[:, None]
+    x = tl.load(qkv_ptr + row + (h * HEAD_DIM + d)[None, :], mask=qm, other=0.0).to(tl.float32)
+    mu = tl.sum(x, axis=1) / HEAD_DIM
+    xc = x - mu[:, None]
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / HEAD_DIM + eps)
+    qv = xc * rstd[:, None] * tl.load(qn_w_ptr + d).to(tl.float32)[None, :] + tl.load(qn_b_ptr + d).to(tl.float32)[None, :]
+    q_off = ((n * T + f) * inner)[:, None] + (h * HEAD_DIM + d)[None, :]
+    tl.store(q_out_ptr + q_off, qv.to(q_out_ptr.dtype.element_ty), mask=qm)
+
+    # keys/values of the new cache: current frames (k normalised), then old frames, then zeros
+    cm = in_cur[:, None]
+    x = tl.load(qkv_ptr + row + (inner + h * HEAD_DIM + d)[None, :], mask=cm, other=0.0).to(tl.float32)
+    mu = tl.sum(x, axis=1) / HEAD_DIM
+    xc = x - mu[:, None]
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / HEAD_DIM + eps)
+    kv = xc * rstd[:, None] * tl.load(kn_w_ptr + d).to(tl.float32)[None, :] + tl.load(kn_b_ptr + d).to(tl.float32)[None, :]
+    vv = tl.load(qkv_ptr + row + (2 * inner + h * HEAD_DIM + d)[None, :], mask=cm, other=0.0).to(tl.float32)
+    if HAS_OLD:
+        om = in_old[:, None]
+        o_base = old_ptr + n * s_old_n + h * s_old_h + j.to(tl.int64)[:, None] * s_old_f
+        ko = tl.load(o_base + d[None, :] * s_old_e, mask=om, other=0.0).to(tl.float32)
+        vo = tl.load(o_base + (HEAD_DIM + d)[None, :] * s_old_e, mask=om, other=0.0).to(tl.float32)
+        kv = tl.where(cm, kv, ko)
+        vv = tl.where(cm, vv, vo)
+    else:
+        kv = tl.where(cm, kv, 0.0)
+    nm = in_new[:, None]
+    n_base = new_ptr + n * s_new_n + h * s_new_h + f.to(tl.int64)[:, None] * s_new_f
+    tl.store(n_base + d[None, :] * s_new_e, kv.to(new_ptr.dtype.element_ty), mask=nm)
+    tl.store(n_base + (HEAD_DIM + d)[None, :] * s_new_e, vv.to(new_ptr.dtype.element_ty), mask=nm)
+
+
+@triton.jit
+def _cfg_euler_kernel(
+    x_ptr,                      # (B, Cm, T) float32 state, updated in place
+    v_ptr, s_v_n, s_v_c, s_v_t,  # (2B, Cm, T) velocity: cond rows [0, B), uncond rows [B, 2B)
+    st_ptr, s_st_n, s_st_c, s_st_t,  # (2B, Cin, T) staged input; channels [0, Cm) <- x for both halves
+    B, Cm, T, dt, cfg_rate,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    idx = pid * BLOCK + tl.arange(0, BLOCK)
+    total = B * Cm * T
+    ok = idx < total
+    b = (idx // (Cm * T)).to(tl.int64)
+    c = (idx // T) % Cm
+    t = idx % T
+    vc = tl.load(v_ptr + b * s_v_n + c * s_v_c + t * s_v_t, mask=ok, other=0.0).to(tl.float32)
+    vu = tl.load(v_ptr + (b + B) * s_v_n + c * s_v_c + t * s_v_t, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + idx, mask=ok, other=0.0)
+    x = x + dt * ((1.0 + cfg_rate) * vc - cfg_rate * vu)
+    tl.store(x_ptr + idx, x, mask=ok)
+    xs = x.to(st_ptr.dtype.element_ty)
+    tl.store(st_ptr + b * s_st_n + c * s_st_c + t * s_st_t, xs, mask=ok)
+    tl.store(st_ptr + (b + B) * s_st_n + c * s_st_c + t * s_st_t, xs, mask=ok)
+
+
+# --------------------------------------------------------------------------------------------
+# host launchers
+# --------------------------------------------------------------------------------------------
+
+def rownorm(
+    y: torch.Tensor, h: torch.Tensor, out: torch.Tensor, valid: torch.Tensor, *, n_rows: int, t_len: int,
+    taps: bool = False, bias: Optional[torch.Tensor] = None, has_res: bool = True, write_h: bool = True,
+    table: Optional[torch.Tensor] = None, gate: Optional[int] = None, shift: int = 0, scale: int = 0,
+    ln_affine: Optional[tuple[torch.Tensor, torch.Tensor]] = None, eps: float = BLOCK_LN_EPS,
+    out_t: Optional[int] = None, out_off: int = 0,
+    head: Optional[tuple[Optional[torch.Tensor], int]] = None,
+    emit: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None,
+) -> None:
+    """Launch ``_dit_rownorm_kernel`` (see its comments). ``gate``/``shift``/``scale`` are element
+    offsets into a table row; ``head`` = (old conv cache (N, 2C, 2) or None, channel base);
+    ``emit`` = (history (N*(T+2), C), new conv cache (N, 2C, 2), channel base)."""
+    c = h.shape[1]
+    m = n_rows * t_len
+    if m == 0:
+        return
+    block_c = triton.next_power_of_2(c)
+    rows = max(1, min(16, 2048 // block_c))
+    tab = table if table is not None else h
+    stride_tab = 0 if table is None or table.shape[0] == 1 else table.stride(0)
+    cnn, head_cbase = head if head is not None else (None, 0)
+    cnn_t = cnn if cnn is not None else h
+    if emit is not None:
+        e_src, e_dst, e_cbase = emit
+    else:
+        e_src, e_dst, e_cbase = h, h.view(-1, 1, 1)[:1], 0
+    lnw, lnb = ln_affine if ln_affine is not None else (h, h)
+    grid = (triton.cdiv(m, rows),)
+    with on_device(h.device):
+        _dit_rownorm_kernel[grid](
+            y, y.stride(0), bias if bias is not None else h, h, tab, stride_tab,
+            gate or 0, shift, scale, lnw, lnb, out, out_t if out_t is not None else t_len, out_off,
+            cnn_t, cnn_t.stride(0) if cnn is not None else 0, cnn_t.stride(1) if cnn is not None else 0,
+            cnn_t.stride(2) if cnn is not None else 0, head_cbase,
+            e_src, e_dst, e_dst.stride(0), e_dst.stride(1), e_dst.stride(2), e_cbase,
+            valid, m, t_len, c, eps,
+            TAPS=taps, HAS_BIAS=bias is not None, HAS_RES=has_res, WRITE_H=write_h,
+            HAS_GATE=gate is not None, NORM=0 if ln_affine is None else 1, HEAD=head is not None,
+            HAS_CNN=cnn is not None, EMIT=emit is not None, ROWS=rows, BLOCK_C=block_c,
+            num_warps=4 if block_c * rows <= 2048 else 8)
+
+
+def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Tensor,
+             old: Optional[torch.Tensor], new: torch.Tensor, valid: torch.Tensor, cached: torch.Tensor,
+             *, n_rows: int, t_len: int, heads: int, head_dim: int) -> None:
+    """Launch ``_dit_qk_cache_kernel``: q/k LayerNorm + the new (N, H, T+L, 2D) cache of one block."""
+    l_len = 0 if old is None else old.shape[2]
+    total = t_len + l_len
+    if n_rows == 0 or total == 0:
+        return
+    block_f = 32 if head_dim <= 64 else 16
+    o = old if old is not None else new
+    grid = (n_rows * heads, triton.cdiv(total, block_f))
+    with on_device(qkv.device):
+        _dit_qk_cache_kernel[grid](
+            qkv, qkv.stride(0), *norms, q_out,
+            o, o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+            new, new.stride(0), new.stride(1), new.stride(2), new.stride(3),
+            valid, cached, t_len, l_len, heads, QK_NORM_EPS,
+            HAS_OLD=old is not None and l_len > 0, HEAD_DIM=head_dim, BLOCK_F=block_f, num_warps=4)
+
+
+def cfg_euler(x: torch.Tensor, v: torch.Tensor, staged: torch.Tensor, dt: float, cfg_rate: float) -> None:
+    """x (B, Cm, T) float32 += dt * ((1+r) v[:B] - r v[B:]); staged[:, :Cm] <- x for both halves."""
+    b, cm, t_len = x.shape
+    total = b * cm * t_len
+    if total == 0:
+        return
+    block = 1024
+    with on_device(x.device):
+        _cfg_euler_kernel[(triton.cdiv(total, block),)](
+            x, v, v.stride(0), v.stride(1), v.stride(2), staged, staged.stride(0), staged.stride(1),
+            staged.stride(2), b, cm, t_len, float(dt), float(cfg_rate), BLOCK=block, num_warps=4)
+
+
+# --------------------------------------------------------------------------------------------
+# the body driver
+# --------------------------------------------------------------------------------------------
+
+def _mod_off(i: int, j: int, c: int) -> int:
+    return (i * MOD_VECTORS + j) * c
+
+
+def dit_body_triton(
+    x_in: torch.Tensor,
+    weights: list[torch.Tensor],
+    mod_table: torch.Tensor,
+    cnn_cache: Optional[torch.Tensor],
+    att_cache: Optional[torch.Tensor],
+    valid: torch.Tensor,
+    cached: torch.Tensor,
+    precision: Optional[str],
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One fused body call writing into ``out`` = (velocity (N, Cout, T), new_cnn_cache
+    (depth, N, 2C, 2), new_att_cache (depth, N, H, T+L, 2D)).
+
+    ``valid``/``cached`` must already be clamped int32 (N,) on the device; ``mod_table`` float32
+    (R, depth+1, 9, C) contiguous. GEMMs run in cuBLAS (on CPU: torch, for the Triton interpreter)
+    with the caller's TF32 setting; attention through ``torch_cfm::cfm_attention``.
+    Per block: 3 rownorm + 1 qk_cache + attention + 6 GEMMs + GELU = 12 kernels.
+    """
+    vel, new_cnn, new_att = out
+    n_rows, _, t_len = x_in.shape
+    depth = (len(weights) - 4) // PER_BLOCK
+    c = weights[0].shape[0]
+    head_dim = weights[4].shape[0]
+    inner = weights[2].shape[0] // 3
+    heads = inner // head_dim
+    mlp = weights[16].shape[0] if depth else 0
+    m = n_rows * t_len
+    cd = x_in.dtype
+    dev = x_in.device
+    att_precision = precision if (cd == torch.float32 and precision in ("tf32", "ieee")) else "auto"
+    key_lengths = valid + cached
+
+    h = torch.empty((m, c), dtype=torch.float32, device=dev)
+    a = torch.empty((m, c), dtype=cd, device=dev)
+    y = torch.empty((m, c), dtype=cd, device=dev)
+    qkv = torch.empty((m, 3 * inner), dtype=cd, device=dev)
+    qbuf = torch.empty((n_rows, t_len, heads, head_dim), dtype=cd, device=dev)
+    hist1 = torch.empty((n_rows * (t_len + CONV_HISTORY), c), dtype=cd, device=dev)
+    hist2 = torch.empty_like(hist1)
+    z = torch.empty((n_rows * (t_len + CONV_HISTORY), 3 * c), dtype=cd, device=dev)
+    fbuf = torch.empty((m, mlp), dtype=cd, device=dev)
+    common = dict(n_rows=n_rows, t_len=t_len)
+
+    # staged input -> in_proj (bias added in the first boundary kernel)
+    y0 = torch.matmul(x_in.transpose(1, 2), weights[0].t()).view(m, c)
+    rownorm(y0, h, a, valid, bias=weights[1], has_res=False, table=mod_table,
+            shift=_mod_off(0, SHIFT_A, c), scale=_mod_off(0, SCALE_A, c), **common)
+    for i in range(depth):
+        (qkv_w, qkv_b, qn_w, qn_b, kn_w, kn_b, proj_w, proj_b, c1_w, c1_b, cn_w, cn_b,
+         c2_w, c2_b, fc1_w, fc1_b, fc2_w, fc2_b) = weights[2 + PER_BLOCK * i: 2 + PER_BLOCK * (i + 1)]
+        cnn_i = cnn_cache[i] if cnn_cache is not None else None
+        # attention: packed QKV GEMM, q/k norm + cache write, attention over the new cache
+        torch.addmm(qkv_b, a, qkv_w.t(), out=qkv)
+        old = att_cache[i] if att_cache is not None and att_cache.shape[3] > 0 else None
+        qk_cache(qkv, (qn_w, qn_b, kn_w, kn_b), qbuf, old, new_att[i], valid, cached,
+                 heads=heads, head_dim=head_dim, **common)
+        kv = new_att[i]
+        o = torch.ops.torch_cfm.cfm_attention.default(
+            qbuf.permute(0, 2, 1, 3), kv[..., :head_dim], kv[..., head_dim:], key_lengths, None, None,
+            att_precision)
+        torch.addmm(proj_b, o.transpose(1, 2).reshape(m, inner), proj_w.t(), out=y)
+        # residual + gate_a, LN, modulation (c) -> conv-1 history (frames 0,1 from the conv cache)
+        rownorm(y, h, hist1, valid, table=mod_table, gate=_mod_off(i, GATE_A, c),
+                shift=_mod_off(i, SHIFT_C, c), scale=_mod_off(i, SCALE_C, c),
+                out_t=t_len + CONV_HISTORY, out_off=CONV_HISTORY, head=(cnn_i, 0), **common)
+        torch.mm(hist1, c1_w.t(), out=z)
+        # conv-1 tap sum + bias, affine LN, Mish -> conv-2 history; emit conv-1 cache
+        rownorm(z, h, hist2, valid, taps=True, bias=c1_b, has_res=False, write_h=False,
+                ln_affine=(cn_w, cn_b), eps=CONV_LN_EPS, out_t=t_len + CONV_HISTORY, out_off=CONV_HISTORY,
+                head=(cnn_i, c), emit=(hist1, new_cnn[i], 0), **common)
+        torch.mm(hist2, c2_w.t(), out=z)
+        # conv-2 tap sum + bias, residual + gate_c, LN, modulation (m); emit conv-2 cache
+        rownorm(z, h, a, valid, taps=True, bias=c2_b, table=mod_table, gate=_mod_off(i, GATE_C, c),
+                shift=_mod_off(i, SHIFT_M, c), scale=_mod_off(i, SCALE_M, c),
+                emit=(hist2, new_cnn[i], c), **common)
+        # MLP
+        torch.addmm(fc1_b, a, fc1_w.t(), out=fbuf)
+        torch.ops.aten.gelu_(fbuf, approximate="tanh")
+        torch.addmm(fc2_b, fbuf, fc2_w.t(), out=y)
+        nxt = (i + 1, SHIFT_A, SCALE_A) if i + 1 < depth else (depth, 0, 1)
+        rownorm(y, h, a, valid, table=mod_table, gate=_mod_off(i, GATE_M, c),
+                shift=_mod_off(nxt[0], nxt[1], c), scale=_mod_off(nxt[0], nxt[2], c), **common)
+    out_w, out_b = weights[-2], weights[-1]
+    torch.baddbmm(out_b[None, :, None], out_w.expand(n_rows, -1, -1), a.view(n_rows, t_len, c).transpose(1, 2),
+                  out=vel)
+    return vel, new_cnn, new_att

@@ -1,0 +1,262 @@
+"""A batched, stateful streaming server over :class:`~torch_cfm.models.StreamingCFM`.
+
+Requests are opened with a speaker embedding and a prompt (solved as the request's first chunk,
+cond = prompt mel, exactly like the upstream cache setup), then any subset of open requests is
+solved together, one chunk each, even when their chunk lengths and cache lengths differ. Caches
+live in one :class:`~torch_cfm.models.cache.CacheArena` per batch bucket, allocated once; each
+solve runs :func:`~torch_cfm.models.solver.solve_arena_chunk` over a whole bucket (slots without
+a chunk this time are idle rows with 0 valid frames, left unchanged), so its shapes depend only on
+the bucket and on the (bucketed) chunk and cache lengths: ready for a CUDA-graph runner.
+
+    >>> server = CFMServer(cfm, max_requests=4, max_prompt_frames=300)
+    >>> server.open_request("a", spks_a, prompt_mu=mu_p, prompt_mel=mel_p)
+    >>> out = server.solve_chunk({"a": mu_chunk, "b": (mu_b, None)})   # {"a": (80, T_a), ...}
+    >>> server.close_request("a")
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any, Hashable, Mapping, Optional, Sequence
+
+import torch
+
+from ..ops._checks import fail, shape_str
+from .cache import TRIM_KEEP_OLDEST, CacheArena, trimmed_length
+from .solver import StreamingCFM, solve_arena_chunk
+
+
+@dataclass
+class _Request:
+    bucket: int
+    slot: int
+    prompt_len: int
+    cache_len: int = 0  # host mirror of arena.cache_lengths[slot]
+    chunks: int = 0
+
+
+def _round_up(value: int, buckets: Optional[Sequence[int]], limit: int) -> int:
+    if not buckets:
+        return value
+    i = bisect.bisect_left(buckets, value)
+    return min(buckets[i], limit) if i < len(buckets) else limit
+
+
+class CFMServer:
+    """Streaming CFM server: open/close requests, solve chunks for any subset at once.
+
+    Args:
+        cfm: the :class:`StreamingCFM` (estimator + noise + schedule).
+        max_requests: request slots in total (default 4); split into ``buckets`` when given.
+        buckets: slots per batch bucket, e.g. (1, 4, 8): one arena each; a request takes a free
+            slot of the smallest bucket that has one. Default: one bucket of ``max_requests``.
+        max_prompt_frames: longest prompt P; arenas hold ``P + 100`` cache frames (the trim bound).
+        max_chunk_frames: longest chunk (default 100); staging holds ``max(P, this)`` frames so the
+            prompt fits as a chunk.
+        chunk_buckets / cache_buckets: optional sorted lengths the chunk length T / cache window Lb
+            of a solve are rounded up to (fewer distinct shapes for CUDA graphs); default: exact.
+        device, dtype: of the arenas (default: the estimator's parameters').
+        fused: passed to the estimator (None = policy).
+    Attributes:
+        arenas: list of :class:`CacheArena`, one per bucket (never reallocated).
+        solve_fn: the per-bucket solve, default :func:`solve_arena_chunk`; a CUDA-graph runner
+            with the same signature may replace it.
+    """
+
+    def __init__(self, cfm: StreamingCFM, *, max_requests: int = 4, buckets: Optional[Sequence[int]] = None,
+                 max_prompt_frames: int = 300, max_chunk_frames: int = 100,
+                 chunk_buckets: Optional[Sequence[int]] = None, cache_buckets: Optional[Sequence[int]] = None,
+                 device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
+                 fused: Optional[bool] = None) -> None:
+        op = "CFMServer"
+        for name, val in (("max_requests", max_requests), ("max_chunk_frames", max_chunk_frames)):
+            if not isinstance(val, int) or val <= 0:
+                fail(op, name, "be a positive int", repr(val))
+        if not isinstance(max_prompt_frames, int) or max_prompt_frames < 0:
+            fail(op, "max_prompt_frames", "be an int >= 0", repr(max_prompt_frames))
+        buckets = tuple(buckets) if buckets is not None else (max_requests,)
+        if not buckets or any(not isinstance(b, int) or b <= 0 for b in buckets):
+            fail(op, "buckets", "be a non-empty sequence of positive ints", repr(buckets))
+        param = next(cfm.estimator.parameters())
+        self.cfm = cfm
+        self.config = cfm.estimator.config
+        self.device = torch.device(device) if device is not None else param.device
+        self.dtype = dtype or param.dtype
+        self.fused = fused
+        self.max_prompt_frames = max_prompt_frames
+        self.max_cache_frames = max_prompt_frames + TRIM_KEEP_OLDEST
+        self.max_chunk_frames = max(max_chunk_frames, max_prompt_frames)
+        self.chunk_buckets = sorted(chunk_buckets) if chunk_buckets else None
+        self.cache_buckets = sorted(cache_buckets) if cache_buckets else None
+        self.noise = cfm.noise.to(device=self.device, dtype=self.dtype)
+        self.arenas = [CacheArena.allocate(self.config, cfm.n_timesteps, rows, self.max_cache_frames,
+                                           self.max_chunk_frames, self.device, self.dtype)
+                       for rows in sorted(buckets)]
+        self._free = [list(range(a.rows)) for a in self.arenas]
+        self._requests: dict[Hashable, _Request] = {}
+        self.solve_fn = solve_arena_chunk
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def open_requests(self) -> list[Hashable]:
+        return list(self._requests)
+
+    def cache_length(self, request_id: Hashable) -> int:
+        """Valid attention-cache frames of an open request (after the last trim)."""
+        return self._get(request_id, "CFMServer.cache_length").cache_len
+
+    def open_request(self, request_id: Hashable, spks: torch.Tensor, *, prompt_mu: Optional[torch.Tensor] = None,
+                     prompt_mel: Optional[torch.Tensor] = None, prompt_len: Optional[int] = None
+                     ) -> Optional[torch.Tensor]:
+        """Reserve a slot for a request; solve its prompt as the first chunk when given.
+
+        Args:
+            request_id: any hashable, not already open.
+            spks: (80,) or (1, 80) speaker embedding, kept for the request's life.
+            prompt_mu: optional (80, P) or (1, 80, P) encoder output of the prompt tokens.
+            prompt_mel: optional prompt mel of the same shape (the cond of the prompt chunk;
+                None = zeros).
+            prompt_len: P for the trim (default: prompt_mu's frames, else 0). When the prompt is
+                not given here, the caller sends it as the first ``solve_chunk``.
+        Returns:
+            the prompt chunk's mel (80, P) when prompt_mu is given, else None.
+        Raises:
+            ValueError: duplicate id, bad shapes, prompt longer than max_prompt_frames.
+            RuntimeError: no free slot (close a request first).
+        """
+        op = "CFMServer.open_request"
+        if request_id in self._requests:
+            fail(op, "request_id", "not be open already", repr(request_id))
+        spks = self._as_2d(op, "spks", spks, vector=True)
+        if prompt_mu is not None:
+            prompt_mu = self._as_2d(op, "prompt_mu", prompt_mu)
+            if prompt_len is None:
+                prompt_len = prompt_mu.shape[1]
+        prompt_len = 0 if prompt_len is None else prompt_len
+        if not isinstance(prompt_len, int) or not 0 <= prompt_len <= self.max_prompt_frames:
+            fail(op, "prompt_len", f"be an int in [0, max_prompt_frames={self.max_prompt_frames}]",
+                 repr(prompt_len), "build the server with a larger max_prompt_frames")
+        bucket = next((b for b, free in enumerate(self._free) if free), None)
+        if bucket is None:
+            raise RuntimeError(f"{op}: no free request slot ({len(self._requests)} open); close a request first")
+        slot = self._free[bucket].pop(0)
+        arena = self.arenas[bucket]
+        arena.spks[slot].copy_(spks[0])
+        arena.prompt_lengths[slot] = prompt_len
+        arena.cache_lengths[slot] = 0
+        self._requests[request_id] = _Request(bucket, slot, prompt_len)
+        if prompt_mu is None:
+            return None
+        return self.solve_chunk({request_id: (prompt_mu, prompt_mel)})[request_id]
+
+    def close_request(self, request_id: Hashable) -> None:
+        """Free the request's slot (its rows become idle; caches are reused by the next request)."""
+        req = self._get(request_id, "CFMServer.close_request")
+        arena = self.arenas[req.bucket]
+        arena.cache_lengths[req.slot] = 0
+        arena.prompt_lengths[req.slot] = 0
+        del self._requests[request_id]
+        self._free[req.bucket].append(req.slot)
+        self._free[req.bucket].sort()
+
+    def request_caches(self, request_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of a request's caches in the SPEC layout (valid frames only):
+        cnn (n, depth, 2, 2C, 2), att (n, depth, 2, H, L, 2D); row 0 = cond, 1 = uncond."""
+        req = self._get(request_id, "CFMServer.request_caches")
+        return self.arenas[req.bucket].request_caches(req.slot, req.cache_len)
+
+    # ------------------------------------------------------------------ solving
+    def solve_chunk(self, chunks: Mapping[Hashable, Any]) -> dict[Hashable, torch.Tensor]:
+        """Solve one chunk for each given open request, all at once (ragged lengths allowed).
+
+        Args:
+            chunks: ``{request_id: mu}`` or ``{request_id: (mu, cond)}``; mu (80, T) or (1, 80, T)
+                with 1 <= T <= max_chunk_frames; cond the same shape or None (zeros).
+        Returns:
+            ``{request_id: mel (80, T)}`` (new tensors).
+        Raises:
+            ValueError: unknown/closed id or bad shapes (the message names the request).
+        """
+        op = "CFMServer.solve_chunk"
+        staged: dict[int, list[tuple[Hashable, _Request, torch.Tensor, Optional[torch.Tensor]]]] = {}
+        for rid, item in chunks.items():
+            req = self._get(rid, op)
+            mu, cond = item if isinstance(item, (tuple, list)) else (item, None)
+            mu = self._as_2d(op, f"chunks[{rid!r}] mu", mu)
+            t_len = mu.shape[1]
+            if not 1 <= t_len <= self.max_chunk_frames:
+                fail(op, f"chunks[{rid!r}] mu", f"have 1..{self.max_chunk_frames} frames", str(t_len),
+                     "build the server with a larger max_chunk_frames")
+            if cond is not None:
+                cond = self._as_2d(op, f"chunks[{rid!r}] cond", cond)
+                if cond.shape != mu.shape:
+                    fail(op, f"chunks[{rid!r}] cond", f"have mu's shape {shape_str(mu)}", shape_str(cond))
+            staged.setdefault(req.bucket, []).append((rid, req, mu, cond))
+        out: dict[Hashable, torch.Tensor] = {}
+        for bucket, items in staged.items():
+            out.update(self._solve_bucket(bucket, items))
+        return {rid: out[rid] for rid in chunks}
+
+    def _solve_bucket(self, bucket: int, items) -> dict[Hashable, torch.Tensor]:
+        arena = self.arenas[bucket]
+        t_max = max(mu.shape[1] for _, _, mu, _ in items)
+        t_len = _round_up(t_max, self.chunk_buckets, arena.max_chunk_frames)
+        lengths = [0] * arena.rows
+        for _, req, mu, cond in items:
+            t_n = mu.shape[1]
+            lengths[req.slot] = t_n
+            arena.mu[req.slot, :, :t_n].copy_(mu)
+            if cond is None:
+                arena.cond[req.slot, :, :t_n].zero_()
+            else:
+                arena.cond[req.slot, :, :t_n].copy_(cond)
+        arena.valid_lengths.copy_(torch.tensor(lengths, dtype=torch.int32))
+        # Only the requests of this chunk are solved (compacted) unless every slot is busy.
+        slots = sorted(req.slot for _, req, _, _ in items)
+        slot_index = None
+        if len(slots) < arena.rows:
+            slot_index = torch.tensor(slots, dtype=torch.int64).to(self.device)
+        longest_cache = max(req.cache_len for _, req, _, _ in items)
+        if slot_index is None:
+            longest_cache = max(r.cache_len for r in self._requests.values() if r.bucket == bucket)
+        cache_frames = _round_up(longest_cache, self.cache_buckets, arena.max_cache_frames)
+        self.solve_fn(
+            self.cfm.estimator, arena.att, arena.cnn, self.noise,
+            arena.mu[:, :, :t_len], arena.spks, arena.cond[:, :, :t_len],
+            arena.valid_lengths, arena.cache_lengths, arena.prompt_lengths, arena.out_mel[:, :, :t_len],
+            cache_frames=cache_frames, n_timesteps=self.cfm.n_timesteps, cfg_rate=self.cfm.cfg_rate,
+            fused=self.fused, slots=slot_index)
+        result = {}
+        for rid, req, mu, _ in items:
+            t_n = mu.shape[1]
+            req.cache_len = trimmed_length(req.cache_len + t_n, req.prompt_len)
+            req.chunks += 1
+            result[rid] = arena.out_mel[req.slot, :, :t_n].clone()
+        return result
+
+    # ------------------------------------------------------------------ helpers
+    def _get(self, request_id: Hashable, op: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            fail(op, "request_id", "name an open request", repr(request_id),
+                 f"open requests: {list(self._requests)[:8]}")
+        return req  # type: ignore[return-value]
+
+    def _as_2d(self, op: str, arg: str, t: Any, vector: bool = False) -> torch.Tensor:
+        mel = self.config.out_channels
+        if not isinstance(t, torch.Tensor):
+            fail(op, arg, "be a torch.Tensor", type(t).__name__)
+        if vector:
+            if t.shape not in ((mel,), (1, mel)):
+                fail(op, arg, f"have shape ({mel},) or (1, {mel})", shape_str(t))
+            return t.reshape(1, mel).to(device=self.device, dtype=self.dtype)
+        if t.dim() == 3 and t.shape[0] == 1:
+            t = t[0]
+        if t.dim() != 2 or t.shape[0] != mel:
+            fail(op, arg, f"have shape ({mel}, T) or (1, {mel}, T)", shape_str(t))
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def describe(self) -> str:
+        arenas = ", ".join(a.describe() for a in self.arenas)
+        return f"CFMServer({len(self._requests)} open; {arenas})"

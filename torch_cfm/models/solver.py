@@ -1,0 +1,258 @@
+"""The streaming CFM solve of SPEC §3: cosine schedule, classifier-free guidance, Euler.
+
+* :class:`StreamingCFM` wraps an estimator (:class:`~torch_cfm.models.DiT`) with the fixed noise
+  buffer; ``forward_chunk`` is the drop-in equivalent of the upstream solver's chunk call.
+* :func:`solve_arena_chunk` is the whole per-chunk solve over one cache arena with fixed shapes
+  and no host synchronisation: the function the server calls and a CUDA-graph runner captures.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..config import SolverConfig, cosine_timesteps
+from ..ops._checks import fail, shape_str
+from .cache import TRIM_KEEP_OLDEST, trim_gather_index
+
+_SOLVER = SolverConfig()
+
+
+def euler_timesteps(n_timesteps: int) -> list[float]:
+    """``t_i = 1 - cos(pi/2 * i/n)``, i = 0..n, as python floats (baked into captured graphs)."""
+    return [float(v) for v in cosine_timesteps(n_timesteps, torch.float64)]
+
+
+@torch.no_grad()
+def solve_arena_chunk(
+    estimator: nn.Module,
+    att: torch.Tensor,
+    cnn: torch.Tensor,
+    noise: torch.Tensor,
+    mu: torch.Tensor,
+    spks: torch.Tensor,
+    cond: torch.Tensor,
+    valid_lengths: torch.Tensor,
+    cache_lengths: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    out_mel: torch.Tensor,
+    *,
+    cache_frames: int,
+    n_timesteps: int = _SOLVER.n_timesteps,
+    cfg_rate: float = _SOLVER.cfg_rate,
+    keep_oldest: int = TRIM_KEEP_OLDEST,
+    fused: Optional[bool] = None,
+    slots: Optional[torch.Tensor] = None,
+) -> None:
+    """Solve one chunk for every row of a cache arena, in place (SPEC §3, ragged per SPEC §2).
+
+    For each request slot r (CFG rows r = cond and R + r = uncond, uncond with mu = spks = cond
+    = 0 and the same x): ``x0 = noise[0, :, L_r : L_r + T]`` (its own offset = its cache length),
+    then for i = 0..n-1: ``v = (1+r)·v_cond − r·v_uncond``, ``x += (t_{i+1} − t_i)·v`` with the
+    estimator reading step i's caches. Each step's new caches (``[cur T_r ; old L_r]``, then the
+    trim of SPEC §3 per row) are written back into that step's arena slice. A slot with
+    ``valid_lengths[r] == 0`` is idle: its caches and lengths come out unchanged (its ``out_mel``
+    row is padding).
+
+    Contract (what a CUDA-graph runner relies on):
+        * Static buffers, read: ``noise``, ``mu``, ``spks``, ``cond``, ``valid_lengths``,
+          ``prompt_lengths``. Static buffers, read and written in place: ``att``, ``cnn``,
+          ``cache_lengths`` (holds the new, trimmed lengths afterwards), ``out_mel``. Nothing
+          else is read from or returned to the host; shapes depend only on the arguments'
+          shapes and the python ints below, so one capture serves any values.
+        * No host synchronisation, no data-dependent python control flow; temporaries come from
+          the caching allocator (graph pool under capture); the arena is never reallocated.
+        * ``cache_frames`` (Lb, python int) must be >= the cache length of every slot solved
+          (every slot, idle ones included, when ``slots`` is None) and <= M; keys span
+          ``T + Lb`` frames and ``min(M, T + Lb)`` frames per row are written back.
+        * With ``slots``, that (S,) index buffer is static too (its values may change between
+          replays, its size may not).
+        * The estimator is called as ``forward_chunk(x, mu, t, spks, cond, cnn[i],
+          att[i][..., :Lb, :], valid_lengths=, cache_lengths=, fused=fused)``.
+
+    Args:
+        estimator: a :class:`~torch_cfm.models.DiT` (or anything with its ``forward_chunk``).
+        att: (n, depth, 2R, H, M, 2D) attention-cache arena (compute dtype).
+        cnn: (n, depth, 2R, 2C, 2) conv-cache arena.
+        noise: (1, 80, F) noise buffer (any float dtype, cast to att's).
+        mu, cond: (R, 80, T) staged chunk inputs (frames >= T_r are padding, any finite value).
+        spks: (R, 80).
+        valid_lengths: (R,) int32 T_r in [0, T]. cache_lengths: (R,) int32 L_r in [0, Lb].
+        prompt_lengths: (R,) int32 P_r (trim threshold ``P_r + keep_oldest``).
+        out_mel: (R, 80, T) output, written in place.
+        cache_frames: Lb, the cache window read this chunk (static).
+        n_timesteps, cfg_rate, keep_oldest: SPEC §3 constants (static).
+        fused: passed to the estimator (None = policy).
+        slots: optional (S,) int64 static buffer of DISTINCT slot indices: solve only these
+            slots (their rows are gathered from the arena and scattered back), so the cost
+            follows S, not R. Slots not listed are not touched at all (their ``out_mel`` rows
+            included). None = every slot. Pad to a bucket size with idle slots (length 0).
+    Shapes: R request slots, T chunk frames (bucket), M arena frames, F noise frames.
+    """
+    slot_count, _, t_len = mu.shape
+    arena_frames = att.shape[4]
+    width = min(arena_frames, t_len + cache_frames)
+    dtype = att.dtype
+    ts = euler_timesteps(n_timesteps)
+    if slots is not None:  # compact: work on the listed slots only
+        rows = torch.cat([slots, slots + slot_count])
+        mu, cond, spks = mu.index_select(0, slots), cond.index_select(0, slots), spks.index_select(0, slots)
+        vl_in, cl_in = valid_lengths.index_select(0, slots), cache_lengths.index_select(0, slots)
+        prompt = prompt_lengths.index_select(0, slots)
+    else:
+        vl_in, cl_in, prompt = valid_lengths, cache_lengths, prompt_lengths
+    n_rows = mu.shape[0]
+
+    cl = cl_in.to(torch.int64).clamp(0, cache_frames)
+    vl = vl_in.to(torch.int64).clamp(0, t_len)
+    frames = (cl[:, None] + torch.arange(t_len, device=mu.device)[None]).clamp(max=noise.shape[2] - 1)
+    x = noise[0].to(dtype).index_select(1, frames.reshape(-1)).view(-1, n_rows, t_len).transpose(0, 1)
+
+    zeros_mel = torch.zeros_like(mu)
+    mu2 = torch.cat([mu, zeros_mel]).to(dtype)
+    cond2 = torch.cat([cond, zeros_mel]).to(dtype)
+    spks2 = torch.cat([spks, torch.zeros_like(spks)]).to(dtype)
+    vl2 = torch.cat([vl, vl]).to(torch.int32)
+    cl2 = torch.cat([cl, cl]).to(torch.int32)
+
+    index, new_lengths = trim_gather_index(vl + cl, prompt, width, t_len + cache_frames, keep_oldest)
+    _, depth, _, heads, _, two_d = att.shape
+    index = torch.cat([index, index]).view(1, 2 * n_rows, 1, width, 1).expand(
+        depth, 2 * n_rows, heads, width, two_d)
+
+    for i in range(n_timesteps):
+        t = torch.full((2 * n_rows,), ts[i], device=mu.device, dtype=dtype)
+        att_in = att[i][:, :, :, :cache_frames]
+        cnn_in = cnn[i]
+        if slots is not None:
+            att_in, cnn_in = att_in.index_select(1, rows), cnn_in.index_select(1, rows)
+        v, new_cnn, new_att = estimator.forward_chunk(
+            torch.cat([x, x]), mu2, t, spks2, cond2, cnn_in, att_in,
+            valid_lengths=vl2, cache_lengths=cl2, fused=fused)
+        v = (1.0 + cfg_rate) * v[:n_rows] - cfg_rate * v[n_rows:]
+        x = x + (ts[i + 1] - ts[i]) * v.to(dtype)
+        kept = torch.gather(new_att, 3, index)
+        if slots is None:
+            cnn[i].copy_(new_cnn)
+            att[i][:, :, :, :width].copy_(kept)
+        else:
+            cnn[i].index_copy_(1, rows, new_cnn.to(cnn.dtype))
+            att[i][:, :, :, :width].index_copy_(1, rows, kept.to(att.dtype))
+    if slots is None:
+        out_mel.copy_(x)
+        cache_lengths.copy_(new_lengths)
+    else:
+        out_mel.index_copy_(0, slots, x.to(out_mel.dtype))
+        cache_lengths.index_copy_(0, slots, new_lengths.to(cache_lengths.dtype))
+
+
+class StreamingCFM(nn.Module):
+    """Streaming conditional flow matching: the estimator plus the fixed noise (SPEC §3).
+
+    Args:
+        estimator: a :class:`~torch_cfm.models.DiT` (anything with its ``forward_chunk``).
+        n_timesteps: Euler steps n (10).
+        cfg_rate: classifier-free guidance r (0.7).
+        noise: optional (1, 80, F) noise buffer; default drawn once, on CPU in fp32, from
+            ``torch.Generator().manual_seed(seed)`` with F = 30000.
+        seed: seed of the default noise.
+    Attributes:
+        noise: the (1, 80, F) buffer (a non-persistent module buffer: moves with ``.to()``).
+    Example:
+        >>> cfm = StreamingCFM(DiT(DiTConfig(hidden=64, depth=2, heads=4, head_dim=16)).random_init_())
+        >>> mel, cnn, att = cfm.forward_chunk(torch.randn(1, 80, 20), torch.randn(1, 80), torch.zeros(1, 80, 20))
+        >>> mel.shape, att.shape
+        (torch.Size([1, 80, 20]), torch.Size([10, 2, 2, 4, 20, 32]))
+    """
+
+    def __init__(self, estimator: nn.Module, n_timesteps: int = _SOLVER.n_timesteps,
+                 cfg_rate: float = _SOLVER.cfg_rate, noise: Optional[torch.Tensor] = None, seed: int = 0) -> None:
+        super().__init__()
+        op = "StreamingCFM"
+        if not isinstance(n_timesteps, int) or n_timesteps <= 0:
+            fail(op, "n_timesteps", "be a positive int", repr(n_timesteps))
+        mel = estimator.config.out_channels if hasattr(estimator, "config") else _SOLVER.mel_channels
+        if noise is None:
+            gen = torch.Generator().manual_seed(int(seed))
+            noise = torch.randn((1, mel, _SOLVER.noise_frames), generator=gen)
+        elif not isinstance(noise, torch.Tensor) or noise.dim() != 3 or noise.shape[:2] != (1, mel):
+            fail(op, "noise", f"be a tensor of shape (1, {mel}, F)",
+                 shape_str(noise) if isinstance(noise, torch.Tensor) else type(noise).__name__)
+        self.estimator = estimator
+        self.n_timesteps = n_timesteps
+        self.cfg_rate = float(cfg_rate)
+        self.register_buffer("noise", noise, persistent=False)
+
+    def timesteps(self) -> list[float]:
+        """The cosine schedule t_0..t_n as python floats."""
+        return euler_timesteps(self.n_timesteps)
+
+    @torch.no_grad()
+    def forward_chunk(self, mu: torch.Tensor, spks: torch.Tensor, cond: torch.Tensor,
+                      cnn_cache: Optional[torch.Tensor] = None, att_cache: Optional[torch.Tensor] = None,
+                      fused: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Solve one chunk for B requests that share T and L (the upstream call).
+
+        Rows ``[cond × B | uncond × B]``; ``x0 = noise[:, :, o:o+T]`` with o = L (the attention
+        cache length), the same for every request; n Euler steps with CFG; step i reads
+        ``cnn_cache[i]`` / ``att_cache[i]`` and returns its new caches. No trim here (the caller
+        applies :func:`~torch_cfm.models.cache.trim_attention_cache`, or uses the server).
+
+        Args:
+            mu: (B, 80, T); spks: (B, 80); cond: (B, 80, T).
+            cnn_cache: (n, depth, 2B, 2C, 2) or None (zero history).
+            att_cache: (n, depth, 2B, H, L, 2D) or None (L = 0).
+            fused: passed to the estimator (None = policy).
+        Returns:
+            mel (B, 80, T) in mu's dtype, cnn caches (n, depth, 2B, 2C, 2), attention caches
+            (n, depth, 2B, H, T+L, 2D) (compute dtype).
+        Raises:
+            ValueError: bad shapes, or ``L + T`` beyond the noise buffer.
+        """
+        op = "StreamingCFM.forward_chunk"
+        n = self.n_timesteps
+        if not isinstance(mu, torch.Tensor) or mu.dim() != 3:
+            fail(op, "mu", "be a tensor of shape (B, 80, T)",
+                 shape_str(mu) if isinstance(mu, torch.Tensor) else type(mu).__name__)
+        batch, _, t_len = mu.shape
+        for name, cache in (("cnn_cache", cnn_cache), ("att_cache", att_cache)):
+            if cache is None:
+                continue
+            if not isinstance(cache, torch.Tensor) or cache.dim() not in (5, 6) or cache.shape[0] != n \
+                    or cache.shape[2] != 2 * batch:
+                layout = "(n, depth, 2B, 2C, 2)" if name == "cnn_cache" else "(n, depth, 2B, H, L, 2D)"
+                fail(op, name, f"have shape {layout} with n={n}, 2B={2 * batch}",
+                     shape_str(cache) if isinstance(cache, torch.Tensor) else type(cache).__name__)
+        offset = 0 if att_cache is None else att_cache.shape[4]
+        if offset + t_len > self.noise.shape[2]:
+            fail(op, "att_cache", f"leave room in the noise buffer: L + T <= {self.noise.shape[2]}",
+                 f"L={offset}, T={t_len}", "trim the cache (trim_attention_cache)")
+        x = self.noise[:, :, offset:offset + t_len].to(device=mu.device, dtype=mu.dtype).expand(batch, -1, -1)
+        zeros = torch.zeros_like(mu)
+        mu2 = torch.cat([mu, zeros])
+        cond2 = torch.cat([cond, zeros]).to(mu.dtype)
+        spks2 = torch.cat([spks, torch.zeros_like(spks)]).to(mu.dtype)
+        ts = self.timesteps()
+        cnn_out, att_out = [], []
+        for i in range(n):
+            t = torch.full((2 * batch,), ts[i], device=mu.device, dtype=mu.dtype)
+            v, new_cnn, new_att = self.estimator.forward_chunk(
+                torch.cat([x, x]), mu2, t, spks2, cond2,
+                None if cnn_cache is None else cnn_cache[i], None if att_cache is None else att_cache[i],
+                fused=fused)
+            v = (1.0 + self.cfg_rate) * v[:batch] - self.cfg_rate * v[batch:]
+            x = x + (ts[i + 1] - ts[i]) * v.to(x.dtype)
+            cnn_out.append(new_cnn)
+            att_out.append(new_att)
+        return x, torch.stack(cnn_out), torch.stack(att_out)
+
+    def server(self, **kwargs) -> "CFMServer":  # noqa: F821 - defined in server.py
+        """A :class:`~torch_cfm.models.server.CFMServer` over this solver (kwargs forwarded)."""
+        from .server import CFMServer
+
+        return CFMServer(self, **kwargs)
+
+
+SolveFn = Callable[..., None]
