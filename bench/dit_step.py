@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import shlex
 import sys
@@ -41,12 +42,13 @@ from typing import Callable, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import (env_info, fmt_us, make_row, markdown_table, rel_err, time_cuda_graph,  # noqa: E402
+from _harness import (env_info, make_row, markdown_table, rel_err, time_cuda_graph,  # noqa: E402
                       time_eager, upsert_rows)
 
 from torch_cfm import policy  # noqa: E402
 from torch_cfm.config import BODY_BENCH_SHAPES, DiTConfig, cosine_timesteps  # noqa: E402
 from torch_cfm.graphs import CFMGraphRunner  # noqa: E402
+from torch_cfm.kernels.dit_body import DEFAULT_VARIANT, VARIANTS  # noqa: E402
 from torch_cfm.models import random_dit  # noqa: E402
 from torch_cfm.ops.dit_body import _empty_outputs, check_dit_body, dit_body_fused_into, stage_input  # noqa: E402
 from torch_cfm.packing import modulation_table, packed_for  # noqa: E402
@@ -119,8 +121,9 @@ def step_providers(model, model_dtype, inp, dname, precision):
     s = check_dit_body(x_in, packed.body, table, inp["cnn"], inp["att"], None, None, precision or "auto")
     outs = _empty_outputs(x_in, s)
 
-    def fused():
-        return dit_body_fused_into(x_in, packed.body, table, inp["cnn"], inp["att"], None, None, precision, outs)[0]
+    def fused(variant=None):
+        return lambda: dit_body_fused_into(x_in, packed.body, table, inp["cnn"], inp["att"], None, None, precision,
+                                           outs, variant)[0]
 
     def hook():
         return model.forward_chunk(inp["x"], inp["mu"], inp["t"], inp["spks"], inp["cond"], inp["cnn"], inp["att"],
@@ -130,19 +133,19 @@ def step_providers(model, model_dtype, inp, dname, precision):
         return model.forward_chunk(inp["x"], inp["mu"], inp["t"], inp["spks"], inp["cond"], inp["cnn"], inp["att"],
                                    fused=False)[0]
 
-    fns += [("torch_cfm", "", fused), ("torch_cfm", "forward_chunk", hook), ("reference_eager", "", ref),
-            ("reference_graph", "", ref)]
+    fns += [("torch_cfm", "", fused())]
+    fns += [("torch_cfm", v, fused(v)) for v in VARIANTS if v != DEFAULT_VARIANT]
+    fns += [("torch_cfm", "forward_chunk", hook), ("reference_eager", "", ref), ("reference_graph", "", ref)]
     return fns
 
 
-def run_steps(cfg, shapes, dnames, providers, args, env) -> list[dict]:
+def run_steps(cfg, shapes, dnames, providers, args, env, base) -> list[dict]:
     rows = []
-    base = random_dit(cfg, seed=0)
     for n, t, l_len in shapes:
         ref64 = None
         if DEVICE == "cuda":
             try:
-                m64 = random_dit(cfg, seed=0).to(device=DEVICE, dtype=torch.float64)
+                m64 = copy.deepcopy(base).to(device=DEVICE, dtype=torch.float64)
                 i64 = step_inputs(cfg, n, t, l_len, torch.float64)
                 with torch.no_grad():
                     ref64 = m64.forward_chunk(i64["x"], i64["mu"], i64["t"], i64["spks"], i64["cond"], i64["cnn"],
@@ -152,14 +155,13 @@ def run_steps(cfg, shapes, dnames, providers, args, env) -> list[dict]:
                 traceback.print_exc()
         for dname in dnames:
             dtype, precision = DTYPES[dname]
-            model = random_dit(cfg, seed=0).to(device=DEVICE, dtype=dtype)
-            model.load_state_dict(base.state_dict())
+            model = copy.deepcopy(base).to(device=DEVICE, dtype=dtype)
             inp = step_inputs(cfg, n, t, l_len, dtype)
             ctx = tf32_ctx(dtype, precision)
             shape = {"N": n, "T": t, "L": l_len}
             fl = floor_us(cfg, n, t, l_len, dname, torch.finfo(dtype).bits // 8)
             fns = [f for f in step_providers(model, dtype, inp, dname, precision)
-                   if (f[0] if not f[1] else f"{f[0]}/hook") in providers]
+                   if (f"{f[0]}/hook" if f[1] == "forward_chunk" else f[0]) in providers]
             if "torch_compile_graph" in providers and not args.quick:
                 fns.append(("torch_compile_graph", "", compile_step(model, inp)))
             for prov, variant, fn in fns:
@@ -174,7 +176,7 @@ def run_steps(cfg, shapes, dnames, providers, args, env) -> list[dict]:
                             row["rel_err"] = rel_err(out.float(), ref64)
                         timer = time_eager if timing == "eager" else time_cuda_graph
                         row.update(timer(lambda: fn(), calls=args.calls, repeats=args.repeats, context=ctx))
-                        if prov == "torch_cfm" and not variant or prov == "reference_eager":
+                        if prov in ("torch_cfm", "reference_eager") and variant != "forward_chunk":
                             with ctx():
                                 row["kernels"] = count_kernels(fn)
                     if row.get("us_p50"):
@@ -218,9 +220,8 @@ def reference_solve(model, mu2, spks2, cond2, x0, cnn, att, n_steps, cfg_rate=0.
     return x
 
 
-def run_solve(cfg, b, t, l_len, dnames, args, env, n_steps=10) -> list[dict]:
+def run_solve(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dict]:
     rows = []
-    base = random_dit(cfg, seed=0)
     g = torch.Generator().manual_seed(1)
 
     def r(*shape):
@@ -239,7 +240,7 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, n_steps=10) -> list[dict]:
     mel64 = None
     if DEVICE == "cuda":
         try:
-            m64 = random_dit(cfg, seed=0).to(device=DEVICE, dtype=torch.float64)
+            m64 = copy.deepcopy(base).to(device=DEVICE, dtype=torch.float64)
             with torch.no_grad():
                 mel64 = reference_solve(m64, *rows2(torch.float64), n_steps)
             del m64
@@ -248,41 +249,15 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, n_steps=10) -> list[dict]:
     shape = {"B": b, "N": 2 * b, "T": t, "L": l_len}
     for dname in dnames:
         dtype, precision = DTYPES[dname]
-        model = random_dit(cfg, seed=0).to(device=DEVICE, dtype=dtype)
-        model.load_state_dict(base.state_dict())
+        model = copy.deepcopy(base).to(device=DEVICE, dtype=dtype)
         ctx = tf32_ctx(dtype, precision)
         fl = n_steps * floor_us(cfg, 2 * b, t, l_len, dname, torch.finfo(dtype).bits // 8)
         mu2, spks2, cond2, x0d, cnnd, attd = rows2(dtype)
-        runner = CFMGraphRunner(model, dtype=dtype, device=DEVICE, n_timesteps=n_steps, precision=precision,
-                                batch_buckets=(b,), chunk_buckets=(t,), cache_buckets=(l_len,))
         common = dict(op="cfm_solve_chunk", shape=shape, dtype=dname.split("-")[0], precision=precision,
                       floor_us=round(fl, 2))
-        # torch_cfm: graph replay of the runner
-        row = dict(common, provider="torch_cfm", variant="", timing="cuda_graph")
-        try:
-            with torch.no_grad():
-                mem0 = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
-                mel, _, _ = runner.solve(mu2[:b], spks2[:b], cond2[:b], x0d.float(), attd, cnnd)
-                ent = runner.entry((b, t, l_len))
-                row["arena_bytes"] = ent.bufs.arena_bytes()
-                row["buffers_bytes"] = ent.bufs.nbytes()
-                row["graph_pool_bytes"] = ent.pool_bytes
-                row["captured"] = ent.graph is not None
-                row["capture_error"] = ent.failed
-                if DEVICE == "cuda":
-                    row["allocated_delta_bytes"] = torch.cuda.memory_allocated() - mem0
-                if mel64 is not None:
-                    row["rel_err"] = rel_err(mel.float(), mel64)
-                row.update(time_replay(lambda: runner.run(ent), args))
-                row["kernels"] = count_kernels(lambda: runner.run_eager(ent.bufs))
-        except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
-            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        rows.append(make_row(env, **row))
-        print(f"solve {shape} {dname} torch_cfm: p50 {row.get('us_p50')} us, rel_err {row.get('rel_err')}, "
-              f"arena {row.get('arena_bytes')}, pool {row.get('graph_pool_bytes')}", flush=True)
-        del runner
-
+        for variant in [DEFAULT_VARIANT] + [v for v in VARIANTS if v != DEFAULT_VARIANT]:
+            rows.append(make_row(env, **solve_fused_row(model, dtype, precision, variant, b, t, l_len, n_steps,
+                                                         (mu2, spks2, cond2, x0d, cnnd, attd), mel64, common, args)))
         def ref():
             return reference_solve(model, mu2, spks2, cond2, x0d, cnnd, attd, n_steps)
 
@@ -307,6 +282,38 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, n_steps=10) -> list[dict]:
         if row.get("us_p50"):
             row["floor_frac"] = round(row["floor_us"] / row["us_p50"], 4)
     return rows
+
+
+def solve_fused_row(model, dtype, precision, variant, b, t, l_len, n_steps, tensors, mel64, common, args) -> dict:
+    """One torch_cfm row of the chunk solve: CFMGraphRunner graph replay (kernel ``variant``)."""
+    mu2, spks2, cond2, x0d, cnnd, attd = tensors
+    runner = CFMGraphRunner(model, dtype=dtype, device=DEVICE, n_timesteps=n_steps, precision=precision,
+                            batch_buckets=(b,), chunk_buckets=(t,), cache_buckets=(l_len,), variant=variant)
+    row = dict(common, provider="torch_cfm", variant="" if variant == DEFAULT_VARIANT else variant,
+               timing="cuda_graph")
+    try:
+        with torch.no_grad():
+            mem0 = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
+            mel, _, _ = runner.solve(mu2[:b], spks2[:b], cond2[:b], x0d.float(), attd, cnnd)
+            ent = runner.entry((b, t, l_len))
+            row["arena_bytes"] = ent.bufs.arena_bytes()
+            row["buffers_bytes"] = ent.bufs.nbytes()
+            row["graph_pool_bytes"] = ent.pool_bytes
+            row["captured"] = ent.graph is not None
+            row["capture_error"] = ent.failed
+            if DEVICE == "cuda":
+                row["allocated_delta_bytes"] = torch.cuda.memory_allocated() - mem0
+            if mel64 is not None:
+                row["rel_err"] = rel_err(mel.float(), mel64)
+            row.update(time_replay(lambda: runner.run(ent), args))
+            row["kernels"] = count_kernels(lambda: runner.run_eager(ent.bufs))
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    print(f"solve {common['shape']} {dtype} torch_cfm/{variant}: p50 {row.get('us_p50')} us, rel_err "
+          f"{row.get('rel_err')}, arena {row.get('arena_bytes')}, pool {row.get('graph_pool_bytes')}", flush=True)
+    del runner
+    return row
 
 
 def time_replay(fn, args) -> dict:
@@ -413,11 +420,12 @@ def main(argv=None) -> int:
     env = env_info()
     command = "python3 " + shlex.join([os.path.relpath(__file__)] + list(argv if argv is not None else sys.argv[1:]))
     t0 = time.time()
-    rows = run_steps(cfg, shapes, dnames, providers, args, env)
+    base = random_dit(cfg, seed=0)
+    rows = run_steps(cfg, shapes, dnames, providers, args, env, base)
     if not args.no_solve:
         sdn = args.solve_dtypes.split(",") if args.solve_dtypes else dnames
         b, t, l_len = (1, 5, 4) if args.dry_run else (4, 50, 400)
-        rows += run_solve(cfg, b, t, l_len, sdn, args, env, n_steps=2 if args.dry_run else 10)
+        rows += run_solve(cfg, b, t, l_len, sdn, args, env, base, n_steps=2 if args.dry_run else 10)
     all_rows = upsert_rows(os.path.join(args.out, "dit_step.json"), rows)
     print(write_table(rows, args.out, command))
     print(f"{len(rows)} rows in {time.time() - t0:.0f} s; {len(all_rows)} rows in {args.out}/dit_step.json")

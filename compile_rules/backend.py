@@ -19,7 +19,7 @@ the ``torch_dynamo_backends`` entry point (``setup.py``) so the name works witho
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.fx
@@ -73,13 +73,16 @@ class TorchCfmBackend:
     Args:
         rules: the :class:`RulesConfig` for every graph this backend compiles (options with the
             ``torch_cfm.`` prefix override single fields).
+        compiler: what compiles the rewritten graph (default Inductor's ``compile_fx``); called
+            as ``compiler(gm, example_inputs, config_patches=...)``. Tests pass an eager runner.
     Attributes:
         sites: every :class:`Site` the rules visited, over all graphs compiled so far.
         last_pass: the pass object of the latest graph (its ``last_sites``, ``uuid()``).
     """
 
-    def __init__(self, rules: Optional[RulesConfig] = None):
+    def __init__(self, rules: Optional[RulesConfig] = None, compiler: Optional[Callable[..., Any]] = None):
         self.rules = rules or RulesConfig()
+        self.compiler = compiler
         self.sites: list[Site] = []
         self.last_pass: Optional[TorchCfmPass] = None
 
@@ -101,7 +104,8 @@ class TorchCfmBackend:
         if rules_pass.config.guard_clones:
             current = patches.get("joint_custom_pre_pass", inductor_config.joint_custom_pre_pass)
             patches["joint_custom_pre_pass"] = hooks.add_pass(current, rules_pass)
-        return compile_fx(gm, list(example_inputs), config_patches=patches)
+        compiler = self.compiler or compile_fx
+        return compiler(gm, list(example_inputs), config_patches=patches)
 
     def reset(self) -> None:
         """Called by ``torch._dynamo.reset()``: drop CUDA-graph trees like Inductor's wrapper."""

@@ -15,7 +15,7 @@ try:
     from hypothesis import HealthCheck, settings
 
     _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    settings.register_profile("ci", max_examples=25, derandomize=True, print_blob=True, **_common)
+    settings.register_profile("ci", max_examples=50, derandomize=True, print_blob=True, **_common)
     settings.register_profile("gpu", max_examples=200, derandomize=False, print_blob=True, **_common)
     settings.register_profile("dev", max_examples=8, derandomize=True, **_common)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

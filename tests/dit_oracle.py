@@ -13,7 +13,6 @@ Per-row conventions (one row = one sequence):
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 

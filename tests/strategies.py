@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator, Optional, Sequence
 
 import torch
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from torch_cfm.config import ATTENTION_HEAD_DIMS
@@ -34,6 +35,13 @@ CASES: collections.Counter = collections.Counter()
 def tried(name: str) -> None:
     """Count one example of property ``name`` (printed by conftest's terminal summary)."""
     CASES[name] += 1
+
+
+def gpu_settings() -> settings:
+    """Settings of the CUDA variants: a fifth of the profile's examples (>= 6). Each new shape or
+    stride pattern costs a Triton JIT compile on the GPU, so the CUDA runs stay within minutes
+    (ci profile: 10 examples per property, gpu profile: 40)."""
+    return settings(max_examples=max(6, settings.default.max_examples // 5))
 
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -142,3 +142,19 @@ def test_every_triton_config_matches_oracle(dtype, precision):
                 cfm_attention_triton(case.q, case.k, case.v, case.key_lengths, case.mask, None,
                                      precision, out, config=cfg)
                 assert_within_oracle(out.cpu(), same, ref64, name=cfg.name)
+
+
+@pytest.mark.parametrize("device,dtype,precision", MODES)
+def test_strided_index_vectors(device, dtype, precision):
+    """key_lengths and kv_rows taken as every other element of a longer vector (any strides)."""
+    spec = SPEC(n=3, h=2, q_len=6, k_len=70, d=32, seed=9, lengths=(70, 9, 0), kv_rows=(2, 0, 1), pool=3)
+    case = S.build_attention(spec, device, dtype)
+    contiguous = check_against_oracle(case, precision)
+    for name in ("key_lengths", "kv_rows"):
+        vec = getattr(case, name)
+        wide = torch.full((2 * vec.shape[0],), -1, dtype=vec.dtype, device=vec.device)
+        wide[::2] = vec
+        setattr(case, name, wide[::2])
+        strided = check_against_oracle(case, precision)
+        assert torch.equal(strided, contiguous), f"strided {name} changed the result"
+        setattr(case, name, vec)

@@ -258,14 +258,16 @@ def _gpu_check(a, dtype, precision, config=None):
                          ids=lambda s: "x".join(map(str, s)))
 def test_gpu_default_config(dtype, precision, shape):
     n, h, q_len, k_len = shape
-    _gpu_check(_gpu_inputs(n, h, q_len, k_len, 64, dtype), dtype, precision)
+    small = n * h <= 16  # the small shapes also exercise mask + pool rows through the default config
+    a = _gpu_inputs(n, h, q_len, k_len, 64, dtype, mask=small, pool=n + 1 if small else 0)
+    _gpu_check(a, dtype, precision)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,precision", _GPU_DTYPES, ids=["f16", "bf16", "f32-tf32", "f32-ieee"])
 @pytest.mark.parametrize("config", [(16, 64, 1), (32, 32, 3), (64, 64, 4), (16, 128, 2), (64, 32, 8)],
                          ids=lambda c: "q%d_k%d_s%d" % c)
-@pytest.mark.parametrize("d", [16, 32, 64, 128])
+@pytest.mark.parametrize("d", [16, 32, 64, 128], ids=lambda d: f"D{d}")
 def test_gpu_variants(dtype, precision, config, d):
     from torch_cfm.kernels.cfm_attention import AttentionConfig
 

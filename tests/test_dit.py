@@ -88,6 +88,7 @@ def test_state_dict_round_trip_through_file(tmp_path):
     torch.save(model.state_dict(), path)
     loaded = load_checkpoint(None, path)
     assert loaded.config == TINY
+    assert DiT.from_checkpoint(path).config == TINY
     x, mu, t, spks, cond, cnn, att = inputs(2, 6, 4)
     torch.testing.assert_close(loaded.forward_chunk(x, mu, t, spks, cond, cnn, att)[0],
                                model.forward_chunk(x, mu, t, spks, cond, cnn, att)[0], rtol=0, atol=0)

@@ -4,8 +4,9 @@
   oracle ``tests/dit_oracle.py`` in float64 (ragged rows, every cache); fp32 against the
   SPEC §6 oracle with the model's reference path as the same-dtype reference; padded row ==
   solo row; autocast; packing/repacking; ValueErrors; fake metadata; opcheck.
-* Triton interpreter (child process, ``TRITON_INTERPRET=1``): the fused driver in fp32/fp16 on
-  tiny shapes against the fp64 reference (SPEC §6), incl. no caches, T_n = 0, L = 0, T = 1.
+* Triton interpreter (child process, ``TRITON_INTERPRET=1``): the fused driver (every kernel
+  variant) in fp32/fp16 on tiny shapes against the fp64 reference (SPEC §6), incl. no caches,
+  T_n = 0, L = 0, T = 1.
 * GPU (``gpu`` marker, H200): fused vs the model's reference path for fp16 / bf16 / fp32-tf32 /
   fp32-ieee with ragged rows at the shipped widths (C=512, H=8, D=64; 4 blocks), outputs and
   every cache; the model hook; sync-debug mode.
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -247,12 +249,14 @@ def test_value_errors_name_the_argument(bad):
 # Triton interpreter: the fused driver itself (child process)
 # --------------------------------------------------------------------------------------------
 
-INTERP_CASES = [
+_INTERP_BASE = [
     dict(name="ragged_f32", dtype=torch.float32, n=3, t=7, l_len=5, valid=[7, 3, 0], cached=[5, 2, 4]),
     dict(name="nocache_f32", dtype=torch.float32, n=2, t=5, l_len=0, valid=None, cached=None, no_cnn=True),
     dict(name="t1_f32", dtype=torch.float32, n=2, t=1, l_len=3, valid=[1, 0], cached=[3, 3]),
     dict(name="ragged_f16", dtype=torch.float16, n=2, t=6, l_len=4, valid=[6, 4], cached=[4, 2]),
 ]
+VARIANTS = ("v1", "v2", "v3")  # torch_cfm.kernels.dit_body.VARIANTS (not imported: it imports triton)
+INTERP_CASES = [dict(c, name=f"{c['name']}_{v}", variant=v) for v in VARIANTS for c in _INTERP_BASE]
 
 
 def _interp_args(case):
@@ -276,7 +280,7 @@ def _child(out_path: str) -> None:
         _, x_in, w, table, cnn, att, valid, cached = _interp_args(case)
         s = check_dit_body(x_in, w, table, cnn, att, valid, cached, "ieee")
         out = tuple(o.fill_(float("nan")) for o in _empty_outputs(x_in, s))  # poisoned
-        dit_body_fused_into(x_in, w, table, cnn, att, valid, cached, "ieee", out)
+        dit_body_fused_into(x_in, w, table, cnn, att, valid, cached, "ieee", out, case["variant"])
         results[case["name"]] = out
     torch.save(results, out_path)
 
@@ -318,29 +322,41 @@ GPU_CFG = DiTConfig(depth=4)
 GPU_PRECISIONS = [(torch.float16, None), (torch.bfloat16, None), (torch.float32, "tf32"), (torch.float32, "ieee")]
 
 
+_GPU_N, _GPU_T, _GPU_L = 4, 50, 64
+_GPU_VALID, _GPU_CACHED = [50, 37, 1, 0], [64, 10, 0, 64]
+
+
+@functools.lru_cache(maxsize=2)
+def _gpu_ref64(seed):
+    model64 = random_dit(GPU_CFG, seed=seed).double()
+    inputs = make_inputs(GPU_CFG, _GPU_N, _GPU_T, _GPU_L, torch.float64, seed=seed + 1, valid=_GPU_VALID,
+                         cached=_GPU_CACHED)
+    ref = model64.forward_chunk(*inputs[:7], valid_lengths=inputs[7], cache_lengths=inputs[8], fused=False)
+    return inputs, ref
+
+
 def _gpu_case(dtype, precision, seed=20):
     dev = torch.device("cuda")
-    n, t, l_len = 4, 50, 64
-    valid, cached = [50, 37, 1, 0], [64, 10, 0, 64]
-    model64 = random_dit(GPU_CFG, seed=seed).double()
-    inputs = make_inputs(GPU_CFG, n, t, l_len, torch.float64, seed=seed + 1, valid=valid, cached=cached)
-    ref = model64.forward_chunk(*inputs[:7], valid_lengths=inputs[7], cache_lengths=inputs[8], fused=False)
+    inputs, ref = _gpu_ref64(seed)
     model = random_dit(GPU_CFG, seed=seed).to(device=dev, dtype=dtype)
     dev_in = [None if a is None else a.to(dev) for a in inputs]
     dev_in = [a.to(dtype) if a is not None and a.is_floating_point() and i != 2 else a for i, a in enumerate(dev_in)]
-    tf32 = precision == "tf32"
     from torch_cfm import policy
-    with policy.tf32_scope(tf32):
+    with policy.tf32_scope(precision == "tf32"):
         same = model.forward_chunk(*dev_in[:7], valid_lengths=dev_in[7], cache_lengths=dev_in[8], fused=False)
     fast = dit_forward_chunk_fused(model, *dev_in[:7], valid_lengths=dev_in[7], cache_lengths=dev_in[8],
                                    precision=precision)
     torch.cuda.synchronize()
-    return fast, same, ref, inputs[7], inputs[8], t, l_len
+    return fast, same, ref, inputs[7], inputs[8], _GPU_T, _GPU_L
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("dtype,precision", GPU_PRECISIONS, ids=["fp16", "bf16", "fp32-tf32", "fp32-ieee"])
-def test_gpu_fused_within_oracle(dtype, precision):
+def test_gpu_fused_within_oracle(dtype, precision, variant, monkeypatch):
+    import torch_cfm.kernels.dit_body as kernels
+
+    monkeypatch.setattr(kernels, "DEFAULT_VARIANT", variant)
     fast, same, ref, valid, cached, t, l_len = _gpu_case(dtype, precision)
     parts = [valid_parts(*(o.cpu() for o in outs), valid, cached, t, l_len) for outs in (fast, same, ref)]
     for k, name in enumerate(("velocity", "cnn_cache", "att_cache")):
@@ -350,6 +366,9 @@ def test_gpu_fused_within_oracle(dtype, precision):
         assert_within_oracle(f, s, r, name)
         if precision == "ieee":
             assert err_rel_fro(f, r) <= IEEE_REL_BOUND, name
+    # padding frames of every new attention cache are zero
+    for i in range(_GPU_N):
+        assert (fast[2][:, i, :, _GPU_VALID[i] + _GPU_CACHED[i]:] == 0).all()
 
 
 @pytest.mark.gpu

@@ -147,9 +147,11 @@ def _fill(bufs, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
-def test_gpu_replay_equals_eager_bitwise(dtype):
-    _, runner = _gpu_runner(dtype)
+@pytest.mark.parametrize("dtype,variant", [(torch.float16, "v1"), (torch.bfloat16, "v1"), (torch.float32, "v1"),
+                                           (torch.float16, "v2"), (torch.float16, "v3"), (torch.float32, "v3")],
+                         ids=["fp16-v1", "bf16-v1", "fp32-v1", "fp16-v2", "fp16-v3", "fp32-v3"])
+def test_gpu_replay_equals_eager_bitwise(dtype, variant):
+    _, runner = _gpu_runner(dtype, variant=variant)
     ent = runner.entry((4, 50, 64))
     _fill(ent.bufs, 0)
     runner.run(ent)  # captures, replays
@@ -221,6 +223,48 @@ def test_gpu_capture_failure_falls_back_with_reason(monkeypatch):
     assert ent.graph is None and "simulated capture failure" in ent.failed
     assert any("failed, eager fused instead" in e for e in runner.events)
     assert torch.isfinite(ent.bufs.mel.float()).all()
+
+
+@pytest.mark.gpu
+def test_gpu_arena_graph_solver_in_server_bitwise():
+    from torch_cfm.graphs import ArenaGraphSolver
+    from torch_cfm.models.solver import StreamingCFM
+
+    model = random_dit(GPU_CFG, seed=50).to(device="cuda", dtype=torch.float16)
+
+    def make():
+        cfm = StreamingCFM(model, n_timesteps=4)
+        return cfm.server(max_requests=2, max_prompt_frames=60, max_chunk_frames=50, chunk_buckets=[50],
+                          cache_buckets=[160], fused=True)
+
+    eager, graphed = make(), make()
+    graphed.solve_fn = ArenaGraphSolver()
+    g = torch.Generator().manual_seed(0)
+    h = lambda *shape: torch.randn(*shape, generator=g).to(device="cuda", dtype=torch.float16)  # noqa: E731
+    spk = {r: h(80) for r in "xy"}
+    prompts = {"x": h(80, 40), "y": h(80, 50)}
+    for srv in (eager, graphed):
+        for r in "xy":
+            srv.open_request(r, spk[r], prompt_mu=prompts[r], prompt_mel=prompts[r])
+    for _ in range(4):
+        chunk = {"x": h(80, 50), "y": h(80, 30)}
+        want, got = eager.solve_chunk(chunk), graphed.solve_chunk(chunk)
+        for r in "xy":
+            assert torch.isfinite(want[r].float()).all()
+            assert torch.equal(want[r], got[r]), r
+    assert any("captured" in e for e in graphed.solve_fn.events), graphed.solve_fn.events
+
+
+def test_arena_graph_solver_validates_and_runs_eager_on_cpu():
+    from torch_cfm.graphs import ArenaGraphSolver
+
+    with pytest.raises(ValueError, match="max_graphs"):
+        ArenaGraphSolver(max_graphs=0)
+    calls = []
+    solver = ArenaGraphSolver(lambda *a, **k: calls.append(k["cache_frames"]))
+    t = torch.zeros(1)
+    solver(None, t, t, t, t.view(1, 1, 1), t, t, t, t, t, t, cache_frames=3)
+    assert calls == [3]
 
 
 if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--child":

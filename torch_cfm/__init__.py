@@ -21,6 +21,7 @@ from .config import DiTConfig, SolverConfig
 from .diagnostics import explain
 from .ops import cfm_attention
 from .models import CFMServer, DiT, StreamingCFM, load_checkpoint
+from .compile import compile  # noqa: A004  torch_cfm.compile(model, **options) (compile rules)
 
 __version__ = "0.1.0"
 

@@ -57,18 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--dtype", default="float32", help="float32 (default), float16 or bfloat16")
-    p.add_argument("--requests", type=_positive("--requests"), default=3, help="requests to stream (3)")
-    p.add_argument("--chunks", type=_positive("--chunks"), default=3,
-                   help="chunks of the longest request (3); others get fewer")
+    p.add_argument("--requests", type=_positive("--requests"), default=4, help="requests to stream (4)")
+    p.add_argument("--chunks", type=_positive("--chunks"), default=4,
+                   help="chunks of the longest request (4); others get fewer")
     p.add_argument("--steps", type=_positive("--steps"), default=10, help="Euler steps per chunk (10)")
     p.add_argument("--chunk-frames", type=_positive("--chunk-frames"), default=50,
                    help="mel frames per chunk (50 = 1 s)")
-    p.add_argument("--prompt-frames", type=_positive("--prompt-frames"), default=40,
-                   help="prompt frames of the first request (40); others vary around it")
+    p.add_argument("--prompt-frames", type=_positive("--prompt-frames"), default=60,
+                   help="prompt frames of the second request (60); others vary around it")
     p.add_argument("--checkpoint", metavar="PATH", default=None,
                    help="estimator state_dict or flow checkpoint (default: seeded random weights)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, noise and inputs (0)")
     p.add_argument("--tiny", action="store_true", help="tiny model (C=64, 2 blocks) for smoke tests")
+    p.add_argument("--explain", action="store_true", help="also print torch_cfm.explain() for the device")
     return p
 
 
@@ -87,7 +88,7 @@ def plan_requests(n_requests: int, n_chunks: int, chunk_frames: int, prompt_fram
     for i in range(n_requests):
         chunks = max(1, n_chunks - (i % 2))
         lengths = [chunk_frames] * chunks
-        lengths[-1] = max(1, chunk_frames + (6 if i % 3 == 0 else -chunk_frames // 3 * (i % 3)))
+        lengths[-1] = chunk_frames + 6 if i % 3 == 0 else max(1, chunk_frames - (chunk_frames // 3) * (i % 3))
         prompt = max(1, prompt_frames + 10 * ((i % 3) - 1))
         plans.append(_Plan(f"req{i}", i, prompt, lengths))
     return plans
@@ -137,6 +138,10 @@ def run(argv: Optional[Sequence[str]] = None, out=None) -> int:
     say(f"torch_cfm demo: DiT C={cfg.hidden} depth={cfg.depth} H={cfg.heads} D={cfg.head_dim} "
         f"({n_params / 1e6:.1f} M params, {source}) on {device} {str(dtype).replace('torch.', '')}")
     say(f"dispatch: estimator -> {policy.decide(device, dtype).describe()}")
+    if args.explain:
+        from . import explain
+
+        say(explain(device=device, file=False))
 
     cfm = StreamingCFM(model, n_timesteps=args.steps, seed=args.seed)
     plans = plan_requests(args.requests, args.chunks, args.chunk_frames, args.prompt_frames)

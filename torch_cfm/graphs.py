@@ -20,13 +20,17 @@ Contract (what a server needs):
   only the buffers (plus graph-pool workspace); no host sync.
 * :class:`CFMGraphRunner` — buckets, capture, LRU budget, fallback to the eager fused path with
   a logged reason. Replay equals :func:`solve_chunk_into` run eagerly, bitwise.
+* :class:`ArenaGraphSolver` — the same capture/LRU/fallback machinery wrapped around the model
+  server's :func:`torch_cfm.models.solver.solve_arena_chunk` (same signature): a drop-in
+  ``CFMServer.solve_fn`` (``server.solve_fn = ArenaGraphSolver()``), one graph per static key
+  (arena tensors, bucketed T and cache window, slot count).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
-import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -95,7 +99,7 @@ def solve_tables(packed: PackedDiT, n_steps: int) -> tuple[torch.Tensor, list[fl
 
 
 def solve_chunk_into(packed: PackedDiT, tables: torch.Tensor, dts: Sequence[float], bufs: SolveBuffers,
-                     cfg_rate: float, precision: Optional[str]) -> None:
+                     cfg_rate: float, precision: Optional[str], variant: Optional[str] = None) -> None:
     """The complete n-step CFG chunk solve on one arena (eager; this is what gets captured).
 
     Reads ``bufs.staged`` (mu/spks/cond parts), ``bufs.x`` (initial noise, float32), the input
@@ -111,7 +115,7 @@ def solve_chunk_into(packed: PackedDiT, tables: torch.Tensor, dts: Sequence[floa
     bufs.staged[b:, :mel_ch].copy_(xs)
     for i, dt in enumerate(dts):
         dit_body_fused_into(bufs.staged, packed.body, tables[i], bufs.cnn_in[i], bufs.att_in[i], bufs.valid,
-                            bufs.cached, precision, (bufs.vel, bufs.cnn_out[i], bufs.att_out[i]))
+                            bufs.cached, precision, (bufs.vel, bufs.cnn_out[i], bufs.att_out[i]), variant)
         cfg_euler(bufs.x, bufs.vel, bufs.staged, dt, cfg_rate)
     bufs.mel.copy_(bufs.x)
 
@@ -145,6 +149,7 @@ class CFMGraphRunner:
         max_graphs: graph budget; the least recently used bucket (graph + arena) is evicted.
         precision: fp32 dots "tf32" | "ieee" (None: torch's TF32 setting at capture time).
         use_graphs: False = always eager fused (same buffers, same kernels).
+        variant: kernel variant of the fused body (None = default; see kernels/dit_body.py).
     """
 
     def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype, device: torch.device | str,
@@ -152,7 +157,8 @@ class CFMGraphRunner:
                  batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
                  chunk_buckets: Sequence[int] = DEFAULT_CHUNK_BUCKETS,
                  cache_buckets: Sequence[int] = DEFAULT_CACHE_BUCKETS,
-                 max_graphs: int = 8, precision: Optional[str] = None, use_graphs: bool = True) -> None:
+                 max_graphs: int = 8, precision: Optional[str] = None, use_graphs: bool = True,
+                 variant: Optional[str] = None) -> None:
         if max_graphs < 1:
             raise ValueError(f"CFMGraphRunner: max_graphs must be >= 1, got {max_graphs}")
         if n_timesteps < 1:
@@ -163,6 +169,7 @@ class CFMGraphRunner:
         self.chunk_buckets = tuple(sorted(chunk_buckets))
         self.cache_buckets = tuple(sorted(cache_buckets))
         self.max_graphs = max_graphs
+        self.variant = variant
         self.precision = policy.resolve_precision(dtype, precision or "auto")
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self._entries: "OrderedDict[tuple[int, int, int], _Entry]" = OrderedDict()
@@ -188,7 +195,6 @@ class CFMGraphRunner:
         return packed
 
     def _tf32(self):
-        import contextlib
         if self.dtype == torch.float32 and self.device.type == "cuda":
             return policy.tf32_scope(self.precision == "tf32")
         return contextlib.nullcontext()
@@ -225,7 +231,7 @@ class CFMGraphRunner:
         """The solve on ``bufs`` without a graph (same kernels as the replay)."""
         packed = self._refresh()
         with self._tf32(), torch.no_grad():
-            solve_chunk_into(packed, self._tables, self._dts, bufs, self.cfg_rate, self.precision)
+            solve_chunk_into(packed, self._tables, self._dts, bufs, self.cfg_rate, self.precision, self.variant)
 
     def _capture(self, ent: _Entry) -> None:
         packed = self._refresh()
@@ -234,12 +240,12 @@ class CFMGraphRunner:
                 stream = torch.cuda.Stream(self.device)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):  # warm-up: compiles kernels, creates handles
-                    solve_chunk_into(packed, self._tables, self._dts, ent.bufs, self.cfg_rate, self.precision)
+                    solve_chunk_into(packed, self._tables, self._dts, ent.bufs, self.cfg_rate, self.precision, self.variant)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
                 before = torch.cuda.memory_reserved(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    solve_chunk_into(packed, self._tables, self._dts, ent.bufs, self.cfg_rate, self.precision)
+                    solve_chunk_into(packed, self._tables, self._dts, ent.bufs, self.cfg_rate, self.precision, self.variant)
                 ent.pool_bytes = torch.cuda.memory_reserved(self.device) - before
             ent.graph = graph
             self._note(f"captured bucket {ent.key} ({self.n_steps} steps, {ent.bufs.arena_bytes() / 2**20:.1f} MiB arena)")
@@ -320,4 +326,119 @@ class CFMGraphRunner:
         return mel, cnn, att
 
 
-__all__ = ["CFMGraphRunner", "SolveBuffers", "solve_chunk_into", "solve_tables"]
+def _sig(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    if t is None:
+        return None
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+def _meta(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    if t is None:
+        return None
+    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+@dataclass
+class _Captured:
+    graph: Optional["torch.cuda.CUDAGraph"]
+    inputs: dict  # name -> static read-only tensor the graph reads
+    failed: Optional[str] = None
+    eager_calls: int = 0
+    replays: int = 0
+
+
+class ArenaGraphSolver:
+    """A CUDA-graph wrapper with :func:`~torch_cfm.models.solver.solve_arena_chunk`'s signature.
+
+    Plug into the model server: ``server.solve_fn = ArenaGraphSolver()``. Per static key (the
+    in-place arena tensors by identity — ``att``, ``cnn``, ``cache_lengths``, ``out_mel`` —, the
+    shapes of the read-only inputs, the python ints, the estimator and its packed weights) the
+    first ``warmup`` calls run eagerly (they are real solves: no state is touched twice), the next
+    call captures (capture runs nothing) and replays; later calls copy read-only inputs whose
+    storage changed (e.g. a fresh ``slots`` tensor) into the captured ones and replay. A capture
+    failure is logged and that key stays eager. At most ``max_graphs`` keys keep a graph (LRU).
+    On CPU everything runs eagerly.
+
+    Args:
+        solve_fn: the solve to capture (default ``solve_arena_chunk``).
+        max_graphs: graph budget (LRU eviction).
+        warmup: eager calls per key before capturing (>= 1: compiles kernels, creates handles).
+    """
+
+    READ_ONLY = ("noise", "mu", "spks", "cond", "valid_lengths", "prompt_lengths", "slots")
+
+    def __init__(self, solve_fn=None, *, max_graphs: int = 8, warmup: int = 1) -> None:
+        if max_graphs < 1:
+            raise ValueError(f"ArenaGraphSolver: max_graphs must be >= 1, got {max_graphs}")
+        if warmup < 1:
+            raise ValueError(f"ArenaGraphSolver: warmup must be >= 1, got {warmup}")
+        if solve_fn is None:
+            from .models.solver import solve_arena_chunk as solve_fn
+        self.solve_fn = solve_fn
+        self.max_graphs, self.warmup = max_graphs, warmup
+        self._keys: "OrderedDict[tuple, _Captured]" = OrderedDict()
+        self.events: list[str] = []
+
+    def _note(self, msg: str) -> None:
+        self.events.append(msg)
+        log.info(msg)
+
+    @staticmethod
+    def _weights_key(estimator, dtype, device):
+        try:
+            return id(packed_for(estimator, dtype, device))
+        except (ValueError, TypeError, AttributeError):
+            return None
+
+    def __call__(self, estimator, att, cnn, noise, mu, spks, cond, valid_lengths, cache_lengths, prompt_lengths,
+                 out_mel, *, cache_frames: int, n_timesteps: int = 10, cfg_rate: float = 0.7,
+                 keep_oldest: int = 100, fused: Optional[bool] = None, slots: Optional[torch.Tensor] = None) -> None:
+        kwargs = dict(cache_frames=cache_frames, n_timesteps=n_timesteps, cfg_rate=cfg_rate, keep_oldest=keep_oldest,
+                      fused=fused)
+        read = dict(noise=noise, mu=mu, spks=spks, cond=cond, valid_lengths=valid_lengths,
+                    prompt_lengths=prompt_lengths, slots=slots)
+
+        def eager(inputs):
+            self.solve_fn(estimator, att, cnn, inputs["noise"], inputs["mu"], inputs["spks"], inputs["cond"],
+                          inputs["valid_lengths"], cache_lengths, inputs["prompt_lengths"], out_mel,
+                          slots=inputs["slots"], **kwargs)
+
+        if att.device.type != "cuda":
+            return eager(read)
+        key = (id(estimator), self._weights_key(estimator, att.dtype, att.device),
+               _sig(att), _sig(cnn), _sig(cache_lengths), _sig(out_mel),
+               tuple((k, _meta(v)) for k, v in read.items()), tuple(sorted(kwargs.items(), key=lambda kv: kv[0])),
+               torch.backends.cuda.matmul.allow_tf32)
+        ent = self._keys.get(key)
+        if ent is None:
+            while len(self._keys) >= self.max_graphs:
+                old_key, _ = self._keys.popitem(last=False)
+                self._note(f"evicted a solve graph (LRU, budget {self.max_graphs})")
+            ent = _Captured(graph=None, inputs={})
+            self._keys[key] = ent
+        self._keys.move_to_end(key)
+        if ent.graph is None:
+            if ent.failed is not None or ent.eager_calls < self.warmup:
+                ent.eager_calls += 1
+                return eager(read)
+            static = {k: (None if v is None else v.clone()) for k, v in read.items()}
+            try:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    eager(static)
+            except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager
+                ent.failed = f"{type(exc).__name__}: {exc}"
+                self._note(f"solve capture failed, eager instead: {ent.failed}")
+                return eager(read)
+            ent.graph, ent.inputs = graph, static
+            self._note(f"captured a solve graph (T={mu.shape[2]}, cache_frames={cache_frames}, "
+                       f"slots={None if slots is None else slots.shape[0]})")
+        for k, v in read.items():
+            if v is not None and v.data_ptr() != ent.inputs[k].data_ptr():
+                ent.inputs[k].copy_(v)
+        ent.graph.replay()
+        ent.replays += 1
+        return None
+
+
+__all__ = ["ArenaGraphSolver", "CFMGraphRunner", "SolveBuffers", "solve_chunk_into", "solve_tables"]

@@ -230,6 +230,7 @@ def modulation_table(packed: PackedDiT, t: torch.Tensor) -> torch.Tensor:
     table = mods.new_zeros((r, depth + 1, MOD_VECTORS, c))
     table[:, :depth] = mods[:, : depth * MOD_VECTORS * c].view(r, depth, MOD_VECTORS, c)
     table[:, depth, :2] = mods[:, depth * MOD_VECTORS * c:].view(r, 2, c)
-    table[:, :depth, list(SCALE_SLOTS)] += 1.0
+    for slot in SCALE_SLOTS:  # basic slicing only: no host->device index copy (graph-capturable)
+        table[:, :depth, slot] += 1.0
     table[:, depth, 1] += 1.0
     return table

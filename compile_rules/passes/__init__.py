@@ -28,7 +28,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import attention, clone_guard, dit_step
 from ._context import RuleContext, RulesConfig, policy_state
-from ._graph import ATEN, DYNAMO, Site, graph_stage
+from ._graph import ATEN, DYNAMO, Site, graph_stage, live_nodes
 
 __all__ = ["TorchCfmPass", "RulesConfig", "Site", "DYNAMO", "ATEN", "source_files"]
 
@@ -71,13 +71,22 @@ class TorchCfmPass(CustomGraphPass):
         self.config = config or RulesConfig()
         self.sites: list[Site] = []
         self.last_sites: list[Site] = []
+        self._saw_dynamo_graph = False
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if isinstance(graph, torch.fx.GraphModule):  # tolerate a GraphModule as well
             graph = graph.graph
         ctx = RuleContext(self.config, graph_stage(graph))
+        # The same object runs on the Dynamo graph, then on the ATen graph of the same code:
+        # sites that only get recorded (not changed) are reported once, from the Dynamo graph.
+        self._saw_dynamo_graph |= ctx.stage == DYNAMO
+        ctx.record_kept = not (ctx.stage == ATEN and self._saw_dynamo_graph)
         sites = dit_step.apply(graph, ctx)
-        sites += attention.apply(graph, ctx)
+        dead: set[torch.fx.Node] = set()
+        if any(site.rule == dit_step.RULE and site.action == "fused" for site in sites):
+            live = live_nodes(graph)
+            dead = {node for node in graph.nodes if node not in live}
+        sites += attention.apply(graph, ctx, skip=dead)
         if self.config.guard_clones:
             sites += clone_guard.apply(graph, ctx, tuple(self.config.guard_namespaces))
         if any(site.action in ("fused", "guarded") for site in sites):

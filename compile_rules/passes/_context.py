@@ -24,6 +24,9 @@ class RulesConfig:
         env: environment mapping for the policy (tests); None = ``os.environ`` at trace time.
         guard_clones: protect clone-then-mutate arguments of torch_cfm ops (pytorch#198031).
         guard_namespaces: op namespaces whose mutating ops get the clone guard.
+        assume_device: decide as if the traced tensors lived on this device type (e.g. "cuda"
+            with ``capability=(9, 0)``: what an H200 would get). For explain and tests only: the
+            rewritten graph still runs on the real device.
     """
 
     fused: Optional[bool] = None
@@ -32,13 +35,14 @@ class RulesConfig:
     env: Optional[Mapping[str, str]] = None
     guard_clones: bool = True
     guard_namespaces: tuple[str, ...] = ("torch_cfm",)
+    assume_device: Optional[str] = None
 
     def key(self) -> str:
         """A stable text of the configuration (part of the cache uuid)."""
         env = None if self.env is None else sorted(
             (k, v) for k, v in self.env.items() if k.startswith("TORCH_CFM_"))
         return (f"fused={self.fused};tf32={self.tf32};capability={self.capability};"
-                f"env={env};guard_clones={self.guard_clones};guard_namespaces={self.guard_namespaces}")
+                f"env={env};guard_clones={self.guard_clones};guard_namespaces={self.guard_namespaces};assume_device={self.assume_device}")
 
 
 def policy_state(config: RulesConfig) -> str:
@@ -63,7 +67,14 @@ class RuleContext:
         self.stage = stage
         self.env = os.environ if config.env is None else dict(config.env)
         self.tf32 = policy.tf32_allowed(config.tf32, self.env)
+        self.record_kept = True  # report sites the rules leave unchanged
 
-    def decide(self, device: torch.device, dtype: torch.dtype) -> policy.Decision:
-        return policy.decide(device, dtype, tf32=self.tf32, fused=self.config.fused,
+    def decide(self, device: torch.device, dtype: torch.dtype,
+               fused: Optional[bool] = None) -> policy.Decision:
+        """:func:`torch_cfm.policy.decide` for a site; ``fused`` (the call's own override) wins
+        over the config's."""
+        if self.config.assume_device is not None:
+            device = torch.device(self.config.assume_device)
+        return policy.decide(device, dtype, tf32=self.tf32,
+                             fused=self.config.fused if fused is None else fused,
                              capability=self.config.capability, env=self.env)

@@ -16,11 +16,13 @@ What the rule does at a site:
 
 from __future__ import annotations
 
+from typing import Collection
+
 import torch
 import torch.fx
 
 from ._context import RuleContext
-from ._graph import ATEN, Site, is_op, node_value, schema_args, set_schema_arg, tensor_meta
+from ._graph import Site, is_op, node_value, schema_args, set_schema_arg, tensor_meta
 
 RULE = "cfm_attention"
 
@@ -29,12 +31,13 @@ def _target():
     return torch.ops.torch_cfm.cfm_attention.default
 
 
-def apply(graph: torch.fx.Graph, ctx: RuleContext) -> list[Site]:
-    """Visit every cfm_attention node of ``graph``; returns one :class:`Site` per node."""
+def apply(graph: torch.fx.Graph, ctx: RuleContext, skip: Collection[torch.fx.Node] = ()) -> list[Site]:
+    """Visit every cfm_attention node of ``graph`` except ``skip`` (inside a swapped step);
+    returns one :class:`Site` per node."""
     target = _target()
     sites: list[Site] = []
     for node in graph.nodes:
-        if not is_op(node, target):
+        if not is_op(node, target) or node in skip:
             continue
         args = schema_args(node)
         dtype, device = tensor_meta(node_value(args["q"]))
@@ -54,7 +57,7 @@ def apply(graph: torch.fx.Graph, ctx: RuleContext) -> list[Site]:
             detail += f" precision={requested}"
         reasons = () if decision.attention_kernel == "triton" else tuple(
             r for r in decision.reasons if r != "fp32 with TF32 off")
-        if action == "kept" and ctx.stage == ATEN:
-            continue  # seen (and recorded) already on the Dynamo graph
+        if action == "kept" and not ctx.record_kept:
+            continue  # recorded already on the Dynamo graph
         sites.append(Site(RULE, node.name, ctx.stage, action, dtype, str(device), detail, reasons))
     return sites

@@ -64,6 +64,53 @@ class AttentionConfig:
         return f"q{self.block_q}_k{self.block_k}_s{self.splits}_w{self.num_warps}_st{self.num_stages}"
 
 
+@triton.jit
+def _cfm_attention_fwd_inner(
+    q, m_i, l_i, acc, k0, k_end,
+    k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
+    stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k,
+    qk_scale,
+    HAS_MASK: tl.constexpr, MASK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One key tile ``[k0, k0 + BLOCK_K)``: scores, online-softmax update, ``acc += p·v``.
+
+    MASK_KEYS=False is the fast path for tiles entirely inside ``[k_start, k_end)``: unmasked
+    loads and no per-key bound test.
+    """
+    offs_k = k0 + offs_kb
+    k_ptrs = k_base + offs_k[None, :] * stride_k_k + offs_d[:, None] * stride_k_d
+    v_ptrs = v_base + offs_k[:, None] * stride_v_k + offs_d[None, :] * stride_v_d
+    if MASK_KEYS:
+        k_ok = offs_k < k_end
+        kt = tl.load(k_ptrs, mask=k_ok[None, :], other=0.0)
+    else:
+        kt = tl.load(k_ptrs)
+    # -- raw scores (FP32 accumulation); the log2(e)/sqrt(D) scale is folded into the exponent
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION)
+    if HAS_MASK:
+        if MASK_KEYS:
+            keep = q_ok[:, None] & k_ok[None, :]
+        else:
+            keep = q_ok[:, None] & (offs_k[None, :] >= 0)
+        mk = tl.load(m_base + offs_q[:, None] * stride_m_q + offs_k[None, :] * stride_m_k, mask=keep, other=0)
+        s = tl.where(mk != 0, s, float("-inf"))
+    elif MASK_KEYS:
+        s = tl.where(k_ok[None, :], s, float("-inf"))
+    # -- running max / sum in log2 units; exponents against 0 while a row has seen no valid key
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s * qk_scale - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # -- rescale and accumulate p·v
+    if MASK_KEYS:
+        v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # Scalars that vary per call and gain nothing from Triton's "== 1" / "% 16" specialisation: leaving
 # them unspecialised keeps one compiled variant per tile config across shapes. n_splits stays
 # specialised so that splits == 1 compiles the direct-store path only.
@@ -88,7 +135,7 @@ def _cfm_attention_fwd_kernel(
     qk_scale,  # log2(e) / sqrt(D)
     HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PEEL: tl.constexpr,
 ):
     # program -> (row·head, query tile, split); splits of one tile are adjacent
     pid = tl.program_id(0)
@@ -128,34 +175,29 @@ def _cfm_attention_fwd_kernel(
     q = tl.load(q_base + offs_q[:, None] * stride_q_q + offs_d[None, :] * stride_q_d,
                 mask=q_ok[:, None], other=0.0)
 
-    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)  # running max (log2 units)
-    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)  # running sum of 2^(s - m_i)
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)  # running max (scaled, log2 units)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)  # running sum of 2^(s·scale - m_i)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
 
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + offs_kb
-        k_ok = offs_k < k_end
-        kt = tl.load(k_base + offs_k[None, :] * stride_k_k + offs_d[:, None] * stride_k_d,
-                     mask=k_ok[None, :], other=0.0)
-        # -- scores in log2 units, FP32 accumulation
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
-        keep = k_ok[None, :]
-        if HAS_MASK:
-            mk = tl.load(m_base + offs_q[:, None] * stride_m_q + offs_k[None, :] * stride_m_k,
-                         mask=q_ok[:, None] & k_ok[None, :], other=0)
-            keep = keep & (mk != 0)
-        s = tl.where(keep, s, float("-inf"))
-        # -- running max / sum; exponents against 0 while a row has seen no valid key
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_ref[:, None])
-        alpha = tl.math.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # -- rescale and accumulate p·v
-        v = tl.load(v_base + offs_k[:, None] * stride_v_k + offs_d[None, :] * stride_v_d,
-                    mask=k_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if PEEL:
+        # whole tiles without bound tests, then at most one masked tail tile
+        k_mid = k_start + ((k_end - k_start) // BLOCK_K) * BLOCK_K
+        for k0 in range(k_start, k_mid, BLOCK_K):
+            m_i, l_i, acc = _cfm_attention_fwd_inner(
+                q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
+                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
+                HAS_MASK, False, DOT_PRECISION)
+        for k0 in range(k_mid, k_end, BLOCK_K):
+            m_i, l_i, acc = _cfm_attention_fwd_inner(
+                q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
+                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
+                HAS_MASK, True, DOT_PRECISION)
+    else:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            m_i, l_i, acc = _cfm_attention_fwd_inner(
+                q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
+                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
+                HAS_MASK, True, DOT_PRECISION)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # rows without a valid key: acc = 0 -> exactly 0

@@ -30,6 +30,8 @@ from ..packing import (GATE_A, GATE_C, GATE_M, MOD_VECTORS, PER_BLOCK, SCALE_A, 
 from ._launch import on_device
 
 CONV_HISTORY = 2  # causal conv k=3: 2 cached frames in front of the chunk
+VARIANTS = ("v1", "v2", "v3")
+DEFAULT_VARIANT = "v1"
 
 
 @triton.jit
@@ -200,6 +202,106 @@ def _cfg_euler_kernel(
     tl.store(st_ptr + (b + B) * s_st_n + c * s_st_c + t * s_st_t, xs, mask=ok)
 
 
+@triton.jit
+def _gelu_tanh(x):
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))  # 0.5 x (1 + tanh(u))
+
+
+@triton.jit
+def _dit_gemm_kernel(
+    a_ptr, stride_a,            # (M, K) activations, compute dtype
+    w_ptr, stride_w,            # (Nout, K) weight (nn.Linear layout)
+    bias_ptr,                   # (Nout,)
+    c_ptr, stride_c,            # (M, Nout) output [EPI 0, 1]
+    qn_w_ptr, qn_b_ptr, kn_w_ptr, kn_b_ptr,  # (D,) q/k LayerNorm affine [EPI 2]
+    q_out_ptr,                  # (N, T, H, D) contiguous normalised queries [EPI 2]
+    new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,  # (N, H, T+L, 2D) new cache [EPI 2]
+    valid_ptr,                  # (N,) int32 clamped T_n [EPI 2]
+    M, NOUT, K, T, H, eps,
+    EPI: tl.constexpr,          # 0: + bias; 1: + bias, GELU(tanh); 2: packed qkv -> q/k norm + cache write
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < NOUT
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * stride_a
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_w
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        a = tl.load(a_rows + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+        w = tl.load(w_cols + kk[:, None], mask=(kk < K)[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if EPI == 0:
+        tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+    elif EPI == 1:
+        tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :],
+                 _gelu_tanh(acc).to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    else:  # BLOCK_N == D: this tile is one head of q, k or v
+        inner = H * BLOCK_N
+        seg = (pid_n * BLOCK_N) // inner
+        h = ((pid_n * BLOCK_N) % inner) // BLOCK_N
+        d = tl.arange(0, BLOCK_N)
+        n = (offs_m // T).to(tl.int64)
+        t = offs_m % T
+        if seg < 2:
+            mu = tl.sum(acc, axis=1) / BLOCK_N
+            xc = acc - mu[:, None]
+            z = xc * tl.rsqrt(tl.sum(xc * xc, axis=1) / BLOCK_N + eps)[:, None]
+            if seg == 0:
+                z = z * tl.load(qn_w_ptr + d).to(tl.float32)[None, :] + tl.load(qn_b_ptr + d).to(tl.float32)[None, :]
+                q_off = offs_m.to(tl.int64)[:, None] * inner + (h * BLOCK_N + d)[None, :]
+                tl.store(q_out_ptr + q_off, z.to(q_out_ptr.dtype.element_ty), mask=m_ok[:, None])
+            else:
+                z = z * tl.load(kn_w_ptr + d).to(tl.float32)[None, :] + tl.load(kn_b_ptr + d).to(tl.float32)[None, :]
+                tn = tl.load(valid_ptr + n, mask=m_ok, other=0)
+                ok = (m_ok & (t < tn))[:, None]
+                dst = new_ptr + n[:, None] * s_new_n + h * s_new_h + t.to(tl.int64)[:, None] * s_new_f
+                tl.store(dst + d[None, :] * s_new_e, z.to(new_ptr.dtype.element_ty), mask=ok)
+        else:
+            tn = tl.load(valid_ptr + n, mask=m_ok, other=0)
+            ok = (m_ok & (t < tn))[:, None]
+            dst = new_ptr + n[:, None] * s_new_n + h * s_new_h + t.to(tl.int64)[:, None] * s_new_f
+            tl.store(dst + (BLOCK_N + d)[None, :] * s_new_e, acc.to(new_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _dit_cache_shift_kernel(
+    old_ptr, s_old_b, s_old_n, s_old_h, s_old_f, s_old_e,   # (depth, N, H, L, 2D) old caches [HAS_OLD]
+    new_ptr, s_new_b, s_new_n, s_new_h, s_new_f, s_new_e,   # (depth, N, H, T+L, 2D) new caches
+    valid_ptr, cached_ptr,      # (N,) int32 clamped T_n, L_n
+    N, H, T, L,
+    HAS_OLD: tl.constexpr, WIDTH: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    """Frames [T_n, T+L) of every block's new cache: the L_n old frames, then zeros."""
+    pid = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    blk = (pid // (N * H)).to(tl.int64)
+    n = ((pid // H) % N).to(tl.int64)
+    h = pid % H
+    f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    e = tl.arange(0, WIDTH)
+    tn = tl.load(valid_ptr + n)
+    ln = tl.load(cached_ptr + n)
+    j = f - tn
+    dst_ok = (f >= tn) & (f < T + L)
+    if HAS_OLD:
+        src_ok = dst_ok & (j < ln)
+        src = old_ptr + blk * s_old_b + n * s_old_n + h * s_old_h + j.to(tl.int64)[:, None] * s_old_f + e[None, :] * s_old_e
+        val = tl.load(src, mask=src_ok[:, None], other=0.0)
+    else:
+        val = tl.zeros([BLOCK_F, WIDTH], dtype=tl.float32)
+    dst = new_ptr + blk * s_new_b + n * s_new_n + h * s_new_h + f.to(tl.int64)[:, None] * s_new_f + e[None, :] * s_new_e
+    tl.store(dst, val.to(new_ptr.dtype.element_ty), mask=dst_ok[:, None])
+
+
 # --------------------------------------------------------------------------------------------
 # host launchers
 # --------------------------------------------------------------------------------------------
@@ -279,6 +381,73 @@ def cfg_euler(x: torch.Tensor, v: torch.Tensor, staged: torch.Tensor, dt: float,
             staged.stride(2), b, cm, t_len, float(dt), float(cfg_rate), BLOCK=block, num_warps=4)
 
 
+def _dot_precision(dtype: torch.dtype, precision: Optional[str]) -> str:
+    if dtype == torch.float32:
+        return "tf32" if precision == "tf32" else "ieee"
+    return "tf32"  # ignored by tl.dot for 16-bit operands (tensor cores, FP32 accumulation)
+
+
+def _gemm_tiles(m: int, nout: int, k: int, dtype: torch.dtype, block_n: Optional[int] = None) -> tuple[int, int, int]:
+    block_m = 64 if m > 32 else max(16, triton.next_power_of_2(max(m, 1)))
+    block_n = block_n or (128 if nout >= 1024 else 64)
+    block_k = 32 if dtype == torch.float32 else 64
+    return block_m, block_n, min(block_k, max(16, triton.next_power_of_2(k)))
+
+
+def gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, *, gelu: bool = False,
+         precision: Optional[str] = None) -> torch.Tensor:
+    """out (M, Nout) = a (M, K) @ w (Nout, K)^T + bias [, GELU tanh] with a Triton GEMM."""
+    m, k = a.shape
+    nout = w.shape[0]
+    if m == 0:
+        return out
+    bm, bn, bk = _gemm_tiles(m, nout, k, a.dtype)
+    grid = (triton.cdiv(m, bm), triton.cdiv(nout, bn))
+    with on_device(a.device):
+        _dit_gemm_kernel[grid](
+            a, a.stride(0), w, w.stride(0), bias, out, out.stride(0),
+            bias, bias, bias, bias, out, out, 0, 0, 0, 0, bias,
+            m, nout, k, 1, 1, 0.0,
+            EPI=1 if gelu else 0, DOT_PRECISION=_dot_precision(a.dtype, precision),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
+    return out
+
+
+def qkv_gemm_cache(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, norms: tuple[torch.Tensor, ...],
+                   q_out: torch.Tensor, new: torch.Tensor, valid: torch.Tensor, *, t_len: int, heads: int,
+                   head_dim: int, precision: Optional[str] = None) -> None:
+    """Packed QKV GEMM whose epilogue LayerNorms q and k per head, writes q to ``q_out`` and the
+    current k|v frames t < T_n of each row to the new cache (N, H, T+L, 2D)."""
+    m, k = a.shape
+    nout = w.shape[0]
+    if m == 0:
+        return
+    bm, bn, bk = _gemm_tiles(m, nout, k, a.dtype, block_n=head_dim)
+    grid = (triton.cdiv(m, bm), nout // head_dim)
+    with on_device(a.device):
+        _dit_gemm_kernel[grid](
+            a, a.stride(0), w, w.stride(0), bias, q_out, 0,
+            *norms, q_out, new, new.stride(0), new.stride(1), new.stride(2), new.stride(3), valid,
+            m, nout, k, t_len, heads, QK_NORM_EPS,
+            EPI=2, DOT_PRECISION=_dot_precision(a.dtype, precision),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
+
+
+def cache_shift(old: Optional[torch.Tensor], new: torch.Tensor, valid: torch.Tensor, cached: torch.Tensor) -> None:
+    """Frames [T_n, T+L) of every block's new cache (depth, N, H, T+L, 2D): old frames, then zeros."""
+    depth, n_rows, heads, total, width = new.shape
+    if new.numel() == 0:
+        return
+    l_len = 0 if old is None else old.shape[3]
+    o = old if old is not None and l_len > 0 else new
+    block_f = 16 if width >= 128 else 32
+    grid = (depth * n_rows * heads, triton.cdiv(total, block_f))
+    with on_device(new.device):
+        _dit_cache_shift_kernel[grid](
+            o, *o.stride(), new, *new.stride(), valid, cached, n_rows, heads, total - l_len, l_len,
+            HAS_OLD=o is not new, WIDTH=width, BLOCK_F=block_f, num_warps=4)
+
+
 # --------------------------------------------------------------------------------------------
 # the body driver
 # --------------------------------------------------------------------------------------------
@@ -297,6 +466,7 @@ def dit_body_triton(
     cached: torch.Tensor,
     precision: Optional[str],
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    variant: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One fused body call writing into ``out`` = (velocity (N, Cout, T), new_cnn_cache
     (depth, N, 2C, 2), new_att_cache (depth, N, H, T+L, 2D)).
@@ -304,9 +474,23 @@ def dit_body_triton(
     ``valid``/``cached`` must already be clamped int32 (N,) on the device; ``mod_table`` float32
     (R, depth+1, 9, C) contiguous. GEMMs run in cuBLAS (on CPU: torch, for the Triton interpreter)
     with the caller's TF32 setting; attention through ``torch_cfm::cfm_attention``.
-    Per block: 3 rownorm + 1 qk_cache + attention + 6 GEMMs + GELU = 12 kernels.
+    Variants (``variant``, default :data:`DEFAULT_VARIANT`):
+
+    * "v1": cuBLAS for every GEMM; per block 3 rownorm + qk_cache + attention + 6 GEMMs + GELU
+      = 12 kernels.
+    * "v2": Triton GEMMs for QKV (epilogue: q/k LayerNorm + new-cache write of the current
+      frames) and fc1 (epilogue: GELU); the old-frame shift of every block's cache in one kernel
+      per step; per block 3 rownorm + attention + 6 GEMMs = 10 kernels.
+    * "v3": every GEMM in Triton with the normalisations in its prologue/epilogue
+      (:mod:`torch_cfm.kernels.dit_gemm`): per block QKV, attention, proj, conv 1, conv 2, fc1,
+      fc2 = 7 kernels (+ 1 cache-shift kernel, in_proj and final layer per step).
     """
+    variant = variant or DEFAULT_VARIANT
+    if variant not in VARIANTS:
+        raise ValueError(f"dit_body_triton: variant must be one of {VARIANTS}, got {variant!r}")
     vel, new_cnn, new_att = out
+    if variant == "v3":
+        return _body_v3(x_in, weights, mod_table, cnn_cache, att_cache, valid, cached, precision, out)
     n_rows, _, t_len = x_in.shape
     depth = (len(weights) - 4) // PER_BLOCK
     c = weights[0].shape[0]
@@ -323,13 +507,16 @@ def dit_body_triton(
     h = torch.empty((m, c), dtype=torch.float32, device=dev)
     a = torch.empty((m, c), dtype=cd, device=dev)
     y = torch.empty((m, c), dtype=cd, device=dev)
-    qkv = torch.empty((m, 3 * inner), dtype=cd, device=dev)
+    qkv = None if variant == "v2" else torch.empty((m, 3 * inner), dtype=cd, device=dev)
     qbuf = torch.empty((n_rows, t_len, heads, head_dim), dtype=cd, device=dev)
     hist1 = torch.empty((n_rows * (t_len + CONV_HISTORY), c), dtype=cd, device=dev)
     hist2 = torch.empty_like(hist1)
     z = torch.empty((n_rows * (t_len + CONV_HISTORY), 3 * c), dtype=cd, device=dev)
     fbuf = torch.empty((m, mlp), dtype=cd, device=dev)
     common = dict(n_rows=n_rows, t_len=t_len)
+    v2 = variant == "v2"
+    if v2:
+        cache_shift(att_cache, new_att, valid, cached)
 
     # staged input -> in_proj (bias added in the first boundary kernel)
     y0 = torch.matmul(x_in.transpose(1, 2), weights[0].t()).view(m, c)
@@ -340,10 +527,14 @@ def dit_body_triton(
          c2_w, c2_b, fc1_w, fc1_b, fc2_w, fc2_b) = weights[2 + PER_BLOCK * i: 2 + PER_BLOCK * (i + 1)]
         cnn_i = cnn_cache[i] if cnn_cache is not None else None
         # attention: packed QKV GEMM, q/k norm + cache write, attention over the new cache
-        torch.addmm(qkv_b, a, qkv_w.t(), out=qkv)
-        old = att_cache[i] if att_cache is not None and att_cache.shape[3] > 0 else None
-        qk_cache(qkv, (qn_w, qn_b, kn_w, kn_b), qbuf, old, new_att[i], valid, cached,
-                 heads=heads, head_dim=head_dim, **common)
+        if v2:
+            qkv_gemm_cache(a, qkv_w, qkv_b, (qn_w, qn_b, kn_w, kn_b), qbuf, new_att[i], valid, t_len=t_len,
+                           heads=heads, head_dim=head_dim, precision=precision)
+        else:
+            torch.addmm(qkv_b, a, qkv_w.t(), out=qkv)
+            old = att_cache[i] if att_cache is not None and att_cache.shape[3] > 0 else None
+            qk_cache(qkv, (qn_w, qn_b, kn_w, kn_b), qbuf, old, new_att[i], valid, cached,
+                     heads=heads, head_dim=head_dim, **common)
         kv = new_att[i]
         o = torch.ops.torch_cfm.cfm_attention.default(
             qbuf.permute(0, 2, 1, 3), kv[..., :head_dim], kv[..., head_dim:], key_lengths, None, None,
@@ -364,8 +555,11 @@ def dit_body_triton(
                 shift=_mod_off(i, SHIFT_M, c), scale=_mod_off(i, SCALE_M, c),
                 emit=(hist2, new_cnn[i], c), **common)
         # MLP
-        torch.addmm(fc1_b, a, fc1_w.t(), out=fbuf)
-        torch.ops.aten.gelu_(fbuf, approximate="tanh")
+        if v2:
+            gemm(a, fc1_w, fc1_b, fbuf, gelu=True, precision=precision)
+        else:
+            torch.addmm(fc1_b, a, fc1_w.t(), out=fbuf)
+            torch.ops.aten.gelu_(fbuf, approximate="tanh")
         torch.addmm(fc2_b, fbuf, fc2_w.t(), out=y)
         nxt = (i + 1, SHIFT_A, SCALE_A) if i + 1 < depth else (depth, 0, 1)
         rownorm(y, h, a, valid, table=mod_table, gate=_mod_off(i, GATE_M, c),
@@ -373,4 +567,74 @@ def dit_body_triton(
     out_w, out_b = weights[-2], weights[-1]
     torch.baddbmm(out_b[None, :, None], out_w.expand(n_rows, -1, -1), a.view(n_rows, t_len, c).transpose(1, 2),
                   out=vel)
+    return vel, new_cnn, new_att
+
+
+def _body_v3(x_in, weights, table, cnn_cache, att_cache, valid, cached, precision, out):
+    """The "v3" body: 7 kernels per block (see :func:`dit_body_triton`)."""
+    from .dit_gemm import fused_gemm, stat_tiles
+
+    vel, new_cnn, new_att = out
+    n_rows, cin, t_len = x_in.shape
+    depth = (len(weights) - 4) // PER_BLOCK
+    c = weights[0].shape[0]
+    head_dim = weights[4].shape[0]
+    inner = weights[2].shape[0] // 3
+    heads = inner // head_dim
+    mlp = weights[16].shape[0] if depth else 0
+    m = n_rows * t_len
+    cd, dev = x_in.dtype, x_in.device
+    att_precision = precision if (cd == torch.float32 and precision in ("tf32", "ieee")) else "auto"
+    key_lengths = valid + cached
+    nt = stat_tiles(c)
+    h = torch.empty((m, c), dtype=torch.float32, device=dev)
+    hstats = torch.empty((m, nt, 2), dtype=torch.float32, device=dev)
+    u = torch.empty((m, c), dtype=torch.float32, device=dev)
+    ustats = torch.empty((m, nt, 2), dtype=torch.float32, device=dev)
+    qbuf = torch.empty((n_rows, t_len, heads, head_dim), dtype=cd, device=dev)
+    fbuf = torch.empty((m, mlp), dtype=cd, device=dev)
+    common = dict(m=m, t_len=t_len, c=c, valid=valid, precision=precision)
+
+    def lin(w):  # (Nout, K) row-major weight
+        return (w.stride(0), w.stride(1), 0)
+
+    def taps(w):  # packed conv taps (3C, C): tap j, out o, in c at row j*C + o
+        return (w.stride(0), w.stride(1), c * w.stride(0))
+
+    cache_shift(att_cache, new_att, valid, cached)
+    in_w, in_b = weights[0], weights[1]
+    fused_gemm(w=in_w, w_strides=lin(in_w), bias=in_b, out=h, nout=c, k=cin, a_mode=0, epi=3, a=x_in,
+               a_strides=(x_in.stride(0), x_in.stride(2), x_in.stride(1)), ostats=hstats, **common)
+    for i in range(depth):
+        (qkv_w, qkv_b, qn_w, qn_b, kn_w, kn_b, proj_w, proj_b, c1_w, c1_b, cn_w, cn_b,
+         c2_w, c2_b, fc1_w, fc1_b, fc2_w, fc2_b) = weights[2 + PER_BLOCK * i: 2 + PER_BLOCK * (i + 1)]
+        cnn_i = cnn_cache[i] if cnn_cache is not None else None
+        fused_gemm(w=qkv_w, w_strides=lin(qkv_w), bias=qkv_b, out=qbuf, nout=3 * inner, k=c, a_mode=1, epi=2,
+                   src=h, sstats=hstats, table=table, shift=_mod_off(i, SHIFT_A, c), scale=_mod_off(i, SCALE_A, c),
+                   qk=(qn_w, qn_b, kn_w, kn_b, new_att[i]), heads=heads, block_n=head_dim, eps_a=BLOCK_LN_EPS,
+                   eps_qk=QK_NORM_EPS, **common)
+        kv = new_att[i]
+        o = torch.ops.torch_cfm.cfm_attention.default(
+            qbuf.permute(0, 2, 1, 3), kv[..., :head_dim], kv[..., head_dim:], key_lengths, None, None,
+            att_precision)
+        o3 = o.transpose(1, 2).reshape(n_rows, t_len, inner)
+        fused_gemm(w=proj_w, w_strides=lin(proj_w), bias=proj_b, out=h, nout=c, k=inner, a_mode=0, epi=3, a=o3,
+                   a_strides=o3.stride(), table=table, gate=_mod_off(i, GATE_A, c), has_res=True, ostats=hstats,
+                   **common)
+        fused_gemm(w=c1_w, w_strides=taps(c1_w), bias=c1_b, out=u, nout=c, k=3 * c, a_mode=2, epi=4, src=h,
+                   sstats=hstats, table=table, shift=_mod_off(i, SHIFT_C, c), scale=_mod_off(i, SCALE_C, c),
+                   cnn=cnn_i, emit=new_cnn[i], cnn_base=0, ostats=ustats, eps_a=BLOCK_LN_EPS, **common)
+        fused_gemm(w=c2_w, w_strides=taps(c2_w), bias=c2_b, out=h, nout=c, k=3 * c, a_mode=3, epi=3, src=u,
+                   sstats=ustats, ln=(cn_w, cn_b), cnn=cnn_i, emit=new_cnn[i], cnn_base=c, table=table,
+                   gate=_mod_off(i, GATE_C, c), has_res=True, ostats=hstats, eps_a=CONV_LN_EPS, **common)
+        fused_gemm(w=fc1_w, w_strides=lin(fc1_w), bias=fc1_b, out=fbuf, out_strides=(t_len * mlp, mlp, 1),
+                   nout=mlp, k=c, a_mode=1, epi=1, src=h, sstats=hstats, table=table,
+                   shift=_mod_off(i, SHIFT_M, c), scale=_mod_off(i, SCALE_M, c), eps_a=BLOCK_LN_EPS, **common)
+        fused_gemm(w=fc2_w, w_strides=lin(fc2_w), bias=fc2_b, out=h, nout=c, k=mlp, a_mode=0, epi=3, a=fbuf,
+                   a_strides=(t_len * mlp, mlp, 1), table=table, gate=_mod_off(i, GATE_M, c), has_res=True,
+                   ostats=hstats, **common)
+    out_w, out_b = weights[-2], weights[-1]
+    fused_gemm(w=out_w, w_strides=lin(out_w), bias=out_b, out=vel, out_strides=(vel.stride(0), vel.stride(2),
+               vel.stride(1)), nout=out_w.shape[0], k=c, a_mode=1, epi=0, src=h, sstats=hstats, table=table,
+               shift=_mod_off(depth, 0, c), scale=_mod_off(depth, 1, c), eps_a=BLOCK_LN_EPS, **common)
     return vel, new_cnn, new_att

@@ -306,7 +306,16 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList([DiTBlock(config) for _ in range(config.depth)])
         self.final_layer = FinalLayer(c, config.out_channels)
 
-    # ---------------------------------------------------------------- initialisation
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_checkpoint(cls, source, config: Optional[DiTConfig] = None) -> "DiT":
+        """A DiT with upstream weights from a path or mapping (estimator state_dict or flow
+        checkpoint); the config is read from the shapes unless given. See
+        :func:`torch_cfm.models.checkpoint.load_checkpoint` (ValueError lists bad keys)."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(None, source, config=config)
+
     @torch.no_grad()
     def random_init_(self, seed: int = 0) -> "DiT":
         """Seeded random weights of realistic scale (not the adaLN-Zero zero init); returns self.

@@ -145,6 +145,8 @@ class CFMServer:
         arena.spks[slot].copy_(spks[0])
         arena.prompt_lengths[slot] = prompt_len
         arena.cache_lengths[slot] = 0
+        arena.cnn[:, :, slot].zero_()  # a new request starts with zero conv history (SPEC §2)
+        arena.cnn[:, :, arena.rows + slot].zero_()
         self._requests[request_id] = _Request(bucket, slot, prompt_len)
         if prompt_mu is None:
             return None

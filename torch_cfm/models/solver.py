@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -254,5 +254,3 @@ class StreamingCFM(nn.Module):
 
         return CFMServer(self, **kwargs)
 
-
-SolveFn = Callable[..., None]

@@ -169,8 +169,12 @@ def _dit_body_cpu(x_in, weights, mod_table, cnn_cache=None, att_cache=None, vali
 
 
 def dit_body_fused_into(x_in, weights, mod_table, cnn_cache, att_cache, valid_lengths, cache_lengths,
-                        precision: Optional[str], out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+                        precision: Optional[str], out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                        variant: Optional[str] = None):
     """The fused path writing into preallocated ``out`` (used by the op and the graph runner).
+
+    ``variant`` picks the kernel variant of :func:`torch_cfm.kernels.dit_body.dit_body_triton`
+    (None = its default); all variants are checked against the same oracle.
 
     Runs the Triton driver on any device (CPU works under TRITON_INTERPRET=1) with cuBLAS TF32
     set from ``precision`` for float32 ("tf32"/"ieee"; "auto"/None follows torch's setting).
@@ -186,7 +190,7 @@ def dit_body_fused_into(x_in, weights, mod_table, cnn_cache, att_cache, valid_le
              else contextlib.nullcontext())
     with scope:
         return dit_body_triton(x_in, list(weights), mod_table.contiguous(), cnn_cache, att_cache, valid, cached,
-                               prec, out)
+                               prec, out, variant)
 
 
 def _dit_body_cuda(x_in, weights, mod_table, cnn_cache=None, att_cache=None, valid_lengths=None,

@@ -1,0 +1,168 @@
+"""Exercise the Triton kernels at ragged shapes for ``compute-sanitizer --tool memcheck``.
+
+Run on a CUDA machine (SM80+), from the repository root:
+
+    compute-sanitizer --tool memcheck --error-exitcode 97 python3 tests/gpu_memcheck.py [--quick]
+
+It disables PyTorch's caching allocator (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, set below before
+torch is imported) so every tensor is its own allocation and an out-of-bounds access lands outside
+it, where memcheck sees it. Every tensor is allocated at its exact size (no slack), views such as
+the K/V halves of an interleaved cache end exactly at their buffer's end, and each result is also
+compared with the float64 oracle (SPEC §6), so the script fails (exit 1) on wrong numbers too.
+
+Covered: ``cfm_attention`` (fp16, bf16, fp32 TF32 and IEEE) with K = 0, 1, block multiples +-1
+and >= 600, Q = 1 and odd Q, lengths 0/1/K/out of range, masks (dense and stride 0), kv_rows
+pools with out-of-range rows, transposed q, interleaved caches, every tile/split variant on one
+case; the fused DiT body (``dit_forward_chunk_fused``) on ragged chunks with and without caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("PYTORCH_NO_CUDA_MEMORY_CACHING", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import strategies as S  # noqa: E402
+from oracle import assert_within_oracle, naive_attention64  # noqa: E402
+
+MODES = [(torch.float16, "auto"), (torch.bfloat16, "auto"), (torch.float32, "tf32"), (torch.float32, "ieee")]
+
+
+def attention_specs(quick: bool) -> list[S.AttnSpec]:
+    specs = [
+        S.AttnSpec(3, 2, 50, 450, 64, 1, lengths=(450, 0, 451), kv_interleaved=True, q_transposed=True),
+        S.AttnSpec(2, 2, 1, 601, 128, 2, lengths=(601, 1), kv_interleaved=True),
+        S.AttnSpec(2, 3, 17, 129, 32, 3, lengths=(129, 64), mask_mode="expand_n", dead_queries=(3,)),
+        S.AttnSpec(4, 1, 33, 63, 16, 4, lengths=(-5, 2**31 - 1, 1, 62), kv_rows=(-1, 7, 0, 2), pool=3,
+                   mask_mode="expand_q"),
+        S.AttnSpec(1, 1, 7, 0, 64, 5),
+        S.AttnSpec(2, 2, 65, 17, 64, 6, mask_mode="dense", q_transposed=True),
+        S.AttnSpec(8, 8, 50, 450, 64, 7, lengths=tuple(450 - 50 * i for i in range(8)), kv_interleaved=True),
+    ]
+    if quick:
+        return specs[:5]
+    specs += [S.AttnSpec(1, 2, q, k, d, 10 + q + k, lengths=(max(k - 1, 0),), kv_interleaved=True)
+              for q in (1, 16, 31) for k in (15, 16, 17, 64, 65, 127, 128, 640) for d in (16, 64, 128)]
+    return specs
+
+
+def check_attention(spec: S.AttnSpec, dtype: torch.dtype, precision: str) -> None:
+    from torch_cfm import cfm_attention
+
+    case = S.build_attention(spec, "cuda", dtype)
+    out = cfm_attention(case.q, case.k, case.v, **case.kwargs(), precision=precision)
+    torch.cuda.synchronize()
+    ref64 = naive_attention64(case.q, case.k, case.v, case.key_lengths, case.mask, case.kv_rows)
+    same = S.attention_same_dtype(case, tf32=precision == "tf32")
+    assert_within_oracle(out.cpu(), same.cpu(), ref64, name=f"{spec.describe()} {dtype} {precision}")
+
+
+def launch_variants(quick: bool) -> list[tuple[int, int, int]]:
+    """(block_q, block_k, splits) variants forced on one case."""
+    if quick:
+        return [(16, 16, 1), (32, 64, 3), (64, 32, 8)]
+    return [(bq, bk, sp) for bq in (16, 32, 64) for bk in (16, 32, 64) for sp in (1, 3, 8)]
+
+
+def check_attention_configs(dtype: torch.dtype, precision: str, quick: bool) -> None:
+    from torch_cfm.kernels.cfm_attention import AttentionConfig, cfm_attention_triton
+    from torch_cfm.ops.cfm_attention import empty_attention_out
+
+    spec = S.AttnSpec(3, 2, 40, 300, 64, 11, lengths=(300, 129, 0), mask_mode="expand_n",
+                      kv_interleaved=True, q_transposed=True)
+    case = S.build_attention(spec, "cuda", dtype)
+    ref64 = naive_attention64(case.q, case.k, case.v, case.key_lengths, case.mask)
+    same = S.attention_same_dtype(case, tf32=precision == "tf32").cpu()
+    prec = None if dtype != torch.float32 else precision
+    for block_q, block_k, splits in launch_variants(quick):
+        out = empty_attention_out(case.q)
+        cfm_attention_triton(case.q, case.k, case.v, case.key_lengths, case.mask, None, prec, out,
+                             config=AttentionConfig(block_q, block_k, splits))
+        torch.cuda.synchronize()
+        assert_within_oracle(out.cpu(), same, ref64, name=f"q{block_q} k{block_k} s{splits}")
+
+
+def check_body(dtype: torch.dtype, precision: str, quick: bool) -> int:
+    import dit_oracle as O
+    from torch_cfm.models.dit import random_dit
+    from torch_cfm.ops.dit_body import dit_forward_chunk_fused
+
+    specs = [S.ChunkSpec(0, 3, 7, 9, 1, valid=(7, 0, 3), cached=(9, 4, 0)),
+             S.ChunkSpec(1, 2, 1, 0, 2, att="none", cnn=False),
+             S.ChunkSpec(2, 4, 9, 12, 3, valid=(9, 1, 0, 5), cached=(0, 12, 3, 7), att="arena", scalar_t=True)]
+    if quick:
+        specs = specs[:1]
+    for spec in specs:
+        model = random_dit(S.tiny_configs()[spec.cfg], seed=spec.cfg + 1).to("cuda", dtype).eval()
+        a = S.build_chunk(spec, "cuda", dtype)
+        prec = precision if dtype == torch.float32 else None
+        with torch.no_grad():
+            vel, cnn, att = dit_forward_chunk_fused(
+                model, a["x"], a["mu"], a["t"], a["spks"], a["cond"], a["cnn_cache"], a["att_cache"],
+                valid_lengths=a["valid_lengths"], cache_lengths=a["cache_lengths"], precision=prec)
+        torch.cuda.synchronize()
+        for name, out in (("velocity", vel), ("cnn_cache", cnn), ("att_cache", att)):
+            if not torch.isfinite(out).all():
+                raise AssertionError(f"body {spec.describe()} {dtype}: {name} not finite")
+        sd = O.to_dtype(model.state_dict())
+        n = spec.n
+        x = a["x"].double().cpu()
+        vels, _, _ = O.batch_chunk(
+            sd, x, a["mu"].double().cpu(), a["t"].double().cpu().reshape(-1).expand(n),
+            a["spks"].double().cpu() if a["spks"] is not None else torch.zeros(n, 80, dtype=torch.float64),
+            a["cond"].double().cpu() if a["cond"] is not None else torch.zeros_like(x),
+            None if a["cnn_cache"] is None else a["cnn_cache"].double().cpu(),
+            None if a["att_cache"] is None else a["att_cache"].double().cpu(),
+            None if a["valid_lengths"] is None else a["valid_lengths"].cpu(),
+            None if a["cache_lengths"] is None else a["cache_lengths"].cpu())
+        for i, ref in enumerate(vels):
+            got = vel[i, :, :ref.shape[1]].double().cpu()
+            rel = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item() if ref.numel() else 0.0
+            if rel > 5e-2:  # a coarse sanity bound; tests/test_properties_model.py holds the oracle
+                raise AssertionError(f"body {spec.describe()} {dtype} row {i}: rel err {rel:.2e}")
+    return len(specs)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes (for a slow sanitizer run)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_memcheck: needs a CUDA device")
+        return 2
+    start = time.time()
+    counts = {"attention": 0, "attention_configs": 0, "body": 0}
+    failures = []
+    for dtype, precision in MODES:
+        for spec in attention_specs(args.quick):
+            try:
+                check_attention(spec, dtype, precision)
+                counts["attention"] += 1
+            except AssertionError as exc:
+                failures.append(str(exc))
+        try:
+            check_attention_configs(dtype, precision, args.quick)
+            counts["attention_configs"] += 1
+        except AssertionError as exc:
+            failures.append(str(exc))
+        try:
+            counts["body"] += check_body(dtype, precision, args.quick)
+        except ImportError as exc:
+            print(f"gpu_memcheck: fused body not available ({exc})")
+        except AssertionError as exc:
+            failures.append(str(exc))
+    print(f"gpu_memcheck: {counts} checked in {time.time() - start:.1f} s, {len(failures)} numeric failures")
+    for line in failures:
+        print("  FAIL", line.splitlines()[0])
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,573 @@
+"""Compile rules (torch_cfm.compile_rules): the passes fire iff the SPEC §5 policy says so.
+
+CPU tests decide with a faked device (``RulesConfig(assume_device="cuda", capability=...)``) or
+on fake CUDA tensors, and inspect the graphs before/after; the rewritten DiT step still runs on
+CPU (the fused op's CPU kernel is reference math), so its numbers are checked against the fp64
+oracle of tests/dit_oracle.py. GPU-marked tests do the real swap, reduce-overhead and timing.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import operator
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import torch_cfm
+from torch_cfm import compile_rules
+from torch_cfm.compile_rules import RulesConfig, TorchCfmBackend, TorchCfmPass, explain_model, hooks
+from torch_cfm.compile_rules.markers import fused_dit_step, mark_dit_step, marker_op
+from torch_cfm.config import DiTConfig
+from torch_cfm.models.dit import random_dit
+
+import dit_oracle
+from oracle import assert_within_oracle, naive_attention64
+
+H200, T4 = (9, 0), (7, 5)
+TINY = DiTConfig(hidden=32, depth=1, heads=2, head_dim=16)
+CFM_ATTENTION = torch.ops.torch_cfm.cfm_attention.default
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def tf32_flag():
+    """Restore torch's TF32 matmul flag after a test flips it."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.fixture
+def no_compile_caches(monkeypatch):
+    """Compile for real (the joint pass must run, not a cached artifact of an earlier run)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------
+
+
+class EagerCompiler:
+    """Stands in for Inductor: keeps the rewritten Dynamo graph and runs it eagerly."""
+
+    def __init__(self):
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.patches: list[dict] = []
+
+    def __call__(self, gm, example_inputs, config_patches=None):
+        self.graphs.append(gm)
+        self.patches.append(dict(config_patches or {}))
+        return gm.forward
+
+
+def attention_fn(q, cache, lengths):
+    d = q.shape[-1]
+    out = torch_cfm.cfm_attention(q, cache[..., :d], cache[..., d:], key_lengths=lengths)
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1) * 2.0
+
+
+def attention_inputs(dtype=torch.float32, device="cpu"):
+    q = torch.randn(2, 2, 5, 16, dtype=dtype, device=device)
+    cache = torch.randn(2, 2, 7, 32, dtype=dtype, device=device)
+    lengths = torch.tensor([7, 3], dtype=torch.int32, device=device)
+    return q, cache, lengths
+
+
+def attention_oracle(q, cache, lengths):
+    d = q.shape[-1]
+    ref = naive_attention64(q, cache[..., :d], cache[..., d:], key_lengths=lengths)
+    return ref.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1) * 2.0
+
+
+def attention_op_fn(q, cache, lengths):
+    """attention_fn through the op itself (what Dynamo records for the public wrapper)."""
+    d = q.shape[-1]
+    out = CFM_ATTENTION(q, cache.narrow(-1, 0, d), cache.narrow(-1, d, d), lengths, None, None, "auto")
+    return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+def fake_cuda_attention_graph(dtype):
+    """An ATen graph of attention_op_fn traced on fake CUDA tensors (no GPU needed)."""
+    with FakeTensorMode():
+        q, cache, lengths = (torch.empty(2, 2, 5, 16, dtype=dtype, device="cuda"),
+                             torch.empty(2, 2, 7, 32, dtype=dtype, device="cuda"),
+                             torch.empty(2, dtype=torch.int32, device="cuda"))
+        return make_fx(attention_op_fn, tracing_mode="fake")(q, cache, lengths)
+
+
+def precisions(graph):
+    from torch_cfm.compile_rules.passes._graph import schema_args
+
+    return [schema_args(n)["precision"] for n in graph.nodes
+            if n.op == "call_function" and n.target is CFM_ATTENTION]
+
+
+def step_inputs(config=TINY, n_rows=2, t_len=5, cache_len=4, ragged=True, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(1)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    mel = config.out_channels
+    args = (rnd(n_rows, mel, t_len), rnd(n_rows, mel, t_len), torch.rand(n_rows, generator=g).to(device),
+            rnd(n_rows, mel), rnd(n_rows, mel, t_len),
+            rnd(config.depth, n_rows, 2 * config.hidden, 2),
+            rnd(config.depth, n_rows, config.heads, cache_len, 2 * config.head_dim))
+    if ragged:
+        lengths = (torch.tensor([t_len, t_len - 2], dtype=torch.int32, device=device),
+                   torch.tensor([cache_len, 1], dtype=torch.int32, device=device))
+    else:
+        lengths = (None, None)
+    return args + lengths
+
+
+def make_step(model):
+    """One marked estimator step: the hook a model/solver calls under torch.compile."""
+
+    def step(x, mu, t, spks, cond, cnn, att, valid_lengths, cache_lengths):
+        out = model.forward_chunk(x, mu, t, spks, cond, cnn, att, valid_lengths=valid_lengths,
+                                  cache_lengths=cache_lengths, fused=False)
+        mark_dit_step(model, out, x, mu, t, spks, cond, cnn, att, valid_lengths=valid_lengths,
+                      cache_lengths=cache_lengths)
+        return out
+
+    return step
+
+
+def graph_targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def assert_step_within_oracle(model, args, fast, same_dtype):
+    """SPEC §6 on the valid part of every row: velocity and both caches vs the fp64 oracle."""
+    x, mu, t, spks, cond, cnn, att, valid, cached = args
+    sd = dit_oracle.to_dtype(model.state_dict())
+    vels, cnns, atts = dit_oracle.batch_chunk(sd, x.double().cpu(), mu.double().cpu(), t.double().cpu(),
+                                              spks.double().cpu(), cond.double().cpu(), cnn.double().cpu(),
+                                              att.double().cpu(), valid, cached)
+    for n in range(x.shape[0]):
+        tn, ln = int(valid[n]), int(cached[n])
+        assert_within_oracle(fast[0][n, :, :tn].float().cpu(), same_dtype[0][n, :, :tn].float().cpu(),
+                             vels[n], f"velocity[{n}]")
+        assert_within_oracle(fast[1][:, n].float().cpu(), same_dtype[1][:, n].float().cpu(), cnns[n],
+                             f"cnn_cache[{n}]")
+        assert_within_oracle(fast[2][:, n, :, :tn + ln].float().cpu(),
+                             same_dtype[2][:, n, :, :tn + ln].float().cpu(), atts[n], f"att_cache[{n}]")
+
+
+# ------------------------------------------------------------------------------------------
+# registration and entry points
+# ------------------------------------------------------------------------------------------
+
+
+def test_backend_registered_by_name_and_entry_point():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert "torch_cfm" in torch._dynamo.list_backends()
+    assert lookup_backend("torch_cfm") is compile_rules.torch_cfm_backend
+    eps = importlib.metadata.entry_points(group="torch_dynamo_backends")
+    assert eps["torch_cfm"].value == "torch_cfm.compile_rules.backend:torch_cfm_backend"
+    assert eps["torch_cfm"].load() is compile_rules.torch_cfm_backend
+
+
+def test_backend_name_works_in_a_fresh_process_without_importing_the_rules():
+    code = (
+        "import sys, torch, torch_cfm\n"
+        "assert 'torch_cfm.compile_rules' not in sys.modules\n"
+        "q, k = torch.randn(2, 2, 5, 16), torch.randn(2, 2, 7, 16)\n"
+        "f = lambda q, k: torch_cfm.cfm_attention(q, k, k) * 2.0\n"
+        "out = torch.compile(f, backend='torch_cfm')(q, k)\n"
+        "ref = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 4.0, -1) @ k.double() * 2.0\n"
+        "err = (out.double() - ref).abs().max().item()\n"
+        "assert err < 1e-5, err\n"
+        "from torch_cfm.compile_rules import default_backend\n"
+        "print([s.rule for s in default_backend().sites])\n")
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "['cfm_attention']" in res.stdout
+
+
+def test_torch_cfm_compile_runs_inductor_and_matches_the_oracle():
+    args = attention_inputs()
+    out = torch_cfm.compile(attention_fn, tf32=False)(*args)
+    ref = attention_oracle(*args)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+
+
+def test_backend_options_split_and_bad_option_named():
+    be = TorchCfmBackend(compiler=EagerCompiler())
+    args = attention_inputs()
+    torch.compile(attention_fn, backend=be, options={"torch_cfm.tf32": True})(*args)
+    assert precisions(be.compiler.graphs[-1].graph) == ["tf32"]
+    with pytest.raises(ValueError, match="torch_cfm backend: option 'torch_cfm.bogus' must be one of"):
+        compile_rules.backend.split_options({"torch_cfm.bogus": 1})
+    with pytest.raises(ValueError, match="option 'not_an_inductor_option' must be an Inductor config name"):
+        compile_rules.backend.inductor_patches(None, {"not_an_inductor_option": 1})
+    patches = compile_rules.backend.inductor_patches("reduce-overhead", {"max_autotune": False})
+    assert patches["triton.cudagraphs"] is True and patches["max_autotune"] is False
+
+
+def test_backend_puts_the_same_pass_in_the_joint_slot_and_keeps_users_passes(monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    def user_pass(graph):
+        return None
+
+    monkeypatch.setattr(inductor_config, "joint_custom_pre_pass", user_pass)
+    eager = EagerCompiler()
+    be = TorchCfmBackend(compiler=eager)
+    torch.compile(attention_fn, backend=be)(*attention_inputs())
+    slot = hooks.passes_in(eager.patches[-1]["joint_custom_pre_pass"])
+    assert slot[0] is user_pass and slot[1] is be.last_pass
+
+
+# ------------------------------------------------------------------------------------------
+# cfm_attention rule: decisions on fake CUDA graphs, precision pinned at trace time
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_attention_site_on_sm90_uses_triton_with_no_reasons(dtype):
+    gm = fake_cuda_attention_graph(dtype)
+    rules = TorchCfmPass(RulesConfig(capability=H200, env={}))
+    rules(gm.graph)
+    (site,) = rules.last_sites
+    assert (site.rule, site.action, site.dtype, site.reasons) == ("cfm_attention", "kept", dtype, ())
+    assert site.detail == "attention=triton" and site.device == "cuda:0"
+    assert precisions(gm.graph) == ["auto"]  # fp16/bf16: nothing to pin
+
+
+def test_attention_site_below_sm80_records_the_reason():
+    gm = fake_cuda_attention_graph(torch.float16)
+    rules = TorchCfmPass(RulesConfig(capability=T4, env={}))
+    rules(gm.graph)
+    (site,) = rules.last_sites
+    assert site.detail == "attention=sdpa" and site.reasons == ("needs NVIDIA SM80+, found SM75",)
+
+
+@pytest.mark.parametrize("tf32, expected", [(True, "tf32"), (False, "ieee")])
+def test_fp32_attention_precision_is_pinned_from_the_trace_time_policy(tf32, expected):
+    gm = fake_cuda_attention_graph(torch.float32)
+    assert precisions(gm.graph) == ["auto"]
+    rules = TorchCfmPass(RulesConfig(capability=H200, tf32=tf32, env={}))
+    rules(gm.graph)
+    assert precisions(gm.graph) == [expected]
+    (site,) = rules.last_sites
+    assert site.action == "pinned" and site.detail == f"attention=triton precision={expected}"
+
+
+def test_env_tf32_wins_over_the_rules_config():
+    gm = fake_cuda_attention_graph(torch.float32)
+    TorchCfmPass(RulesConfig(capability=H200, tf32=True, env={"TORCH_CFM_TF32": "off"}))(gm.graph)
+    assert precisions(gm.graph) == ["ieee"]
+
+
+def test_cpu_attention_site_says_why():
+    gm = make_fx(attention_fn)(*attention_inputs())
+    rules = TorchCfmPass(RulesConfig(tf32=False, env={}))
+    rules(gm.graph)
+    (site,) = rules.last_sites
+    assert site.device == "cpu" and site.reasons == ("needs a CUDA device, found cpu",)
+
+
+def test_flipping_tf32_recompiles_and_pins_the_new_precision(tf32_flag):
+    eager = EagerCompiler()
+    be = TorchCfmBackend(RulesConfig(env={}), compiler=eager)
+    fn = torch.compile(attention_fn, backend=be)
+    args = attention_inputs()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fn(*args)
+    fn(*args)
+    assert len(eager.graphs) == 1 and precisions(eager.graphs[-1].graph) == ["ieee"]
+    torch.backends.cuda.matmul.allow_tf32 = True
+    fn(*args)
+    assert len(eager.graphs) == 2 and precisions(eager.graphs[-1].graph) == ["tf32"]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    fn(*args)  # back to the first entry: a cache hit, not a stale tf32 graph
+    assert len(eager.graphs) == 2
+
+
+# ------------------------------------------------------------------------------------------
+# dit_step rule: the marked reference step -> fused body
+# ------------------------------------------------------------------------------------------
+
+
+SWAP_CASES = [
+    # (rules config, fused?, reasons when not)
+    (RulesConfig(assume_device="cuda", capability=H200, tf32=True, env={}), True, ()),
+    (RulesConfig(assume_device="cuda", capability=H200, tf32=False, env={}), False, ("fp32 with TF32 off",)),
+    (RulesConfig(assume_device="cuda", capability=T4, tf32=True, env={}), False,
+     ("needs NVIDIA SM80+, found SM75",)),
+    (RulesConfig(tf32=True, env={}), False, ("needs a CUDA device, found cpu",)),
+    (RulesConfig(assume_device="cuda", capability=H200, tf32=True, fused=False, env={}), False,
+     ("disabled by argument",)),
+    (RulesConfig(assume_device="cuda", capability=H200, tf32=True, env={"TORCH_CFM_FUSED": "0"}), False,
+     ("disabled by env",)),
+    (RulesConfig(assume_device="cuda", capability=H200, tf32=False, fused=True, env={}), True, ()),
+]
+
+
+@pytest.mark.parametrize("rules, fused, reasons", SWAP_CASES,
+                         ids=["sm90-tf32", "tf32-off", "sm75", "cpu", "fused=False", "env-0", "forced-ieee"])
+def test_step_swap_fires_iff_policy_says_so(rules, fused, reasons):
+    model = random_dit(TINY, 0)
+    args = step_inputs()
+    eager = EagerCompiler()
+    be = TorchCfmBackend(rules, compiler=eager)
+    out = torch.compile(make_step(model), backend=be)(*args)
+    (gm,) = eager.graphs
+    targets = graph_targets(gm)
+    assert marker_op() not in targets  # the marker never survives the rules
+    assert (fused_dit_step in targets) is fused
+    (step_site,) = [s for s in be.sites if s.rule == "dit_step"]
+    assert step_site.action == ("fused" if fused else "kept") and step_site.reasons == reasons
+    attention_sites = [s for s in be.sites if s.rule == "cfm_attention"]
+    # a swapped step replaces its attention calls: they are dead and not reported
+    assert len(attention_sites) == (0 if fused else TINY.depth)
+    assert all(torch.isfinite(o).all() for o in out)
+
+
+def test_swapped_step_is_within_the_oracle_on_every_valid_frame_and_cache():
+    model = random_dit(TINY, 0)
+    args = step_inputs()
+    rules = RulesConfig(assume_device="cuda", capability=H200, tf32=True, env={})
+    fast = torch.compile(make_step(model), backend=TorchCfmBackend(rules, compiler=EagerCompiler()))(*args)
+    same_dtype = model.forward_chunk(*args[:7], valid_lengths=args[7], cache_lengths=args[8], fused=False)
+    assert_step_within_oracle(model, args, fast, same_dtype)
+
+
+def test_explicit_fused_argument_of_the_marker_wins_over_the_rules_config():
+    model = random_dit(TINY, 0)
+    args = step_inputs(ragged=False)
+
+    def step(x, mu, t, spks, cond, cnn, att, valid_lengths, cache_lengths):
+        out = model.forward_chunk(x, mu, t, spks, cond, cnn, att, fused=False)
+        mark_dit_step(model, out, x, mu, t, spks, cond, cnn, att, fused=False)
+        return out
+
+    be = TorchCfmBackend(RulesConfig(assume_device="cuda", capability=H200, tf32=True, fused=True, env={}),
+                         compiler=EagerCompiler())
+    torch.compile(step, backend=be)(*args)
+    (site,) = [s for s in be.sites if s.rule == "dit_step"]
+    assert site.action == "kept" and site.reasons == ("disabled by argument",)
+
+
+def test_mark_dit_step_is_a_no_op_in_eager():
+    model = random_dit(TINY, 0)
+    args = step_inputs()
+    out = make_step(model)(*args)  # would raise if the marker op ran with bad arguments
+    assert out[0].shape == args[0].shape
+
+
+@pytest.mark.slow
+def test_inductor_output_code_calls_the_fused_body_and_no_attention():
+    from torch._inductor.utils import run_and_get_code
+
+    model = random_dit(TINY, 0)
+    args = step_inputs()
+    rules = RulesConfig(assume_device="cuda", capability=H200, tf32=True, env={})
+    with torch.no_grad():
+        fast, codes = run_and_get_code(torch.compile(make_step(model), backend=TorchCfmBackend(rules)), *args)
+    code = "\n".join(codes)
+    assert "torch.ops.torch_cfm.dit_body.default(" in code
+    assert "cfm_attention" not in code and "_dit_step_marker" not in code
+    same_dtype = model.forward_chunk(*args[:7], valid_lengths=args[7], cache_lengths=args[8], fused=False)
+    assert_step_within_oracle(model, args, fast, same_dtype)
+
+
+# ------------------------------------------------------------------------------------------
+# explain
+# ------------------------------------------------------------------------------------------
+
+
+def test_explain_lists_every_site_with_its_reason_on_cpu():
+    model = random_dit(TINY, 0)
+    text = explain_model(make_step(model), step_inputs(), config=RulesConfig(tf32=False, env={}))
+    assert "graphs: 1\n" in text and f"sites: {1 + TINY.depth}" in text
+    assert "dit_step [" in text and "float32 on cpu: kept (reference step kept)" in text
+    assert text.count("      - needs a CUDA device, found cpu") == 1 + TINY.depth
+    assert text.count("      - fp32 with TF32 off") == 1  # the step's reason; attention pins ieee
+    assert "precision=ieee" in text
+
+
+def test_explain_for_an_h200_and_a_t4_from_a_cpu_machine():
+    model = random_dit(TINY, 0)
+    args = step_inputs()
+    h200 = explain_model(make_step(model), args, config=RulesConfig(assume_device="cuda", capability=H200,
+                                                                    tf32=True, env={}))
+    assert "sites: 1 (fused 1)" in h200 and "fused (torch_cfm::dit_body precision=tf32)" in h200
+    t4 = explain_model(make_step(model), args, config=RulesConfig(assume_device="cuda", capability=T4,
+                                                                  tf32=True, env={}))
+    assert "kept (reference step kept)" in t4 and "needs NVIDIA SM80+, found SM75" in t4
+    assert "attention=sdpa precision=tf32" in t4
+
+
+def test_torch_cfm_explain_delegates_for_a_model():
+    model = random_dit(TINY, 0)
+    text = torch_cfm.explain(model.forward_chunk, step_inputs()[:7], file=False)
+    assert text.startswith("torch_cfm.compile_rules.explain") and "cfm_attention [" in text
+
+
+def test_explain_leaves_the_models_dynamo_cache_alone():
+    model = random_dit(TINY, 0)
+    args = step_inputs()
+    for _ in range(3):
+        explain_model(make_step(model), args)
+    code = type(model).forward_chunk.__code__
+    assert torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code) == []
+
+
+# ------------------------------------------------------------------------------------------
+# cache uuid
+# ------------------------------------------------------------------------------------------
+
+
+def test_uuid_is_stable_and_changes_with_policy_inputs(tf32_flag, monkeypatch):
+    monkeypatch.delenv("TORCH_CFM_FUSED", raising=False)
+    monkeypatch.delenv("TORCH_CFM_TF32", raising=False)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    base = TorchCfmPass().uuid()
+    assert isinstance(base, str) and base == TorchCfmPass().uuid()
+    seen = {base}
+    for config in (RulesConfig(fused=True), RulesConfig(fused=False), RulesConfig(tf32=True),
+                   RulesConfig(capability=T4), RulesConfig(guard_clones=False)):
+        seen.add(TorchCfmPass(config).uuid())
+    assert len(seen) == 6
+    torch.backends.cuda.matmul.allow_tf32 = True
+    flipped = TorchCfmPass().uuid()
+    assert flipped not in seen
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert TorchCfmPass().uuid() == base
+    monkeypatch.setenv("TORCH_CFM_FUSED", "0")
+    assert TorchCfmPass().uuid() not in seen | {flipped}
+    monkeypatch.delenv("TORCH_CFM_FUSED")
+    monkeypatch.setenv("TORCH_CFM_TF32", "on")
+    assert TorchCfmPass().uuid() not in seen | {flipped}
+
+
+def test_uuid_hashes_the_rules_source():
+    files = compile_rules.passes.source_files()
+    names = {f.replace("\\", "/").rsplit("/", 1)[-1] for f in files}
+    assert {"attention.py", "dit_step.py", "clone_guard.py", "policy.py", "backend.py"} <= names
+
+
+# ------------------------------------------------------------------------------------------
+# install / uninstall into stock Inductor (2.11: one pass per slot; 2.13: lists)
+# ------------------------------------------------------------------------------------------
+
+
+def test_install_adds_one_pass_to_both_slots_and_uninstall_keeps_others(monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    def user_pass(graph):
+        return None
+
+    monkeypatch.setattr(inductor_config, "pre_grad_custom_pass", user_pass)
+    monkeypatch.setattr(inductor_config, "joint_custom_pre_pass", None)
+    rules = compile_rules.install()
+    try:
+        assert hooks.passes_in(inductor_config.pre_grad_custom_pass) == [user_pass, rules]
+        assert hooks.passes_in(inductor_config.joint_custom_pre_pass) == [rules]
+        again = compile_rules.install()  # replaces, never stacks
+        assert hooks.passes_in(inductor_config.pre_grad_custom_pass) == [user_pass, again]
+    finally:
+        compile_rules.uninstall()
+    assert inductor_config.pre_grad_custom_pass in (user_pass, [user_pass])
+    assert inductor_config.joint_custom_pre_pass is None
+
+
+def test_slots_on_torch_2_11_take_a_single_chained_pass(monkeypatch):
+    monkeypatch.setattr(hooks, "slots_take_lists", lambda: False)
+    calls = []
+
+    def user_pass(graph):
+        calls.append("user")
+
+    rules = TorchCfmPass()
+    value = hooks.add_pass(user_pass, rules)
+    assert isinstance(value, hooks.ChainedPass) and value.passes == [user_pass, rules]
+    assert value.uuid() is None  # a member without uuid: Inductor must not cache
+    value(torch.fx.Graph())
+    assert calls == ["user"]
+    assert hooks.add_pass(None, rules) is rules
+    assert hooks.remove_pass(value, rules) is user_pass
+    both = hooks.add_pass(TorchCfmPass(RulesConfig(fused=True)), rules)
+    assert isinstance(both.uuid(), str)
+
+
+def test_installed_rules_run_under_plain_torch_compile(tf32_flag, no_compile_caches):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    args = attention_inputs()
+    with compile_rules.installed(RulesConfig(env={})) as rules:
+        out = torch.compile(attention_fn)(*args)
+    sites = [s for s in rules.sites if s.rule == "cfm_attention"]
+    assert sites and sites[0].stage == "dynamo" and sites[0].detail == "attention=reference precision=ieee"
+    assert (out.double() - attention_oracle(*args)).abs().max().item() < 1e-5
+
+
+# ------------------------------------------------------------------------------------------
+# clone guard (pytorch#198031)
+# ------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("cfm_rules_test::reverse_into", mutates_args=("dst",))
+def reverse_into(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst[i] = src[n-1-i], element by element: reads src while writing dst."""
+    n = src.shape[0]
+    for k in range(n):
+        dst[n - 1 - k] = src[k]
+
+
+def clone_then_mutate(x):
+    y = x.clone()
+    reverse_into(y, x)
+    return x * 2.0
+
+
+def mutate_from_other(x, src):
+    reverse_into(src, x)
+    return x * 2.0
+
+
+def test_clone_then_mutate_keeps_its_copy(no_compile_caches):
+    from torch._inductor.utils import run_and_get_code
+
+    be = TorchCfmBackend(RulesConfig(guard_namespaces=("cfm_rules_test",)))
+    x = torch.arange(8.0)
+    out, (code,) = run_and_get_code(torch.compile(clone_then_mutate, backend=be), x)
+    assert x.tolist() == [7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0]
+    assert out.tolist() == [14.0, 12.0, 10.0, 8.0, 6.0, 4.0, 2.0, 0.0]
+    assert "reverse_into.default(arg0_1, arg0_1)" not in code
+    (site,) = [s for s in be.last_pass.sites if s.rule == "clone_guard"]
+    assert site.action == "guarded" and "pytorch#198031" in site.detail
+
+
+def test_no_copy_is_added_when_the_op_reads_another_tensor(no_compile_caches):
+    from torch._inductor.utils import run_and_get_code
+
+    be = TorchCfmBackend(RulesConfig(guard_namespaces=("cfm_rules_test",)))
+    x, src = torch.zeros(8), torch.arange(8.0)
+    _, (code,) = run_and_get_code(torch.compile(mutate_from_other, backend=be), x, src)
+    assert x.tolist() == [7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0]
+    assert "reverse_into.default(arg0_1, arg1_1)" in code  # in place, no copy of x
+    assert not [s for s in be.last_pass.sites if s.rule == "clone_guard"]
