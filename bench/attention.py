@@ -193,18 +193,17 @@ def run_bench(shapes, dtypes, providers, args, env) -> list[dict]:
 
 
 def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
-    """Tile variants the sweep times (splits are added per shape)."""
+    """Kernel variants the sweep times (run 1's tile grid is in bench/NOTES_attention.md)."""
     from torch_cfm.kernels.cfm_attention import AttentionConfig as C
 
     if dtype != torch.float32:
-        tiles = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 2, 2), (16, 128, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2),
-                 (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 64, 8, 2)]
-    elif precision == "tf32":
-        tiles = [(16, 32, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2), (32, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 2),
-                 (64, 64, 8, 2)]
-    else:
-        tiles = [(16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 2, 2), (32, 32, 4, 2), (32, 32, 8, 2)]
-    return [C(bq, bk, 1, w, st) for bq, bk, w, st in tiles]
+        return [C(64, 64, 1, 4, 3), C(64, 64, 1, 4, 3, peel=False), C(64, 64, 1, 4, 4), C(64, 128, 1, 4, 3),
+                C(16, 128, 1, 4, 3), C(64, 64, 2, 4, 3), C(32, 64, 1, 4, 3)]
+    if precision == "tf32":
+        return [C(32, 64, 1, 4, 2), C(32, 64, 1, 4, 3), C(32, 64, 1, 4, 2, peel=False), C(64, 64, 1, 4, 3),
+                C(16, 64, 1, 4, 2), C(32, 32, 1, 4, 3)]
+    return [C(32, 64, 1, 4, 2), C(32, 64, 1, 4, 3), C(16, 64, 1, 4, 2), C(64, 64, 1, 4, 2),
+            C(16, 32, 1, 2, 2, ieee_dot="ieee")]
 
 
 def run_sweep(shapes, dtypes, args, env) -> list[dict]:
@@ -224,11 +223,11 @@ def run_sweep(shapes, dtypes, args, env) -> list[dict]:
             chosen = choose_config(dtype, HEAD_DIM, n * HEADS, q_len, k_len, sm_count(q.device))
             results = []
             candidates = []
-            for base in sweep_configs(dtype, precision):
-                for splits in (1, 2, 3, 4, 6, 8, 12):
-                    if splits > 1 and splits * base.block_k > k_len:
+            for cfg in sweep_configs(dtype, precision):
+                for splits in sorted({cfg.splits} | set(args.sweep_splits)):
+                    if splits > 1 and splits * cfg.block_k > k_len:
                         continue
-                    candidates.append(replace(base, splits=splits))
+                    candidates.append(replace(cfg, splits=splits))
             if chosen not in candidates:
                 candidates.append(chosen)
             for cfg in candidates:
@@ -317,10 +316,12 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20, help="calls per captured graph")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--sweep-repeats", type=int, default=15)
+    ap.add_argument("--sweep-splits", default="", help="extra split counts for every swept tile, e.g. 1,2,4")
     ap.add_argument("--no-eager", action="store_true")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU smoke test of this script (needs TRITON_INTERPRET=1; fake timings)")
     args = ap.parse_args(argv)
+    args.sweep_splits = [int(x) for x in args.sweep_splits.split(",") if x]
     if args.dry_run:
         _enable_dry_run()
     elif not torch.cuda.is_available():

@@ -93,6 +93,31 @@ def count_kernels(fn: Callable[[], object]) -> Optional[int]:
                and not e.name.startswith(("Memcpy", "Memset")))
 
 
+def kernel_breakdown(fn: Callable[[], object], path: str, top: int = 25) -> None:
+    """Write the per-kernel CUDA time of one call of ``fn`` (torch.profiler) to ``path``."""
+    if DEVICE != "cuda":
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    agg: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            rec = agg.setdefault(e.name[:90], [0, 0.0])
+            rec[0] += 1
+            rec[1] += e.device_time if hasattr(e, "device_time") else e.cuda_time
+    total = sum(v[1] for v in agg.values())
+    lines = [f"total {total:.1f} us (eager, back-to-back kernels; excludes launch gaps)", "count  us_total  name"]
+    for name, (cnt, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"{cnt:5d} {us:9.1f}  {name}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def step_inputs(cfg: DiTConfig, n: int, t: int, l_len: int, dtype: torch.dtype, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
 
@@ -179,6 +204,9 @@ def run_steps(cfg, shapes, dnames, providers, args, env, base) -> list[dict]:
                         if prov in ("torch_cfm", "reference_eager") and variant != "forward_chunk":
                             with ctx():
                                 row["kernels"] = count_kernels(fn)
+                                if prov == "torch_cfm":
+                                    kernel_breakdown(fn, os.path.join(
+                                        args.out, f"dit_step_kernels_{n}x{t}x{l_len}_{dname}_{variant or 'default'}.txt"))
                     if row.get("us_p50"):
                         row["floor_frac"] = round(fl / row["us_p50"], 4)
                 except Exception as exc:  # noqa: BLE001
@@ -190,6 +218,39 @@ def run_steps(cfg, shapes, dnames, providers, args, env, base) -> list[dict]:
                       flush=True)
             del model
             torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    return rows
+
+
+SWEEP = ({"block_m": 32}, {"block_m": 64}, {"block_m": 64, "num_warps": 8}, {"block_m": 32, "num_stages": 4},
+         {"block_m": 64, "num_stages": 2})
+
+
+def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
+    """Time the v3 step under each tile override of SWEEP (torch_cfm.kernels.dit_gemm.TILE_OVERRIDE)."""
+    from torch_cfm.kernels import dit_gemm
+
+    rows = []
+    for n, t, l_len in shapes:
+        for dname in dnames:
+            dtype, precision = DTYPES[dname]
+            model = copy.deepcopy(base).to(device=DEVICE, dtype=dtype)
+            inp = step_inputs(cfg, n, t, l_len, dtype)
+            fused = [f for f in step_providers(model, dtype, inp, dname, precision) if f[1] == "v3"][0][2]
+            for over in SWEEP:
+                dit_gemm.TILE_OVERRIDE.clear()
+                dit_gemm.TILE_OVERRIDE.update(over)
+                tag = "sweep_v3_" + "_".join(f"{k}{v}" for k, v in over.items())
+                row = dict(op="dit_step", provider="torch_cfm", variant=tag, shape={"N": n, "T": t, "L": l_len},
+                           dtype=dname.split("-")[0], precision=precision, timing="cuda_graph")
+                try:
+                    with torch.no_grad():
+                        row.update(time_cuda_graph(fused, calls=args.calls, repeats=args.repeats,
+                                                   context=tf32_ctx(dtype, precision)))
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                rows.append(make_row(env, **row))
+                print(f"sweep {n},{t},{l_len} {dname} {tag}: p50 {row.get('us_p50')} us", flush=True)
+            dit_gemm.TILE_OVERRIDE.clear()
     return rows
 
 
@@ -356,9 +417,10 @@ def write_table(rows: list[dict], out_dir: str, command: str) -> str:
             + markdown_table(rows, row_key, col_key, cell, row_title="op shape dtype") + "\n")
     extra = ["| row | kernels | floor ms | floor frac | rel_err vs fp64 | arena MiB | graph pool MiB |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        if r["provider"] == "torch_cfm" and not r.get("variant"):
+        variant = r.get("variant") or ""
+        if r["provider"] == "torch_cfm" and variant != "forward_chunk" and not variant.startswith("sweep"):
             mib = lambda v: "" if v is None else f"{v / 2**20:.1f}"  # noqa: E731
-            extra.append(f"| {row_key(r)} | {r.get('kernels')} | {r.get('floor_us', 0) / 1000:.3f} | "
+            extra.append(f"| {row_key(r)} {variant} | {r.get('kernels')} | {r.get('floor_us', 0) / 1000:.3f} | "
                          f"{r.get('floor_frac')} | {r.get('rel_err')} | {mib(r.get('arena_bytes'))} | "
                          f"{mib(r.get('graph_pool_bytes'))} |")
     text += "\n## torch_cfm details\n\n" + "\n".join(extra) + "\n"
@@ -391,6 +453,8 @@ def main(argv=None) -> int:
     ap.add_argument("--providers", default=None, help=f"comma list of {PROVIDERS}")
     ap.add_argument("--solve-dtypes", default=None, help="dtypes of the chunk-solve rows (default = --dtypes)")
     ap.add_argument("--no-solve", action="store_true")
+    ap.add_argument("--no-steps", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time v3 tile overrides (fp16 by default)")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test (TRITON_INTERPRET=1, tiny model)")
@@ -421,7 +485,9 @@ def main(argv=None) -> int:
     command = "python3 " + shlex.join([os.path.relpath(__file__)] + list(argv if argv is not None else sys.argv[1:]))
     t0 = time.time()
     base = random_dit(cfg, seed=0)
-    rows = run_steps(cfg, shapes, dnames, providers, args, env, base)
+    rows = [] if args.no_steps else run_steps(cfg, shapes, dnames, providers, args, env, base)
+    if args.sweep:
+        rows += run_sweep(cfg, shapes, dnames, args, env, base)
     if not args.no_solve:
         sdn = args.solve_dtypes.split(",") if args.solve_dtypes else dnames
         b, t, l_len = (1, 5, 4) if args.dry_run else (4, 50, 400)

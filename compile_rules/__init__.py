@@ -20,6 +20,7 @@ after changing them).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Iterator, Optional
 
 from torch._inductor import config as _inductor_config
@@ -45,7 +46,9 @@ def install(config: Optional[RulesConfig] = None) -> TorchCfmPass:
         the installed pass (its ``sites`` list every site it visited).
     """
     uninstall()
-    rules_pass = TorchCfmPass(config)
+    # No compile-time weight packing here: stock Inductor offers no call wrapper to keep a pack
+    # current, so the packing is traced into the graph (see passes.dit_step).
+    rules_pass = TorchCfmPass(dataclasses.replace(config or RulesConfig(), prepack=False))
     for slot in hooks.SLOTS:
         setattr(_inductor_config, slot, hooks.add_pass(getattr(_inductor_config, slot), rules_pass))
     return rules_pass

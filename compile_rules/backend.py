@@ -26,6 +26,7 @@ import torch.fx
 
 from . import hooks
 from .passes import RulesConfig, Site, TorchCfmPass
+from .passes.dit_step import PACK_META
 
 BACKEND_NAME = "torch_cfm"
 OPTION_PREFIX = "torch_cfm."
@@ -105,7 +106,9 @@ class TorchCfmBackend:
             current = patches.get("joint_custom_pre_pass", inductor_config.joint_custom_pre_pass)
             patches["joint_custom_pre_pass"] = hooks.add_pass(current, rules_pass)
         compiler = self.compiler or compile_fx
-        return compiler(gm, list(example_inputs), config_patches=patches)
+        compiled = compiler(gm, list(example_inputs), config_patches=patches)
+        bindings = gm.meta.get(PACK_META)
+        return with_pack_refresh(compiled, bindings) if bindings else compiled
 
     def reset(self) -> None:
         """Called by ``torch._dynamo.reset()``: drop CUDA-graph trees like Inductor's wrapper."""
@@ -113,6 +116,24 @@ class TorchCfmBackend:
             from torch._inductor.cudagraph_trees import reset_cudagraph_trees
 
             reset_cudagraph_trees()
+
+
+def with_pack_refresh(compiled: Callable[..., Any], bindings: list) -> Callable[..., Any]:
+    """Wrap a compiled graph so that weights packed at compile time follow their parameters
+    (see :class:`~torch_cfm.compile_rules.markers.PackBinding`); keeps the boxed calling
+    convention Dynamo uses for Inductor's output."""
+    boxed = bool(getattr(compiled, "_boxed_call", False))
+
+    def run(*args: Any) -> Any:
+        # Dynamo calls with the arguments; debug tools call a boxed function with one list.
+        real = args[0] if boxed and len(args) == 1 and isinstance(args[0], list) else args
+        for binding in bindings:
+            binding.refresh(real)
+        return compiled(*args)
+
+    run._boxed_call = boxed  # type: ignore[attr-defined]
+    run.pack_bindings = bindings  # type: ignore[attr-defined]
+    return run
 
 
 _DEFAULT_BACKEND = TorchCfmBackend()

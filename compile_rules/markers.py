@@ -98,3 +98,87 @@ def fused_dit_step(params: Sequence[torch.Tensor], names: Sequence[str], x: torc
     att = None if att_cache is None else att_cache.to(dtype)
     return torch.ops.torch_cfm.dit_body.default(x_in, packed.body, table, cnn, att, valid_lengths,
                                                 cache_lengths, precision)
+
+
+def fused_dit_step_prepacked(body: Sequence[torch.Tensor], temb: Sequence[torch.Tensor],
+                             ada_w: torch.Tensor, ada_b: torch.Tensor, sizes: Sequence[int],
+                             x: torch.Tensor, mu: torch.Tensor, t: torch.Tensor,
+                             spks: Optional[torch.Tensor], cond: Optional[torch.Tensor],
+                             cnn_cache: Optional[torch.Tensor], att_cache: Optional[torch.Tensor],
+                             valid_lengths: Optional[torch.Tensor], cache_lengths: Optional[torch.Tensor],
+                             dtype: torch.dtype, precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fused_dit_step` on weights packed at compile time (buffers of the compiled graph,
+    kept current by :class:`PackBinding`): no weight copies in the compiled step.
+
+    Args:
+        sizes: (depth, hidden, heads, head_dim, in_channels, out_channels) of the pack.
+    """
+    from torch_cfm.ops.dit_body import stage_input
+    from torch_cfm.packing import PackedDiT, modulation_table
+
+    depth, hidden, heads, head_dim, in_channels, out_channels = sizes
+    packed = PackedDiT(body=list(body), temb=tuple(temb), ada_w=ada_w, ada_b=ada_b, depth=depth,  # type: ignore[arg-type]
+                       hidden=hidden, heads=heads, head_dim=head_dim, in_channels=in_channels,
+                       out_channels=out_channels, dtype=dtype, device=x.device)
+    x_in = stage_input(x, mu, spks, cond, dtype)
+    table = modulation_table(packed, t.reshape(-1))
+    cnn = None if cnn_cache is None else cnn_cache.to(dtype)
+    att = None if att_cache is None else att_cache.to(dtype)
+    return torch.ops.torch_cfm.dit_body.default(x_in, list(body), table, cnn, att, valid_lengths,
+                                                cache_lengths, precision)
+
+
+def packed_tensors(packed) -> list[torch.Tensor]:
+    """Every tensor of a :class:`torch_cfm.packing.PackedDiT`, in a fixed order."""
+    return list(packed.body) + list(packed.temb) + [packed.ada_w, packed.ada_b]
+
+
+class PackBinding:
+    """Keeps weights packed at compile time equal to the parameters they came from.
+
+    The compiled graph reads the pack as buffers (static inputs, so CUDA graphs never copy
+    them). Before each call the backend's wrapper calls :meth:`refresh` with the call's
+    arguments: if any parameter argument is another tensor or its version counter moved
+    (``load_state_dict``, an optimiser step, ``copy_``), the weights are packed again and copied
+    into the same buffers in place. The check is host-only (no device synchronisation).
+
+    Args:
+        arg_index: position of each parameter in the compiled graph's arguments.
+        params: the parameters at compile time; names: their SPEC §1 names.
+        dtype, device: of the pack. buffers: the pack's tensors (``packed_tensors`` order).
+    """
+
+    def __init__(self, arg_index: Sequence[int], params: Sequence[torch.Tensor], names: Sequence[str],
+                 dtype: torch.dtype, device: torch.device, buffers: Sequence[torch.Tensor]):
+        import weakref
+
+        self.arg_index = list(arg_index)
+        self.names = list(names)
+        self.dtype, self.device = dtype, device
+        self.buffers = list(buffers)
+        self._params = [weakref.ref(p) for p in params]
+        self._versions = [p._version for p in params]
+
+    def stale(self, args: Sequence[object]) -> bool:
+        for i, ref, version in zip(self.arg_index, self._params, self._versions):
+            p = args[i]
+            if p is not ref() or p._version != version:  # type: ignore[attr-defined]
+                return True
+        return False
+
+    def refresh(self, args: Sequence[object]) -> bool:
+        """Repack into the buffers if the parameters changed; returns True when it did."""
+        if not self.stale(args):
+            return False
+        import weakref
+
+        from torch_cfm.packing import pack_dit
+
+        params = [args[i] for i in self.arg_index]
+        with torch.no_grad():
+            fresh = packed_tensors(pack_dit(dict(zip(self.names, params)), self.dtype, self.device))
+            for buf, new in zip(self.buffers, fresh):
+                buf.copy_(new)
+        self._params = [weakref.ref(p) for p in params]  # type: ignore[arg-type]
+        self._versions = [p._version for p in params]  # type: ignore[attr-defined]
+        return True

@@ -13,7 +13,7 @@ compared with the float64 oracle (SPEC §6), so the script fails (exit 1) on wro
 Covered: ``cfm_attention`` (fp16, bf16, fp32 TF32 and IEEE) with K = 0, 1, block multiples +-1
 and >= 600, Q = 1 and odd Q, lengths 0/1/K/out of range, masks (dense and stride 0), kv_rows
 pools with out-of-range rows, transposed q, interleaved caches, every tile/split variant on one
-case; the fused DiT body (``dit_forward_chunk_fused``) on ragged chunks with and without caches.
+case; every variant of the fused DiT body's Triton driver on ragged chunks with and without caches.
 """
 
 from __future__ import annotations
@@ -89,28 +89,37 @@ def check_attention_configs(dtype: torch.dtype, precision: str, quick: bool) -> 
         assert_within_oracle(out.cpu(), same, ref64, name=f"q{block_q} k{block_k} s{splits}")
 
 
+def body_outputs(model, a: dict) -> tuple:
+    cfg = model.config
+    dtype = model.in_proj.weight.dtype
+    n_rows, _, t_len = a["x"].shape
+    l_len = 0 if a["att_cache"] is None else a["att_cache"].shape[3]
+    nan = float("nan")
+    return (torch.full((n_rows, cfg.out_channels, t_len), nan, dtype=dtype, device="cuda"),
+            torch.full((cfg.depth, n_rows, 2 * cfg.hidden, 2), nan, dtype=dtype, device="cuda"),
+            torch.full((cfg.depth, n_rows, cfg.heads, t_len + l_len, 2 * cfg.head_dim), nan, dtype=dtype,
+                       device="cuda"))
+
+
 def check_body(dtype: torch.dtype, precision: str, quick: bool) -> int:
+    """Every Triton body variant on ragged chunks; outputs NaN-filled first, then checked finite
+    and (velocity) against the float64 oracle with a coarse bound."""
     import dit_oracle as O
+    from torch_cfm.kernels.dit_body import VARIANTS
     from torch_cfm.models.dit import random_dit
-    from torch_cfm.ops.dit_body import dit_forward_chunk_fused
+    from torch_cfm.ops.dit_body import dit_body_fused_into, stage_input
+    from torch_cfm.packing import modulation_table, packed_for
 
     specs = [S.ChunkSpec(0, 3, 7, 9, 1, valid=(7, 0, 3), cached=(9, 4, 0)),
              S.ChunkSpec(1, 2, 1, 0, 2, att="none", cnn=False),
              S.ChunkSpec(2, 4, 9, 12, 3, valid=(9, 1, 0, 5), cached=(0, 12, 3, 7), att="arena", scalar_t=True)]
     if quick:
         specs = specs[:1]
+    runs = 0
     for spec in specs:
         model = random_dit(S.tiny_configs()[spec.cfg], seed=spec.cfg + 1).to("cuda", dtype).eval()
         a = S.build_chunk(spec, "cuda", dtype)
         prec = precision if dtype == torch.float32 else None
-        with torch.no_grad():
-            vel, cnn, att = dit_forward_chunk_fused(
-                model, a["x"], a["mu"], a["t"], a["spks"], a["cond"], a["cnn_cache"], a["att_cache"],
-                valid_lengths=a["valid_lengths"], cache_lengths=a["cache_lengths"], precision=prec)
-        torch.cuda.synchronize()
-        for name, out in (("velocity", vel), ("cnn_cache", cnn), ("att_cache", att)):
-            if not torch.isfinite(out).all():
-                raise AssertionError(f"body {spec.describe()} {dtype}: {name} not finite")
         sd = O.to_dtype(model.state_dict())
         n = spec.n
         x = a["x"].double().cpu()
@@ -122,12 +131,26 @@ def check_body(dtype: torch.dtype, precision: str, quick: bool) -> int:
             None if a["att_cache"] is None else a["att_cache"].double().cpu(),
             None if a["valid_lengths"] is None else a["valid_lengths"].cpu(),
             None if a["cache_lengths"] is None else a["cache_lengths"].cpu())
-        for i, ref in enumerate(vels):
-            got = vel[i, :, :ref.shape[1]].double().cpu()
-            rel = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item() if ref.numel() else 0.0
-            if rel > 5e-2:  # a coarse sanity bound; tests/test_properties_model.py holds the oracle
-                raise AssertionError(f"body {spec.describe()} {dtype} row {i}: rel err {rel:.2e}")
-    return len(specs)
+        with torch.no_grad():
+            packed = packed_for(model, dtype, "cuda")
+            table = modulation_table(packed, a["t"].reshape(-1))
+            x_in = stage_input(a["x"], a["mu"], a["spks"], a["cond"], dtype)
+        for variant in VARIANTS:
+            out = body_outputs(model, a)
+            with torch.no_grad():
+                dit_body_fused_into(x_in, packed.body, table, a["cnn_cache"], a["att_cache"], a["valid_lengths"],
+                                    a["cache_lengths"], prec, out, variant)
+            torch.cuda.synchronize()
+            runs += 1
+            for name, o in zip(("velocity", "cnn_cache", "att_cache"), out):
+                if not torch.isfinite(o).all():
+                    raise AssertionError(f"body {variant} {spec.describe()} {dtype}: {name} not finite")
+            for i, ref in enumerate(vels):
+                got = out[0][i, :, :ref.shape[1]].double().cpu()
+                rel = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item() if ref.numel() else 0.0
+                if rel > 5e-2:  # coarse sanity bound; tests/test_properties_model.py holds the oracle
+                    raise AssertionError(f"body {variant} {spec.describe()} {dtype} row {i}: rel err {rel:.2e}")
+    return runs
 
 
 def main() -> int:

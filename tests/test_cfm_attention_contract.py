@@ -186,7 +186,6 @@ def test_fake_matches_real_metadata(spec, dtype, device):
     assert fake.shape == real.shape and fake.dtype == real.dtype
     assert fake.device == real.device
     assert fake.stride() == real.stride(), f"fake strides {fake.stride()} != real {real.stride()}"
-    n, h, q_len, d = case.q.shape
     assert real.transpose(1, 2).is_contiguous(), "out must be stored as contiguous (N, Q, H, D)"
 
 

@@ -17,7 +17,6 @@ fp32 and SPEC's IEEE bound (1e-5 relative) is checked as well. The interpreter i
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
@@ -37,7 +36,7 @@ _ROOT = os.path.dirname(_HERE)
 
 @dataclass(frozen=True)
 class Case:
-    """One launcher call. ``config`` = (block_q, block_k, splits) or None for choose_config."""
+    """One launcher call. ``config`` = AttentionConfig(*config), or None for choose_config."""
 
     name: str
     dtype: torch.dtype
@@ -53,7 +52,7 @@ class Case:
     kv_rows: Optional[tuple[int, ...]] = None  # pool rows (R = pool) incl. out-of-range values
     pool: int = 0
     precision: Optional[str] = None  # fp32: "ieee" | "tf32"
-    config: Optional[tuple[int, int, int]] = None
+    config: Optional[tuple] = None  # AttentionConfig fields, positional
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
 
@@ -68,6 +67,8 @@ for _dt in (F32, F16):
     CASES += [
         Case(f"{_t}-edge-lengths-nosplit", _dt, 8, 2, 5, 40, 16, _EDGE, precision=_p, config=(16, _B, 1)),
         Case(f"{_t}-edge-lengths-split3", _dt, 8, 2, 5, 40, 16, _EDGE, precision=_p, config=(16, _B, 3)),
+        Case(f"{_t}-edge-lengths-nopeel-split2", _dt, 8, 2, 5, 40, 16, _EDGE, mask="random", precision=_p,
+             config=(16, _B, 2, 4, 2, False)),
         Case(f"{_t}-q1-split2", _dt, 3, 2, 1, 37, 32, (37, 20, 5), precision=_p, config=(16, _B, 2)),
         Case(f"{_t}-k0", _dt, 2, 2, 3, 0, 16, (0, 4), precision=_p, config=(16, _B, 1)),
         Case(f"{_t}-k0-nolengths", _dt, 2, 2, 3, 0, 16, precision=_p),
@@ -260,6 +261,19 @@ def test_gpu_default_config(dtype, precision, shape):
     n, h, q_len, k_len = shape
     small = n * h <= 16  # the small shapes also exercise mask + pool rows through the default config
     a = _gpu_inputs(n, h, q_len, k_len, 64, dtype, mask=small, pool=n + 1 if small else 0)
+    _gpu_check(a, dtype, precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision", _GPU_DTYPES, ids=["f16", "bf16", "f32-tf32", "f32-ieee"])
+@pytest.mark.parametrize("d,k_len", [(16, 300), (32, 300), (128, 300), (64, 2100)], ids=["D16", "D32", "D128", "K2100"])
+def test_gpu_default_config_head_dims_and_long_keys(dtype, precision, d, k_len):
+    """choose_config's other head dims (untimed tiles) and its split-K path for long key ranges."""
+    from torch_cfm.kernels.cfm_attention import choose_config
+
+    a = _gpu_inputs(2, 2, 20, k_len, d, dtype, mask=True, pool=3, seed=k_len + d)
+    if k_len >= 2048:
+        assert choose_config(dtype, d, 4, 20, k_len, 132, precision).splits > 1
     _gpu_check(a, dtype, precision)
 
 

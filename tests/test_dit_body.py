@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import re
@@ -327,8 +328,13 @@ _GPU_VALID, _GPU_CACHED = [50, 37, 1, 0], [64, 10, 0, 64]
 
 
 @functools.lru_cache(maxsize=2)
+def _gpu_cpu_model(seed):
+    return random_dit(GPU_CFG, seed=seed)
+
+
+@functools.lru_cache(maxsize=2)
 def _gpu_ref64(seed):
-    model64 = random_dit(GPU_CFG, seed=seed).double()
+    model64 = copy.deepcopy(_gpu_cpu_model(seed)).double()
     inputs = make_inputs(GPU_CFG, _GPU_N, _GPU_T, _GPU_L, torch.float64, seed=seed + 1, valid=_GPU_VALID,
                          cached=_GPU_CACHED)
     ref = model64.forward_chunk(*inputs[:7], valid_lengths=inputs[7], cache_lengths=inputs[8], fused=False)
@@ -338,7 +344,7 @@ def _gpu_ref64(seed):
 def _gpu_case(dtype, precision, seed=20):
     dev = torch.device("cuda")
     inputs, ref = _gpu_ref64(seed)
-    model = random_dit(GPU_CFG, seed=seed).to(device=dev, dtype=dtype)
+    model = copy.deepcopy(_gpu_cpu_model(seed)).to(device=dev, dtype=dtype)
     dev_in = [None if a is None else a.to(dev) for a in inputs]
     dev_in = [a.to(dtype) if a is not None and a.is_floating_point() and i != 2 else a for i, a in enumerate(dev_in)]
     from torch_cfm import policy

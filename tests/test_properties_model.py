@@ -17,6 +17,11 @@ checked. Properties:
 * NaN/Inf in one row's inputs or caches leaves every other row bitwise unchanged;
 * autocast: outputs follow the ambient dtype (forward_chunk, fused hook, dit_body op);
 * explain's ``dit_body`` line is the path that runs (fused hook spied), with the TF32 policy.
+
+``_cpu`` tests run every property on CPU; gpu-marked ``_cuda`` tests add fp16/bf16/TF32 with
+``strategies.gpu_settings()`` examples. ``test_triton_body_properties_in_interpreter`` (slow)
+runs oracle, empty-row, non-finite and padded-row properties on every variant of the Triton
+body driver under ``TRITON_INTERPRET=1`` in a child process (outputs NaN-prefilled).
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ def model_for(cfg_index: int, device: str, dtype: torch.dtype) -> torch.nn.Modul
 
 
 def run_path(model, a: dict, path: str, precision: Optional[str] = None):
+    if path.startswith("triton:"):
+        return _triton_body(model, a, path.split(":")[1])
     args = (a["x"], a["mu"], a["t"], a["spks"], a["cond"], a["cnn_cache"], a["att_cache"])
     kw = dict(valid_lengths=a["valid_lengths"], cache_lengths=a["cache_lengths"])
     with torch.no_grad():
@@ -495,3 +502,75 @@ def test_explain_reports_the_body_path_that_runs_cpu(spec, dtype, pol):
 @given(spec=S.chunk_specs(n_max=2), dtype=S.dtypes, pol=st.sampled_from(AUTO_POLICIES))
 def test_explain_reports_the_body_path_that_runs_cuda(spec, dtype, pol):
     check_explain_reports_the_body_path_that_runs("cuda", spec, dtype, pol)
+
+
+# --------------------------------------------------------------------------------------------
+# the Triton body driver itself on CPU (TRITON_INTERPRET=1, child process)
+# --------------------------------------------------------------------------------------------
+
+def _triton_body(model, a: dict, variant: str):
+    """The fused driver (``dit_body_fused_into``) on CPU tensors, outputs pre-filled with NaN so
+    any element it leaves unwritten fails the checks (padding must be finite, SPEC §2)."""
+    from torch_cfm.packing import modulation_table, packed_for
+
+    cfg = model.config
+    dtype, dev = model.in_proj.weight.dtype, a["x"].device
+    n_rows, _, t_len = a["x"].shape
+    l_len = 0 if a["att_cache"] is None else a["att_cache"].shape[3]
+    nan = float("nan")
+    out = (torch.full((n_rows, cfg.out_channels, t_len), nan, dtype=dtype, device=dev),
+           torch.full((cfg.depth, n_rows, 2 * cfg.hidden, 2), nan, dtype=dtype, device=dev),
+           torch.full((cfg.depth, n_rows, cfg.heads, t_len + l_len, 2 * cfg.head_dim), nan, dtype=dtype, device=dev))
+    with torch.no_grad():
+        packed = packed_for(model, dtype, dev)
+        table = modulation_table(packed, a["t"].reshape(-1).to(dev))
+        x_in = body.stage_input(a["x"], a["mu"], a["spks"], a["cond"], dtype)
+        body.dit_body_fused_into(x_in, packed.body, table, a["cnn_cache"], a["att_cache"], a["valid_lengths"],
+                                 a["cache_lengths"], "ieee", out, variant)
+    return out
+
+
+def interpreter_main(examples: int) -> None:
+    """Entry point of the child process: oracle, empty rows, non-finite containment and padded
+    rows on every Triton body variant, run by the interpreter (fp32, depth-1 tiny configs)."""
+    from hypothesis import settings
+
+    from torch_cfm.kernels.dit_body import VARIANTS
+
+    specs = S.chunk_specs(n_max=3, cfgs=(1, 2))
+    several = S.chunk_specs(n_max=3, cfgs=(1, 2)).filter(lambda s: s.n > 1)
+    checks = (("oracle", specs, lambda spec, path, data: check_chunk_within_oracle("cpu", path, spec, data)),
+              ("empty_row", specs,
+               lambda spec, path, data: check_row_without_frames_copies_its_caches("cpu", spec, path, data)),
+              ("nonfinite", several,
+               lambda spec, path, data: check_nonfinite_in_one_row_stays_there("cpu", spec, path, data)),
+              ("padded_rows", specs,
+               lambda spec, path, data: check_padded_rows_change_no_other_row("cpu", spec, path, data)))
+    for variant in VARIANTS:
+        for name, strategy, check in checks:
+            @settings(max_examples=examples, deadline=None, derandomize=True, database=None)
+            @given(spec=strategy, data=st.data())
+            def prop(spec, data):
+                check(spec, f"triton:{variant}", data)
+
+            S.CASES.clear()
+            prop()
+            print(f"interpreter-case body_{name}_{variant} {sum(S.CASES.values())}", flush=True)
+
+
+@pytest.mark.slow
+def test_triton_body_properties_in_interpreter():
+    """CI coverage of the fused body's Triton driver (every variant) on CPU."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    code = "import test_properties_model as t; t.interpreter_main(6)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    for name, count in re.findall(r"interpreter-case (\w+) (\d+)", proc.stdout):
+        S.CASES[f"{name}[triton-interpreter]"] += int(count)

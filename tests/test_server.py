@@ -112,22 +112,43 @@ def test_close_frees_rows_and_reused_rows_start_clean(cfm):
 
 def test_buckets_and_length_buckets_give_the_solo_results(cfm):
     g = torch.Generator().manual_seed(4)
-    server = CFMServer(cfm, buckets=(1, 2), max_prompt_frames=6, max_chunk_frames=16,
-                       chunk_buckets=(8, 16), cache_buckets=(10, 40))
-    assert [a.rows for a in server.arenas] == [1, 2]
+    server = CFMServer(cfm, buckets=(1, 3), max_prompt_frames=6, max_chunk_frames=16,
+                       chunk_buckets=(8, 16), cache_buckets=(10, 40), slot_buckets=(2,))
+    assert [a.rows for a in server.arenas] == [1, 3]
     solos = {}
     for rid, prompt in (("a", 6), ("b", 3), ("c", 4)):
         spks, mu = torch.randn(80, generator=g), torch.randn(80, prompt, generator=g)
         solos[rid] = Solo(cfm, spks, prompt)
         assert close(server.open_request(rid, spks, prompt_mu=mu), solos[rid].chunk(mu))
     assert {rid: server._requests[rid].bucket for rid in "abc"} == {"a": 0, "b": 1, "c": 1}
-    for lengths in ({"a": 5, "b": 11, "c": 16}, {"c": 3, "a": 9}):
+    # {"c": 3} alone pads to 2 slots with idle "b" (whose cache is longer than c's)
+    for lengths in ({"a": 5, "b": 11, "c": 16}, {"c": 3, "a": 9}, {"c": 4}, {"b": 2, "c": 6}):
         chunks = {rid: torch.randn(80, t, generator=g) for rid, t in lengths.items()}
         outs = server.solve_chunk(chunks)
         for rid, mu in chunks.items():
             assert close(outs[rid], solos[rid].chunk(mu))
             cnn, att = server.request_caches(rid)
             assert close(cnn, solos[rid].cnn) and close(att, solos[rid].att)
+
+
+def test_idle_padding_slots_keep_their_longer_caches(cfm):
+    g = torch.Generator().manual_seed(6)
+    server = CFMServer(cfm, max_requests=3, max_prompt_frames=4, max_chunk_frames=20, slot_buckets=(2,))
+    solos = {}
+    for rid in ("p", "q"):
+        spks = torch.randn(80, generator=g)
+        solos[rid] = Solo(cfm, spks, 4)
+        server.open_request(rid, spks, prompt_len=4)
+    for lengths in ({"p": 20}, {"p": 20}, {"q": 3}, {"p": 5, "q": 6}):  # q alone pads with idle p (L=40)
+        chunks = {rid: torch.randn(80, t, generator=g) for rid, t in lengths.items()}
+        before = server.request_caches("p")
+        outs = server.solve_chunk(chunks)
+        if "p" not in chunks:
+            after = server.request_caches("p")
+            assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+        for rid, mu in chunks.items():
+            assert close(outs[rid], solos[rid].chunk(mu)), rid
+    assert server.cache_length("p") == 45 and server.cache_length("q") == 9
 
 
 def test_server_input_errors(cfm):

@@ -11,7 +11,8 @@ Contract (what a server needs):
 
 * :class:`SolveBuffers` — the static arena of one bucket: ``staged`` (2B, Cin, T) compute dtype
   (mu | spks | cond already written for the cond half, zeros for the uncond half; the x part is
-  written by the solve), ``x`` (B, 80, T) float32 (initial noise; the Euler state), ``att_in``
+  written by the solve), ``x0`` (B, 80, T) float32 initial noise (read only; the Euler state
+  ``x`` is re-initialised from it by every solve, so a solve is idempotent), ``att_in``
   (n, depth, 2B, H, L, 2D) / ``cnn_in`` (n, depth, 2B, 2C, 2) caches of the previous chunk,
   ``valid`` / ``cached`` (2B,) int32 lengths, and the outputs ``att_out`` (n, depth, 2B, H, T+L,
   2D), ``cnn_out``, ``mel`` (B, 80, T). A server may keep its request state directly in these
@@ -53,6 +54,7 @@ class SolveBuffers:
     """The static arena of one bucket (shapes in the module docstring)."""
 
     staged: torch.Tensor
+    x0: torch.Tensor
     x: torch.Tensor
     att_in: torch.Tensor
     cnn_in: torch.Tensor
@@ -72,7 +74,8 @@ class SolveBuffers:
         def z(*shape, dtype=cd):
             return torch.zeros(shape, dtype=dtype, device=dev)
 
-        return cls(staged=z(rows, packed.in_channels, t_len), x=z(batch, mel, t_len, dtype=torch.float32),
+        return cls(staged=z(rows, packed.in_channels, t_len), x0=z(batch, mel, t_len, dtype=torch.float32),
+                   x=z(batch, mel, t_len, dtype=torch.float32),
                    att_in=z(n_steps, depth, rows, h, cache_len, d2), cnn_in=z(n_steps, depth, rows, 2 * c, 2),
                    valid=z(rows, dtype=torch.int32), cached=z(rows, dtype=torch.int32),
                    att_out=z(n_steps, depth, rows, h, t_len + cache_len, d2),
@@ -102,15 +105,17 @@ def solve_chunk_into(packed: PackedDiT, tables: torch.Tensor, dts: Sequence[floa
                      cfg_rate: float, precision: Optional[str], variant: Optional[str] = None) -> None:
     """The complete n-step CFG chunk solve on one arena (eager; this is what gets captured).
 
-    Reads ``bufs.staged`` (mu/spks/cond parts), ``bufs.x`` (initial noise, float32), the input
+    Reads ``bufs.staged`` (mu/spks/cond parts), ``bufs.x0`` (initial noise, float32), the input
     caches and lengths; writes ``bufs.att_out[i]``/``bufs.cnn_out[i]`` for every step i, the Euler
-    state ``bufs.x`` and ``bufs.mel`` (compute dtype). No host sync.
+    state ``bufs.x``, the x part of ``bufs.staged`` and ``bufs.mel`` (compute dtype). Idempotent
+    (running it twice gives the same outputs), so warm-up before a capture is harmless. No host sync.
     """
     from .kernels.dit_body import cfg_euler
     from .ops.dit_body import dit_body_fused_into
 
     b, mel_ch = bufs.batch, bufs.x.shape[1]
-    xs = bufs.x.to(bufs.staged.dtype)
+    bufs.x.copy_(bufs.x0)
+    xs = bufs.x0.to(bufs.staged.dtype)
     bufs.staged[:b, :mel_ch].copy_(xs)
     bufs.staged[b:, :mel_ch].copy_(xs)
     for i, dt in enumerate(dts):
@@ -298,8 +303,8 @@ class CFMGraphRunner:
                 bufs.staged[:b, 2 * mel_ch:3 * mel_ch, :t_len].copy_(spks[:, :, None].expand(-1, -1, t_len))
             if cond is not None:
                 bufs.staged[:b, 3 * mel_ch:4 * mel_ch, :t_len].copy_(cond)
-            bufs.x.zero_()
-            bufs.x[:b, :, :t_len].copy_(x0)
+            bufs.x0.zero_()
+            bufs.x0[:b, :, :t_len].copy_(x0)
             rows = torch.cat([torch.arange(b), kb + torch.arange(b)]).to(self.device)
             lengths_v = (torch.full((b,), t_len, dtype=torch.int32, device=self.device) if valid_lengths is None
                          else valid_lengths.to(device=self.device, dtype=torch.int32).clamp(0, t_len))

@@ -24,6 +24,8 @@ class RulesConfig:
         env: environment mapping for the policy (tests); None = ``os.environ`` at trace time.
         guard_clones: protect clone-then-mutate arguments of torch_cfm ops (pytorch#198031).
         guard_namespaces: op namespaces whose mutating ops get the clone guard.
+        prepack: pack the DiT weights at compile time into buffers of the compiled graph (our
+            backend; needs the graph module and the real parameters, otherwise packing is traced).
         assume_device: decide as if the traced tensors lived on this device type (e.g. "cuda"
             with ``capability=(9, 0)``: what an H200 would get). For explain and tests only: the
             rewritten graph still runs on the real device.
@@ -35,6 +37,7 @@ class RulesConfig:
     env: Optional[Mapping[str, str]] = None
     guard_clones: bool = True
     guard_namespaces: tuple[str, ...] = ("torch_cfm",)
+    prepack: bool = True
     assume_device: Optional[str] = None
 
     def key(self) -> str:
@@ -42,7 +45,7 @@ class RulesConfig:
         env = None if self.env is None else sorted(
             (k, v) for k, v in self.env.items() if k.startswith("TORCH_CFM_"))
         return (f"fused={self.fused};tf32={self.tf32};capability={self.capability};"
-                f"env={env};guard_clones={self.guard_clones};guard_namespaces={self.guard_namespaces};assume_device={self.assume_device}")
+                f"env={env};guard_clones={self.guard_clones};guard_namespaces={self.guard_namespaces};assume_device={self.assume_device};prepack={self.prepack}")
 
 
 def policy_state(config: RulesConfig) -> str:

@@ -9,6 +9,11 @@ config; env ``TORCH_CFM_FUSED`` over both), the rule inserts one call of
 later use of the three reference outputs to it. The reference region is left in place: after
 AOT functionalisation nothing reads it and Inductor drops it. Either way the marker is removed.
 
+With ``RulesConfig.prepack`` (our backend), the parameters' real values (Dynamo graph inputs)
+are packed once at compile time into buffers of the graph module, and a :class:`PackBinding` in
+``gm.meta["torch_cfm_prepacked"]`` lets the backend repack them in place when a parameter
+changes; otherwise (stock Inductor via ``install()``) the packing is traced into the graph.
+
 A ``torch_cfm::dit_body`` call already in the graph (the model dispatched itself) is reported
 as a fused site and left alone.
 """
@@ -16,15 +21,19 @@ as a fused site and left alone.
 from __future__ import annotations
 
 import operator
+from typing import Optional
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 
-from ..markers import MARKER, fused_dit_step, marker_op
+from ..markers import (MARKER, PackBinding, fused_dit_step, fused_dit_step_prepacked, marker_op,
+                       packed_tensors)
 from ._context import RuleContext
 from ._graph import Site, is_op, node_value, schema_args, tensor_meta
 
 RULE = "dit_step"
+PACK_META = "torch_cfm_prepacked"  # GraphModule.meta key: list of PackBinding
 OUTPUTS = ("velocity", "new_cnn_cache", "new_att_cache")
 INPUTS = ("x", "mu", "t", "spks", "cond", "cnn_cache", "att_cache", "valid_lengths", "cache_lengths")
 
@@ -43,11 +52,55 @@ def _rewire_after(graph: torch.fx.Graph, marker: torch.fx.Node, old: torch.fx.No
             user.replace_input_with(old, new)
 
 
-def _swap(graph: torch.fx.Graph, marker: torch.fx.Node, args: dict, dtype: torch.dtype,
-          precision: str) -> None:
-    call_args = (list(args["params"]), list(args["names"])) + tuple(args[k] for k in INPUTS) + (dtype, precision)
+def _prepack(graph: torch.fx.Graph, marker: torch.fx.Node, args: dict, dtype: torch.dtype,
+             device: torch.device) -> Optional[tuple]:
+    """Pack the real parameters now into buffers of the graph's module; None if impossible
+    (no module, or a parameter that is not a Dynamo graph input with its real value)."""
+    gm = graph.owning_module
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if gm is None or not all(isinstance(p, torch.fx.Node) and p.op == "placeholder" for p in args["params"]):
+        return None
+    examples = []
+    for p in args["params"]:
+        grapharg = p.meta.get("grapharg")
+        example = getattr(grapharg, "example", None) if grapharg is not None else None
+        if not isinstance(example, torch.Tensor) or isinstance(example, FakeTensor):
+            return None
+        examples.append(example)
+    from torch_cfm.packing import pack_dit
+
+    names = list(args["names"])
+    with torch.no_grad():
+        packed = pack_dit(dict(zip(names, examples)), dtype, device)
+    tensors = packed_tensors(packed)
+    bindings = gm.meta.setdefault(PACK_META, [])
+    prefix = f"_torch_cfm_pack{len(bindings)}_"
+    sources = getattr(gm, "_param_name_to_source", None)  # Dynamo graphs: AOT maps buffers to sources
+    for j, tensor in enumerate(tensors):
+        gm.register_buffer(prefix + str(j), tensor)
+        if sources is not None:
+            from torch._dynamo.source import ConstantSource
+
+            sources[prefix + str(j)] = ConstantSource(f"{prefix}{j}_{id(gm)}")
     with graph.inserting_before(marker):
-        call = graph.call_function(fused_dit_step, call_args)
+        nodes = [graph.get_attr(prefix + str(j)) for j in range(len(tensors))]
+    index = [placeholders.index(p) for p in args["params"]]
+    bindings.append(PackBinding(index, examples, names, dtype, device, tensors))
+    n_body = len(packed.body)
+    sizes = [packed.depth, packed.hidden, packed.heads, packed.head_dim, packed.in_channels, packed.out_channels]
+    return nodes[:n_body], nodes[n_body:n_body + 4], nodes[-2], nodes[-1], sizes
+
+
+def _swap(graph: torch.fx.Graph, marker: torch.fx.Node, args: dict, dtype: torch.dtype,
+          device: torch.device, precision: str, prepack: bool) -> bool:
+    """Insert the fused step and rewire the outputs; returns True when the pack is prebuilt."""
+    inputs = tuple(args[k] for k in INPUTS) + (dtype, precision)
+    pre = _prepack(graph, marker, args, dtype, device) if prepack else None
+    with graph.inserting_before(marker):
+        if pre is not None:
+            call = graph.call_function(fused_dit_step_prepacked, pre + inputs)
+        else:
+            call = graph.call_function(fused_dit_step, (list(args["params"]), list(args["names"])) + inputs)
         outs = [graph.call_function(operator.getitem, (call, i)) for i in range(3)]
     for name, new in zip(OUTPUTS, outs):
         old = args[name]
@@ -56,6 +109,7 @@ def _swap(graph: torch.fx.Graph, marker: torch.fx.Node, args: dict, dtype: torch
             new.meta["example_value"] = value
             new.meta["val"] = value
         _rewire_after(graph, marker, old, new)
+    return pre is not None
 
 
 def apply(graph: torch.fx.Graph, ctx: RuleContext) -> list[Site]:
@@ -73,7 +127,8 @@ def apply(graph: torch.fx.Graph, ctx: RuleContext) -> list[Site]:
             continue
         args = schema_args(node)
         dtype, _ = tensor_meta(node_value(args["new_att_cache"]))
-        _, device = tensor_meta(node_value(args["x"]))
+        _, x_device = tensor_meta(node_value(args["x"]))
+        device = x_device
         if dtype is None or device is None:
             graph.erase_node(node)
             sites.append(Site(RULE, node.name, ctx.stage, "kept", reasons=("no traced values",)))
@@ -85,8 +140,9 @@ def apply(graph: torch.fx.Graph, ctx: RuleContext) -> list[Site]:
             reasons = ("torch_cfm::dit_body is not available in this build",)
         if decision.fused and body is not None:
             precision = decision.precision or "auto"
-            _swap(graph, node, args, dtype, precision)
+            prepacked = _swap(graph, node, args, dtype, x_device, precision, ctx.config.prepack)
             detail = "torch_cfm::dit_body" + (f" precision={precision}" if decision.precision else "")
+            detail += ", weights packed at compile time" if prepacked else ""
             detail += f" [{decision.source}]" if decision.source != "policy" else ""
             action, reasons = "fused", ()
         else:

@@ -1,29 +1,30 @@
-"""Triton kernel of ``cfm_attention`` (SPEC §4): ragged, cache-aware attention with a split-K combine.
+"""Triton kernel of ``cfm_attention`` (SPEC §4): ragged, cache-aware attention, optional split-K.
 
-At the shapes of a streaming CFM solve (N·H = 16..256 (row, head) pairs, Q = 50..300 queries,
-K ≈ 450 keys, D = 64) one program per (row, head, query tile) leaves most of an H100/H200's 132
-SMs idle while each program walks every key serially. So the key range of each row is split
-across ``splits`` programs (flash-decoding style):
-
-1. ``_cfm_attention_fwd_kernel``: program = (row, head, query tile, split). It walks the keys
-   ``[split·chunk, (split+1)·chunk) ∩ [0, length)`` with an online softmax (FP32, ``exp2`` with
-   log2(e) folded into the scale). With one split it normalises and writes ``out`` directly;
-   otherwise it writes its normalised partial output and its log2-sum-exp to a workspace.
-   ``chunk`` is computed in the kernel from the row's own (clamped) key length, so ragged rows
-   split their *valid* keys evenly and no program walks padding.
+1. ``_cfm_attention_fwd_kernel``: program = (row, head, query tile, key split). It walks the keys
+   ``[split·chunk, (split+1)·chunk) ∩ [0, length)`` with an online softmax in FP32 (``exp2``,
+   log2(e)/√D folded into one FFMA per score), whole tiles without bound tests and a masked
+   tail. With one split it normalises and writes ``out`` directly; otherwise it writes its
+   normalised partial output and its log2-sum-exp to a workspace. ``chunk`` comes from the
+   row's own (clamped) key length, so ragged rows split their *valid* keys evenly and no
+   program walks padding.
 2. ``_cfm_attention_combine_kernel`` (only when splits > 1): merges the partials of each query
    with weights ``2^(lse_s − max lse)``.
+
+Measured on an H200 (``bench/NOTES_attention.md``): at the streaming shapes (K ≤ 524) the
+combine kernel costs more than the shorter key walk saves, so :func:`choose_config` splits only
+long key ranges with few programs. FP32 ``precision="ieee"`` runs its dots as 3xTF32
+(error-compensated TF32 on tensor cores, FP32-level accuracy: rel. error ≈ 4e-7 vs float64,
+below the FMA dot's); ``AttentionConfig(ieee_dot="ieee")`` selects plain FP32 FMA dots.
 
 A query whose keys are all invalid ends with ``l = 0``: every exponent is taken against 0 rather
 than ``-inf`` (no ``-inf − -inf``), so it yields exactly 0, never NaN.
 
-The workspace (splits · N·H · Q · (D+1) fp32) is the only allocation besides ``out``: it comes
-from PyTorch's caching allocator on every call, so it is sync-free and CUDA-graph capturable (a
-captured graph keeps it in its private pool). No host synchronisation, no autotuning: tiles
-and splits come from :func:`choose_config`, a deterministic per-shape heuristic tuned on an
-H200 (see ``bench/NOTES_attention.md``), so the first call compiles exactly one variant, the
-Triton interpreter (``TRITON_INTERPRET=1``) runs the same code on CPU tensors, and graph
-capture never benchmarks.
+The split workspace (splits · N·H · Q · (D+1) fp32) is the only allocation besides ``out``: it
+comes from PyTorch's caching allocator on the calls that split, so it is sync-free and CUDA-graph
+capturable (a captured graph keeps it in its private pool). No host synchronisation, no
+autotuning: tiles and splits come from :func:`choose_config`, a deterministic per-shape rule, so
+the first call compiles exactly one variant, the Triton interpreter (``TRITON_INTERPRET=1``) runs
+the same code on CPU tensors, and graph capture never benchmarks.
 """
 
 from __future__ import annotations
@@ -51,17 +52,23 @@ class AttentionConfig:
         splits: programs sharing one (row, head, query tile)'s keys; 1 = no combine kernel.
         num_warps: warps per program of the main kernel.
         num_stages: software-pipelining depth of the key loop.
+        peel: walk whole key tiles without bound tests and mask only the last one.
+        ieee_dot: how fp32 "ieee" dots run: "tf32x3" (error-compensated TF32 on tensor cores:
+            three TF32 products per dot, FP32-level accuracy) or "ieee" (FP32 FMA, slow).
     """
 
     block_q: int
     block_k: int
-    splits: int
+    splits: int = 1
     num_warps: int = 4
     num_stages: int = 2
+    peel: bool = True
+    ieee_dot: str = "tf32x3"
 
     @property
     def name(self) -> str:
-        return f"q{self.block_q}_k{self.block_k}_s{self.splits}_w{self.num_warps}_st{self.num_stages}"
+        extra = ("" if self.peel else "_nopeel") + ("" if self.ieee_dot == "tf32x3" else "_fma")
+        return f"q{self.block_q}_k{self.block_k}_s{self.splits}_w{self.num_warps}_st{self.num_stages}{extra}"
 
 
 @triton.jit
@@ -256,8 +263,18 @@ def _cfm_attention_combine_kernel(
 
 
 def choose_config(dtype: torch.dtype, head_dim: int, rows_heads: int, q_len: int, k_len: int,
-                  n_sm: int = 132) -> AttentionConfig:
+                  n_sm: int = 132, precision: Optional[str] = None) -> AttentionConfig:
     """Tiles and splits for one call, from the shape alone (tuned on an H200, see NOTES).
+
+    Measured at the SPEC §7 shapes (bench/NOTES_attention.md, sweeps 1 and 2): one
+    (row, head, query-tile) program walking all its keys beats every split-K variant up to
+    K = 524, because the combine kernel costs more (~2 µs in a graph) than the shorter key walk
+    saves. fp16/bf16: 64-query tiles (Hopper wgmma), 64-key steps, 3-stage pipeline, peeled tail.
+    fp32 (tf32 and the 3xTF32 "ieee" dots): 32-query tiles, 64-key steps; 16-query tiles when
+    there are very few programs; tf32 pipelines 3 deep at medium sizes and walks unpeeled at
+    large ones. Splits are only used for long key ranges with few programs (untested beyond
+    K = 524: a conservative extrapolation). D = 128 tiles are chosen from the ptxas register
+    report (no spills), not timed; D = 16/32 reuse the D = 64 choice.
 
     Args:
         dtype: q/k/v dtype.
@@ -265,30 +282,42 @@ def choose_config(dtype: torch.dtype, head_dim: int, rows_heads: int, q_len: int
         rows_heads: N·H, the (row, head) pairs.
         q_len: Q; k_len: K (the padded key count; ragged lengths are split in the kernel).
         n_sm: SMs of the device (132 on H100/H200).
+        precision: "tf32" | "ieee" for float32 (None: treated as "ieee").
     """
-    fp32 = dtype == torch.float32
-    block_q = 16 if q_len <= 16 else 32 if q_len <= 32 else 64
-    if fp32 and head_dim >= 128:
-        block_q = min(block_q, 32)
-    block_k = 64 if head_dim <= 64 else 32
-    if fp32 and head_dim >= 64:
-        block_k = 32
-    tiles = rows_heads * triton.cdiv(q_len, block_q)
-    # enough programs for ~2 per SM, but never a split of less than two key tiles
-    max_splits = max(1, k_len // (2 * block_k))
-    splits = 1
-    while splits < max_splits and tiles * splits * 2 <= 2 * n_sm:
-        splits *= 2
-    return AttentionConfig(block_q, block_k, min(splits, max_splits), num_warps=4, num_stages=2)
-
-
-def _dot_precision(dtype: torch.dtype, precision: Optional[str]) -> str:
+    num_stages, peel, num_warps = 2, True, 4
     if dtype == torch.float32:
-        if precision not in ("tf32", "ieee"):
-            raise ValueError(
-                f"cfm_attention: precision must be 'tf32' or 'ieee' for float32 inputs, got {precision!r}; "
-                "resolve 'auto' with torch_cfm.policy.resolve_precision first")
-        return precision
+        block_q = 16 if q_len <= 16 else 32
+        programs = rows_heads * triton.cdiv(q_len, block_q)
+        if programs <= n_sm // 4:
+            block_q = 16
+        elif precision == "tf32":
+            if programs <= 2 * n_sm:
+                num_stages = 3
+            else:
+                peel = False
+        block_k = 64 if head_dim <= 64 else 32
+        if head_dim > 64 and precision != "tf32" and block_q > 16:
+            num_warps = 8  # 3xTF32 at D = 128 spills with 4 warps (ptxas report, sm_90)
+    else:
+        block_q = 16 if q_len <= 16 else 32 if q_len <= 32 else 64
+        block_k = 64 if head_dim <= 64 else 32  # D = 128: 64-key tiles spill with a mask
+        num_stages = 3
+    tiles = rows_heads * triton.cdiv(q_len, block_q)
+    splits = 1
+    if k_len >= 2048 and tiles < n_sm:
+        splits = min(triton.cdiv(k_len, 1024), max(1, n_sm // tiles), 8)
+    return AttentionConfig(block_q, block_k, splits, num_warps=num_warps, num_stages=num_stages, peel=peel)
+
+
+def _dot_precision(dtype: torch.dtype, precision: Optional[str], config: AttentionConfig) -> str:
+    if dtype == torch.float32:
+        if precision == "tf32":
+            return "tf32"
+        if precision == "ieee":
+            return config.ieee_dot
+        raise ValueError(
+            f"cfm_attention: precision must be 'tf32' or 'ieee' for float32 inputs, got {precision!r}; "
+            "resolve 'auto' with torch_cfm.policy.resolve_precision first")
     return "tf32"  # ignored by tl.dot for 16-bit operands (tensor cores, FP32 accumulation)
 
 
@@ -325,12 +354,12 @@ def cfm_attention_triton(
     """
     n_rows, n_heads, q_len, head_dim = q.shape
     n_pool, _, k_len, _ = k.shape
-    dot_precision = _dot_precision(q.dtype, precision)
     rows_heads = n_rows * n_heads
+    if config is None:
+        config = choose_config(q.dtype, head_dim, rows_heads, q_len, k_len, sm_count(q.device), precision)
+    dot_precision = _dot_precision(q.dtype, precision, config)
     if out.numel() == 0:
         return out
-    if config is None:
-        config = choose_config(q.dtype, head_dim, rows_heads, q_len, k_len, sm_count(q.device))
     block_q, block_k = config.block_q, config.block_k
     q_tiles = triton.cdiv(q_len, block_q)
     splits = max(1, min(config.splits, triton.cdiv(max(k_len, 1), block_k)))
@@ -357,7 +386,7 @@ def cfm_attention_triton(
             qk_scale,
             HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_K=block_k,
             HAS_LENGTHS=key_lengths is not None, HAS_MASK=mask is not None, HAS_ROWS=kv_rows is not None,
-            DOT_PRECISION=dot_precision,
+            DOT_PRECISION=dot_precision, PEEL=config.peel,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if splits > 1:

@@ -224,6 +224,8 @@ def _dit_fused_gemm_kernel(
 # --------------------------------------------------------------------------------------------
 
 STAT_BN = 64  # column tile of every epilogue that writes row statistics (EPI 3/4)
+# Tile overrides for tuning sweeps (bench/dit_step.py --sweep): keys block_m, num_warps, num_stages.
+TILE_OVERRIDE: dict = {}
 
 
 def stat_tiles(c: int) -> int:
@@ -250,6 +252,9 @@ def fused_gemm(*, w, w_strides, bias, out, out_strides=(0, 0, 0), m, nout, k, t_
     block_m = 64 if triton.cdiv(m, 64) * n_tiles >= 96 else 32
     if m <= 16:
         block_m = 16
+    block_m = TILE_OVERRIDE.get("block_m", block_m)
+    num_warps = TILE_OVERRIDE.get("num_warps", 4)
+    num_stages = TILE_OVERRIDE.get("num_stages", 3)
     fp32 = w.dtype == torch.float32
     block_k = min(32 if fp32 else 64, max(16, triton.next_power_of_2(min(k, c) if a_mode >= 2 else k)))
     dot_precision = ("tf32" if precision == "tf32" else "ieee") if fp32 else "tf32"
@@ -270,13 +275,14 @@ def fused_gemm(*, w, w_strides, bias, out, out_strides=(0, 0, 0), m, nout, k, t_
                 sstats if sstats is not None else dummy, tab, stride_tab, shift, scale, lnw, lnb, cnn_t, cnn_s,
                 emit_t, emit_s, cnn_base, w, w_strides, bias, out, out_strides, gate, ostats if ostats is not None
                 else dummy, qn_w, qn_b, kn_w, kn_b, new_t, new_s, valid, m, nout, k, t_len, c, heads, eps_a, eps_qk,
-                a_mode, epi, has_res, cnn is not None, dot_precision, block_m, block_n, block_k)
+                a_mode, epi, has_res, cnn is not None, dot_precision, block_m, block_n, block_k, num_warps,
+                num_stages)
 
 
 def _launch(grid, a, a_s, src, sstats, tab, stride_tab, shift, scale, lnw, lnb, cnn_t, cnn_s, emit_t, emit_s,
             cnn_base, w, w_s, bias, out, out_s, gate, ostats, qn_w, qn_b, kn_w, kn_b, new_t, new_s, valid,
             m, nout, k, t_len, c, heads, eps_a, eps_qk, a_mode, epi, has_res, has_cnn, dot_precision,
-            block_m, block_n, block_k):
+            block_m, block_n, block_k, num_warps, num_stages):
     _dit_fused_gemm_kernel[grid](
         a, *a_s, src, sstats, tab, stride_tab, shift, scale, lnw, lnb,
         cnn_t, *cnn_s, emit_t, *emit_s, cnn_base,
@@ -286,4 +292,4 @@ def _launch(grid, a, a_s, src, sstats, tab, stride_tab, shift, scale, lnw, lnb, 
         m, nout, k, t_len, c, stat_tiles(c), heads, eps_a, eps_qk,
         A_MODE=a_mode, EPI=epi, HAS_RES=has_res, HAS_GATE=gate is not None, HAS_CNN=has_cnn,
         DOT_PRECISION=dot_precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAT_BN=STAT_BN,
-        num_warps=4, num_stages=3)
+        num_warps=num_warps, num_stages=num_stages)

@@ -56,6 +56,8 @@ class CFMServer:
             prompt fits as a chunk.
         chunk_buckets / cache_buckets: optional sorted lengths the chunk length T / cache window Lb
             of a solve are rounded up to (fewer distinct shapes for CUDA graphs); default: exact.
+        slot_buckets: optional sorted counts the solved slots S are padded up to with idle slots
+            (default: exactly the requests of the chunk; all slots once that reaches the bucket).
         device, dtype: of the arenas (default: the estimator's parameters').
         fused: passed to the estimator (None = policy).
     Attributes:
@@ -67,6 +69,7 @@ class CFMServer:
     def __init__(self, cfm: StreamingCFM, *, max_requests: int = 4, buckets: Optional[Sequence[int]] = None,
                  max_prompt_frames: int = 300, max_chunk_frames: int = 100,
                  chunk_buckets: Optional[Sequence[int]] = None, cache_buckets: Optional[Sequence[int]] = None,
+                 slot_buckets: Optional[Sequence[int]] = None,
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
                  fused: Optional[bool] = None) -> None:
         op = "CFMServer"
@@ -89,6 +92,7 @@ class CFMServer:
         self.max_chunk_frames = max(max_chunk_frames, max_prompt_frames)
         self.chunk_buckets = sorted(chunk_buckets) if chunk_buckets else None
         self.cache_buckets = sorted(cache_buckets) if cache_buckets else None
+        self.slot_buckets = sorted(slot_buckets) if slot_buckets else None
         self.noise = cfm.noise.to(device=self.device, dtype=self.dtype)
         self.arenas = [CacheArena.allocate(self.config, cfm.n_timesteps, rows, self.max_cache_frames,
                                            self.max_chunk_frames, self.device, self.dtype)
@@ -215,13 +219,13 @@ class CFMServer:
                 arena.cond[req.slot, :, :t_n].copy_(cond)
         arena.valid_lengths.copy_(torch.tensor(lengths, dtype=torch.int32))
         # Only the requests of this chunk are solved (compacted) unless every slot is busy.
-        slots = sorted(req.slot for _, req, _, _ in items)
+        slots = self._solve_slots(arena, sorted(req.slot for _, req, _, _ in items))
         slot_index = None
         if len(slots) < arena.rows:
             slot_index = torch.tensor(slots, dtype=torch.int64).to(self.device)
-        longest_cache = max(req.cache_len for _, req, _, _ in items)
-        if slot_index is None:
-            longest_cache = max(r.cache_len for r in self._requests.values() if r.bucket == bucket)
+        # Every solved slot (idle padding included) must fit in the cache window.
+        held = {r.slot: r.cache_len for r in self._requests.values() if r.bucket == bucket}
+        longest_cache = max(held.get(slot, 0) for slot in slots)
         cache_frames = _round_up(longest_cache, self.cache_buckets, arena.max_cache_frames)
         self.solve_fn(
             self.cfm.estimator, arena.att, arena.cnn, self.noise,
@@ -238,6 +242,16 @@ class CFMServer:
         return result
 
     # ------------------------------------------------------------------ helpers
+    def _solve_slots(self, arena: CacheArena, active: list[int]) -> list[int]:
+        """The slots one solve covers: the active ones, padded with idle slots (0 frames this
+        chunk, caches unchanged) up to a ``slot_buckets`` size so solve shapes repeat."""
+        target = _round_up(len(active), self.slot_buckets, arena.rows)
+        if target >= arena.rows:
+            return list(range(arena.rows))
+        taken = set(active)
+        pad = [s for s in range(arena.rows) if s not in taken][:target - len(active)]
+        return sorted(active + pad)
+
     def _get(self, request_id: Hashable, op: str) -> _Request:
         req = self._requests.get(request_id)
         if req is None:
