@@ -48,7 +48,7 @@ from _harness import (env_info, make_row, markdown_table, rel_err, time_cuda_gra
 from torch_cfm import policy  # noqa: E402
 from torch_cfm.config import BODY_BENCH_SHAPES, DiTConfig, cosine_timesteps  # noqa: E402
 from torch_cfm.graphs import CFMGraphRunner  # noqa: E402
-from torch_cfm.kernels.dit_body import DEFAULT_VARIANT, VARIANTS  # noqa: E402
+from torch_cfm.kernels.dit_body import VARIANTS, choose_variant  # noqa: E402
 from torch_cfm.models import random_dit  # noqa: E402
 from torch_cfm.ops.dit_body import _empty_outputs, check_dit_body, dit_body_fused_into, stage_input  # noqa: E402
 from torch_cfm.packing import modulation_table, packed_for  # noqa: E402
@@ -65,6 +65,18 @@ PROVIDERS = ("torch_cfm", "torch_cfm/hook", "reference_eager", "reference_graph"
 QUICK_SHAPES = ((8, 50, 400), (32, 50, 400))
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEVICE = "cuda"
+PARTIAL: Optional[str] = None  # jsonl file every row is appended to as soon as it is measured
+
+
+def _row(env: dict, **fields) -> dict:
+    """make_row + append to the partial jsonl (a timeout keeps what was measured)."""
+    row = make_row(env, **fields)
+    if PARTIAL:
+        import json
+
+        with open(PARTIAL, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
 
 
 def floor_us(cfg: DiTConfig, n: int, t: int, l_len: int, dname: str, elem: int) -> float:
@@ -158,8 +170,9 @@ def step_providers(model, model_dtype, inp, dname, precision):
         return model.forward_chunk(inp["x"], inp["mu"], inp["t"], inp["spks"], inp["cond"], inp["cnn"], inp["att"],
                                    fused=False)[0]
 
+    default = choose_variant(dtype, precision)
     fns += [("torch_cfm", "", fused())]
-    fns += [("torch_cfm", v, fused(v)) for v in VARIANTS if v != DEFAULT_VARIANT]
+    fns += [("torch_cfm", v, fused(v)) for v in VARIANTS if v != default]
     fns += [("torch_cfm", "forward_chunk", hook), ("reference_eager", "", ref), ("reference_graph", "", ref)]
     return fns
 
@@ -212,7 +225,7 @@ def run_steps(cfg, shapes, dnames, providers, args, env, base) -> list[dict]:
                 except Exception as exc:  # noqa: BLE001
                     traceback.print_exc()
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                rows.append(make_row(env, **row))
+                rows.append(_row(env, **row))
                 print(f"dit_step {shape} {dname} {prov}{('/' + variant) if variant else ''}: "
                       f"p50 {row.get('us_p50')} us, rel_err {row.get('rel_err')}, kernels {row.get('kernels')}",
                       flush=True)
@@ -248,7 +261,7 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
                                                    context=tf32_ctx(dtype, precision)))
                 except Exception as exc:  # noqa: BLE001
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                rows.append(make_row(env, **row))
+                rows.append(_row(env, **row))
                 print(f"sweep {n},{t},{l_len} {dname} {tag}: p50 {row.get('us_p50')} us", flush=True)
             dit_gemm.TILE_OVERRIDE.clear()
     return rows
@@ -316,8 +329,9 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dic
         mu2, spks2, cond2, x0d, cnnd, attd = rows2(dtype)
         common = dict(op="cfm_solve_chunk", shape=shape, dtype=dname.split("-")[0], precision=precision,
                       floor_us=round(fl, 2))
-        for variant in [DEFAULT_VARIANT] + [v for v in VARIANTS if v != DEFAULT_VARIANT]:
-            rows.append(make_row(env, **solve_fused_row(model, dtype, precision, variant, b, t, l_len, n_steps,
+        default = choose_variant(dtype, precision)
+        for variant in [default] + [v for v in VARIANTS if v != default]:
+            rows.append(_row(env, **solve_fused_row(model, dtype, precision, variant, b, t, l_len, n_steps,
                                                          (mu2, spks2, cond2, x0d, cnnd, attd), mel64, common, args)))
         def ref():
             return reference_solve(model, mu2, spks2, cond2, x0d, cnnd, attd, n_steps)
@@ -335,7 +349,7 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dic
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            rows.append(make_row(env, **row))
+            rows.append(_row(env, **row))
             print(f"solve {shape} {dname} {prov}: p50 {row.get('us_p50')} us, rel_err {row.get('rel_err')}", flush=True)
         del model
         torch.cuda.empty_cache() if DEVICE == "cuda" else None
@@ -350,7 +364,7 @@ def solve_fused_row(model, dtype, precision, variant, b, t, l_len, n_steps, tens
     mu2, spks2, cond2, x0d, cnnd, attd = tensors
     runner = CFMGraphRunner(model, dtype=dtype, device=DEVICE, n_timesteps=n_steps, precision=precision,
                             batch_buckets=(b,), chunk_buckets=(t,), cache_buckets=(l_len,), variant=variant)
-    row = dict(common, provider="torch_cfm", variant="" if variant == DEFAULT_VARIANT else variant,
+    row = dict(common, provider="torch_cfm", variant="" if variant == choose_variant(dtype, precision) else variant,
                timing="cuda_graph")
     try:
         with torch.no_grad():
@@ -467,6 +481,8 @@ def main(argv=None) -> int:
         print("bench/dit_step.py needs a CUDA device")
         return 2
     os.makedirs(args.out, exist_ok=True)
+    global PARTIAL
+    PARTIAL = os.path.join(args.out, "dit_step_partial.jsonl")
     shapes = BODY_BENCH_SHAPES
     dnames = list(DTYPES)
     providers = list(PROVIDERS)
@@ -485,13 +501,15 @@ def main(argv=None) -> int:
     command = "python3 " + shlex.join([os.path.relpath(__file__)] + list(argv if argv is not None else sys.argv[1:]))
     t0 = time.time()
     base = random_dit(cfg, seed=0)
-    rows = [] if args.no_steps else run_steps(cfg, shapes, dnames, providers, args, env, base)
-    if args.sweep:
-        rows += run_sweep(cfg, shapes, dnames, args, env, base)
-    if not args.no_solve:
+    rows: list[dict] = []
+    if not args.no_solve:  # first: the whole-chunk solve is the headline number
         sdn = args.solve_dtypes.split(",") if args.solve_dtypes else dnames
         b, t, l_len = (1, 5, 4) if args.dry_run else (4, 50, 400)
         rows += run_solve(cfg, b, t, l_len, sdn, args, env, base, n_steps=2 if args.dry_run else 10)
+    if not args.no_steps:
+        rows += run_steps(cfg, shapes, dnames, providers, args, env, base)
+    if args.sweep:
+        rows += run_sweep(cfg, shapes, dnames, args, env, base)
     all_rows = upsert_rows(os.path.join(args.out, "dit_step.json"), rows)
     print(write_table(rows, args.out, command))
     print(f"{len(rows)} rows in {time.time() - t0:.0f} s; {len(all_rows)} rows in {args.out}/dit_step.json")

@@ -18,7 +18,10 @@ done
 log="$OUT/run.log"
 {
   echo "== build"; date -u
-  python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exit 1; }
+  # pip's editable install re-runs pip with build isolation under setuptools 81 (no network there):
+  # build the extension in place instead.
+  python3 setup.py build_ext --inplace > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exit 1; }
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -m torch_cfm | tee "$OUT/explain.txt"
   if [ "$TESTS" = 1 ]; then

@@ -31,7 +31,7 @@ from .explain import explain_model
 from .passes import ATEN, DYNAMO, RulesConfig, Site, TorchCfmPass
 
 __all__ = [
-    "BACKEND_NAME", "RulesConfig", "Site", "TorchCfmBackend", "TorchCfmPass", "default_backend",
+    "ATEN", "DYNAMO", "BACKEND_NAME", "RulesConfig", "Site", "TorchCfmBackend", "TorchCfmPass", "default_backend",
     "explain_model", "install", "installed", "torch_cfm_backend", "uninstall",
 ]
 

@@ -26,10 +26,11 @@ import torch.fx
 
 from . import hooks
 from .passes import RulesConfig, Site, TorchCfmPass
-from .passes.dit_step import PACK_META
+from .passes.dit_step import pack_bindings
 
 BACKEND_NAME = "torch_cfm"
 OPTION_PREFIX = "torch_cfm."
+_MAX_SITES = 4096  # a long-running server recompiles: keep the newest sites only
 _RULE_OPTIONS = {f.name for f in dataclasses.fields(RulesConfig)} - {"env"}
 
 
@@ -77,7 +78,7 @@ class TorchCfmBackend:
         compiler: what compiles the rewritten graph (default Inductor's ``compile_fx``); called
             as ``compiler(gm, example_inputs, config_patches=...)``. Tests pass an eager runner.
     Attributes:
-        sites: every :class:`Site` the rules visited, over all graphs compiled so far.
+        sites: the :class:`Site` records of the graphs compiled so far (newest 4096).
         last_pass: the pass object of the latest graph (its ``last_sites``, ``uuid()``).
     """
 
@@ -100,14 +101,14 @@ class TorchCfmBackend:
         rules_pass(gm.graph)
         gm.recompile()
         self.last_pass = rules_pass
-        self.sites.extend(rules_pass.last_sites)
+        self.sites = (self.sites + rules_pass.last_sites)[-_MAX_SITES:]
         patches = inductor_patches(mode, inductor_options)
         if rules_pass.config.guard_clones:
             current = patches.get("joint_custom_pre_pass", inductor_config.joint_custom_pre_pass)
             patches["joint_custom_pre_pass"] = hooks.add_pass(current, rules_pass)
         compiler = self.compiler or compile_fx
         compiled = compiler(gm, list(example_inputs), config_patches=patches)
-        bindings = gm.meta.get(PACK_META)
+        bindings = pack_bindings(gm)
         return with_pack_refresh(compiled, bindings) if bindings else compiled
 
     def reset(self) -> None:

@@ -9,10 +9,8 @@ oracle of tests/dit_oracle.py. GPU-marked tests do the real swap, reduce-overhea
 from __future__ import annotations
 
 import importlib.metadata
-import operator
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -139,8 +137,21 @@ def step_inputs(config=TINY, n_rows=2, t_len=5, cache_len=4, ragged=True, dtype=
     return args + lengths
 
 
+def model_marks_itself(model) -> bool:
+    """True once DiT.forward_chunk calls mark_dit_step under torch.compile (the model hook)."""
+    import inspect
+
+    return "mark_dit_step" in inspect.getsource(type(model).forward_chunk)
+
+
 def make_step(model):
     """One marked estimator step: the hook a model/solver calls under torch.compile."""
+    if model_marks_itself(model):
+        def hooked(x, mu, t, spks, cond, cnn, att, valid_lengths, cache_lengths):
+            return model.forward_chunk(x, mu, t, spks, cond, cnn, att, valid_lengths=valid_lengths,
+                                       cache_lengths=cache_lengths)
+
+        return hooked
 
     def step(x, mu, t, spks, cond, cnn, att, valid_lengths, cache_lengths):
         out = model.forward_chunk(x, mu, t, spks, cond, cnn, att, valid_lengths=valid_lengths,
@@ -335,7 +346,7 @@ def test_step_swap_fires_iff_policy_says_so(rules, fused, reasons):
     args = step_inputs()
     eager = EagerCompiler()
     be = TorchCfmBackend(rules, compiler=eager)
-    out = torch.compile(make_step(model), backend=be)(*args)
+    out = torch.compile(make_step(model), backend=be, fullgraph=True)(*args)  # no graph break
     (gm,) = eager.graphs
     targets = graph_targets(gm)
     assert marker_op() not in targets  # the marker never survives the rules
@@ -393,6 +404,27 @@ def test_weights_packed_at_compile_time_follow_parameter_updates():
     assert len(eager.graphs) == 1  # no recompile was needed for either update
 
 
+def test_steps_of_one_graph_share_one_pack():
+    model = random_dit(TINY, 0)
+    args = step_inputs(ragged=False)
+    step = make_step(model)
+
+    def two_steps(x, mu, t, spks, cond, cnn, att, valid_lengths, cache_lengths):
+        v, cnn1, att1 = step(x, mu, t, spks, cond, cnn, att, None, None)
+        return step(x + 0.1 * v, mu, t + 0.1, spks, cond, cnn1, att1, None, None)
+
+    rules = RulesConfig(assume_device="cuda", capability=H200, tf32=True, env={})
+    eager = EagerCompiler()
+    be = TorchCfmBackend(rules, compiler=eager)
+    fast = torch.compile(two_steps, backend=be)(*args)
+    (gm,) = eager.graphs
+    assert [s.action for s in be.sites if s.rule == "dit_step"] == ["fused", "fused"]
+    assert len(list(gm.buffers())) == 4 + 18 * TINY.depth + 4 + 2  # one pack, not two
+    ref = two_steps(*args)
+    for got, want in zip(fast, ref):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_explicit_fused_argument_of_the_marker_wins_over_the_rules_config():
     model = random_dit(TINY, 0)
     args = step_inputs(ragged=False)
@@ -407,6 +439,25 @@ def test_explicit_fused_argument_of_the_marker_wins_over_the_rules_config():
     torch.compile(step, backend=be)(*args)
     (site,) = [s for s in be.sites if s.rule == "dit_step"]
     assert site.action == "kept" and site.reasons == ("disabled by argument",)
+
+
+def test_a_step_marked_twice_is_one_site():
+    model = random_dit(TINY, 0)
+    args = step_inputs()
+
+    def twice(x, mu, t, spks, cond, cnn, att, valid_lengths, cache_lengths):
+        out = model.forward_chunk(x, mu, t, spks, cond, cnn, att, valid_lengths=valid_lengths,
+                                  cache_lengths=cache_lengths, fused=False)
+        for _ in range(2):  # e.g. the model's own hook and a caller's
+            mark_dit_step(model, out, x, mu, t, spks, cond, cnn, att, valid_lengths=valid_lengths,
+                          cache_lengths=cache_lengths)
+        return out
+
+    eager = EagerCompiler()
+    be = TorchCfmBackend(RulesConfig(assume_device="cuda", capability=H200, tf32=True, env={}), compiler=eager)
+    torch.compile(twice, backend=be)(*args)
+    assert [s.action for s in be.sites if s.rule == "dit_step"] == ["fused"]
+    assert graph_targets(eager.graphs[0]).count(fused_dit_step_prepacked) == 1
 
 
 def test_mark_dit_step_is_a_no_op_in_eager():
@@ -505,7 +556,8 @@ def test_uuid_is_stable_and_changes_with_policy_inputs(tf32_flag, monkeypatch):
 def test_uuid_hashes_the_rules_source():
     files = compile_rules.passes.source_files()
     names = {f.replace("\\", "/").rsplit("/", 1)[-1] for f in files}
-    assert {"attention.py", "dit_step.py", "clone_guard.py", "policy.py", "backend.py"} <= names
+    assert {"attention.py", "dit_step.py", "clone_guard.py", "policy.py", "backend.py", "markers.py",
+            "packing.py", "dit_body.py"} <= names
 
 
 # ------------------------------------------------------------------------------------------
@@ -675,8 +727,11 @@ class ArenaStep(torch.nn.Module):
         cnn = self.cnn_arena
         if self.clone_first:  # the pytorch#198031 shape: read a clone of what is written below
             att, cnn = att.clone(), cnn.clone()
-        out = self.model.forward_chunk(x, mu, t, spks, cond, cnn, att, fused=False)
-        mark_dit_step(self.model, out, x, mu, t, spks, cond, cnn, att)
+        if model_marks_itself(self.model):
+            out = self.model.forward_chunk(x, mu, t, spks, cond, cnn, att)
+        else:
+            out = self.model.forward_chunk(x, mu, t, spks, cond, cnn, att, fused=False)
+            mark_dit_step(self.model, out, x, mu, t, spks, cond, cnn, att)
         velocity, new_cnn, new_att = out
         self.cnn_arena.copy_(new_cnn)
         self.att_arena.copy_(new_att)  # new window = T current + L old frames

@@ -12,6 +12,7 @@ environment variables are read here and nowhere else.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Optional
@@ -87,7 +88,14 @@ def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
     """(major, minor) of an NVIDIA CUDA device, None for anything else (CPU, HIP, ...)."""
     if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
         return None
-    return torch.cuda.get_device_capability(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> tuple[int, int]:
+    # Cached: the eager hot path asks once per call and the answer never changes.
+    return torch.cuda.get_device_capability(index)
 
 
 def decide(

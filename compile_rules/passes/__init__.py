@@ -40,10 +40,13 @@ def source_files() -> tuple[str, ...]:
     import torch_cfm
 
     here = os.path.dirname(os.path.abspath(__file__))
+    rules = os.path.dirname(here)
     package = os.path.dirname(os.path.abspath(torch_cfm.__file__))
-    files = [os.path.join(here, name) for name in sorted(os.listdir(here)) if name.endswith(".py")]
-    files += [os.path.join(package, "policy.py"), os.path.join(package, "config.py")]
-    files += [os.path.join(here, os.pardir, "backend.py")]
+    files = [os.path.join(d, name) for d in (rules, here) for name in sorted(os.listdir(d))
+             if name.endswith(".py")]
+    # what the swapped-in code traces through
+    files += [os.path.join(package, *p) for p in (("policy.py",), ("config.py",), ("packing.py",),
+                                                   ("ops", "dit_body.py"))]
     return tuple(os.path.normpath(f) for f in files if os.path.exists(f))
 
 

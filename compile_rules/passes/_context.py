@@ -70,7 +70,7 @@ class RuleContext:
         self.stage = stage
         self.env = os.environ if config.env is None else dict(config.env)
         self.tf32 = policy.tf32_allowed(config.tf32, self.env)
-        self.record_kept = True  # report sites the rules leave unchanged
+        self.record_kept = True  # report sites the rules leave unchanged (False: seen already)
 
     def decide(self, device: torch.device, dtype: torch.dtype,
                fused: Optional[bool] = None) -> policy.Decision:

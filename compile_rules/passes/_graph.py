@@ -12,6 +12,7 @@ Both are read through :func:`node_value`; nothing here reads tensor data.
 
 from __future__ import annotations
 
+import operator as _operator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -119,7 +120,6 @@ def is_op(node: torch.fx.Node, *targets: Any) -> bool:
 # Dynamo graph, and AOT/Inductor remove the dead region themselves after functionalisation).
 # --------------------------------------------------------------------------------------------
 
-import operator as _operator
 
 _VIEW_METHODS = frozenset({
     "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "expand", "expand_as",

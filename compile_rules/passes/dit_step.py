@@ -10,9 +10,9 @@ later use of the three reference outputs to it. The reference region is left in 
 AOT functionalisation nothing reads it and Inductor drops it. Either way the marker is removed.
 
 With ``RulesConfig.prepack`` (our backend), the parameters' real values (Dynamo graph inputs)
-are packed once at compile time into buffers of the graph module, and a :class:`PackBinding` in
-``gm.meta["torch_cfm_prepacked"]`` lets the backend repack them in place when a parameter
-changes; otherwise (stock Inductor via ``install()``) the packing is traced into the graph.
+are packed once at compile time into buffers of the graph module (one pack shared by every step
+of the graph), and a :class:`PackBinding` (:func:`pack_bindings`) lets the backend repack them
+in place when a parameter changes; otherwise (stock Inductor via ``install()``) the packing is traced into the graph.
 
 A ``torch_cfm::dit_body`` call already in the graph (the model dispatched itself) is reported
 as a fused site and left alone.
@@ -21,6 +21,7 @@ as a fused site and left alone.
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import Optional
 
 import torch
@@ -33,7 +34,15 @@ from ._context import RuleContext
 from ._graph import Site, is_op, node_value, schema_args, tensor_meta
 
 RULE = "dit_step"
-PACK_META = "torch_cfm_prepacked"  # GraphModule.meta key: list of PackBinding
+# Per graph module: {"bindings": [PackBinding], "index": {(params, dtype, device): pack}}. Kept
+# outside gm.meta so nothing of it is pickled or hashed with the graph by Inductor's caches.
+_PACKS: "weakref.WeakKeyDictionary[torch.fx.GraphModule, dict]" = weakref.WeakKeyDictionary()
+
+
+def pack_bindings(gm: torch.fx.GraphModule) -> list:
+    """The :class:`PackBinding` list of weights packed at compile time for ``gm`` (maybe empty)."""
+    entry = _PACKS.get(gm)
+    return [] if entry is None else entry["bindings"]
 OUTPUTS = ("velocity", "new_cnn_cache", "new_att_cache")
 INPUTS = ("x", "mu", "t", "spks", "cond", "cnn_cache", "att_cache", "valid_lengths", "cache_lengths")
 
@@ -47,8 +56,11 @@ def _rewire_after(graph: torch.fx.Graph, marker: torch.fx.Node, old: torch.fx.No
                   new: torch.fx.Node) -> None:
     order = {node: i for i, node in enumerate(graph.nodes)}
     here = order[marker]
+    marker_target = marker.target
     for user in list(old.users):
-        if user is not new and user is not marker and order[user] > here:
+        if user is new or user.target is marker_target:  # other markers keep naming the reference
+            continue
+        if order[user] > here:
             user.replace_input_with(old, new)
 
 
@@ -70,24 +82,30 @@ def _prepack(graph: torch.fx.Graph, marker: torch.fx.Node, args: dict, dtype: to
     from torch_cfm.packing import pack_dit
 
     names = list(args["names"])
-    with torch.no_grad():
-        packed = pack_dit(dict(zip(names, examples)), dtype, device)
-    tensors = packed_tensors(packed)
-    bindings = gm.meta.setdefault(PACK_META, [])
-    prefix = f"_torch_cfm_pack{len(bindings)}_"
-    sources = getattr(gm, "_param_name_to_source", None)  # Dynamo graphs: AOT maps buffers to sources
-    for j, tensor in enumerate(tensors):
-        gm.register_buffer(prefix + str(j), tensor)
-        if sources is not None:
-            from torch._dynamo.source import ConstantSource
+    # One pack per (parameters, dtype, device) per graph: the 10 steps of a compiled solve share it.
+    entry = _PACKS.setdefault(gm, {"bindings": [], "index": {}})
+    packs, bindings = entry["index"], entry["bindings"]
+    key = (tuple(args["params"]), dtype, device)
+    if key not in packs:
+        with torch.no_grad():
+            packed = pack_dit(dict(zip(names, examples)), dtype, device)
+        tensors = packed_tensors(packed)
+        prefix = f"_torch_cfm_pack{len(bindings)}_"
+        sources = getattr(gm, "_param_name_to_source", None)  # Dynamo graphs: AOT maps buffers to sources
+        for j, tensor in enumerate(tensors):
+            gm.register_buffer(prefix + str(j), tensor)
+            if sources is not None:
+                from torch._dynamo.source import ConstantSource
 
-            sources[prefix + str(j)] = ConstantSource(f"{prefix}{j}_{id(gm)}")
+                sources[prefix + str(j)] = ConstantSource(f"{prefix}{j}_{id(gm)}")
+        index = [placeholders.index(p) for p in args["params"]]
+        bindings.append(PackBinding(index, examples, names, dtype, device, tensors))
+        sizes = [packed.depth, packed.hidden, packed.heads, packed.head_dim, packed.in_channels,
+                 packed.out_channels]
+        packs[key] = (prefix, len(tensors), len(packed.body), sizes)
+    prefix, count, n_body, sizes = packs[key]
     with graph.inserting_before(marker):
-        nodes = [graph.get_attr(prefix + str(j)) for j in range(len(tensors))]
-    index = [placeholders.index(p) for p in args["params"]]
-    bindings.append(PackBinding(index, examples, names, dtype, device, tensors))
-    n_body = len(packed.body)
-    sizes = [packed.depth, packed.hidden, packed.heads, packed.head_dim, packed.in_channels, packed.out_channels]
+        nodes = [graph.get_attr(prefix + str(j)) for j in range(count)]
     return nodes[:n_body], nodes[n_body:n_body + 4], nodes[-2], nodes[-1], sizes
 
 
@@ -117,8 +135,11 @@ def apply(graph: torch.fx.Graph, ctx: RuleContext) -> list[Site]:
     marker = marker_op()
     body = _body_op()
     sites: list[Site] = []
+    seen: set[torch.fx.Node] = set()  # reference velocities already handled by a marker
     for node in list(graph.nodes):
         if body is not None and is_op(node, body):
+            if not ctx.record_kept:  # the ATen graph of a step already reported (or swapped)
+                continue
             dtype, device = tensor_meta(node_value(node.args[0]) if node.args else None)
             sites.append(Site(RULE, node.name, ctx.stage, "fused", dtype, str(device),
                               "dit_body already in the graph (dispatched by the model)"))
@@ -126,9 +147,12 @@ def apply(graph: torch.fx.Graph, ctx: RuleContext) -> list[Site]:
         if not is_op(node, marker):
             continue
         args = schema_args(node)
-        dtype, _ = tensor_meta(node_value(args["new_att_cache"]))
-        _, x_device = tensor_meta(node_value(args["x"]))
-        device = x_device
+        if args["velocity"] in seen:  # the same step marked twice (model hook + caller): once
+            graph.erase_node(node)
+            continue
+        seen.add(args["velocity"])
+        dtype, _ = tensor_meta(node_value(args["new_att_cache"]))  # the compute dtype
+        _, device = tensor_meta(node_value(args["x"]))
         if dtype is None or device is None:
             graph.erase_node(node)
             sites.append(Site(RULE, node.name, ctx.stage, "kept", reasons=("no traced values",)))
@@ -140,7 +164,7 @@ def apply(graph: torch.fx.Graph, ctx: RuleContext) -> list[Site]:
             reasons = ("torch_cfm::dit_body is not available in this build",)
         if decision.fused and body is not None:
             precision = decision.precision or "auto"
-            prepacked = _swap(graph, node, args, dtype, x_device, precision, ctx.config.prepack)
+            prepacked = _swap(graph, node, args, dtype, device, precision, ctx.config.prepack)
             detail = "torch_cfm::dit_body" + (f" precision={precision}" if decision.precision else "")
             detail += ", weights packed at compile time" if prepacked else ""
             detail += f" [{decision.source}]" if decision.source != "policy" else ""

@@ -100,8 +100,11 @@ at::Tensor cfm_attention_cpu(const at::Tensor& q, const at::Tensor& k, const at:
     at::Tensor keep;
     if (key_lengths.has_value()) {
       at::Tensor lengths = key_lengths->to(at::kLong).clamp(0, k_len);
-      keep = at::arange(k_len, lengths.options()).view({1, 1, k_len}) < lengths.view({n_rows, 1, 1});
-      keep = keep.expand({n_rows, q_len, k_len});
+      at::Tensor key_ok = at::arange(k_len, lengths.options()).view({1, k_len}) < lengths.view({n_rows, 1});
+      // Frames past a row's length are padding and may hold anything (NaN, inf): never read them,
+      // as the GPU kernel never loads them (0 * NaN would leak through the P.V product).
+      vf = vf.masked_fill(key_ok.logical_not().view({n_rows, 1, k_len, 1}), 0.0);
+      keep = key_ok.view({n_rows, 1, k_len}).expand({n_rows, q_len, k_len});
     }
     if (mask.has_value()) keep = keep.defined() ? keep.logical_and(*mask) : *mask;
     scores.masked_fill_(keep.unsqueeze(1).logical_not(), -std::numeric_limits<float>::infinity());

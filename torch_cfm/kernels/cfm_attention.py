@@ -370,6 +370,11 @@ def cfm_attention_triton(
         lse = work[splits * rows_heads * q_len * head_dim:]
     else:
         part = lse = out  # never touched
+    # The kernel reads the (N,) vectors with unit stride; a strided view (rare) is compacted.
+    if key_lengths is not None and key_lengths.stride(0) != 1:
+        key_lengths = key_lengths.contiguous()
+    if kv_rows is not None and kv_rows.stride(0) != 1:
+        kv_rows = kv_rows.contiguous()
     mask_arg = mask.view(torch.uint8) if mask is not None else q
     m_strides = mask.stride() if mask is not None else (0, 0, 0)
     qk_scale = LOG2E / math.sqrt(head_dim)

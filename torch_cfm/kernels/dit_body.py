@@ -31,7 +31,19 @@ from ._launch import on_device
 
 CONV_HISTORY = 2  # causal conv k=3: 2 cached frames in front of the chunk
 VARIANTS = ("v1", "v2", "v3")
-DEFAULT_VARIANT = "v1"
+DEFAULT_VARIANT = None  # None: per dtype/precision from VARIANT_BY_PRECISION (set from bench/NOTES.md)
+VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
+
+
+def choose_variant(dtype: torch.dtype, precision: Optional[str]) -> str:
+    """The body variant for a compute dtype (fp32: by dot precision); DEFAULT_VARIANT overrides."""
+    if DEFAULT_VARIANT is not None:
+        return DEFAULT_VARIANT
+    if dtype == torch.float16:
+        return VARIANT_BY_PRECISION["fp16"]
+    if dtype == torch.bfloat16:
+        return VARIANT_BY_PRECISION["bf16"]
+    return VARIANT_BY_PRECISION["tf32" if precision == "tf32" else "ieee"]
 
 
 @triton.jit
@@ -474,7 +486,7 @@ def dit_body_triton(
     ``valid``/``cached`` must already be clamped int32 (N,) on the device; ``mod_table`` float32
     (R, depth+1, 9, C) contiguous. GEMMs run in cuBLAS (on CPU: torch, for the Triton interpreter)
     with the caller's TF32 setting; attention through ``torch_cfm::cfm_attention``.
-    Variants (``variant``, default :data:`DEFAULT_VARIANT`):
+    Variants (``variant``; default :func:`choose_variant`):
 
     * "v1": cuBLAS for every GEMM; per block 3 rownorm + qk_cache + attention + 6 GEMMs + GELU
       = 12 kernels.
@@ -485,7 +497,7 @@ def dit_body_triton(
       (:mod:`torch_cfm.kernels.dit_gemm`): per block QKV, attention, proj, conv 1, conv 2, fc1,
       fc2 = 7 kernels (+ 1 cache-shift kernel, in_proj and final layer per step).
     """
-    variant = variant or DEFAULT_VARIANT
+    variant = variant or choose_variant(x_in.dtype, precision)
     if variant not in VARIANTS:
         raise ValueError(f"dit_body_triton: variant must be one of {VARIANTS}, got {variant!r}")
     vel, new_cnn, new_att = out

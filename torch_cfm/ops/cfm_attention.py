@@ -106,6 +106,10 @@ def cfm_attention_sdpa(q, k, v, key_lengths, mask, kv_rows, out: torch.Tensor) -
     if k.shape[2] == 0:
         return out.zero_()
     keep = valid_key_mask(q.shape[0], q.shape[2], k.shape[2], q.device, key_lengths, mask)
+    if key_lengths is not None:  # padding frames may hold NaN: never let them reach a product
+        padding = torch.arange(k.shape[2], device=q.device)[None, :] >= key_lengths.long().clamp(0, k.shape[2])[:, None]
+        k = k.masked_fill(padding[:, None, :, None], 0)
+        v = v.masked_fill(padding[:, None, :, None], 0)
     res = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
     if keep is not None:
         res = torch.where(keep.any(dim=-1, keepdim=True), res, torch.zeros((), dtype=res.dtype, device=res.device))

@@ -62,6 +62,12 @@ def cfm_attention_reference(
     qf, kf, vf = (t.to(compute_dtype) for t in (q, k, v))
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * (1.0 / math.sqrt(head_dim))
     keep = valid_key_mask(n_rows, q_len, k_len, q.device, key_lengths, mask)
+    if key_lengths is not None:
+        # Frames past a row's length are padding (any value, NaN included): never read them.
+        lengths = key_lengths.to(device=q.device, dtype=torch.int64).clamp(0, k_len)
+        padding = torch.arange(k_len, device=q.device)[None, :] >= lengths[:, None]
+        vf = vf.masked_fill(padding[:, None, :, None], 0.0)
+        kf = kf.masked_fill(padding[:, None, :, None], 0.0)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)
