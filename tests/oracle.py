@@ -28,16 +28,29 @@ def err_rel_fro(out: torch.Tensor, ref64: torch.Tensor) -> float:
 
 
 def assert_within_oracle(fast: torch.Tensor, same_dtype_ref: torch.Tensor, ref64: torch.Tensor,
-                         name: str = "output") -> None:
-    """SPEC §6 for one tensor: fast vs the same-dtype reference, both measured against fp64."""
+                         name: str = "output", tf32: bool = False) -> None:
+    """SPEC §6 for one tensor: fast vs the same-dtype reference, both measured against fp64.
+
+    ``tf32=True`` (fp32 run with TF32 dots): the same-dtype baseline is fp32 math with TF32
+    allowed, but cuBLAS picks IEEE kernels for small problems and Triton's TF32 dots truncate
+    operands where cuBLAS rounds them (triton-lang/triton#4574), so the 2x rule alone can
+    compare TF32 against IEEE. The bound is then the larger of the 2x rule and the SPEC's TF32
+    bound (3e-3 relative; for max-abs, 3e-3 of the reference's largest magnitude).
+    """
     assert fast.shape == ref64.shape, f"{name}: shape {tuple(fast.shape)} != {tuple(ref64.shape)}"
     assert torch.isfinite(fast).all() == torch.isfinite(ref64).all(), f"{name}: non-finite values differ"
     e_fast, e_ref = err_max(fast, ref64), err_max(same_dtype_ref, ref64)
     r_fast, r_ref = err_rel_fro(fast, ref64), err_rel_fro(same_dtype_ref, ref64)
-    assert e_fast <= 2 * e_ref + ABS_FLOOR, (
-        f"{name}: max abs err {e_fast:.3e} > 2 x reference {e_ref:.3e} + {ABS_FLOOR}")
-    assert r_fast <= 2 * r_ref + ABS_FLOOR, (
-        f"{name}: rel fro err {r_fast:.3e} > 2 x reference {r_ref:.3e} + {ABS_FLOOR}")
+    e_bound, r_bound = 2 * e_ref + ABS_FLOOR, 2 * r_ref + ABS_FLOOR
+    if tf32:
+        scale = ref64.double().abs().max().item() if ref64.numel() else 0.0
+        e_bound, r_bound = max(e_bound, TF32_REL_BOUND * scale), max(r_bound, TF32_REL_BOUND)
+    assert e_fast <= e_bound, (
+        f"{name}: max abs err {e_fast:.3e} > bound {e_bound:.3e} (2 x reference {e_ref:.3e} + {ABS_FLOOR}"
+        + (", or TF32 bound" if tf32 else "") + ")")
+    assert r_fast <= r_bound, (
+        f"{name}: rel fro err {r_fast:.3e} > bound {r_bound:.3e} (2 x reference {r_ref:.3e} + {ABS_FLOOR}"
+        + (", or TF32 bound" if tf32 else "") + ")")
 
 
 def naive_attention64(q, k, v, key_lengths=None, mask=None, kv_rows=None) -> torch.Tensor:

@@ -104,7 +104,7 @@ def mutate_error(draw, case: S.AttnCase, kind: str) -> tuple[dict, str]:
         which = draw(st.sampled_from(["rows", "heads", "dim", "keys_v"]))
         rows, _, k_len, _ = case.k.shape
         if which == "keys_v":
-            a["v"] = torch.randn(rows, h, k_len + draw(st.integers(1, 5)), d, dtype=case.q.dtype)
+            a["v"] = torch.randn(rows, h, k_len + draw(st.integers(1, 5)), d, dtype=case.q.dtype, device=dev)
             return a, "k"
         shape = {"rows": (n + draw(st.sampled_from([-1, 1, 2])) if n > 1 else n + 1, h, k_len, d),
                  "heads": (rows, h + draw(st.integers(1, 3)), k_len, d),
