@@ -447,8 +447,8 @@ def test_a_step_marked_twice_is_one_site():
 
     def twice(x, mu, t, spks, cond, cnn, att, valid_lengths, cache_lengths):
         out = model.forward_chunk(x, mu, t, spks, cond, cnn, att, valid_lengths=valid_lengths,
-                                  cache_lengths=cache_lengths, fused=False)
-        for _ in range(2):  # e.g. the model's own hook and a caller's
+                                  cache_lengths=cache_lengths)  # marks the step itself
+        for _ in range(2):  # plus a caller's marks of the same step
             mark_dit_step(model, out, x, mu, t, spks, cond, cnn, att, valid_lengths=valid_lengths,
                           cache_lengths=cache_lengths)
         return out

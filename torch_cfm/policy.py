@@ -70,7 +70,11 @@ def _parse_flag(env: Mapping[str, str], name: str) -> Optional[bool]:
 
 def torch_tf32_enabled() -> bool:
     """The ambient ``torch.backends.cuda.matmul`` TF32 setting (works on torch 2.11-2.13)."""
-    return bool(torch.backends.cuda.matmul.allow_tf32)
+    try:
+        return bool(torch.backends.cuda.matmul.allow_tf32)
+    except RuntimeError:
+        # torch refuses the legacy flag once the new fp32_precision API was used: read that instead.
+        return str(getattr(torch.backends.cuda.matmul, "fp32_precision", "ieee")) == "tf32"
 
 
 def tf32_allowed(tf32: Optional[bool] = None, env: Optional[Mapping[str, str]] = None) -> bool:

@@ -471,7 +471,9 @@ class DiT(nn.Module):
         _as_time_vector(t, x.shape[0], x.device, op)  # validates t's shape (metadata only)
         cdt = self.compute_dtype(x.device.type)
         decision = policy.decide(x.device, cdt, fused=fused)
-        if decision.fused:
+        compiling = torch.compiler.is_compiling()
+        # Under torch.compile the compile rules decide (they swap the marked step below).
+        if decision.fused and not compiling:
             try:
                 from ..ops.dit_body import dit_forward_chunk_fused
             except ImportError:
@@ -485,7 +487,15 @@ class DiT(nn.Module):
         scope = (policy.tf32_scope(decision.tf32) if x.device.type == "cuda" and cdt == torch.float32
                  else contextlib.nullcontext())
         with scope:
-            return self._reference(x, mu, t, spks, cond, cnn_cache, att_cache, layout)
+            out = self._reference(x, mu, t, spks, cond, cnn_cache, att_cache, layout)
+        # One site for torch_cfm.compile_rules (swapped for dit_body when allowed). Not under
+        # torch.export: an exported program must run from the C++ schemas alone (AOTInductor).
+        if compiling and not torch.compiler.is_exporting():
+            from ..compile_rules.markers import mark_dit_step
+
+            mark_dit_step(self, out, x, mu, t, spks, cond, cnn_cache, att_cache,
+                          valid_lengths=valid_lengths, cache_lengths=cache_lengths, fused=fused)
+        return out
 
     # ---------------------------------------------------------------- internals
     def _chunk_layout(self, n_rows: int, t_len: int, device: torch.device, att_cache: Optional[torch.Tensor],
