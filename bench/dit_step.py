@@ -42,6 +42,7 @@ from typing import Callable, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root (in-place build)
 from _harness import (env_info, make_row, markdown_table, rel_err, time_cuda_graph,  # noqa: E402
                       time_eager, upsert_rows)
 
@@ -63,6 +64,9 @@ PEAK_TFLOPS = {"fp16": 751.0, "bf16": 751.0, "fp32-tf32": 417.0, "fp32-ieee": 51
 COPY_TBS = 4.25
 PROVIDERS = ("torch_cfm", "torch_cfm/hook", "reference_eager", "reference_graph", "torch_compile_graph")
 QUICK_SHAPES = ((8, 50, 400), (32, 50, 400))
+# torch.compile(max-autotune) takes minutes per (shape, dtype): by default only the SPEC §7 anchors
+COMPILE_SHAPES = ((8, 50, 400), (32, 50, 400))
+COMPILE_DTYPES = ("fp16", "fp32-tf32")
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEVICE = "cuda"
 PARTIAL: Optional[str] = None  # jsonl file every row is appended to as soon as it is measured
@@ -200,7 +204,8 @@ def run_steps(cfg, shapes, dnames, providers, args, env, base) -> list[dict]:
             fl = floor_us(cfg, n, t, l_len, dname, torch.finfo(dtype).bits // 8)
             fns = [f for f in step_providers(model, dtype, inp, dname, precision)
                    if (f"{f[0]}/hook" if f[1] == "forward_chunk" else f[0]) in providers]
-            if "torch_compile_graph" in providers and not args.quick:
+            if ("torch_compile_graph" in providers and not args.quick
+                    and (args.compile_all or ((n, t, l_len) in COMPILE_SHAPES and dname in COMPILE_DTYPES))):
                 fns.append(("torch_compile_graph", "", compile_step(model, inp)))
             for prov, variant, fn in fns:
                 timing = "eager" if prov == "reference_eager" else "cuda_graph"
@@ -468,6 +473,8 @@ def main(argv=None) -> int:
     ap.add_argument("--solve-dtypes", default=None, help="dtypes of the chunk-solve rows (default = --dtypes)")
     ap.add_argument("--no-solve", action="store_true")
     ap.add_argument("--no-steps", action="store_true")
+    ap.add_argument("--compile-all", action="store_true",
+                    help="torch_compile_graph at every shape/dtype (default: SPEC §7 anchor shapes, fp16/fp32-tf32)")
     ap.add_argument("--sweep", action="store_true", help="also time v3 tile overrides (fp16 by default)")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=15)

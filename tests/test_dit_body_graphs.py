@@ -16,7 +16,8 @@ def _op_args(cfg, dtype, device, seed=0, n=2, t=5, l_len=3):
     packed = pack_dit(model, dtype, device)
     x, mu, tt, spks, cond, cnn, att, valid, cached = [
         None if a is None else a.to(device) for a in
-        make_inputs(cfg, n, t, l_len, dtype, seed=seed + 1, valid=[t, max(t - 3, 0)], cached=[l_len, 1])]
+        make_inputs(cfg, n, t, l_len, dtype, seed=seed + 1, valid=[t] + [max(t - 3 * i, 0) for i in range(1, n)],
+                    cached=[l_len] + [min(i, l_len) for i in range(1, n)])]
     x_in = stage_input(x, mu, spks, cond, dtype)
     return x_in, packed.body, modulation_table(packed, tt[:1]), cnn, att, valid, cached
 

@@ -92,7 +92,7 @@ def runner_results(tmp_path_factory):
     return torch.load(out_path)
 
 
-def _oracle_request(sd, case, b, mu, spks, cond, noise, att, cnn, dtype=torch.float64):
+def _oracle_request(sd, case, b, mu, spks, cond, noise, att, cnn, dtype=torch.float64, n_steps=N_STEPS):
     """dit_oracle.solve_request for request b on its valid frames; (mel, cnn, att) in ``dtype``."""
     bsz = case["b"]
     tn = case["t"] if case["valid"] is None else case["valid"][b]
@@ -104,7 +104,7 @@ def _oracle_request(sd, case, b, mu, spks, cond, noise, att, cnn, dtype=torch.fl
     # the oracle slices noise at the cache length; the runner got noise at the bucket's L offset
     shift = case["l_len"] - ln
     nz = noise[:, :, shift:].to(d)
-    return O.solve_request(sd, mu[b, :, :tn].to(d), spks[b].to(d), cond[b, :, :tn].to(d), nz, N_STEPS, 0.7, c, a), tn, ln
+    return O.solve_request(sd, mu[b, :, :tn].to(d), spks[b].to(d), cond[b, :, :tn].to(d), nz, n_steps, 0.7, c, a), tn, ln
 
 
 @pytest.mark.parametrize("case", RUNNER_CASES, ids=[c["name"] for c in RUNNER_CASES])
@@ -187,7 +187,8 @@ def test_gpu_runner_matches_reference_solver():
     assert runner.graphs[(4, 50, 64)]
     sd = random_dit(GPU_CFG, seed=11).state_dict()
     for b in range(3):
-        (r_mel, r_cnn, r_att), tn, ln = _oracle_request(sd, dict(case, name=""), b, mu, spks, cond, noise, att, cnn)
+        (r_mel, r_cnn, r_att), tn, ln = _oracle_request(sd, dict(case, name=""), b, mu, spks, cond, noise, att, cnn,
+                                                        n_steps=4)
         # same-dtype reference: the model's reference path step by step in fp16 on the GPU
         ts = [float(v) for v in cosine_timesteps(4, torch.float64)]
         xs = noise[0, :, 64:64 + tn][None].float().cuda()

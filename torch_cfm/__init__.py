@@ -16,7 +16,9 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         f"({exc}). Rebuild in place: python -m pip install --no-build-isolation --no-deps -e ."
     ) from exc
 
-from . import policy
+from . import _source_layout, policy
+
+_source_layout.install()
 from .config import DiTConfig, SolverConfig
 from .diagnostics import explain
 from .ops import cfm_attention

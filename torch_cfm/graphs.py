@@ -247,6 +247,10 @@ class CFMGraphRunner:
                 with torch.cuda.stream(stream):  # warm-up: compiles kernels, creates handles
                     solve_chunk_into(packed, self._tables, self._dts, ent.bufs, self.cfg_rate, self.precision, self.variant)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
+                # torch.cuda.graph() empties the allocator cache on entry: empty it first so the
+                # reserved-bytes delta is the graph pool alone
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
                 before = torch.cuda.memory_reserved(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):

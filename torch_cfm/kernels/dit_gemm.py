@@ -61,7 +61,7 @@ def _row_stats(stats_ptr, rows, ok, NT, C, eps, STAT_BN: tl.constexpr):
 
 @triton.jit
 def _src_rows(src_ptr, rows, ok, kk, k_ok, mean, rstd, n, tab_ptr, stride_tab, shift_off, scale_off,
-              lnw_ptr, lnb_ptr, C, MISH: tl.constexpr):
+              lnw_ptr, lnb_ptr, C, MISH: tl.constexpr, TAB_ROWS: tl.constexpr):
     """Normalised source values (BLOCK, BLOCK_K) float32: adaLN(h) or Mish(LN_affine(u))."""
     m2 = ok[:, None] & k_ok[None, :]
     x = tl.load(src_ptr + rows.to(tl.int64)[:, None] * C + kk[None, :], mask=m2, other=0.0)
@@ -70,9 +70,12 @@ def _src_rows(src_ptr, rows, ok, kk, k_ok, mean, rstd, n, tab_ptr, stride_tab, s
         z = z * tl.load(lnw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :] \
             + tl.load(lnb_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         z = _mish(z)
-    else:
+    elif TAB_ROWS:  # one table per row
         tab = tab_ptr + n[:, None] * stride_tab + kk[None, :]
         z = z * tl.load(tab + scale_off, mask=m2, other=0.0) + tl.load(tab + shift_off, mask=m2, other=0.0)
+    else:  # one table shared by every row: 1-D vectors, broadcast
+        z = z * tl.load(tab_ptr + scale_off + kk, mask=k_ok, other=0.0)[None, :] \
+            + tl.load(tab_ptr + shift_off + kk, mask=k_ok, other=0.0)[None, :]
     return z
 
 
@@ -95,7 +98,8 @@ def _dit_fused_gemm_kernel(
     valid_ptr,                                  # (N,) int32 clamped T_n
     M, NOUT, K, T, C, NT, H, eps_a, eps_qk,
     A_MODE: tl.constexpr, EPI: tl.constexpr, HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr,
-    HAS_CNN: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_CNN: tl.constexpr, TAB_ROWS: tl.constexpr, A_ROWMAJOR: tl.constexpr, OUT_ROWMAJOR: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, STAT_BN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -112,7 +116,10 @@ def _dit_fused_gemm_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
     if A_MODE == 0:
-        a_rows = a_ptr + n[:, None] * s_a_n + t.to(tl.int64)[:, None] * s_a_t
+        if A_ROWMAJOR:  # s_a_n == T * s_a_t: row m at m * s_a_t (keeps contiguity visible)
+            a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * s_a_t
+        else:
+            a_rows = a_ptr + n[:, None] * s_a_n + t.to(tl.int64)[:, None] * s_a_t
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             k_ok = kk < K
@@ -125,7 +132,7 @@ def _dit_fused_gemm_kernel(
             kk = k0 + offs_k
             k_ok = kk < K
             a = _src_rows(src_ptr, offs_m, m_ok, kk, k_ok, mean, rstd, n, tab_ptr, stride_tab, shift_off,
-                          scale_off, lnw_ptr, lnb_ptr, C, False)
+                          scale_off, lnw_ptr, lnb_ptr, C, False, TAB_ROWS)
             w = tl.load(w_cols + kk[:, None] * s_w_k, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(a.to(dtype), w, acc, input_precision=DOT_PRECISION)
     else:  # implicit causal conv over [cache(2) ; chunk]: output frame t reads history frames t, t+1, t+2
@@ -139,7 +146,7 @@ def _dit_fused_gemm_kernel(
                 kk = k0 + offs_k
                 k_ok = kk < C
                 a = _src_rows(src_ptr, srow, from_src, kk, k_ok, mean, rstd, n, tab_ptr, stride_tab, shift_off,
-                              scale_off, lnw_ptr, lnb_ptr, C, A_MODE == 3)
+                              scale_off, lnw_ptr, lnb_ptr, C, A_MODE == 3, TAB_ROWS)
                 if HAS_CNN:
                     cv = tl.load(cnn_ptr + n[:, None] * s_cnn_n + (cnn_base + kk)[None, :] * s_cnn_c
                                  + f.to(tl.int64)[:, None] * s_cnn_j,
@@ -163,7 +170,7 @@ def _dit_fused_gemm_kernel(
                     kk = k0 + offs_k
                     k_ok = kk < C
                     v = _src_rows(src_ptr, srow, c_src, kk, k_ok, mean, rstd, n, tab_ptr, stride_tab, shift_off,
-                                  scale_off, lnw_ptr, lnb_ptr, C, A_MODE == 3).to(dtype).to(tl.float32)
+                                  scale_off, lnw_ptr, lnb_ptr, C, A_MODE == 3, TAB_ROWS).to(dtype).to(tl.float32)
                     if HAS_CNN:
                         cv = tl.load(cnn_ptr + n[:, None] * s_cnn_n + (cnn_base + kk)[None, :] * s_cnn_c
                                      + f.to(tl.int64)[:, None] * s_cnn_j,
@@ -179,7 +186,10 @@ def _dit_fused_gemm_kernel(
     if EPI == 0 or EPI == 1:
         if EPI == 1:
             acc = _gelu_tanh(acc)
-        dst = c_ptr + n[:, None] * s_c_n + t.to(tl.int64)[:, None] * s_c_t + offs_n[None, :] * s_c_col
+        if OUT_ROWMAJOR:
+            dst = c_ptr + offs_m.to(tl.int64)[:, None] * s_c_t + offs_n[None, :] * s_c_col
+        else:
+            dst = c_ptr + n[:, None] * s_c_n + t.to(tl.int64)[:, None] * s_c_t + offs_n[None, :] * s_c_col
         tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=ok2)
     elif EPI == 2:  # BLOCK_N == D: this tile is one head of q, k or v
         inner = H * BLOCK_N
@@ -205,7 +215,11 @@ def _dit_fused_gemm_kernel(
     else:  # EPI 3 (residual) / 4 (conv-1 output): float32 rows of width C, plus partial stats
         if EPI == 3:
             if HAS_GATE:
-                acc = acc * tl.load(tab_ptr + n[:, None] * stride_tab + gate_off + offs_n[None, :], mask=ok2, other=0.0)
+                if TAB_ROWS:
+                    acc = acc * tl.load(tab_ptr + n[:, None] * stride_tab + gate_off + offs_n[None, :], mask=ok2,
+                                        other=0.0)
+                else:
+                    acc = acc * tl.load(tab_ptr + gate_off + offs_n, mask=n_ok, other=0.0)[None, :]
             if HAS_RES:
                 acc += tl.load(c_ptr + offs_m.to(tl.int64)[:, None] * C + offs_n[None, :], mask=ok2, other=0.0)
         tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * C + offs_n[None, :], acc, mask=ok2)
@@ -249,9 +263,7 @@ def fused_gemm(*, w, w_strides, bias, out, out_strides=(0, 0, 0), m, nout, k, t_
         block_n = STAT_BN
     block_n = block_n or (128 if nout >= 1024 else 64)
     n_tiles = triton.cdiv(nout, block_n)
-    block_m = 64 if triton.cdiv(m, 64) * n_tiles >= 96 else 32
-    if m <= 16:
-        block_m = 16
+    block_m = 64 if m > 32 else max(16, triton.next_power_of_2(m))  # 64: one wgmma warpgroup tile
     block_m = TILE_OVERRIDE.get("block_m", block_m)
     num_warps = TILE_OVERRIDE.get("num_warps", 4)
     num_stages = TILE_OVERRIDE.get("num_stages", 3)
@@ -291,5 +303,6 @@ def _launch(grid, a, a_s, src, sstats, tab, stride_tab, shift, scale, lnw, lnb, 
         qn_w, qn_b, kn_w, kn_b, new_t, *new_s, valid,
         m, nout, k, t_len, c, stat_tiles(c), heads, eps_a, eps_qk,
         A_MODE=a_mode, EPI=epi, HAS_RES=has_res, HAS_GATE=gate is not None, HAS_CNN=has_cnn,
+        TAB_ROWS=stride_tab != 0, A_ROWMAJOR=a_s[0] == t_len * a_s[1], OUT_ROWMAJOR=out_s[0] == t_len * out_s[1],
         DOT_PRECISION=dot_precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAT_BN=STAT_BN,
         num_warps=num_warps, num_stages=num_stages)
