@@ -60,6 +60,9 @@ class CFMServer:
             (default: exactly the requests of the chunk; all slots once that reaches the bucket).
         device, dtype: of the arenas (default: the estimator's parameters').
         fused: passed to the estimator (None = policy).
+        graphs: capture each bucket's whole n-step solve as a CUDA graph
+            (:class:`torch_cfm.graphs.ArenaGraphSolver`; eager on CPU and for shapes it declines).
+            Pair with ``chunk_buckets``/``cache_buckets``/``slot_buckets`` to bound the graph count.
     Attributes:
         arenas: list of :class:`CacheArena`, one per bucket (never reallocated).
         solve_fn: the per-bucket solve, default :func:`solve_arena_chunk`; a CUDA-graph runner
@@ -71,7 +74,7 @@ class CFMServer:
                  chunk_buckets: Optional[Sequence[int]] = None, cache_buckets: Optional[Sequence[int]] = None,
                  slot_buckets: Optional[Sequence[int]] = None,
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
-                 fused: Optional[bool] = None) -> None:
+                 fused: Optional[bool] = None, graphs: bool = False) -> None:
         op = "CFMServer"
         for name, val in (("max_requests", max_requests), ("max_chunk_frames", max_chunk_frames)):
             if not isinstance(val, int) or val <= 0:
@@ -100,6 +103,10 @@ class CFMServer:
         self._free = [list(range(a.rows)) for a in self.arenas]
         self._requests: dict[Hashable, _Request] = {}
         self.solve_fn = solve_arena_chunk
+        if graphs:
+            from ..graphs import ArenaGraphSolver
+
+            self.solve_fn = ArenaGraphSolver(solve_arena_chunk)
 
     # ------------------------------------------------------------------ requests
     @property
