@@ -98,7 +98,10 @@ def time_eager(fn: Callable[[], object], *, calls: int = 20, repeats: int = 30, 
 
 
 def git_commit(repo: Optional[str] = None) -> str:
-    """``git rev-parse HEAD`` of the repository (``"unknown"`` without git or .git)."""
+    """``git rev-parse HEAD`` of the repository; env ``BENCH_COMMIT`` where the tree has no .git
+    (the device machine gets a copy without it: pass ``BENCH_COMMIT=<hash>`` in the command)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
@@ -199,3 +202,18 @@ def fmt_us(row: dict) -> str:
         return "err"
     p50 = row.get("us_p50")
     return "" if p50 is None else f"{p50:.1f}"
+
+
+def provenance_footer(rows: Sequence[dict], command: str) -> str:
+    """The closing lines of a results markdown file: where it ran and how to reproduce it."""
+    env = rows[0] if rows else {}
+    return (f"\nGPU {env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, "
+            f"commit {env.get('commit')}, {env.get('timestamp')}.\n\nReproduce: `{command}`\n")
+
+
+def dry_run_timer(fn: Callable[[], object], *, calls: int = 1, repeats: int = 1, warmup: int = 0,
+                  context: Callable[[], ContextManager] = _null_context) -> dict[str, float]:
+    """Stand-in for the timers in ``--dry-run`` (CPU smoke test of a bench script): one call."""
+    with context():
+        fn()
+    return {"us_p20": 0.0, "us_p50": 0.0, "us_p80": 0.0}

@@ -34,8 +34,8 @@ from typing import Callable, ContextManager, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import (env_info, fmt_us, make_row, markdown_table, rel_err, time_cuda_graph,  # noqa: E402
-                      time_eager, upsert_rows)
+from _harness import (dry_run_timer, env_info, fmt_us, make_row, markdown_table, provenance_footer,  # noqa: E402
+                      rel_err, time_cuda_graph, time_eager, upsert_rows)
 
 import torch_cfm  # noqa: E402
 from torch_cfm.config import ATTENTION_BENCH_SHAPES  # noqa: E402
@@ -280,9 +280,7 @@ def write_table(rows: list[dict], out_dir: str, command: str) -> str:
     if eager_rows:
         text += ("\n## eager (no graph), p50 µs\n\n"
                  + markdown_table(eager_rows, row_key, col_key, fmt_us, row_title="N,Q,K dtype") + "\n")
-    env = rows[0] if rows else {}
-    text += (f"\nGPU {env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, "
-             f"commit {env.get('commit')}, {env.get('timestamp')}.\n\nReproduce: `{command}`\n")
+    text += provenance_footer(rows, command)
     with open(os.path.join(out_dir, "attention.md"), "w") as f:
         f.write(text)
     return text
@@ -293,13 +291,7 @@ def _enable_dry_run() -> None:
     global DEVICE, time_cuda_graph, time_eager
 
     DEVICE = "cpu"
-
-    def one_call(fn, *, calls=1, repeats=1, warmup=0, context=contextlib.nullcontext):
-        with context():
-            fn()
-        return {"us_p20": 0.0, "us_p50": 0.0, "us_p80": 0.0}
-
-    time_cuda_graph = time_eager = one_call
+    time_cuda_graph = time_eager = dry_run_timer
     torch.cuda.synchronize = lambda *a, **k: None
 
 

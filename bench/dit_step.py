@@ -43,8 +43,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root (in-place build)
-from _harness import (env_info, make_row, markdown_table, rel_err, time_cuda_graph,  # noqa: E402
-                      time_eager, upsert_rows)
+from _harness import (dry_run_timer, env_info, make_row, markdown_table, provenance_footer,  # noqa: E402
+                      rel_err, time_cuda_graph, time_eager, upsert_rows)
 
 from torch_cfm import policy  # noqa: E402
 from torch_cfm.config import BODY_BENCH_SHAPES, DiTConfig, cosine_timesteps  # noqa: E402
@@ -443,9 +443,7 @@ def write_table(rows: list[dict], out_dir: str, command: str) -> str:
                          f"{r.get('floor_frac')} | {r.get('rel_err')} | {mib(r.get('arena_bytes'))} | "
                          f"{mib(r.get('graph_pool_bytes'))} |")
     text += "\n## torch_cfm details\n\n" + "\n".join(extra) + "\n"
-    env = rows[0] if rows else {}
-    text += (f"\nGPU {env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, commit "
-             f"{env.get('commit')}, {env.get('timestamp')}.\n\nReproduce: `{command}`\n")
+    text += provenance_footer(rows, command)
     with open(os.path.join(out_dir, "dit_step.md"), "w") as f:
         f.write(text)
     return text
@@ -454,13 +452,7 @@ def write_table(rows: list[dict], out_dir: str, command: str) -> str:
 def _enable_dry_run() -> None:
     global DEVICE, time_cuda_graph, time_eager
     DEVICE = "cpu"
-
-    def one_call(fn, *, calls=1, repeats=1, warmup=0, context=contextlib.nullcontext):
-        with context():
-            fn()
-        return {"us_p20": 0.0, "us_p50": 0.0, "us_p80": 0.0}
-
-    time_cuda_graph = time_eager = one_call
+    time_cuda_graph = time_eager = dry_run_timer
 
 
 def main(argv=None) -> int:

@@ -3,7 +3,8 @@
 #   build in place, explain, the whole test suite with CUDA (GPU-marked tests included,
 #   hypothesis "gpu" profile), the compute-sanitizer check, then the benchmarks.
 # Everything lands under $OUT (default ./device_out): run.log, explain.txt, *.json, *.md.
-# Usage: bash bench/run_device.sh [--quick] [--tests-only] [--bench-only]
+# Usage: BENCH_COMMIT=<git hash> bash bench/run_device.sh [--quick] [--tests-only] [--bench-only]
+# (the device copy has no .git: pass the commit the rows should record)
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -26,7 +27,8 @@ log="$OUT/run.log"
   python3 -m torch_cfm | tee "$OUT/explain.txt"
   if [ "$TESTS" = 1 ]; then
     echo "== tests"; date -u
-    HYPOTHESIS_PROFILE=gpu timeout 420 python3 -m pytest -q -x -p no:cacheprovider -n 6 2>&1 | tail -60
+    # SIGINT at the limit so pytest still prints its summary of what ran.
+    HYPOTHESIS_PROFILE=gpu timeout -s INT 420 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 --tb=line -rf 2>&1 | tail -80
     if command -v compute-sanitizer >/dev/null && [ -f tests/gpu_memcheck.py ]; then
       echo "== compute-sanitizer memcheck"; date -u
       timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/gpu_memcheck.py 2>&1 | tail -15

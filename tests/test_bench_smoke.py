@@ -1,0 +1,26 @@
+"""The benchmark scripts run end to end on CPU (``--dry-run``: one call per row, no timing) and
+write rows with every field the results format promises. Keeps bench/ from rotting between GPU runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+FIELDS = {"op", "provider", "variant", "shape", "dtype", "precision", "timing", "us_p20", "us_p50",
+          "us_p80", "rel_err", "error", "gpu", "capability", "torch", "triton", "commit", "timestamp"}
+
+
+@pytest.mark.parametrize("script,result,op", [("attention.py", "attention.json", "cfm_attention"),
+                                             ("dit_step.py", "dit_step.json", "dit_step")])
+def test_bench_script_dry_run_writes_complete_rows(tmp_path, script, result, op):
+    res = subprocess.run([sys.executable, os.path.join(BENCH, script), "--dry-run", "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, BENCH_COMMIT="test"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((tmp_path / result).read_text())
+    assert rows and all(FIELDS <= set(r) for r in rows), [sorted(FIELDS - set(r)) for r in rows][:3]
+    assert any(r["op"] == op and r["provider"] == "torch_cfm" and r["error"] is None for r in rows)
+    assert all(r["commit"] == "test" for r in rows)
+    assert "Reproduce:" in (tmp_path / result.replace(".json", ".md")).read_text()
