@@ -1,4 +1,4 @@
-"""Shared fixtures, markers and hypothesis profiles.
+"""Shared fixtures, the gpu-marker skip and hypothesis profiles (markers are declared in pytest.ini).
 
 Profiles: ``ci`` (derandomized, bounded, no deadline; the default and what .ci/run uses),
 ``gpu`` (more examples, for the H200 run), ``dev`` (quick). Pick with HYPOTHESIS_PROFILE.
@@ -21,15 +21,6 @@ try:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # pragma: no cover
     pass
-
-
-def cuda_sm80() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
-    config.addinivalue_line("markers", "slow: slow on 2 CPU cores")
 
 
 def pytest_collection_modifyitems(config, items):
