@@ -223,15 +223,6 @@ def _gelu_tanh(x):
 
 
 @triton.jit
-def _ln_affine_rows(acc, w_ptr, b_ptr, d, BLOCK_N: tl.constexpr, eps):
-    """LayerNorm over each row of an fp32 (rows, BLOCK_N) tile, then the affine ``w``/``b`` (q/k norm)."""
-    mu = tl.sum(acc, axis=1) / BLOCK_N
-    xc = acc - mu[:, None]
-    z = xc * tl.rsqrt(tl.sum(xc * xc, axis=1) / BLOCK_N + eps)[:, None]
-    return z * tl.load(w_ptr + d).to(tl.float32)[None, :] + tl.load(b_ptr + d).to(tl.float32)[None, :]
-
-
-@triton.jit
 def _dit_gemm_kernel(
     a_ptr, stride_a,            # (M, K) activations, compute dtype
     w_ptr, stride_w,            # (Nout, K) weight (nn.Linear layout)
@@ -275,12 +266,15 @@ def _dit_gemm_kernel(
         n = (offs_m // T).to(tl.int64)
         t = offs_m % T
         if seg < 2:
+            mu = tl.sum(acc, axis=1) / BLOCK_N
+            xc = acc - mu[:, None]
+            z = xc * tl.rsqrt(tl.sum(xc * xc, axis=1) / BLOCK_N + eps)[:, None]
             if seg == 0:
-                z = _ln_affine_rows(acc, qn_w_ptr, qn_b_ptr, d, BLOCK_N, eps)
+                z = z * tl.load(qn_w_ptr + d).to(tl.float32)[None, :] + tl.load(qn_b_ptr + d).to(tl.float32)[None, :]
                 q_off = offs_m.to(tl.int64)[:, None] * inner + (h * BLOCK_N + d)[None, :]
                 tl.store(q_out_ptr + q_off, z.to(q_out_ptr.dtype.element_ty), mask=m_ok[:, None])
             else:
-                z = _ln_affine_rows(acc, kn_w_ptr, kn_b_ptr, d, BLOCK_N, eps)
+                z = z * tl.load(kn_w_ptr + d).to(tl.float32)[None, :] + tl.load(kn_b_ptr + d).to(tl.float32)[None, :]
                 tn = tl.load(valid_ptr + n, mask=m_ok, other=0)
                 ok = (m_ok & (t < tn))[:, None]
                 dst = new_ptr + n[:, None] * s_new_n + h * s_new_h + t.to(tl.int64)[:, None] * s_new_f
@@ -472,16 +466,6 @@ def cache_shift(old: Optional[torch.Tensor], new: torch.Tensor, valid: torch.Ten
 # the body driver
 # --------------------------------------------------------------------------------------------
 
-def body_sizes(x_in: torch.Tensor, weights) -> tuple[int, int, int, int, int, int, int, int]:
-    """(N, T, depth, C, D, H*D, H, MLP hidden) of a body call, read off x_in and the packed weights."""
-    n_rows, _, t_len = x_in.shape
-    depth = (len(weights) - 4) // PER_BLOCK
-    head_dim = weights[4].shape[0]
-    inner = weights[2].shape[0] // 3
-    mlp = weights[16].shape[0] if depth else 0
-    return n_rows, t_len, depth, weights[0].shape[0], head_dim, inner, inner // head_dim, mlp
-
-
 def _mod_off(i: int, j: int, c: int) -> int:
     return (i * MOD_VECTORS + j) * c
 
@@ -521,7 +505,13 @@ def dit_body_triton(
     vel, new_cnn, new_att = out
     if variant == "v3":
         return _body_v3(x_in, weights, mod_table, cnn_cache, att_cache, valid, cached, precision, out)
-    n_rows, t_len, depth, c, head_dim, inner, heads, mlp = body_sizes(x_in, weights)
+    n_rows, _, t_len = x_in.shape
+    depth = (len(weights) - 4) // PER_BLOCK
+    c = weights[0].shape[0]
+    head_dim = weights[4].shape[0]
+    inner = weights[2].shape[0] // 3
+    heads = inner // head_dim
+    mlp = weights[16].shape[0] if depth else 0
     m = n_rows * t_len
     cd = x_in.dtype
     dev = x_in.device
@@ -599,8 +589,13 @@ def _body_v3(x_in, weights, table, cnn_cache, att_cache, valid, cached, precisio
     from .dit_gemm import fused_gemm, stat_tiles
 
     vel, new_cnn, new_att = out
-    cin = x_in.shape[1]
-    n_rows, t_len, depth, c, head_dim, inner, heads, mlp = body_sizes(x_in, weights)
+    n_rows, cin, t_len = x_in.shape
+    depth = (len(weights) - 4) // PER_BLOCK
+    c = weights[0].shape[0]
+    head_dim = weights[4].shape[0]
+    inner = weights[2].shape[0] // 3
+    heads = inner // head_dim
+    mlp = weights[16].shape[0] if depth else 0
     m = n_rows * t_len
     cd, dev = x_in.dtype, x_in.device
     att_precision = precision if (cd == torch.float32 and precision in ("tf32", "ieee")) else "auto"

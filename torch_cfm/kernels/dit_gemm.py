@@ -26,7 +26,12 @@ import triton
 import triton.language as tl
 
 from ._launch import on_device
-from .dit_body import _gelu_tanh, _ln_affine_rows
+
+
+@triton.jit
+def _gelu_tanh(x):
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return 0.5 * x * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
 
 
 @triton.jit
@@ -195,12 +200,15 @@ def _dit_fused_gemm_kernel(
         cur = (m_ok & (t < tn))[:, None]
         dst = new_ptr + n[:, None] * s_new_n + h * s_new_h + t.to(tl.int64)[:, None] * s_new_f
         if seg < 2:
+            mu = tl.sum(acc, axis=1) / BLOCK_N
+            xc = acc - mu[:, None]
+            z = xc * tl.rsqrt(tl.sum(xc * xc, axis=1) / BLOCK_N + eps_qk)[:, None]
             if seg == 0:
-                z = _ln_affine_rows(acc, qn_w_ptr, qn_b_ptr, d, BLOCK_N, eps_qk)
+                z = z * tl.load(qn_w_ptr + d).to(tl.float32)[None, :] + tl.load(qn_b_ptr + d).to(tl.float32)[None, :]
                 q_off = offs_m.to(tl.int64)[:, None] * inner + (h * BLOCK_N + d)[None, :]
                 tl.store(c_ptr + q_off, z.to(c_ptr.dtype.element_ty), mask=m_ok[:, None])
             else:
-                z = _ln_affine_rows(acc, kn_w_ptr, kn_b_ptr, d, BLOCK_N, eps_qk)
+                z = z * tl.load(kn_w_ptr + d).to(tl.float32)[None, :] + tl.load(kn_b_ptr + d).to(tl.float32)[None, :]
                 tl.store(dst + d[None, :] * s_new_e, z.to(new_ptr.dtype.element_ty), mask=cur)
         else:
             tl.store(dst + (BLOCK_N + d)[None, :] * s_new_e, acc.to(new_ptr.dtype.element_ty), mask=cur)
