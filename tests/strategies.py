@@ -477,3 +477,17 @@ def chunk_row_lengths(spec: ChunkSpec) -> list[tuple[int, int]]:
     valid = spec.valid if spec.valid is not None else (spec.t_len,) * spec.n
     cached = spec.cached if spec.cached is not None else (spec.l_len,) * spec.n
     return list(zip(valid, cached))
+
+
+def capture_cuda_graph(fn):
+    """Warm up on a side stream, then capture ``fn`` into a CUDA graph; returns (graph, output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out

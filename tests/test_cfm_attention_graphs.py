@@ -151,20 +151,6 @@ class StaticAttention:
         return cfm_attention(a.pop("q"), a.pop("k"), a.pop("v"), **a, precision=precision)
 
 
-def capture(fn):
-    """Warm up on a side stream, then capture ``fn`` into a CUDA graph; returns (graph, output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 GRAPH_MODES = [pytest.param(torch.float16, "auto", id="fp16"), pytest.param(torch.bfloat16, "auto", id="bf16"),
                pytest.param(torch.float32, "tf32", id="fp32-tf32"),
                pytest.param(torch.float32, "ieee", id="fp32-ieee")]
@@ -182,10 +168,10 @@ def test_cuda_graph_replay_equals_fresh_eager(shape, dtype, precision):
     static = StaticAttention(n, h, q_len, k_len, d, dtype, pool=pool)
 
     def call():
-        with no_sync():  # the op itself; capture() synchronises on purpose around it
+        with no_sync():  # the op itself; S.capture_cuda_graph() synchronises on purpose around it
             return static.call(precision)
 
-    graph, out = capture(call)
+    graph, out = S.capture_cuda_graph(call)
     for _ in range(5):
         static.refill()
         with no_sync():

@@ -389,19 +389,6 @@ def test_forward_chunk_never_syncs(dtype):
     assert all(torch.isfinite(o).all() for o in out)
 
 
-def _capture(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,precision", GPU_DTYPES)
 def test_replay_never_allocates_and_1000_replays_do_not_drift(dtype, precision):
@@ -409,7 +396,7 @@ def test_replay_never_allocates_and_1000_replays_do_not_drift(dtype, precision):
     n, k_len = case.q.shape[0], case.k.shape[2]
     gen = torch.Generator().manual_seed(5)
     table = torch.randint(-5, k_len + 6, (1000, n), generator=gen, dtype=torch.int32).cuda()
-    graph, out = _capture(lambda: cfm_attention(case.q, case.k, case.v, **case.kwargs(), precision=precision))
+    graph, out = S.capture_cuda_graph(lambda: cfm_attention(case.q, case.k, case.v, **case.kwargs(), precision=precision))
     torch.cuda.synchronize()
     worst = torch.zeros((), device="cuda")
     mismatches = torch.zeros((), device="cuda", dtype=torch.int64)
@@ -454,7 +441,7 @@ def test_two_streams_with_separate_buffers(dtype, precision):
         for o in outs[i]:
             assert torch.equal(o, expect[i]), f"stream {i} result differs"
     # and as two graphs replayed concurrently on their own streams
-    graphs = [_capture(lambda c=c: cfm_attention(c.q, c.k, c.v, **c.kwargs(), precision=precision))
+    graphs = [S.capture_cuda_graph(lambda c=c: cfm_attention(c.q, c.k, c.v, **c.kwargs(), precision=precision))
               for c in cases]
     for c in cases:
         c.key_lengths.copy_(c.key_lengths.flip(0))
