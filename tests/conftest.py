@@ -6,6 +6,7 @@ Profiles: ``ci`` (derandomized, bounded, no deadline; the default and what .ci/r
 
 from __future__ import annotations
 
+import collections
 import os
 
 import pytest
@@ -32,12 +33,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """Print how many hypothesis examples each property ran (counted by tests/strategies.py)."""
+def _case_counts() -> dict:
     import sys
 
     strategies = sys.modules.get("strategies")
-    counts = getattr(strategies, "CASES", None)
+    return dict(getattr(strategies, "CASES", None) or {})
+
+
+def pytest_configure(config):
+    # Under pytest-xdist the properties run in workers: each worker sends its counts back through
+    # workeroutput, and the controller sums them in pytest_testnodedown.
+    config._cfm_cases = collections.Counter()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["cfm_cases"] = _case_counts()
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without pytest-xdist
+def pytest_testnodedown(node, error):
+    node.config._cfm_cases.update(getattr(node, "workeroutput", {}).get("cfm_cases", {}))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Print how many hypothesis examples each property ran (counted by tests/strategies.py)."""
+    counts = collections.Counter(_case_counts())
+    counts.update(config._cfm_cases)
     if not counts:
         return
     profile = os.environ.get("HYPOTHESIS_PROFILE", "ci")
