@@ -193,17 +193,19 @@ def run_bench(shapes, dtypes, providers, args, env) -> list[dict]:
 
 
 def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
-    """Kernel variants the sweep times (run 1's tile grid is in bench/NOTES_attention.md)."""
+    """Kernel variants the sweep times (runs 1-2's tile grids are in bench/NOTES_attention.md;
+    run 3 adds two interleaved key chains ("dual") and programmatic dependent launch on/off)."""
     from torch_cfm.kernels.cfm_attention import AttentionConfig as C
 
     if dtype != torch.float32:
-        return [C(64, 64, 1, 4, 3), C(64, 64, 1, 4, 3, peel=False), C(64, 64, 1, 4, 4), C(64, 128, 1, 4, 3),
-                C(16, 128, 1, 4, 3), C(64, 64, 2, 4, 3), C(32, 64, 1, 4, 3)]
+        return [C(64, 64, 1, 4, 3, pdl=False), C(64, 64, 1, 4, 3), C(64, 64, 1, 4, 3, dual=True),
+                C(64, 64, 1, 4, 2, dual=True), C(64, 32, 1, 4, 3, dual=True), C(64, 64, 2, 4, 3),
+                C(64, 64, 2, 4, 3, dual=True), C(64, 64, 1, 8, 3, dual=True), C(32, 64, 1, 4, 3, dual=True)]
     if precision == "tf32":
-        return [C(32, 64, 1, 4, 2), C(32, 64, 1, 4, 3), C(32, 64, 1, 4, 2, peel=False), C(64, 64, 1, 4, 3),
-                C(16, 64, 1, 4, 2), C(32, 32, 1, 4, 3)]
-    return [C(32, 64, 1, 4, 2), C(32, 64, 1, 4, 3), C(16, 64, 1, 4, 2), C(64, 64, 1, 4, 2),
-            C(16, 32, 1, 2, 2, ieee_dot="ieee")]
+        return [C(32, 64, 1, 4, 3, pdl=False), C(32, 64, 1, 4, 3), C(32, 64, 1, 4, 2), C(32, 64, 1, 4, 3, dual=True),
+                C(32, 64, 1, 4, 2, dual=True), C(32, 32, 1, 4, 3, dual=True), C(16, 64, 1, 4, 2, dual=True),
+                C(32, 64, 2, 4, 3), C(64, 64, 1, 4, 3, dual=True), C(32, 64, 1, 4, 2, peel=False)]
+    return [C(32, 64, 1, 4, 2, pdl=False), C(32, 64, 1, 4, 2), C(32, 64, 1, 4, 2, dual=True), C(16, 64, 1, 4, 2)]
 
 
 def run_sweep(shapes, dtypes, args, env) -> list[dict]:

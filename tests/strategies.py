@@ -346,10 +346,20 @@ def valid_keys(case: AttnCase) -> torch.Tensor:
     return keep
 
 
+def tf32_operand(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) as a TF32 dot operand: the 13 low mantissa bits cleared (truncation, what
+    Triton's TF32 dots do on Hopper, triton-lang/triton#4574; cuBLAS rounds, which is closer)."""
+    bits = x.contiguous().view(torch.int32) & -8192  # 0xFFFFE000
+    return bits.view(torch.float32)
+
+
 def attention_same_dtype(case: AttnCase, tf32: bool = False) -> torch.Tensor:
     """SPEC §6 baseline: the attention math run in the inputs' dtype (dense, written here).
 
-    FP32 on CUDA uses TF32 matmuls when ``tf32``. Fully masked queries give 0.
+    ``tf32`` (float32 inputs): TF32 math emulated exactly where a TF32 kernel loses precision —
+    both dots take TF32 operands (q, k, the probabilities and v truncated to 10 mantissa bits)
+    and accumulate in float64, softmax in float32 — instead of asking cuBLAS for TF32, which
+    runs small problems in IEEE FP32. Fully masked queries give 0.
     """
     q, k, v = case.q, case.k, case.v
     if case.kv_rows is not None:
@@ -358,15 +368,22 @@ def attention_same_dtype(case: AttnCase, tf32: bool = False) -> torch.Tensor:
     if k.shape[2] == 0:
         return torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     keep = valid_keys(case).to(q.device)[:, None]
+    emulate = tf32 and q.dtype == torch.float32
+
+    def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if emulate:
+            return torch.matmul(tf32_operand(a).double(), tf32_operand(b).double()).float()
+        return torch.matmul(a, b)
+
     saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+        scores = dot(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
         scores = scores.masked_fill(~keep, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         probs = torch.where(keep.any(-1, keepdim=True), probs, torch.zeros((), dtype=q.dtype,
                                                                            device=q.device))
-        return torch.matmul(probs, v)
+        return dot(probs, v)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
 

@@ -82,6 +82,13 @@ for _dt in (F32, F16):
              kv_rows=(4, 7, 0, -2), pool=5, precision=_p, config=(16, _B, 2)),
         Case(f"{_t}-pool-rows-mask", _dt, 3, 2, 4, 21, 16, (21, 16, 3), mask="random",
              kv_rows=(2, 2, 0), pool=3, precision=_p, config=(16, _B, 1)),
+        # two interleaved key chains: lengths straddling one and two tiles per half
+        Case(f"{_t}-edge-lengths-dual", _dt, 8, 2, 5, 40, 16, _EDGE, precision=_p,
+             config=(16, _B, 1, 4, 2, True, "tf32x3", True)),
+        Case(f"{_t}-dual-split2-mask", _dt, 8, 2, 5, 40, 16, _EDGE, mask="random", precision=_p,
+             config=(16, _B, 2, 4, 2, True, "tf32x3", True)),
+        Case(f"{_t}-dual-long-pool", _dt, 3, 2, 6, 100, 16, (100, 97, 65), kv_interleaved=True,
+             kv_rows=(1, 0, 1), pool=2, precision=_p, config=(16, _B, 1, 4, 2, True, "tf32x3", True)),
     ]
     for _d in (16, 32, 64, 128):  # each head dim through the default heuristic
         CASES.append(Case(f"{_t}-d{_d}-default-config", _dt, 2, 2, 9, 70, _d, (70, 31), precision=_p))
@@ -279,8 +286,9 @@ def test_gpu_default_config_head_dims_and_long_keys(dtype, precision, d, k_len):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,precision", _GPU_DTYPES, ids=["f16", "bf16", "f32-tf32", "f32-ieee"])
-@pytest.mark.parametrize("config", [(16, 64, 1), (32, 32, 3), (64, 64, 4), (16, 128, 2), (64, 32, 8)],
-                         ids=lambda c: "q%d_k%d_s%d" % c)
+@pytest.mark.parametrize("config", [(16, 64, 1), (32, 32, 3), (64, 64, 4), (16, 128, 2), (64, 32, 8),
+                                    (64, 64, 1, 4, 3, True, "tf32x3", True), (32, 64, 2, 4, 3, True, "tf32x3", True)],
+                         ids=lambda c: "q%d_k%d_s%d" % c[:3] + ("_dual" if len(c) > 7 and c[7] else ""))
 @pytest.mark.parametrize("d", [16, 32, 64, 128], ids=lambda d: f"D{d}")
 def test_gpu_variants(dtype, precision, config, d):
     from torch_cfm.kernels.cfm_attention import AttentionConfig

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from typing import Iterator
 
 import torch
+import triton
+import triton.language as tl
+
+try:  # grid dependency control (PDL) device functions: Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _HAS_GDC = True
+except ImportError:  # pragma: no cover - older Triton: PDL stays off
+    gdc_launch_dependents = gdc_wait = None
+    _HAS_GDC = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -24,6 +35,39 @@ def sm_count(device: torch.device) -> int:
         return 132
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _sm_count_cached(index)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may use programmatic dependent launch (PDL).
+
+    PDL (``griddepcontrol`` PTX, a launch attribute that CUDA-graph capture keeps as a
+    programmatic edge) needs SM90+. Off on CPU (the Triton interpreter has no grid dependency
+    control) and when env ``TORCH_CFM_PDL=0``.
+    """
+    if not _HAS_GDC or device.type != "cuda" or os.environ.get("TORCH_CFM_PDL", "1") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _capability_cached(index) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_cached(index: int) -> tuple:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+@triton.jit
+def pdl_prologue(USE_PDL: tl.constexpr):
+    """First statement of a kernel launched with PDL: wait for the previous kernel in the stream
+    to finish (its writes visible), then let the next one be scheduled. Every program passes the
+    wait, so "kernel done" keeps implying "all earlier kernels done"."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+def launch_kwargs(use_pdl: bool) -> dict:
+    """Extra Triton launch options: ``launch_pdl`` only when PDL is on (older launchers lack it)."""
+    return {"launch_pdl": True} if use_pdl else {}
 
 
 @contextlib.contextmanager
