@@ -41,7 +41,10 @@ setup(
         CppExtension(
             "torch_cfm._C",
             sources,
-            extra_compile_args={"cxx": ["-O0" if debug else "-O2", "-std=c++17"]},
+            # no -std flag: BuildExtension adds the standard torch's headers were built with
+            # (C++20 for torch >= 2.10); a different one breaks c10's inline types (crashes
+            # when a TORCH_CHECK throws).
+            extra_compile_args={"cxx": ["-O0" if debug else "-O2"]},
             py_limited_api=False,
         )
     ],

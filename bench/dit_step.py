@@ -174,21 +174,8 @@ def step_providers(model, model_dtype, inp, dname, precision):
         return model.forward_chunk(inp["x"], inp["mu"], inp["t"], inp["spks"], inp["cond"], inp["cnn"], inp["att"],
                                    fused=False)[0]
 
-    def no_pdl():
-        # the default body with programmatic dependent launch off (TORCH_CFM_PDL=0 while the
-        # kernels launch: warm-up and graph capture)
-        body = fused()
-
-        def run():
-            os.environ["TORCH_CFM_PDL"] = "0"
-            try:
-                return body()
-            finally:
-                os.environ.pop("TORCH_CFM_PDL", None)
-        return run
-
     default = choose_variant(dtype, precision)
-    fns += [("torch_cfm", "", fused()), ("torch_cfm", "nopdl", no_pdl())]
+    fns += [("torch_cfm", "", fused())]
     fns += [("torch_cfm", v, fused(v)) for v in VARIANTS if v != default]
     fns += [("torch_cfm", "forward_chunk", hook), ("reference_eager", "", ref), ("reference_graph", "", ref)]
     return fns

@@ -1,47 +1,72 @@
 #!/usr/bin/env bash
-# One full GPU session (run on the H200 through the device tool, from the repo root):
-#   build in place, explain, the whole test suite with CUDA (GPU-marked tests included,
-#   hypothesis "gpu" profile), the compute-sanitizer check, then the benchmarks.
-# Everything lands under $OUT (default ./device_out): run.log, explain.txt, *.json, *.md.
-# Usage: BENCH_COMMIT=<git hash> bash bench/run_device.sh [--quick] [--tests-only] [--bench-only]
-# (the device copy has no .git: pass the commit the rows should record)
+# GPU session script (run on the H200 through the device tool, from the repo root). Builds the
+# extension in place, prints the dispatch decisions, then runs the stages asked for, in order.
+# Every stage writes its whole log under $OUT (default ./device_out); result tables/rows too.
+#
+# Usage: BENCH_COMMIT=<git hash> bash bench/run_device.sh [stage ...]
+#   tests          the whole suite with CUDA (GPU-marked tests included), hypothesis "ci" profile
+#   tests-gpu      the GPU-marked tests of the ops, graphs and compile rules only (~3 min)
+#   props          the property suite under the hypothesis "gpu" profile, with case counts
+#   memcheck       compute-sanitizer memcheck over tests/gpu_memcheck.py
+#   attention      bench/attention.py: every SPEC §7 shape, dtype and peer (one run)
+#   sweep          bench/attention.py --sweep (kernel variants)
+#   dit            bench/dit_step.py --quick (steps + the 10-step solve, peers without torch.compile)
+#   dit-full       bench/dit_step.py (every shape/dtype, torch.compile peer included: long)
+# Default: tests memcheck attention dit-full. The device copy has no .git: pass BENCH_COMMIT.
+# Each stage has its own time limit (LIMIT_<STAGE> seconds, e.g. LIMIT_TESTS=400).
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-QUICK=""; TESTS=1; BENCH=1
-for a in "$@"; do
-  case "$a" in
-    --quick) QUICK="--quick" ;;
-    --tests-only) BENCH=0 ;;
-    --bench-only) TESTS=0 ;;
-  esac
-done
-log="$OUT/run.log"
+STAGES=("$@"); [ ${#STAGES[@]} -eq 0 ] && STAGES=(tests memcheck attention dit-full)
+PYTEST="python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 -rfE --tb=short"
+GPU_TESTS="tests/test_cfm_attention_contract.py tests/test_failures.py tests/test_compile_rules.py tests/test_aoti.py
+  tests/test_cfm_attention_triton.py tests/test_cfm_attention_graphs.py tests/test_cfm_attention_numerics.py
+  tests/test_dit_body.py tests/test_dit_body_graphs.py tests/test_graphs.py"
+
+limit() { local v="LIMIT_${1//-/_}"; v=${v^^}; echo "${!v:-$2}"; }
+summary() { tail -3 "$1"; grep -E "^(FAILED|ERROR) " "$1" | head -40; }
+
 {
   echo "== build"; date -u
   # pip's editable install re-runs pip with build isolation under setuptools 81 (no network there):
   # build the extension in place instead.
-  python3 setup.py build_ext --inplace > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exit 1; }
+  python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
-  python3 -m torch_cfm | tee "$OUT/explain.txt"
-  if [ "$TESTS" = 1 ]; then
-    echo "== tests"; date -u
-    # SIGINT at the limit so pytest still prints its summary of what ran.
-    HYPOTHESIS_PROFILE=gpu timeout -s INT 420 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 --tb=line -rf 2>&1 | tail -80
-    if command -v compute-sanitizer >/dev/null && [ -f tests/gpu_memcheck.py ]; then
-      echo "== compute-sanitizer memcheck"; date -u
-      timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/gpu_memcheck.py 2>&1 | tail -15
-      echo "memcheck exit: ${PIPESTATUS[0]}"
-    fi
-  fi
-  if [ "$BENCH" = 1 ]; then
-    echo "== bench attention"; date -u
-    python3 bench/attention.py $QUICK --out "$OUT" 2>&1 | tail -60
-    if [ -f bench/dit_step.py ]; then
-      echo "== bench dit_step"; date -u
-      python3 bench/dit_step.py $QUICK --out "$OUT" 2>&1 | tail -80
-    fi
-  fi
+  python3 -m torch_cfm > "$OUT/explain.txt" 2>&1; cat "$OUT/explain.txt"
+  for stage in "${STAGES[@]}"; do
+    echo "== $stage"; date -u
+    case "$stage" in
+      tests)  # SIGINT at the limit so pytest still prints its summary of what ran
+        timeout -s INT "$(limit tests 420)" $PYTEST > "$OUT/tests.log" 2>&1; summary "$OUT/tests.log" ;;
+      tests-gpu)
+        timeout -s INT "$(limit tests-gpu 200)" $PYTEST -m gpu $GPU_TESTS > "$OUT/tests_gpu.log" 2>&1
+        summary "$OUT/tests_gpu.log" ;;
+      props)
+        HYPOTHESIS_PROFILE=gpu timeout -s INT "$(limit props 150)" $PYTEST -m gpu tests/test_properties.py \
+          tests/test_properties_model.py > "$OUT/props.log" 2>&1
+        summary "$OUT/props.log"; sed -n '/property cases tried/,/^total/p' "$OUT/props.log" ;;
+      memcheck)
+        timeout "$(limit memcheck 180)" compute-sanitizer --tool memcheck --error-exitcode 3 \
+          python3 tests/gpu_memcheck.py > "$OUT/memcheck.log" 2>&1
+        echo "memcheck exit: $?"; tail -6 "$OUT/memcheck.log" ;;
+      attention)
+        timeout "$(limit attention 240)" python3 bench/attention.py --dtypes fp16,fp32-tf32,bf16,fp32-ieee \
+          --repeats 20 --out "$OUT" > "$OUT/attention.log" 2>&1; tail -40 "$OUT/attention.log" ;;
+      sweep)
+        timeout "$(limit sweep 120)" python3 bench/attention.py --sweep --sweep-repeats 20 --out "$OUT" \
+          > "$OUT/sweep.log" 2>&1; tail -12 "$OUT/sweep.log" ;;
+      dit)
+        timeout "$(limit dit 180)" python3 bench/dit_step.py --quick --out "$OUT" > "$OUT/dit.log" 2>&1
+        grep -E "^(dit_step|solve)" "$OUT/dit.log" | tail -40 ;;
+      dit-full)
+        timeout "$(limit dit-full 1500)" python3 bench/dit_step.py --out "$OUT" > "$OUT/dit.log" 2>&1
+        grep -E "^(dit_step|solve)" "$OUT/dit.log" | tail -60 ;;
+      *) echo "unknown stage $stage" ;;
+    esac
+  done
   echo "== done"; date -u
-} 2>&1 | tee "$log"
+} 2>&1 | tee "$OUT/run.log"
+# the device tool brings back at most 8 files: logs stay loose, everything else goes in one archive
+cd "$OUT" && tar czf results.tgz --exclude='*.log' --exclude=results.tgz --exclude=explain.txt . 2>/dev/null \
+  && find . -maxdepth 1 -type f ! -name '*.log' ! -name results.tgz ! -name explain.txt -delete

@@ -82,13 +82,6 @@ for _dt in (F32, F16):
              kv_rows=(4, 7, 0, -2), pool=5, precision=_p, config=(16, _B, 2)),
         Case(f"{_t}-pool-rows-mask", _dt, 3, 2, 4, 21, 16, (21, 16, 3), mask="random",
              kv_rows=(2, 2, 0), pool=3, precision=_p, config=(16, _B, 1)),
-        # two interleaved key chains: lengths straddling one and two tiles per half
-        Case(f"{_t}-edge-lengths-dual", _dt, 8, 2, 5, 40, 16, _EDGE, precision=_p,
-             config=(16, _B, 1, 4, 2, True, "tf32x3", True)),
-        Case(f"{_t}-dual-split2-mask", _dt, 8, 2, 5, 40, 16, _EDGE, mask="random", precision=_p,
-             config=(16, _B, 2, 4, 2, True, "tf32x3", True)),
-        Case(f"{_t}-dual-long-pool", _dt, 3, 2, 6, 100, 16, (100, 97, 65), kv_interleaved=True,
-             kv_rows=(1, 0, 1), pool=2, precision=_p, config=(16, _B, 1, 4, 2, True, "tf32x3", True)),
     ]
     for _d in (16, 32, 64, 128):  # each head dim through the default heuristic
         CASES.append(Case(f"{_t}-d{_d}-default-config", _dt, 2, 2, 9, 70, _d, (70, 31), precision=_p))
@@ -194,12 +187,36 @@ def _check(case: Case, out: torch.Tensor, args: dict) -> None:
     assert (out.double().abs().amax(dim=-1)[empty] == 0).all(), f"{case.name}: empty query not exactly 0"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CUDA machine: the same cases run compiled in test_gpu_cases_match_oracle "
+                           "(Triton 3.6's interpreter mishandles scalar loop bounds of this kernel)")
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_interpreter_matches_oracle(case: Case, interpreter_outputs) -> None:
     res = interpreter_outputs[case.name]
     if isinstance(res, str):
         pytest.fail(f"{case.name} raised in the interpreter:\n{res}")
     _check(case, res, make_views(case, make_base(case)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_gpu_cases_match_oracle(case: Case) -> None:
+    """The interpreter's edge cases through the compiled kernel (TF32 cases: TF32 bound)."""
+    from torch_cfm.kernels.cfm_attention import AttentionConfig, cfm_attention_triton
+
+    a = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in make_views(case, make_base(case)).items()}
+    out = torch.full((case.n, case.q, case.h, case.d), float("nan"), dtype=case.dtype, device="cuda").transpose(1, 2)
+    cfg = None if case.config is None else AttentionConfig(*case.config)
+    cfm_attention_triton(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], a["kv_rows"], case.precision, out,
+                         config=cfg)
+    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
+    if case.precision == "tf32":
+        ref64 = naive_attention64(cpu["q"], cpu["k"], cpu["v"], cpu["key_lengths"], cpu["mask"], cpu["kv_rows"])
+        same = cfm_attention_reference(cpu["q"], cpu["k"], cpu["v"], cpu["key_lengths"], cpu["mask"],
+                                       cpu["kv_rows"], compute_dtype=case.dtype)
+        assert_within_oracle(out.cpu(), same, ref64, case.name, tf32=True)
+    else:
+        _check(case, out.cpu(), cpu)
 
 
 def test_cases_cover_edges() -> None:
@@ -287,8 +304,8 @@ def test_gpu_default_config_head_dims_and_long_keys(dtype, precision, d, k_len):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,precision", _GPU_DTYPES, ids=["f16", "bf16", "f32-tf32", "f32-ieee"])
 @pytest.mark.parametrize("config", [(16, 64, 1), (32, 32, 3), (64, 64, 4), (16, 128, 2), (64, 32, 8),
-                                    (64, 64, 1, 4, 3, True, "tf32x3", True), (32, 64, 2, 4, 3, True, "tf32x3", True)],
-                         ids=lambda c: "q%d_k%d_s%d" % c[:3] + ("_dual" if len(c) > 7 and c[7] else ""))
+                                    (64, 64, 1, 4, 3, True, "tf32x3", True), (32, 64, 2, 4, 3, True, "tf32x3", False)],
+                         ids=lambda c: "q%d_k%d_s%d" % c[:3] + ("" if len(c) < 8 else "_pdl%d" % c[7]))
 @pytest.mark.parametrize("d", [16, 32, 64, 128], ids=lambda d: f"D{d}")
 def test_gpu_variants(dtype, precision, config, d):
     from torch_cfm.kernels.cfm_attention import AttentionConfig

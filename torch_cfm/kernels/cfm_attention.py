@@ -55,12 +55,9 @@ class AttentionConfig:
         peel: walk whole key tiles without bound tests and mask only the last one.
         ieee_dot: how fp32 "ieee" dots run: "tf32x3" (error-compensated TF32 on tensor cores:
             three TF32 products per dot, FP32-level accuracy) or "ieee" (FP32 FMA, slow).
-        dual: walk the program's keys as two interleaved online-softmax chains (first and second
-            half of the valid keys) merged at the end, so one chain's softmax can overlap the
-            other's dots.
         pdl: programmatic dependent launch (SM90+): the kernel is scheduled while its predecessor
             in the stream still runs and waits (``griddepcontrol.wait``) before its first memory
-            access. None = on where the device supports it.
+            access. None = :func:`use_pdl` (on for grids of at most one program per SM).
     """
 
     block_q: int
@@ -70,13 +67,11 @@ class AttentionConfig:
     num_stages: int = 2
     peel: bool = True
     ieee_dot: str = "tf32x3"
-    dual: bool = False
     pdl: Optional[bool] = None
 
     @property
     def name(self) -> str:
         extra = ("" if self.peel else "_nopeel") + ("" if self.ieee_dot == "tf32x3" else "_fma")
-        extra += "_dual" if self.dual else ""
         extra += "" if self.pdl is None else ("_pdl" if self.pdl else "_nopdl")
         return f"q{self.block_q}_k{self.block_k}_s{self.splits}_w{self.num_warps}_st{self.num_stages}{extra}"
 
@@ -152,7 +147,7 @@ def _cfm_attention_fwd_kernel(
     qk_scale,  # log2(e) / sqrt(D)
     HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PEEL: tl.constexpr, DUAL: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PEEL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # programmatic dependent launch: wait for the previous kernel first
     # program -> (row·head, query tile, split); splits of one tile are adjacent
@@ -197,49 +192,7 @@ def _cfm_attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)  # running sum of 2^(s·scale - m_i)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
 
-    if DUAL:
-        # chain a walks [k_start, k_half), chain b [k_half, k_end); k_half on a tile boundary
-        half = tl.cdiv(tl.cdiv(k_end - k_start, 2), BLOCK_K) * BLOCK_K
-        k_half = tl.minimum(k_start + half, k_end)
-        a_full = (k_half - k_start) // BLOCK_K
-        b_full = (k_end - k_half) // BLOCK_K
-        mb_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-        lb_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
-        acc_b = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
-        for j in range(0, b_full):
-            m_i, l_i, acc = _cfm_attention_fwd_inner(
-                q, m_i, l_i, acc, k_start + j * BLOCK_K, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d,
-                offs_kb, stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
-                HAS_MASK, False, DOT_PRECISION)
-            mb_i, lb_i, acc_b = _cfm_attention_fwd_inner(
-                q, mb_i, lb_i, acc_b, k_half + j * BLOCK_K, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d,
-                offs_kb, stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
-                HAS_MASK, False, DOT_PRECISION)
-        for k0 in range(k_start + b_full * BLOCK_K, k_start + a_full * BLOCK_K, BLOCK_K):
-            m_i, l_i, acc = _cfm_attention_fwd_inner(
-                q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
-                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
-                HAS_MASK, False, DOT_PRECISION)
-        # masked tails: chain a's only when the row is shorter than one half, chain b's otherwise
-        for k0 in range(k_start + a_full * BLOCK_K, k_half, BLOCK_K):
-            m_i, l_i, acc = _cfm_attention_fwd_inner(
-                q, m_i, l_i, acc, k0, k_half, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
-                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
-                HAS_MASK, True, DOT_PRECISION)
-        for k0 in range(k_half + b_full * BLOCK_K, k_end, BLOCK_K):
-            mb_i, lb_i, acc_b = _cfm_attention_fwd_inner(
-                q, mb_i, lb_i, acc_b, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
-                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
-                HAS_MASK, True, DOT_PRECISION)
-        # merge the chains (log2 units; a chain that saw no valid key has m = -inf, l = 0, acc = 0)
-        m_new = tl.maximum(m_i, mb_i)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha_a = tl.math.exp2(m_i - m_ref)
-        alpha_b = tl.math.exp2(mb_i - m_ref)
-        l_i = l_i * alpha_a + lb_i * alpha_b
-        acc = acc * alpha_a[:, None] + acc_b * alpha_b[:, None]
-        m_i = m_new
-    elif PEEL:
+    if PEEL:
         # whole tiles without bound tests, then at most one masked tail tile
         k_mid = k_start + ((k_end - k_start) // BLOCK_K) * BLOCK_K
         for k0 in range(k_start, k_mid, BLOCK_K):
@@ -363,6 +316,16 @@ def choose_config(dtype: torch.dtype, head_dim: int, rows_heads: int, q_len: int
     return AttentionConfig(block_q, block_k, splits, num_warps=num_warps, num_stages=num_stages, peel=peel)
 
 
+def use_pdl(programs: int, n_sm: int) -> bool:
+    """Programmatic dependent launch by default only for grids of at most one program per SM.
+
+    Measured on the H200 (bench/NOTES_attention.md, run 3): PDL hides ~0.4 µs of launch per call
+    at N = 2 and 8 (16-128 programs) but costs 1.5 µs at N = 32 fp16 (256 programs), where the
+    next call's early-resident programs take SM slots from this call's second wave.
+    """
+    return programs <= n_sm
+
+
 def _dot_precision(dtype: torch.dtype, precision: Optional[str], config: AttentionConfig) -> str:
     if dtype == torch.float32:
         if precision == "tf32":
@@ -432,7 +395,8 @@ def cfm_attention_triton(
     mask_arg = mask.view(torch.uint8) if mask is not None else q
     m_strides = mask.stride() if mask is not None else (0, 0, 0)
     qk_scale = LOG2E / math.sqrt(head_dim)
-    use_pdl = pdl_supported(q.device) if config.pdl is None else (config.pdl and pdl_supported(q.device))
+    pdl = use_pdl(rows_heads * q_tiles * splits, sm_count(q.device)) if config.pdl is None else config.pdl
+    pdl = pdl and pdl_supported(q.device)
 
     with on_device(q.device):
         _cfm_attention_fwd_kernel[(rows_heads * q_tiles * splits,)](
@@ -446,8 +410,8 @@ def cfm_attention_triton(
             qk_scale,
             HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_K=block_k,
             HAS_LENGTHS=key_lengths is not None, HAS_MASK=mask is not None, HAS_ROWS=kv_rows is not None,
-            DOT_PRECISION=dot_precision, PEEL=config.peel, DUAL=config.dual, USE_PDL=use_pdl,
-            num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(use_pdl),
+            DOT_PRECISION=dot_precision, PEEL=config.peel, USE_PDL=pdl,
+            num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(pdl),
         )
         if splits > 1:
             block_qc = 16 if q_len <= 16 else 32
@@ -455,7 +419,7 @@ def cfm_attention_triton(
             _cfm_attention_combine_kernel[(rows_heads * qc_tiles,)](
                 part, lse, out, *out.stride(),
                 n_heads, q_len, qc_tiles, splits, rows_heads,
-                HEAD_DIM=head_dim, BLOCK_Q=block_qc, USE_PDL=use_pdl,
-                num_warps=4, **launch_kwargs(use_pdl),
+                HEAD_DIM=head_dim, BLOCK_Q=block_qc, USE_PDL=pdl,
+                num_warps=4, **launch_kwargs(pdl),
             )
     return out

@@ -27,7 +27,7 @@ import triton.language as tl
 from ..config import BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS
 from ..packing import (GATE_A, GATE_C, GATE_M, MOD_VECTORS, PER_BLOCK, SCALE_A, SCALE_C, SCALE_M,
                        SHIFT_A, SHIFT_C, SHIFT_M)
-from ._launch import launch_kwargs, on_device, pdl_prologue, pdl_supported
+from ._launch import on_device
 
 CONV_HISTORY = 2  # causal conv k=3: 2 cached frames in front of the chunk
 VARIANTS = ("v1", "v2", "v3")
@@ -65,9 +65,8 @@ def _dit_rownorm_kernel(
     M, T, C, eps,
     TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_GATE: tl.constexpr, NORM: tl.constexpr, HEAD: tl.constexpr, HAS_CNN: tl.constexpr,
-    EMIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
+    EMIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_C)
@@ -141,9 +140,8 @@ def _dit_qk_cache_kernel(
     new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,   # (N, H, T+L, 2D) new cache
     valid_ptr, cached_ptr,      # (N,) int32 clamped T_n, L_n
     T, L, H, eps,
-    HAS_OLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_F: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_OLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_F: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
     pid_nh = tl.program_id(0)
     pid_f = tl.program_id(1)
     n = (pid_nh // H).to(tl.int64)
@@ -199,9 +197,8 @@ def _cfg_euler_kernel(
     v_ptr, s_v_n, s_v_c, s_v_t,  # (2B, Cm, T) velocity: cond rows [0, B), uncond rows [B, 2B)
     st_ptr, s_st_n, s_st_c, s_st_t,  # (2B, Cin, T) staged input; channels [0, Cm) <- x for both halves
     B, Cm, T, dt, cfg_rate,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    pdl_prologue(USE_PDL)
     pid = tl.program_id(0)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
     total = B * Cm * T
@@ -351,7 +348,6 @@ def rownorm(
         e_src, e_dst, e_cbase = h, h.view(-1, 1, 1)[:1], 0
     lnw, lnb = ln_affine if ln_affine is not None else (h, h)
     grid = (triton.cdiv(m, rows),)
-    pdl = pdl_supported(h.device)
     with on_device(h.device):
         _dit_rownorm_kernel[grid](
             y, y.stride(0), bias if bias is not None else h, h, tab, stride_tab,
@@ -362,8 +358,8 @@ def rownorm(
             valid, m, t_len, c, eps,
             TAPS=taps, HAS_BIAS=bias is not None, HAS_RES=has_res, WRITE_H=write_h,
             HAS_GATE=gate is not None, NORM=0 if ln_affine is None else 1, HEAD=head is not None,
-            HAS_CNN=cnn is not None, EMIT=emit is not None, ROWS=rows, BLOCK_C=block_c, USE_PDL=pdl,
-            num_warps=4 if block_c * rows <= 2048 else 8, **launch_kwargs(pdl))
+            HAS_CNN=cnn is not None, EMIT=emit is not None, ROWS=rows, BLOCK_C=block_c,
+            num_warps=4 if block_c * rows <= 2048 else 8)
 
 
 def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Tensor,
@@ -377,15 +373,13 @@ def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Te
     block_f = 32 if head_dim <= 64 else 16
     o = old if old is not None else new
     grid = (n_rows * heads, triton.cdiv(total, block_f))
-    pdl = pdl_supported(qkv.device)
     with on_device(qkv.device):
         _dit_qk_cache_kernel[grid](
             qkv, qkv.stride(0), *norms, q_out,
             o, o.stride(0), o.stride(1), o.stride(2), o.stride(3),
             new, new.stride(0), new.stride(1), new.stride(2), new.stride(3),
             valid, cached, t_len, l_len, heads, QK_NORM_EPS,
-            HAS_OLD=old is not None and l_len > 0, HEAD_DIM=head_dim, BLOCK_F=block_f, USE_PDL=pdl,
-            num_warps=4, **launch_kwargs(pdl))
+            HAS_OLD=old is not None and l_len > 0, HEAD_DIM=head_dim, BLOCK_F=block_f, num_warps=4)
 
 
 def cfg_euler(x: torch.Tensor, v: torch.Tensor, staged: torch.Tensor, dt: float, cfg_rate: float) -> None:
@@ -395,12 +389,10 @@ def cfg_euler(x: torch.Tensor, v: torch.Tensor, staged: torch.Tensor, dt: float,
     if total == 0:
         return
     block = 1024
-    pdl = pdl_supported(x.device)
     with on_device(x.device):
         _cfg_euler_kernel[(triton.cdiv(total, block),)](
             x, v, v.stride(0), v.stride(1), v.stride(2), staged, staged.stride(0), staged.stride(1),
-            staged.stride(2), b, cm, t_len, float(dt), float(cfg_rate), BLOCK=block, USE_PDL=pdl, num_warps=4,
-            **launch_kwargs(pdl))
+            staged.stride(2), b, cm, t_len, float(dt), float(cfg_rate), BLOCK=block, num_warps=4)
 
 
 def _dot_precision(dtype: torch.dtype, precision: Optional[str]) -> str:

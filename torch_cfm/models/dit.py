@@ -41,6 +41,13 @@ SCALE_SLOTS = (1, 4, 7)
 TimeLike = Union[float, torch.Tensor]
 
 
+def _exporting() -> bool:
+    """True while torch.export traces. ``torch.compiler.is_exporting()`` itself is folded to True
+    by Dynamo under every torch.compile before torch 2.13 (see pytorch/pytorch#164721), so the
+    flag it reads is read directly (Dynamo guards on the module global)."""
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
+
+
 # --------------------------------------------------------------------------------------------
 # Submodules (names mirror the upstream checkpoint)
 # --------------------------------------------------------------------------------------------
@@ -490,7 +497,7 @@ class DiT(nn.Module):
             out = self._reference(x, mu, t, spks, cond, cnn_cache, att_cache, layout)
         # One site for torch_cfm.compile_rules (swapped for dit_body when allowed). Not under
         # torch.export: an exported program must run from the C++ schemas alone (AOTInductor).
-        if compiling and not torch.compiler.is_exporting():
+        if compiling and not _exporting():
             from ..compile_rules.markers import mark_dit_step
 
             mark_dit_step(self, out, x, mu, t, spks, cond, cnn_cache, att_cache,
