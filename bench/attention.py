@@ -153,6 +153,7 @@ def run_bench(shapes, dtypes, providers, args, env) -> list[dict]:
         for dname in dtypes:
             dtype, precision = DTYPES[dname]
             inp = make_inputs(n, q_len, k_len, dtype)
+            first = len(rows)
             with tf32_policy(precision):
                 for prov in providers:
                     base = dict(op=OP, provider=prov, shape=shape_dict(n, q_len, k_len),
@@ -187,6 +188,8 @@ def run_bench(shapes, dtypes, providers, args, env) -> list[dict]:
                         print(f"  {n:>2},{q_len:>3},{k_len:>3} {dname:<9} {tag:<32} graph p50 {fmt_us(g):>6} µs"
                               f"  rel_err {r_err if r_err is None else f'{r_err:.2e}'}"
                               + (f"  ERROR {err}" if err else ""), flush=True)
+            # saved per shape: a run cut short by its time limit keeps what it measured
+            upsert_rows(os.path.join(args.out, "attention.json"), rows[first:])
             del inp
             torch.cuda.empty_cache()
     return rows

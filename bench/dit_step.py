@@ -5,6 +5,9 @@ T new frames, L cached frames), µs per call inside a CUDA graph (and eager), pr
 
     torch_cfm             the fused body op (packed weights, precomputed modulation table) —
                           what every Euler step of the graph runner runs
+    torch_cfm/compiled    variant "compiled": torch.compile(backend="torch_cfm") of the reference
+                          step, inside a CUDA graph (the compile rules swap the fused body in;
+                          issue 5's target: within 5 % of torch_cfm/hook)
     torch_cfm/hook        variant "forward_chunk": DiT.forward_chunk(fused=True) (stages the input
                           and computes the table per call)
     reference_eager       DiT.forward_chunk(fused=False), eager
@@ -62,7 +65,7 @@ DTYPES: dict[str, tuple[torch.dtype, Optional[str]]] = {
 }
 PEAK_TFLOPS = {"fp16": 751.0, "bf16": 751.0, "fp32-tf32": 417.0, "fp32-ieee": 51.0}  # SPEC §7 ceilings
 COPY_TBS = 4.25
-PROVIDERS = ("torch_cfm", "torch_cfm/hook", "reference_eager", "reference_graph", "torch_compile_graph")
+PROVIDERS = ("torch_cfm", "torch_cfm/hook", "torch_cfm/compiled", "reference_eager", "reference_graph", "torch_compile_graph")
 QUICK_SHAPES = ((8, 50, 400), (32, 50, 400))
 # torch.compile(max-autotune) takes minutes per (shape, dtype): by default only the SPEC §7 anchors
 COMPILE_SHAPES = ((8, 50, 400), (32, 50, 400))
@@ -177,8 +180,21 @@ def step_providers(model, model_dtype, inp, dname, precision):
     default = choose_variant(dtype, precision)
     fns += [("torch_cfm", "", fused())]
     fns += [("torch_cfm", v, fused(v)) for v in VARIANTS if v != default]
-    fns += [("torch_cfm", "forward_chunk", hook), ("reference_eager", "", ref), ("reference_graph", "", ref)]
+    def compiled():
+        step = torch.compile(lambda *a: model.forward_chunk(*a), backend="torch_cfm")  # rules decide
+        args = (inp["x"], inp["mu"], inp["t"], inp["spks"], inp["cond"], inp["cnn"], inp["att"])
+        return lambda: step(*args)[0]
+
+    fns += [("torch_cfm", "forward_chunk", hook)]
+    if DEVICE == "cuda":
+        fns += [("torch_cfm", "compiled", compiled())]
+    fns += [("reference_eager", "", ref), ("reference_graph", "", ref)]
     return fns
+
+
+def _provider_name(provider: str, variant: str) -> str:
+    """The --providers name of a (provider, variant) pair."""
+    return {"forward_chunk": "torch_cfm/hook", "compiled": "torch_cfm/compiled"}.get(variant, provider)
 
 
 def run_steps(cfg, shapes, dnames, providers, args, env, base) -> list[dict]:
@@ -203,7 +219,7 @@ def run_steps(cfg, shapes, dnames, providers, args, env, base) -> list[dict]:
             shape = {"N": n, "T": t, "L": l_len}
             fl = floor_us(cfg, n, t, l_len, dname, torch.finfo(dtype).bits // 8)
             fns = [f for f in step_providers(model, dtype, inp, dname, precision)
-                   if (f"{f[0]}/hook" if f[1] == "forward_chunk" else f[0]) in providers]
+                   if _provider_name(*f[:2]) in providers]
             if ("torch_compile_graph" in providers and not args.quick
                     and (args.compile_all or ((n, t, l_len) in COMPILE_SHAPES and dname in COMPILE_DTYPES))):
                 fns.append(("torch_compile_graph", "", compile_step(model, inp)))
@@ -219,7 +235,7 @@ def run_steps(cfg, shapes, dnames, providers, args, env, base) -> list[dict]:
                             row["rel_err"] = rel_err(out.float(), ref64)
                         timer = time_eager if timing == "eager" else time_cuda_graph
                         row.update(timer(lambda: fn(), calls=args.calls, repeats=args.repeats, context=ctx))
-                        if prov in ("torch_cfm", "reference_eager") and variant != "forward_chunk":
+                        if prov in ("torch_cfm", "reference_eager") and variant not in ("forward_chunk", "compiled"):
                             with ctx():
                                 row["kernels"] = count_kernels(fn)
                                 if prov == "torch_cfm":
@@ -437,7 +453,7 @@ def write_table(rows: list[dict], out_dir: str, command: str) -> str:
     extra = ["| row | kernels | floor ms | floor frac | rel_err vs fp64 | arena MiB | graph pool MiB |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         variant = r.get("variant") or ""
-        if r["provider"] == "torch_cfm" and variant != "forward_chunk" and not variant.startswith("sweep"):
+        if r["provider"] == "torch_cfm" and variant not in ("forward_chunk", "compiled") and not variant.startswith("sweep"):
             mib = lambda v: "" if v is None else f"{v / 2**20:.1f}"  # noqa: E731
             extra.append(f"| {row_key(r)} {variant} | {r.get('kernels')} | {r.get('floor_us', 0) / 1000:.3f} | "
                          f"{r.get('floor_frac')} | {r.get('rel_err')} | {mib(r.get('arena_bytes'))} | "

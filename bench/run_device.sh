@@ -68,5 +68,7 @@ summary() { tail -3 "$1"; grep -E "^(FAILED|ERROR) " "$1" | head -40; }
   echo "== done"; date -u
 } 2>&1 | tee "$OUT/run.log"
 # the device tool brings back at most 8 files: logs stay loose, everything else goes in one archive
-cd "$OUT" && tar czf results.tgz --exclude='*.log' --exclude=results.tgz --exclude=explain.txt . 2>/dev/null \
-  && find . -maxdepth 1 -type f ! -name '*.log' ! -name results.tgz ! -name explain.txt -delete
+# (the archive is written outside $OUT first: tar exits 1 when its own output changes the folder)
+tar czf /tmp/results.tgz -C "$OUT" --exclude='*.log' --exclude=explain.txt . 2>/dev/null
+mv /tmp/results.tgz "$OUT/results.tgz"
+find "$OUT" -maxdepth 1 -type f ! -name '*.log' ! -name results.tgz ! -name explain.txt -delete

@@ -813,7 +813,8 @@ def test_gpu_linear_before_attention_on_a_side_stream(mode):
 
 @pytest.mark.gpu
 def test_gpu_compiled_step_close_to_calling_the_fused_path():
-    """Loose timing guard (the 5 % target is measured by the bench): compiled vs direct call."""
+    """Loose timing guard, eager launches (the 5 % target is the CUDA-graph row "torch_cfm/compiled"
+    vs "torch_cfm/hook" of bench/dit_step.py): compiled vs direct call."""
     from torch_cfm.ops.dit_body import dit_forward_chunk_fused
 
     config = DiTConfig(depth=4)
@@ -824,21 +825,22 @@ def test_gpu_compiled_step_close_to_calling_the_fused_path():
     def direct(*a):
         return dit_forward_chunk_fused(model, *a[:7])
 
-    def median_ms(fn, reps=30):
-        with torch.no_grad():
-            for _ in range(5):
-                fn(*args)
-            times = []
-            for _ in range(reps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn(*args)
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+    def one_ms(fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
 
-    t_direct, t_compiled = median_ms(direct), median_ms(compiled)
+    # Interleaved, best of 30 each: the GPU suite runs tests in parallel processes on one GPU, and
+    # contention only ever adds time (a median failed there once while passing alone).
+    with torch.no_grad():
+        for _ in range(5):
+            direct(*args)
+            compiled(*args)
+        pairs = [(one_ms(direct), one_ms(compiled)) for _ in range(30)]
+    t_direct, t_compiled = min(p[0] for p in pairs), min(p[1] for p in pairs)
     print(f"dit step depth={config.depth} fp16 (8,50,400): direct {t_direct:.3f} ms, "
           f"torch_cfm compiled {t_compiled:.3f} ms ({t_compiled / t_direct:.3f}x; target <= 1.05x)")
     assert t_compiled <= 1.25 * t_direct + 0.02

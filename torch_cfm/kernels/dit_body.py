@@ -337,7 +337,11 @@ def rownorm(
     if m == 0:
         return
     block_c = triton.next_power_of_2(c)
-    rows = max(1, min(16, 2048 // block_c))
+    # One 512-channel row per 4-warp program: measured on the H200 at (8, 50, 400) fp16 the 65
+    # rownorm launches of a step take 206 µs this way vs 287 µs with 4 rows per program (more
+    # programs in flight hide the dependent load latency; bench/NOTES.md, 2026-12-01 01:27).
+    rows = max(1, min(16, 512 // block_c))
+    warps = 4 if block_c * rows <= 2048 else 8
     tab = table if table is not None else h
     stride_tab = 0 if table is None or table.shape[0] == 1 else table.stride(0)
     cnn, head_cbase = head if head is not None else (None, 0)
@@ -359,7 +363,7 @@ def rownorm(
             TAPS=taps, HAS_BIAS=bias is not None, HAS_RES=has_res, WRITE_H=write_h,
             HAS_GATE=gate is not None, NORM=0 if ln_affine is None else 1, HEAD=head is not None,
             HAS_CNN=cnn is not None, EMIT=emit is not None, ROWS=rows, BLOCK_C=block_c,
-            num_warps=4 if block_c * rows <= 2048 else 8)
+            num_warps=warps)
 
 
 def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Tensor,
