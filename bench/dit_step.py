@@ -17,7 +17,12 @@ T new frames, L cached frames), µs per call inside a CUDA graph (and eager), pr
 
 op "cfm_solve_chunk", shape {B, N=2B, T, L}: the whole n-step CFG solve of a chunk:
 
-    torch_cfm             CFMGraphRunner: one graph replay per chunk
+    torch_cfm             CFMGraphRunner: one graph replay per chunk (separate input/output
+                          cache buffers: what the fused step's contract takes)
+    torch_cfm/server      variant "server": CFMServer(graphs=True) in steady state — one
+                          solve_chunk call (staging, ArenaGraphSolver replay of the whole solve
+                          with the in-place cache trim, mel copies) over ONE cache arena;
+                          ``arena_bytes`` is that arena, ``peak_extra_bytes`` the peak above it
     reference_eager       the reference module stepped in Python (CFG + Euler), eager
     reference_graph       that whole loop captured in one CUDA graph
 
@@ -65,7 +70,7 @@ DTYPES: dict[str, tuple[torch.dtype, Optional[str]]] = {
 }
 PEAK_TFLOPS = {"fp16": 751.0, "bf16": 751.0, "fp32-tf32": 417.0, "fp32-ieee": 51.0}  # SPEC §7 ceilings
 COPY_TBS = 4.25
-PROVIDERS = ("torch_cfm", "torch_cfm/hook", "torch_cfm/compiled", "reference_eager", "reference_graph", "torch_compile_graph")
+PROVIDERS = ("torch_cfm", "torch_cfm/hook", "torch_cfm/compiled", "torch_cfm/server", "reference_eager", "reference_graph", "torch_compile_graph")
 QUICK_SHAPES = ((8, 50, 400), (32, 50, 400))
 # torch.compile(max-autotune) takes minutes per (shape, dtype): by default only the SPEC §7 anchors
 COMPILE_SHAPES = ((8, 50, 400), (32, 50, 400))
@@ -380,6 +385,55 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dic
     return rows
 
 
+def run_server(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dict]:
+    """The production path: CFMServer(graphs=True) solving a chunk for ``b`` requests whose caches
+    have settled at ``l_len`` frames (prompt P = l_len - 100, the trim keeps P + 100)."""
+    from torch_cfm.models import CFMServer, StreamingCFM
+    from torch_cfm.models.cache import TRIM_KEEP_OLDEST
+
+    rows = []
+    prompt = max(l_len - TRIM_KEEP_OLDEST, 1)
+    g = torch.Generator().manual_seed(2)
+    for dname in dnames:
+        dtype, precision = DTYPES[dname]
+        ctx = tf32_ctx(dtype, precision)
+        row = dict(op="cfm_solve_chunk", provider="torch_cfm", variant="server", timing="cuda_graph",
+                   shape={"B": b, "N": 2 * b, "T": t, "L": l_len}, dtype=dname.split("-")[0], precision=precision)
+        try:
+            model = copy.deepcopy(base).to(device=DEVICE, dtype=dtype)
+            with torch.no_grad(), ctx():
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+                    mem0 = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                server = CFMServer(StreamingCFM(model, n_timesteps=n_steps), max_requests=b,
+                                   max_prompt_frames=prompt, max_chunk_frames=max(t, prompt),
+                                   chunk_buckets=(t,), cache_buckets=(l_len,), device=torch.device(DEVICE),
+                                   dtype=dtype, graphs=True)
+                d = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dtype)  # noqa: E731
+                for r in range(b):
+                    server.open_request(r, d(80), prompt_mu=d(80, prompt), prompt_mel=d(80, prompt))
+                chunks = {r: d(80, t) for r in range(b)}
+                while min(server.cache_length(r) for r in range(b)) < l_len:
+                    server.solve_chunk(chunks)
+                for _ in range(2):  # the steady-state key's eager warm-up, then its capture
+                    server.solve_chunk(chunks)
+                row.update(time_replay(lambda: server.solve_chunk(chunks), args))
+                row["arena_bytes"] = sum(a.nbytes() for a in server.arenas)
+                if DEVICE == "cuda":
+                    row["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - mem0 - row["arena_bytes"]
+                row["captured"] = any(e.replays for e in getattr(server.solve_fn, "_keys", {}).values())
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        rows.append(_row(env, **row))
+        print(f"solve {row['shape']} {dname} torch_cfm/server: p50 {row.get('us_p50')} us, arena "
+              f"{row.get('arena_bytes')}, peak extra {row.get('peak_extra_bytes')}, captured {row.get('captured')}",
+              flush=True)
+        torch.cuda.empty_cache() if DEVICE == "cuda" else None
+    return rows
+
+
 def solve_fused_row(model, dtype, precision, variant, b, t, l_len, n_steps, tensors, mel64, common, args) -> dict:
     """One torch_cfm row of the chunk solve: CFMGraphRunner graph replay (kernel ``variant``)."""
     mu2, spks2, cond2, x0d, cnnd, attd = tensors
@@ -521,6 +575,9 @@ def main(argv=None) -> int:
         sdn = args.solve_dtypes.split(",") if args.solve_dtypes else dnames
         b, t, l_len = (1, 5, 4) if args.dry_run else (4, 50, 400)
         rows += run_solve(cfg, b, t, l_len, sdn, args, env, base, n_steps=2 if args.dry_run else 10)
+        if "torch_cfm/server" in providers:
+            rows += run_server(cfg, b, t, 104 if args.dry_run else l_len, sdn, args, env, base,
+                               n_steps=2 if args.dry_run else 10)
     if not args.no_steps:
         rows += run_steps(cfg, shapes, dnames, providers, args, env, base)
     if args.sweep:
