@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 STAGES=("$@"); [ ${#STAGES[@]} -eq 0 ] && STAGES=(tests memcheck attention dit-full)
-PYTEST="python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 -rfE --tb=short"
+PYTEST="python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 -rfE --tb=short --durations=30"
 GPU_TESTS="tests/test_cfm_attention_contract.py tests/test_failures.py tests/test_compile_rules.py tests/test_aoti.py
   tests/test_cfm_attention_triton.py tests/test_cfm_attention_graphs.py tests/test_cfm_attention_numerics.py
   tests/test_dit_body.py tests/test_dit_body_graphs.py tests/test_graphs.py"
