@@ -88,3 +88,19 @@ def test_explain_prints_each_decision_with_reasons(capsys):
     assert "cfm_attention [float16]: kernel=reference" in text
     assert "needs a CUDA device, found cpu" in text
     assert text in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device, capability, env, expected", [
+    ("cuda", (9, 0), {}, True),
+    ("cuda", (8, 0), {}, False),  # griddepcontrol needs SM90
+    ("cuda", (9, 0), {"TORCH_CFM_PDL": "0"}, False),
+    ("cuda", (10, 0), {"TORCH_CFM_PDL": "on"}, True),
+    ("cpu", (9, 0), {}, False),
+])
+def test_pdl_allowed_by_capability_and_env(device, capability, env, expected):
+    assert policy.pdl_allowed(torch.device(device), env=env, capability=capability) is expected
+
+
+def test_pdl_env_value_is_validated():
+    with pytest.raises(ValueError, match="TORCH_CFM_PDL"):
+        policy.pdl_allowed(torch.device("cuda"), env={"TORCH_CFM_PDL": "maybe"}, capability=(9, 0))

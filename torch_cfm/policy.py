@@ -23,6 +23,8 @@ from .config import ATTENTION_DTYPES, MIN_CAPABILITY
 
 ENV_FUSED = "TORCH_CFM_FUSED"
 ENV_TF32 = "TORCH_CFM_TF32"
+ENV_PDL = "TORCH_CFM_PDL"
+PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol (programmatic dependent launch) is SM90+
 
 _TRUE = {"1", "true", "on", "yes"}
 _FALSE = {"0", "false", "off", "no"}
@@ -100,6 +102,20 @@ def device_capability(device: torch.device) -> Optional[tuple[int, int]]:
 def _cuda_capability(index: int) -> tuple[int, int]:
     # Cached: the eager hot path asks once per call and the answer never changes.
     return torch.cuda.get_device_capability(index)
+
+
+def pdl_allowed(device: torch.device, env: Optional[Mapping[str, str]] = None,
+                capability: Optional[tuple[int, int]] = None) -> bool:
+    """May Triton kernels on ``device`` use programmatic dependent launch? NVIDIA SM90+ and env
+    ``TORCH_CFM_PDL`` not off. A launch detail, not part of the fused/reference decision: whether
+    a given launch uses it is the kernel's rule (e.g. ``kernels.cfm_attention.use_pdl``).
+    ``capability`` overrides the device query (tests, explain for another machine)."""
+    env = os.environ if env is None else env
+    if _parse_flag(env, ENV_PDL) is False:
+        return False
+    if capability is None:
+        capability = device_capability(device)
+    return device.type == "cuda" and capability is not None and tuple(capability) >= PDL_MIN_CAPABILITY
 
 
 def decide(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Iterator
 
 import torch
@@ -38,21 +37,12 @@ def sm_count(device: torch.device) -> int:
 
 
 def pdl_supported(device: torch.device) -> bool:
-    """Whether kernels on ``device`` may use programmatic dependent launch (PDL).
+    """Programmatic dependent launch available for kernels on ``device``: the device and env rule
+    (:func:`torch_cfm.policy.pdl_allowed`) and a Triton with grid dependency control. Off on CPU
+    (the Triton interpreter has no grid dependency control)."""
+    from .. import policy
 
-    PDL (``griddepcontrol`` PTX, a launch attribute that CUDA-graph capture keeps as a
-    programmatic edge) needs SM90+. Off on CPU (the Triton interpreter has no grid dependency
-    control) and when env ``TORCH_CFM_PDL=0``.
-    """
-    if not _HAS_GDC or device.type != "cuda" or os.environ.get("TORCH_CFM_PDL", "1") == "0":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _capability_cached(index) >= (9, 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_cached(index: int) -> tuple:
-    return tuple(torch.cuda.get_device_capability(index))
+    return _HAS_GDC and policy.pdl_allowed(device)
 
 
 @triton.jit
