@@ -260,13 +260,19 @@ _INTERP_BASE = [
 ]
 VARIANTS = ("v1", "v2", "v3")  # torch_cfm.kernels.dit_body.VARIANTS (not imported: it imports triton)
 INTERP_CASES = [dict(c, name=f"{c['name']}_{v}", variant=v) for v in VARIANTS for c in _INTERP_BASE]
+# The shipped widths (C = 512, H = 8, D = 64), one block: the launch rules of the real model
+# (e.g. one row per rownorm program), which the tiny config never reaches.
+WIDE = DiTConfig(depth=1)
+INTERP_CASES.append(dict(name="wide_f32_v1", dtype=torch.float32, n=2, t=3, l_len=2, valid=[3, 2], cached=[2, 1],
+                         variant="v1", wide=True))
 
 
 def _interp_args(case):
-    model = random_dit(TINY, seed=12)
+    config = WIDE if case.get("wide") else TINY
+    model = random_dit(config, seed=12)
     packed = pack_dit(model, case["dtype"], "cpu")
     x, mu, tt, spks, cond, cnn, att, valid, cached = make_inputs(
-        TINY, case["n"], case["t"], case["l_len"], torch.float32, seed=13, valid=case["valid"], cached=case["cached"])
+        config, case["n"], case["t"], case["l_len"], torch.float32, seed=13, valid=case["valid"], cached=case["cached"])
     dt = case["dtype"]
     x_in = stage_input(x, mu, spks, cond, dt)
     if case.get("per_row_t"):  # one modulation table per row (different times)
