@@ -616,6 +616,9 @@ def interpreter_main(examples: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="CUDA machine: the compiled kernel runs these properties (triton_rows_independent[cuda]); "
+                           "Triton 3.6's interpreter mishandles this kernel's scalar loop bounds")
 def test_triton_kernel_properties_in_interpreter():
     """CI coverage of the Triton kernel's row independence and padding handling on CPU."""
     import os
