@@ -258,13 +258,13 @@ _INTERP_BASE = [
     dict(name="rowtable_f32", dtype=torch.float32, n=3, t=5, l_len=3, valid=[5, 2, 4], cached=[3, 0, 2],
          per_row_t=True),
 ]
-VARIANTS = ("v1", "v2", "v3")  # torch_cfm.kernels.dit_body.VARIANTS (not imported: it imports triton)
+VARIANTS = ("v1", "v2", "v3", "v4")  # torch_cfm.kernels.dit_body.VARIANTS (not imported: it imports triton)
 INTERP_CASES = [dict(c, name=f"{c['name']}_{v}", variant=v) for v in VARIANTS for c in _INTERP_BASE]
 # The shipped widths (C = 512, H = 8, D = 64), one block: the launch rules of the real model
 # (e.g. one row per rownorm program), which the tiny config never reaches.
 WIDE = DiTConfig(depth=1)
-INTERP_CASES.append(dict(name="wide_f32_v1", dtype=torch.float32, n=2, t=3, l_len=2, valid=[3, 2], cached=[2, 1],
-                         variant="v1", wide=True))
+INTERP_CASES += [dict(name=f"wide_f32_{v}", dtype=torch.float32, n=2, t=3, l_len=2, valid=[3, 2], cached=[2, 1],
+                      variant=v, wide=True) for v in ("v1", "v4")]
 
 
 def _interp_args(case):

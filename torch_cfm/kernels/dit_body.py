@@ -30,7 +30,7 @@ from ..packing import (GATE_A, GATE_C, GATE_M, MOD_VECTORS, PER_BLOCK, SCALE_A, 
 from ._launch import on_device
 
 CONV_HISTORY = 2  # causal conv k=3: 2 cached frames in front of the chunk
-VARIANTS = ("v1", "v2", "v3")
+VARIANTS = ("v1", "v2", "v3", "v4")
 DEFAULT_VARIANT = None  # None: per dtype/precision from VARIANT_BY_PRECISION (set from bench/NOTES.md)
 # Measured on the H200 (bench/NOTES.md, 2026-12-01): v1 1.145 ms, v2 1.149 ms, v3 5.20 ms per step at
 # (8, 50, 400) fp16; v3's Triton TF32 dots are ~2x cuBLAS TF32 error (outside the oracle): never for tf32.
@@ -140,7 +140,7 @@ def _dit_qk_cache_kernel(
     new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,   # (N, H, T+L, 2D) new cache
     valid_ptr, cached_ptr,      # (N,) int32 clamped T_n, L_n
     T, L, H, eps,
-    HAS_OLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_F: tl.constexpr,
+    HAS_OLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_F: tl.constexpr, CUR_ONLY: tl.constexpr,
 ):
     pid_nh = tl.program_id(0)
     pid_f = tl.program_id(1)
@@ -185,7 +185,10 @@ def _dit_qk_cache_kernel(
         vv = tl.where(cm, vv, vo)
     else:
         kv = tl.where(cm, kv, 0.0)
-    nm = in_new[:, None]
+    if CUR_ONLY:  # frames [T_n, T+L) belong to another kernel (v4: the side-stream shift)
+        nm = in_cur[:, None]
+    else:
+        nm = in_new[:, None]
     n_base = new_ptr + n * s_new_n + h * s_new_h + f.to(tl.int64)[:, None] * s_new_f
     tl.store(n_base + d[None, :] * s_new_e, kv.to(new_ptr.dtype.element_ty), mask=nm)
     tl.store(n_base + (HEAD_DIM + d)[None, :] * s_new_e, vv.to(new_ptr.dtype.element_ty), mask=nm)
@@ -368,8 +371,13 @@ def rownorm(
 
 def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Tensor,
              old: Optional[torch.Tensor], new: torch.Tensor, valid: torch.Tensor, cached: torch.Tensor,
-             *, n_rows: int, t_len: int, heads: int, head_dim: int) -> None:
-    """Launch ``_dit_qk_cache_kernel``: q/k LayerNorm + the new (N, H, T+L, 2D) cache of one block."""
+             *, n_rows: int, t_len: int, heads: int, head_dim: int, current_only: bool = False) -> None:
+    """Launch ``_dit_qk_cache_kernel``: q/k LayerNorm + the new (N, H, T+L, 2D) cache of one block.
+
+    ``current_only``: write the T_n current frames of each row and nothing else (``old`` must be
+    None); frames [T_n, T+L) are then written by :func:`cache_shift`."""
+    if current_only and old is not None:
+        raise ValueError("qk_cache: current_only takes old=None (cache_shift writes the old frames)")
     l_len = 0 if old is None else old.shape[2]
     total = t_len + l_len
     if n_rows == 0 or total == 0:
@@ -383,7 +391,8 @@ def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Te
             o, o.stride(0), o.stride(1), o.stride(2), o.stride(3),
             new, new.stride(0), new.stride(1), new.stride(2), new.stride(3),
             valid, cached, t_len, l_len, heads, QK_NORM_EPS,
-            HAS_OLD=old is not None and l_len > 0, HEAD_DIM=head_dim, BLOCK_F=block_f, num_warps=4)
+            HAS_OLD=old is not None and l_len > 0, HEAD_DIM=head_dim, BLOCK_F=block_f, CUR_ONLY=current_only,
+            num_warps=4)
 
 
 def cfg_euler(x: torch.Tensor, v: torch.Tensor, staged: torch.Tensor, dt: float, cfg_rate: float) -> None:
@@ -466,6 +475,55 @@ def cache_shift(old: Optional[torch.Tensor], new: torch.Tensor, valid: torch.Ten
             HAS_OLD=o is not new, WIDTH=width, BLOCK_F=block_f, num_warps=4)
 
 
+_SIDE_STREAMS: dict = {}  # (device index, caller stream handle) -> side stream of v4's cache shift
+
+
+class _OldFramesOnSideStream:
+    """v4: frames [T_n, T+L) of every block's new cache (its L_n old frames, then zeros), one
+    :func:`cache_shift` launch per block on a side stream forked from the caller's stream at the
+    start of the step. Nothing computed in the step feeds them, so they run under the step's
+    latency-bound GEMMs; block i's attention waits only for block i's copy (:meth:`wait`), and
+    :meth:`join` puts the caller's stream behind all of them before the body returns (a proper
+    fork/join, so CUDA-graph capture records it as graph edges). Each caller stream gets its own
+    side stream. On CPU (Triton interpreter) the copies simply run first, in order.
+    """
+
+    def __init__(self, old: Optional[torch.Tensor], new: torch.Tensor, valid: torch.Tensor,
+                 cached: torch.Tensor) -> None:
+        depth = new.shape[0]
+        olds = [None if old is None or old.shape[3] == 0 else old[i:i + 1] for i in range(depth)]
+        self.events: list = []
+        self.side = None
+        if new.device.type != "cuda":
+            for i in range(depth):
+                cache_shift(olds[i], new[i:i + 1], valid, cached)
+            return
+        main = torch.cuda.current_stream(new.device)
+        key = (new.device.index, main.cuda_stream)
+        side = _SIDE_STREAMS.get(key)
+        if side is None:
+            side = torch.cuda.Stream(device=new.device)
+            if side.cuda_stream == main.cuda_stream:  # the pool wrapped onto the caller's stream
+                side = torch.cuda.Stream(device=new.device)
+            _SIDE_STREAMS[key] = side
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for i in range(depth):
+                cache_shift(olds[i], new[i:i + 1], valid, cached)
+                event = torch.cuda.Event()
+                event.record(side)
+                self.events.append(event)
+        self.side, self.main = side, main
+
+    def wait(self, block: int) -> None:
+        if self.events:
+            self.main.wait_event(self.events[block])
+
+    def join(self) -> None:
+        if self.side is not None:
+            self.main.wait_stream(self.side)
+
+
 # --------------------------------------------------------------------------------------------
 # the body driver
 # --------------------------------------------------------------------------------------------
@@ -502,6 +560,10 @@ def dit_body_triton(
     * "v3": every GEMM in Triton with the normalisations in its prologue/epilogue
       (:mod:`torch_cfm.kernels.dit_gemm`): per block QKV, attention, proj, conv 1, conv 2, fc1,
       fc2 = 7 kernels (+ 1 cache-shift kernel, in_proj and final layer per step).
+    * "v4": v1 whose q/k-norm kernel writes only the current frames; the old frames of every
+      block's new cache are copied on a side stream forked at the start of the step
+      (:class:`_OldFramesOnSideStream`), off the critical path: 12 kernels per block on the
+      caller's stream + 1 copy per block beside it.
     """
     variant = variant or choose_variant(x_in.dtype, precision)
     if variant not in VARIANTS:
@@ -535,6 +597,7 @@ def dit_body_triton(
     v2 = variant == "v2"
     if v2:
         cache_shift(att_cache, new_att, valid, cached)
+    shift = _OldFramesOnSideStream(att_cache, new_att, valid, cached) if variant == "v4" else None
 
     # staged input -> in_proj (bias added in the first boundary kernel)
     y0 = torch.matmul(x_in.transpose(1, 2), weights[0].t()).view(m, c)
@@ -548,6 +611,11 @@ def dit_body_triton(
         if v2:
             qkv_gemm_cache(a, qkv_w, qkv_b, (qn_w, qn_b, kn_w, kn_b), qbuf, new_att[i], valid, t_len=t_len,
                            heads=heads, head_dim=head_dim, precision=precision)
+        elif shift is not None:
+            torch.addmm(qkv_b, a, qkv_w.t(), out=qkv)
+            qk_cache(qkv, (qn_w, qn_b, kn_w, kn_b), qbuf, None, new_att[i], valid, cached,
+                     heads=heads, head_dim=head_dim, current_only=True, **common)
+            shift.wait(i)
         else:
             torch.addmm(qkv_b, a, qkv_w.t(), out=qkv)
             old = att_cache[i] if att_cache is not None and att_cache.shape[3] > 0 else None
@@ -589,6 +657,8 @@ def dit_body_triton(
     out_w, out_b = weights[-2], weights[-1]
     torch.baddbmm(out_b[None, :, None], out_w.expand(n_rows, -1, -1), a.view(n_rows, t_len, c).transpose(1, 2),
                   out=vel)
+    if shift is not None:
+        shift.join()
     return vel, new_cnn, new_att
 
 
