@@ -32,8 +32,9 @@ from ._launch import on_device
 CONV_HISTORY = 2  # causal conv k=3: 2 cached frames in front of the chunk
 VARIANTS = ("v1", "v2", "v3", "v4")
 DEFAULT_VARIANT = None  # None: per dtype/precision from VARIANT_BY_PRECISION (set from bench/NOTES.md)
-# Measured on the H200 (bench/NOTES.md, 2026-12-01): v1 1.145 ms, v2 1.149 ms, v3 5.20 ms per step at
-# (8, 50, 400) fp16; v3's Triton TF32 dots are ~2x cuBLAS TF32 error (outside the oracle): never for tf32.
+# Measured on the H200 (bench/NOTES.md, session 2, (8, 50, 400) fp16 per step): v1 1.123 ms (0.982 with
+# one row per rownorm program), v2 1.165, v3 3.98; v4 not measured yet. v3's Triton TF32 dots are ~2x
+# cuBLAS TF32 error (outside the oracle): never for tf32.
 VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
 
 
