@@ -529,6 +529,22 @@ class _OldFramesOnSideStream:
 # the body driver
 # --------------------------------------------------------------------------------------------
 
+def _body_sizes(x_in: torch.Tensor, weights: list[torch.Tensor]) -> tuple[int, ...]:
+    """(N, Cin, T, depth, C, H, D, H*D, MLP hidden) of one body call, from the staged input and the
+    packed weight list (layout: :mod:`torch_cfm.packing`)."""
+    n_rows, cin, t_len = x_in.shape
+    depth = (len(weights) - 4) // PER_BLOCK
+    head_dim = weights[4].shape[0]
+    inner = weights[2].shape[0] // 3
+    mlp = weights[16].shape[0] if depth else 0
+    return n_rows, cin, t_len, depth, weights[0].shape[0], inner // head_dim, head_dim, inner, mlp
+
+
+def _attention_precision(dtype: torch.dtype, precision: Optional[str]) -> str:
+    """The ``precision`` argument the body passes to ``cfm_attention``."""
+    return precision if (dtype == torch.float32 and precision in ("tf32", "ieee")) else "auto"
+
+
 def _mod_off(i: int, j: int, c: int) -> int:
     return (i * MOD_VECTORS + j) * c
 
@@ -572,17 +588,11 @@ def dit_body_triton(
     vel, new_cnn, new_att = out
     if variant == "v3":
         return _body_v3(x_in, weights, mod_table, cnn_cache, att_cache, valid, cached, precision, out)
-    n_rows, _, t_len = x_in.shape
-    depth = (len(weights) - 4) // PER_BLOCK
-    c = weights[0].shape[0]
-    head_dim = weights[4].shape[0]
-    inner = weights[2].shape[0] // 3
-    heads = inner // head_dim
-    mlp = weights[16].shape[0] if depth else 0
+    n_rows, _, t_len, depth, c, heads, head_dim, inner, mlp = _body_sizes(x_in, weights)
     m = n_rows * t_len
     cd = x_in.dtype
     dev = x_in.device
-    att_precision = precision if (cd == torch.float32 and precision in ("tf32", "ieee")) else "auto"
+    att_precision = _attention_precision(cd, precision)
     key_lengths = valid + cached
 
     h = torch.empty((m, c), dtype=torch.float32, device=dev)
@@ -668,16 +678,10 @@ def _body_v3(x_in, weights, table, cnn_cache, att_cache, valid, cached, precisio
     from .dit_gemm import fused_gemm, stat_tiles
 
     vel, new_cnn, new_att = out
-    n_rows, cin, t_len = x_in.shape
-    depth = (len(weights) - 4) // PER_BLOCK
-    c = weights[0].shape[0]
-    head_dim = weights[4].shape[0]
-    inner = weights[2].shape[0] // 3
-    heads = inner // head_dim
-    mlp = weights[16].shape[0] if depth else 0
+    n_rows, cin, t_len, depth, c, heads, head_dim, inner, mlp = _body_sizes(x_in, weights)
     m = n_rows * t_len
     cd, dev = x_in.dtype, x_in.device
-    att_precision = precision if (cd == torch.float32 and precision in ("tf32", "ieee")) else "auto"
+    att_precision = _attention_precision(cd, precision)
     key_lengths = valid + cached
     nt = stat_tiles(c)
     h = torch.empty((m, c), dtype=torch.float32, device=dev)
