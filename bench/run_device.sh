@@ -5,7 +5,10 @@
 #
 # Usage: BENCH_COMMIT=<git hash> bash bench/run_device.sh [stage ...]
 #   tests          the whole suite with CUDA (GPU-marked tests included), hypothesis "ci" profile
-#   tests-gpu      the GPU-marked tests of the ops, graphs and compile rules only (~3 min)
+#   tests-gpu      the GPU-marked tests of the ops, graphs and compile rules only (~5 min with 12
+#                  workers; GPU_TESTS="file ..." picks a subset)
+#   tests-cpu-ops  the CPU tests of the op contract and failure files on this box's build (the C++
+#                  CPU kernel's error paths with this compiler/torch pair)
 #   props          the property suite under the hypothesis "gpu" profile, with case counts
 #   memcheck       compute-sanitizer memcheck over tests/gpu_memcheck.py
 #   attention      bench/attention.py: every SPEC §7 shape, dtype and peer (one run)
@@ -19,9 +22,9 @@ OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 STAGES=("$@"); [ ${#STAGES[@]} -eq 0 ] && STAGES=(tests memcheck attention dit-full)
 PYTEST="python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 -rfE --tb=short --durations=30"
-GPU_TESTS="tests/test_cfm_attention_contract.py tests/test_failures.py tests/test_compile_rules.py tests/test_aoti.py
+GPU_TESTS=${GPU_TESTS:-"tests/test_cfm_attention_contract.py tests/test_failures.py tests/test_compile_rules.py tests/test_aoti.py
   tests/test_cfm_attention_triton.py tests/test_cfm_attention_graphs.py tests/test_cfm_attention_numerics.py
-  tests/test_dit_body.py tests/test_dit_body_graphs.py tests/test_graphs.py"
+  tests/test_dit_body.py tests/test_dit_body_graphs.py tests/test_graphs.py"}
 
 limit() { local v="LIMIT_${1//-/_}"; v=${v^^}; echo "${!v:-$2}"; }
 summary() { tail -3 "$1"; grep -E "^(FAILED|ERROR) " "$1" | head -40; }
@@ -42,6 +45,10 @@ summary() { tail -3 "$1"; grep -E "^(FAILED|ERROR) " "$1" | head -40; }
       tests-gpu)
         timeout -s INT "$(limit tests-gpu 200)" $PYTEST -m gpu $GPU_TESTS > "$OUT/tests_gpu.log" 2>&1
         summary "$OUT/tests_gpu.log" ;;
+      tests-cpu-ops)
+        timeout -s INT "$(limit tests-cpu-ops 120)" $PYTEST -m "not gpu" tests/test_cfm_attention_contract.py \
+          tests/test_failures.py > "$OUT/tests_cpu_ops.log" 2>&1
+        summary "$OUT/tests_cpu_ops.log" ;;
       props)
         HYPOTHESIS_PROFILE=gpu timeout -s INT "$(limit props 150)" $PYTEST -m gpu tests/test_properties.py \
           tests/test_properties_model.py > "$OUT/props.log" 2>&1
