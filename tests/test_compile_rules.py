@@ -728,6 +728,9 @@ class ArenaStep(torch.nn.Module):
         super().__init__()
         c, dt = model.config, model.in_proj.weight.dtype
         self.model, self.cache_len, self.clone_first = model, cache_len, clone_first
+        # decided here: inspect.getsource inside forward is a graph break, and the resumed frame's
+        # arena writes then count as mutated inputs (a cudagraph skip seen on the H200)
+        self.marks_itself = model_marks_itself(model)
         g = torch.Generator().manual_seed(5)
         self.register_buffer("att_arena", torch.randn(c.depth, n_rows, c.heads, t_len + cache_len,
                                                       2 * c.head_dim, generator=g).to("cuda", dt))
@@ -738,7 +741,7 @@ class ArenaStep(torch.nn.Module):
         cnn = self.cnn_arena
         if self.clone_first:  # the pytorch#198031 shape: read a clone of what is written below
             att, cnn = att.clone(), cnn.clone()
-        if model_marks_itself(self.model):
+        if self.marks_itself:
             out = self.model.forward_chunk(x, mu, t, spks, cond, cnn, att)
         else:
             out = self.model.forward_chunk(x, mu, t, spks, cond, cnn, att, fused=False)
