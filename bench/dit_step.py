@@ -54,6 +54,7 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from _harness import (dry_run_timer, env_info, make_row, markdown_table, provenance_footer,  # noqa: E402
                       rel_err, time_cuda_graph, time_eager, upsert_rows)
 
+import torch_cfm.compile_rules  # noqa: E402,F401  registers backend "torch_cfm" (no entry point in an in-place build)
 from torch_cfm import policy  # noqa: E402
 from torch_cfm.config import BODY_BENCH_SHAPES, DiTConfig, cosine_timesteps  # noqa: E402
 from torch_cfm.graphs import CFMGraphRunner  # noqa: E402

@@ -10,7 +10,7 @@
 #   tests-cpu-ops  the CPU tests of the op contract and failure files on this box's build (the C++
 #                  CPU kernel's error paths with this compiler/torch pair)
 #   props          the property suite under the hypothesis "gpu" profile, with case counts
-#   memcheck       compute-sanitizer memcheck over tests/gpu_memcheck.py
+#   memcheck       compute-sanitizer memcheck over tests/gpu_memcheck.py (MEMCHECK_ARGS=--quick)
 #   attention      bench/attention.py: every SPEC §7 shape, dtype and peer (one run)
 #   sweep          bench/attention.py --sweep (kernel variants)
 #   dit            bench/dit_step.py --quick (steps + the 10-step solve, peers without torch.compile)
@@ -29,8 +29,12 @@ GPU_TESTS=${GPU_TESTS:-"tests/test_cfm_attention_contract.py tests/test_failures
 limit() { local v="LIMIT_${1//-/_}"; v=${v^^}; echo "${!v:-$2}"; }
 summary() { tail -3 "$1"; grep -E "^(FAILED|ERROR) " "$1" | head -40; }
 
+# The H200 box's default CXX (/opt/gcc/bin/g++) links libstdc++ statically: the extension and the
+# AOTInductor packages built with it crash the process whenever their C++ code throws (setup.py
+# now refuses such a build). Use the system compiler, the one torch was built with (GCC 13).
+export CXX=${TORCH_CFM_CXX:-g++} CC=${TORCH_CFM_CC:-gcc}
 {
-  echo "== build"; date -u
+  echo "== build"; date -u; $CXX --version | head -1
   # pip's editable install re-runs pip with build isolation under setuptools 81 (no network there):
   # build the extension in place instead.
   python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
@@ -55,7 +59,7 @@ summary() { tail -3 "$1"; grep -E "^(FAILED|ERROR) " "$1" | head -40; }
         summary "$OUT/props.log"; sed -n '/property cases tried/,/^total/p' "$OUT/props.log" ;;
       memcheck)
         timeout "$(limit memcheck 180)" compute-sanitizer --tool memcheck --error-exitcode 3 \
-          python3 tests/gpu_memcheck.py > "$OUT/memcheck.log" 2>&1
+          python3 tests/gpu_memcheck.py ${MEMCHECK_ARGS:-} > "$OUT/memcheck.log" 2>&1
         echo "memcheck exit: $?"; tail -6 "$OUT/memcheck.log" ;;
       attention)
         timeout "$(limit attention 240)" python3 bench/attention.py --dtypes fp16,fp32-tf32,bf16,fp32-ieee \
