@@ -424,6 +424,15 @@ def run_server(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[di
                 if DEVICE == "cuda":
                     row["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - mem0 - row["arena_bytes"]
                 row["captured"] = any(e.replays for e in getattr(server.solve_fn, "_keys", {}).values())
+                if args.profile_server and DEVICE == "cuda":  # where a served chunk's time goes
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        for _ in range(2):
+                            server.solve_chunk(chunks)
+                        torch.cuda.synchronize()
+                    for key in ("self_cpu_time_total", "self_cuda_time_total"):
+                        print(prof.key_averages().table(sort_by=key, row_limit=20), flush=True)
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -541,6 +550,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time v3 tile overrides (fp16 by default)")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--profile-server", action="store_true",
+                    help="print a torch.profiler table of two steady-state CFMServer.solve_chunk calls")
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test (TRITON_INTERPRET=1, tiny model)")
     args = ap.parse_args(argv)
     cfg = DiTConfig()
@@ -575,7 +586,8 @@ def main(argv=None) -> int:
     if not args.no_solve:  # first: the whole-chunk solve is the headline number
         sdn = args.solve_dtypes.split(",") if args.solve_dtypes else dnames
         b, t, l_len = (1, 5, 4) if args.dry_run else (4, 50, 400)
-        rows += run_solve(cfg, b, t, l_len, sdn, args, env, base, n_steps=2 if args.dry_run else 10)
+        if any(p in providers for p in ("torch_cfm", "reference_eager", "reference_graph")):
+            rows += run_solve(cfg, b, t, l_len, sdn, args, env, base, n_steps=2 if args.dry_run else 10)
         if "torch_cfm/server" in providers:
             rows += run_server(cfg, b, t, 104 if args.dry_run else l_len, sdn, args, env, base,
                                n_steps=2 if args.dry_run else 10)
