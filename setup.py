@@ -7,7 +7,6 @@ installed (build isolation would download a CUDA torch of several GB).
 import glob
 import os
 import shutil
-import struct
 import sys
 
 from setuptools import setup
@@ -23,45 +22,34 @@ if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is
     sys.exit("torch_cfm: a C++ compiler (g++ or clang++) is required to build csrc/; "
              "install one (e.g. apt-get install g++) and retry.")
 
-def elf_needed(path: str) -> list[str]:
-    """DT_NEEDED entries of a 64-bit little-endian ELF shared object ([] if it is not one)."""
-    with open(path, "rb") as f:
-        data = f.read()
-    if data[:6] != b"\x7fELF\x02\x01":
-        return []
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)]
-    for sec in sections:
-        if sec[1] != 6:  # SHT_DYNAMIC; sh_link is its string table
-            continue
-        strtab_off = sections[sec[6]][4]
-        names = []
-        for off in range(sec[4], sec[4] + sec[5], 16):
-            tag, val = struct.unpack_from("<qQ", data, off)
-            if tag == 1:  # DT_NEEDED
-                end = data.index(b"\0", strtab_off + val)
-                names.append(data[strtab_off + val:end].decode())
-        return names
-    return []
+def _load_build_check():
+    """torch_cfm/_build_check.py, loaded by path (the package is not importable before its build)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_torch_cfm_build_check", os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_cfm", "_build_check.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class BuildCheckedExtension(BuildExtension):
-    """BuildExtension, then refuse an extension that carries its own copy of libstdc++.
+    """BuildExtension, then refuse an extension that does not load the shared C++ runtime.
 
-    Seen on a GPU box whose default compiler (CXX=/opt/gcc/bin/g++) links libstdc++ statically:
-    the op built fine and ran, but every C++ error it raised (TORCH_CHECK_VALUE -> ValueError)
-    crashed the process, because the exception was thrown by one C++ runtime and handled by
-    torch's. The extension must use the libstdc++ torch uses."""
+    On the H200 box the default compiler (CXX=/opt/gcc/bin/g++) linked libstdc++ statically: the
+    op built and ran, but every C++ error it raised (TORCH_CHECK_VALUE -> ValueError) crashed the
+    process, and so did loading AOTInductor packages built the same way; the system g++ (the
+    GCC torch was built with, shared libstdc++) fixed both. See torch_cfm/_build_check.py."""
 
     def build_extensions(self) -> None:
         super().build_extensions()
         if not sys.platform.startswith("linux") or os.environ.get("TORCH_CFM_ALLOW_STATIC_LIBSTDCXX") == "1":
             return
+        check = _load_build_check()
         for ext in self.extensions:
             path = self.get_ext_fullpath(ext.name)
-            needed = elf_needed(path)
-            if needed and not any(n.startswith("libstdc++") or n.startswith("libc++") for n in needed):
+            needed = check.elf_needed(path)
+            if needed and not check.loads_cxx_runtime(needed):
                 os.remove(path)
                 sys.exit(f"torch_cfm: {path} does not load libstdc++ dynamically (needs {needed}): the compiler "
                          f"({os.environ.get('CXX', 'c++')}) links the C++ runtime statically, and C++ errors "
