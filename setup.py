@@ -22,6 +22,7 @@ if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is
     sys.exit("torch_cfm: a C++ compiler (g++ or clang++) is required to build csrc/; "
              "install one (e.g. apt-get install g++) and retry.")
 
+
 def _load_build_check():
     """torch_cfm/_build_check.py, loaded by path (the package is not importable before its build)."""
     import importlib.util
