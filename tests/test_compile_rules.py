@@ -814,27 +814,39 @@ def test_gpu_linear_before_attention_on_a_side_stream(mode):
         assert_within_oracle(out.cpu(), same.cpu(), ref64, "attention after linear")
 
 
-@pytest.mark.gpu
-def test_gpu_compiled_step_close_to_calling_the_fused_path():
-    """Loose timing guard, eager launches (the 5 % target is the CUDA-graph row "torch_cfm/compiled"
-    vs "torch_cfm/hook" of bench/dit_step.py): compiled vs direct call."""
+def compiled_and_direct_step():
+    """(config, direct, compiled, args) of the timing tests: a depth-4 fp16 step at (8,50,400),
+    called directly on the fused path and through torch.compile(backend="torch_cfm")."""
     from torch_cfm.ops.dit_body import dit_forward_chunk_fused
 
     config = DiTConfig(depth=4)
     model = gpu_model(torch.float16, config)
     args = step_inputs(config, n_rows=8, t_len=50, cache_len=400, ragged=False, dtype=torch.float16, device="cuda")
-    compiled = torch.compile(make_step(model), backend="torch_cfm")
 
     def direct(*a):
         return dit_forward_chunk_fused(model, *a[:7])
 
+    return config, direct, torch.compile(make_step(model), backend="torch_cfm"), args
+
+
+def elapsed_ms(run) -> float:
+    """GPU ms of one ``run()`` between two events (waits for it)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_step_close_to_calling_the_fused_path():
+    """Loose timing guard, eager launches (the 5 % target is the CUDA-graph row "torch_cfm/compiled"
+    vs "torch_cfm/hook" of bench/dit_step.py): compiled vs direct call."""
+    config, direct, compiled, args = compiled_and_direct_step()
+
     def one_ms(fn):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*args)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end)
+        return elapsed_ms(lambda: fn(*args))
 
     from torch_cfm.compile_rules import markers
 
@@ -878,12 +890,7 @@ def test_gpu_compiled_step_within_5_percent_in_a_cuda_graph():
     """Issue 5's target, timed as served (each path captured in a CUDA graph, so host overhead
     is out): the torch.compile(backend="torch_cfm") step vs the fused path called directly.
     Measured with bench/dit_step.py on the H200 at depth 16: -2 % to +0.5 %."""
-    from torch_cfm.ops.dit_body import dit_forward_chunk_fused
-
-    config = DiTConfig(depth=4)
-    model = gpu_model(torch.float16, config)
-    args = step_inputs(config, n_rows=8, t_len=50, cache_len=400, ragged=False, dtype=torch.float16, device="cuda")
-    compiled = torch.compile(make_step(model), backend="torch_cfm")
+    config, direct, compiled, args = compiled_and_direct_step()
 
     def capture(fn):
         side = torch.cuda.Stream()
@@ -898,15 +905,10 @@ def test_gpu_compiled_step_within_5_percent_in_a_cuda_graph():
         return graph
 
     def one_ms(graph):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
+        return elapsed_ms(graph.replay)
 
     with torch.no_grad():
-        g_direct = capture(lambda *a: dit_forward_chunk_fused(model, *a[:7]))
+        g_direct = capture(direct)
         g_compiled = capture(compiled)
     for _ in range(3):
         g_direct.replay()
