@@ -250,6 +250,29 @@ def test_gpu_server_ragged_batch_equals_solo(dtype):
         assert err_rel_fro(att.float().cpu(), solos[rid].att.float().cpu()) < bound, rid
 
 
+@pytest.mark.gpu
+def test_gpu_steady_state_solve_chunk_never_syncs():
+    """A served chunk (graph replay + staging + output copies) must not make the host wait for the
+    GPU: a pageable lengths copy did (one stream sync per chunk, seen in the H200 profile)."""
+    cfm = StreamingCFM(DiT(DiTConfig(hidden=64, depth=2, heads=4, head_dim=16)).random_init_(0).to("cuda", torch.float16),
+                       n_timesteps=3)
+    server = CFMServer(cfm, max_requests=2, max_prompt_frames=8, max_chunk_frames=16, chunk_buckets=(16,),
+                       cache_buckets=(128,), device=torch.device("cuda"), dtype=torch.float16, graphs=True)
+    g = torch.Generator().manual_seed(9)
+    for rid in ("a", "b"):
+        server.open_request(rid, torch.randn(80, generator=g).cuda(), prompt_len=8)
+    chunks = {"a": torch.randn(80, 16, generator=g).cuda(), "b": torch.randn(80, 11, generator=g).cuda()}
+    for _ in range(3):  # eager warm-up, capture, first replay
+        server.solve_chunk(chunks)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [server.solve_chunk(chunks) for _ in range(2)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(o[rid]).all() for o in outs for rid in chunks)
+
+
 def test_graphs_option_installs_the_graph_solver_and_matches_eager():
     """CFMServer(graphs=True) swaps in the CUDA-graph solver (eager on CPU): same mel, bitwise."""
     from torch_cfm.graphs import ArenaGraphSolver

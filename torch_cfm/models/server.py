@@ -224,12 +224,12 @@ class CFMServer:
                 arena.cond[req.slot, :, :t_n].zero_()
             else:
                 arena.cond[req.slot, :, :t_n].copy_(cond)
-        arena.valid_lengths.copy_(torch.tensor(lengths, dtype=torch.int32))
+        arena.valid_lengths.copy_(self._host_values(lengths, torch.int32), non_blocking=True)
         # Only the requests of this chunk are solved (compacted) unless every slot is busy.
         slots = self._solve_slots(arena, sorted(req.slot for _, req, _, _ in items))
         slot_index = None
         if len(slots) < arena.rows:
-            slot_index = torch.tensor(slots, dtype=torch.int64).to(self.device)
+            slot_index = self._host_values(slots, torch.int64).to(self.device, non_blocking=True)
         # Every solved slot (idle padding included) must fit in the cache window.
         held = {r.slot: r.cache_len for r in self._requests.values() if r.bucket == bucket}
         longest_cache = max(held.get(slot, 0) for slot in slots)
@@ -249,6 +249,14 @@ class CFMServer:
         return result
 
     # ------------------------------------------------------------------ helpers
+    def _host_values(self, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor to copy to the device without a host sync: pinned on CUDA (a copy from
+        pageable memory makes the host wait for the stream, i.e. for the previous chunk's solve,
+        so the next graph launch could not overlap it). The caching host allocator keeps the
+        pinned block until the asynchronous copy has run."""
+        host = torch.tensor(values, dtype=dtype)
+        return host.pin_memory() if self.device.type == "cuda" else host
+
     def _solve_slots(self, arena: CacheArena, active: list[int]) -> list[int]:
         """The slots one solve covers: the active ones, padded with idle slots (0 frames this
         chunk, caches unchanged) up to a ``slot_buckets`` size so solve shapes repeat."""
