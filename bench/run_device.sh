@@ -15,6 +15,8 @@
 #   sweep          bench/attention.py --sweep (kernel variants)
 #   dit            bench/dit_step.py --quick (steps + the 10-step solve, peers without torch.compile)
 #   dit-full       bench/dit_step.py (every shape/dtype, torch.compile peer included: long)
+#   ncu-attention  Nsight Compute (full set, SASS source counters) of the attention kernel at
+#                  (8,50,450) fp16 and fp32-tf32 (bench/profile_attention.py), when ncu exists
 # Default: tests memcheck attention dit-full. The device copy has no .git: pass BENCH_COMMIT.
 # Each stage has its own time limit (LIMIT_<STAGE> seconds, e.g. LIMIT_TESTS=400).
 set -uo pipefail
@@ -73,6 +75,20 @@ export CXX=${TORCH_CFM_CXX:-g++} CC=${TORCH_CFM_CC:-gcc}
       dit-full)
         timeout "$(limit dit-full 1500)" python3 bench/dit_step.py --out "$OUT" > "$OUT/dit.log" 2>&1
         grep -E "^(dit_step|solve)" "$OUT/dit.log" | tail -60 ;;
+      ncu-attention)
+        NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+        if [ -z "$NCU" ]; then echo "no ncu on this machine"; continue; fi
+        for d in fp16 fp32-tf32; do
+          timeout "$(limit ncu-attention 120)" "$NCU" --clock-control none -k regex:_cfm_attention_fwd --launch-skip 3 --launch-count 1 \
+            --set full --import-source yes -f -o "$OUT/ncu_attention_$d" \
+            python3 bench/profile_attention.py --shape 8,50,450 --dtype $d > "$OUT/ncu_run_$d.txt" 2>&1
+          tail -3 "$OUT/ncu_run_$d.txt"
+          "$NCU" -i "$OUT/ncu_attention_$d.ncu-rep" --page details > "$OUT/ncu_attention_${d}_details.txt" 2>&1
+          "$NCU" -i "$OUT/ncu_attention_$d.ncu-rep" --page source --csv --print-source sass \
+            > "$OUT/ncu_attention_${d}_sass.txt" 2>&1
+          grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy" "$OUT/ncu_attention_${d}_details.txt" | head -8
+          rm -f "$OUT/ncu_attention_$d.ncu-rep"  # the text exports come back (results.tgz); the report is large
+        done ;;
       *) echo "unknown stage $stage" ;;
     esac
   done
