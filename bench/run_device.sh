@@ -12,7 +12,7 @@
 #   props          the property suite under the hypothesis "gpu" profile, with case counts
 #   memcheck       compute-sanitizer memcheck over tests/gpu_memcheck.py (MEMCHECK_ARGS=--quick)
 #   attention      bench/attention.py: every SPEC §7 shape, dtype and peer (one run)
-#   sweep          bench/attention.py --sweep (kernel variants)
+#   sweep          bench/attention.py --sweep (kernel variants; SWEEP_ARGS adds e.g. "--shapes 8,50,450")
 #   dit            bench/dit_step.py --quick (steps + the 10-step solve, peers without torch.compile)
 #   dit-full       bench/dit_step.py (every shape/dtype, torch.compile peer included: long)
 #   ncu-attention  Nsight Compute (full set, SASS source counters) of the attention kernel at
@@ -67,7 +67,7 @@ export CXX=${TORCH_CFM_CXX:-g++} CC=${TORCH_CFM_CC:-gcc}
         timeout "$(limit attention 240)" python3 bench/attention.py --dtypes fp16,fp32-tf32,bf16,fp32-ieee \
           --repeats 20 --out "$OUT" > "$OUT/attention.log" 2>&1; tail -40 "$OUT/attention.log" ;;
       sweep)
-        timeout "$(limit sweep 120)" python3 bench/attention.py --sweep --sweep-repeats 20 --out "$OUT" \
+        timeout "$(limit sweep 120)" python3 bench/attention.py --sweep --sweep-repeats 20 ${SWEEP_ARGS:-} --out "$OUT" \
           > "$OUT/sweep.log" 2>&1; tail -12 "$OUT/sweep.log" ;;
       dit)
         timeout "$(limit dit 180)" python3 bench/dit_step.py --quick --out "$OUT" > "$OUT/dit.log" 2>&1
