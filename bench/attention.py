@@ -199,14 +199,12 @@ def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
     """Kernel variants the sweep times (runs 1-3's grids and results: bench/NOTES_attention.md)."""
     from torch_cfm.kernels.cfm_attention import AttentionConfig as C
 
-    if dtype != torch.float32:  # run 5: the first key tile in flight before the length, tail in an if
-        return [C(64, 64, 1, 4, 3, pdl=False), C(64, 64, 1, 4, 3, pdl=True),
-                C(64, 64, 1, 4, 3, early_tile=True), C(64, 64, 1, 4, 3, tail_if=True),
-                C(64, 64, 1, 4, 3, early_tile=True, tail_if=True), C(64, 64, 1, 4, 2, early_tile=True, tail_if=True)]
+    if dtype != torch.float32:
+        return [C(64, 64, 1, 4, 3, pdl=False), C(64, 64, 1, 4, 3, pdl=True), C(64, 64, 1, 4, 2, pdl=True),
+                C(64, 64, 2, 4, 3, pdl=True), C(64, 128, 1, 4, 3, pdl=True)]
     if precision == "tf32":
-        return [C(32, 64, 1, 4, 3, pdl=False), C(32, 64, 1, 4, 3, pdl=True), C(32, 64, 1, 4, 2, peel=False),
-                C(32, 64, 1, 4, 3, early_tile=True), C(32, 64, 1, 4, 3, tail_if=True),
-                C(32, 64, 1, 4, 3, early_tile=True, tail_if=True), C(16, 64, 1, 4, 3, early_tile=True, tail_if=True)]
+        return [C(32, 64, 1, 4, 3, pdl=False), C(32, 64, 1, 4, 3, pdl=True), C(32, 64, 1, 4, 2, pdl=True),
+                C(32, 64, 1, 4, 2, peel=False), C(16, 64, 1, 4, 2, pdl=True), C(32, 64, 2, 4, 3, pdl=True)]
     return [C(32, 64, 1, 4, 2, pdl=False), C(32, 64, 1, 4, 2, pdl=True), C(16, 64, 1, 4, 2)]
 
 

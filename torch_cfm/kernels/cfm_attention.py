@@ -58,11 +58,6 @@ class AttentionConfig:
         pdl: programmatic dependent launch (SM90+): the kernel is scheduled while its predecessor
             in the stream still runs and waits (``griddepcontrol.wait``) before its first memory
             access. None = :func:`use_pdl` (on for grids of at most one program per SM).
-        early_tile: issue the loads of the first key tile before the row's key length arrives
-            (one dependent global-memory round trip less before the first ``tl.dot``); the tile
-            is masked to the length once it is known. Ignored when splits > 1.
-        tail_if: take the masked tail tile in an ``if`` instead of a one-trip loop (the
-            software pipeliner gives the loop a prologue of predicated loads and barriers).
     """
 
     block_q: int
@@ -73,14 +68,11 @@ class AttentionConfig:
     peel: bool = True
     ieee_dot: str = "tf32x3"
     pdl: Optional[bool] = None
-    early_tile: bool = False
-    tail_if: bool = False
 
     @property
     def name(self) -> str:
         extra = ("" if self.peel else "_nopeel") + ("" if self.ieee_dot == "tf32x3" else "_fma")
         extra += "" if self.pdl is None else ("_pdl" if self.pdl else "_nopdl")
-        extra += ("_early" if self.early_tile else "") + ("_tailif" if self.tail_if else "")
         return f"q{self.block_q}_k{self.block_k}_s{self.splits}_w{self.num_warps}_st{self.num_stages}{extra}"
 
 
@@ -131,36 +123,6 @@ def _cfm_attention_fwd_inner(
     return m_new, l_i, acc
 
 
-@triton.jit
-def _cfm_attention_preloaded_tile(
-    q, m_i, l_i, acc, kt, v, offs_k, k_end,
-    m_base, offs_q, q_ok, stride_m_q, stride_m_k, qk_scale,
-    HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """The online-softmax update of :func:`_cfm_attention_fwd_inner` for a key tile whose K/V
-    were loaded before ``k_end`` was known (zero-filled only beyond the padded key count).
-
-    Keys ``>= k_end`` are masked out of the scores, and their V rows are zeroed: padding frames
-    may hold anything (NaN included), and ``0 · NaN`` in ``p·v`` would leak it into the output.
-    """
-    k_ok = offs_k < k_end
-    s = tl.dot(q, kt, input_precision=DOT_PRECISION)
-    if HAS_MASK:
-        keep = q_ok[:, None] & k_ok[None, :]
-        mk = tl.load(m_base + offs_q[:, None] * stride_m_q + offs_k[None, :] * stride_m_k, mask=keep, other=0)
-        s = tl.where(mk != 0, s, float("-inf"))
-    else:
-        s = tl.where(k_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s * qk_scale - m_ref[:, None])
-    alpha = tl.math.exp2(m_i - m_ref)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.where(k_ok[:, None], v, 0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
 # Scalars that vary per call and gain nothing from Triton's "== 1" / "% 16" specialisation: leaving
 # them unspecialised keeps one compiled variant per tile config across shapes. n_splits stays
 # specialised so that splits == 1 compiles the direct-store path only.
@@ -186,7 +148,6 @@ def _cfm_attention_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PEEL: tl.constexpr, USE_PDL: tl.constexpr,
-    EARLY_TILE: tl.constexpr, TAIL_IF: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # programmatic dependent launch: wait for the previous kernel first
     # program -> (row·head, query tile, split); splits of one tile are adjacent
@@ -198,35 +159,29 @@ def _cfm_attention_fwd_kernel(
     n = nh // n_heads
     h = nh % n_heads
 
-    if HAS_ROWS:
-        row = tl.load(rows_ptr + n)
-        row = tl.minimum(tl.maximum(row, 0), n_pool - 1)
-    else:
-        row = n
-    offs_q = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_kb = tl.arange(0, BLOCK_K)
-    q_ok = offs_q < q_len
-    k_base = k_ptr + row.to(tl.int64) * stride_k_n + h.to(tl.int64) * stride_k_h
-    v_base = v_ptr + row.to(tl.int64) * stride_v_n + h.to(tl.int64) * stride_v_h
-    if EARLY_TILE:  # keys [0, BLOCK_K): in flight while the key length is still being loaded
-        in_k = offs_kb < k_len
-        kt0 = tl.load(k_base + offs_kb[None, :] * stride_k_k + offs_d[:, None] * stride_k_d,
-                      mask=in_k[None, :], other=0.0)
-        v0 = tl.load(v_base + offs_kb[:, None] * stride_v_k + offs_d[None, :] * stride_v_d,
-                     mask=in_k[:, None], other=0.0)
-
     if HAS_LENGTHS:
         length = tl.load(lengths_ptr + n)
         length = tl.minimum(tl.maximum(length, 0), k_len)
     else:
         length = k_len
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + n)
+        row = tl.minimum(tl.maximum(row, 0), n_pool - 1)
+    else:
+        row = n
     # this split's keys: an even share of the row's valid keys, rounded up to whole tiles
     chunk = tl.cdiv(tl.cdiv(length, n_splits), BLOCK_K) * BLOCK_K
     k_start = split * chunk
     k_end = tl.minimum(k_start + chunk, length)
 
+    offs_q = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_kb = tl.arange(0, BLOCK_K)
+    q_ok = offs_q < q_len
+
     q_base = q_ptr + n.to(tl.int64) * stride_q_n + h.to(tl.int64) * stride_q_h
+    k_base = k_ptr + row.to(tl.int64) * stride_k_n + h.to(tl.int64) * stride_k_h
+    v_base = v_ptr + row.to(tl.int64) * stride_v_n + h.to(tl.int64) * stride_v_h
     m_base = mask_ptr + n.to(tl.int64) * stride_m_n
 
     # q stays resident for the whole key walk
@@ -237,12 +192,6 @@ def _cfm_attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)  # running sum of 2^(s·scale - m_i)
     acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
 
-    if EARLY_TILE:  # the launcher sets it only with one split: k_start == 0
-        m_i, l_i, acc = _cfm_attention_preloaded_tile(
-            q, m_i, l_i, acc, kt0, v0, offs_kb, k_end, m_base, offs_q, q_ok, stride_m_q, stride_m_k,
-            qk_scale, HAS_MASK, DOT_PRECISION)
-        k_start = tl.minimum(BLOCK_K, k_end)
-
     if PEEL:
         # whole tiles without bound tests, then at most one masked tail tile
         k_mid = k_start + ((k_end - k_start) // BLOCK_K) * BLOCK_K
@@ -251,18 +200,11 @@ def _cfm_attention_fwd_kernel(
                 q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
                 stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
                 HAS_MASK, False, DOT_PRECISION)
-        if TAIL_IF:
-            if k_mid < k_end:
-                m_i, l_i, acc = _cfm_attention_fwd_inner(
-                    q, m_i, l_i, acc, k_mid, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
-                    stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
-                    HAS_MASK, True, DOT_PRECISION)
-        else:
-            for k0 in range(k_mid, k_end, BLOCK_K):
-                m_i, l_i, acc = _cfm_attention_fwd_inner(
-                    q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
-                    stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
-                    HAS_MASK, True, DOT_PRECISION)
+        for k0 in range(k_mid, k_end, BLOCK_K):
+            m_i, l_i, acc = _cfm_attention_fwd_inner(
+                q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
+                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
+                HAS_MASK, True, DOT_PRECISION)
     else:
         for k0 in range(k_start, k_end, BLOCK_K):
             m_i, l_i, acc = _cfm_attention_fwd_inner(
@@ -469,7 +411,6 @@ def cfm_attention_triton(
             HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_K=block_k,
             HAS_LENGTHS=key_lengths is not None, HAS_MASK=mask is not None, HAS_ROWS=kv_rows is not None,
             DOT_PRECISION=dot_precision, PEEL=config.peel, USE_PDL=pdl,
-            EARLY_TILE=config.early_tile and splits == 1, TAIL_IF=config.tail_if and config.peel,
             num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(pdl),
         )
         if splits > 1:
