@@ -160,8 +160,8 @@ def tf32_ctx(dtype: torch.dtype, precision: Optional[str]):
     return contextlib.nullcontext
 
 
-def step_providers(model, model_dtype, inp, dname, precision):
-    """(provider, variant, fn returning the velocity)."""
+def step_providers(model, model_dtype, inp, dname, precision, variants=VARIANTS):
+    """(provider, variant, fn returning the velocity); ``variants``: the non-default bodies timed."""
     dtype = model_dtype
     fns = []
     packed = packed_for(model, dtype, torch.device(DEVICE))
@@ -185,7 +185,7 @@ def step_providers(model, model_dtype, inp, dname, precision):
 
     default = choose_variant(dtype, precision)
     fns += [("torch_cfm", "", fused())]
-    fns += [("torch_cfm", v, fused(v)) for v in VARIANTS if v != default]
+    fns += [("torch_cfm", v, fused(v)) for v in VARIANTS if v != default and v in variants]
     def compiled():
         step = torch.compile(lambda *a: model.forward_chunk(*a), backend="torch_cfm")  # rules decide
         args = (inp["x"], inp["mu"], inp["t"], inp["spks"], inp["cond"], inp["cnn"], inp["att"])
@@ -224,7 +224,7 @@ def run_steps(cfg, shapes, dnames, providers, args, env, base) -> list[dict]:
             ctx = tf32_ctx(dtype, precision)
             shape = {"N": n, "T": t, "L": l_len}
             fl = floor_us(cfg, n, t, l_len, dname, torch.finfo(dtype).bits // 8)
-            fns = [f for f in step_providers(model, dtype, inp, dname, precision)
+            fns = [f for f in step_providers(model, dtype, inp, dname, precision, args.variants)
                    if _provider_name(*f[:2]) in providers]
             if ("torch_compile_graph" in providers and not args.quick
                     and (args.compile_all or ((n, t, l_len) in COMPILE_SHAPES and dname in COMPILE_DTYPES))):
@@ -548,12 +548,15 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-all", action="store_true",
                     help="torch_compile_graph at every shape/dtype (default: SPEC §7 anchor shapes, fp16/fp32-tf32)")
     ap.add_argument("--sweep", action="store_true", help="also time v3 tile overrides (fp16 by default)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="fused-body variants timed besides the default one (comma list, or 'none')")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--profile-server", action="store_true",
                     help="print a torch.profiler table of two steady-state CFMServer.solve_chunk calls")
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test (TRITON_INTERPRET=1, tiny model)")
     args = ap.parse_args(argv)
+    args.variants = () if args.variants == "none" else tuple(v for v in args.variants.split(",") if v)
     cfg = DiTConfig()
     if args.dry_run:
         _enable_dry_run()

@@ -14,7 +14,10 @@
 #   attention      bench/attention.py: every SPEC §7 shape, dtype and peer (one run)
 #   sweep          bench/attention.py --sweep (kernel variants; SWEEP_ARGS adds e.g. "--shapes 8,50,450")
 #   dit            bench/dit_step.py --quick (steps + the 10-step solve, peers without torch.compile)
-#   dit-full       bench/dit_step.py (every shape/dtype, torch.compile peer included: long)
+#   dit-full       bench/dit_step.py (every shape/dtype, torch.compile peer included: long;
+#                  DIT_ARGS narrows it, e.g. "--no-solve --variants none --providers torch_cfm")
+#   dit-compile    the torch.compile max-autotune peer at (8,50,400) fp16 with torch_cfm and the
+#                  reference graph in the same run (~3 min of compilation)
 #   ncu-attention  Nsight Compute (full set, SASS source counters) of the attention kernel at
 #                  (8,50,450) fp16 and fp32-tf32 (bench/profile_attention.py), when ncu exists
 # Default: tests memcheck attention dit-full. The device copy has no .git: pass BENCH_COMMIT.
@@ -73,8 +76,13 @@ export CXX=${TORCH_CFM_CXX:-g++} CC=${TORCH_CFM_CC:-gcc}
         timeout "$(limit dit 180)" python3 bench/dit_step.py --quick --out "$OUT" > "$OUT/dit.log" 2>&1
         grep -E "^(dit_step|solve)" "$OUT/dit.log" | tail -40 ;;
       dit-full)
-        timeout "$(limit dit-full 1500)" python3 bench/dit_step.py --out "$OUT" > "$OUT/dit.log" 2>&1
+        timeout "$(limit dit-full 1500)" python3 bench/dit_step.py ${DIT_ARGS:-} --out "$OUT" > "$OUT/dit.log" 2>&1
         grep -E "^(dit_step|solve)" "$OUT/dit.log" | tail -60 ;;
+      dit-compile)
+        timeout "$(limit dit-compile 300)" python3 bench/dit_step.py --shapes 8,50,400 --dtypes fp16 --no-solve \
+          --variants none --providers torch_cfm,reference_graph,torch_compile_graph --out "$OUT" \
+          > "$OUT/dit_compile.log" 2>&1
+        grep -E "^dit_step" "$OUT/dit_compile.log" ;;
       ncu-attention)
         NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
         if [ -z "$NCU" ]; then echo "no ncu on this machine"; continue; fi
