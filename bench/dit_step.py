@@ -357,13 +357,16 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dic
         common = dict(op="cfm_solve_chunk", shape=shape, dtype=dname.split("-")[0], precision=precision,
                       floor_us=round(fl, 2))
         default = choose_variant(dtype, precision)
-        for variant in [default] + [v for v in VARIANTS if v != default]:
+        runner_variants = [default] + [v for v in VARIANTS if v != default and v in args.variants]
+        for variant in runner_variants if "torch_cfm" in args.provider_set else []:
             rows.append(_row(env, **solve_fused_row(model, dtype, precision, variant, b, t, l_len, n_steps,
                                                          (mu2, spks2, cond2, x0d, cnnd, attd), mel64, common, args)))
         def ref():
             return reference_solve(model, mu2, spks2, cond2, x0d, cnnd, attd, n_steps)
 
         for prov, timing in (("reference_eager", "eager"), ("reference_graph", "cuda_graph")):
+            if prov not in args.provider_set:
+                continue
             row = dict(common, provider=prov, variant="", timing=timing)
             try:
                 with torch.no_grad():
@@ -426,6 +429,16 @@ def run_server(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[di
                 row["captured"] = any(e.replays for e in getattr(server.solve_fn, "_keys", {}).values())
                 if args.profile_server and DEVICE == "cuda":  # where a served chunk's time goes
                     from torch.profiler import ProfilerActivity, profile
+
+                    host = []
+                    for _ in range(5):  # host time of one call (no sync inside: the GPU runs behind)
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        server.solve_chunk(chunks)
+                        host.append((time.perf_counter() - t0) * 1e6)
+                    torch.cuda.synchronize()
+                    row["host_us_p50"] = round(sorted(host)[len(host) // 2], 1)
+                    print(f"server.solve_chunk host time per call (no sync), p50: {row['host_us_p50']} us", flush=True)
 
                     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                         for _ in range(2):
@@ -581,6 +594,7 @@ def main(argv=None) -> int:
         dnames = args.dtypes.split(",")
     if args.providers:
         providers = args.providers.split(",")
+    args.provider_set = frozenset(providers)
     env = env_info()
     command = "python3 " + shlex.join([os.path.relpath(__file__)] + list(argv if argv is not None else sys.argv[1:]))
     t0 = time.time()
