@@ -239,15 +239,19 @@ def test_gpu_server_ragged_batch_equals_solo(dtype):
         server.open_request(rid, spks, prompt_mu=mu_p)
         solos[rid] = Solo(cfm, spks.to("cuda", dtype), prompt)
         solos[rid].chunk(mu_p.to("cuda", dtype))
-        chunks[rid] = torch.randn(80, t_len, generator=g)
-    outs = server.solve_chunk(chunks)
+        chunks[rid] = t_len
     bound = 2e-2 if dtype == torch.float16 else 6e-2
-    for rid, mu in chunks.items():
-        solo = solos[rid].chunk(mu.to("cuda", dtype))
-        assert torch.isfinite(outs[rid]).all()
-        assert err_rel_fro(outs[rid].float().cpu(), solo.float().cpu()) < bound, rid
-        cnn, att = server.request_caches(rid)
-        assert err_rel_fro(att.float().cpu(), solos[rid].att.float().cpu()) < bound, rid
+    for _ in range(3):  # chunk 2 trims "b" (12 + 100 < 124 frames), chunk 3 trims "a" too
+        mus = {rid: torch.randn(80, t_len, generator=g) for rid, t_len in chunks.items()}
+        outs = server.solve_chunk(mus)
+        for rid, mu in mus.items():
+            solo = solos[rid].chunk(mu.to("cuda", dtype))
+            assert torch.isfinite(outs[rid]).all()
+            assert err_rel_fro(outs[rid].float().cpu(), solo.float().cpu()) < bound, rid
+            cnn, att = server.request_caches(rid)
+            assert att.shape == solos[rid].att.shape, rid
+            assert err_rel_fro(att.float().cpu(), solos[rid].att.float().cpu()) < bound, rid
+    assert server.cache_length("a") == 130 and server.cache_length("b") == 112
 
 
 @pytest.mark.gpu

@@ -118,21 +118,27 @@ def solve_arena_chunk(
     cl2 = torch.cat([cl, cl]).to(torch.int32)
 
     index, new_lengths = trim_gather_index(vl + cl, prompt, width, t_len + cache_frames, keep_oldest)
-    # The trim moves at most keep_oldest frames per row (output frames [P, P + keep) of a row due
-    # for a trim); every other output frame j reads frame j. So each step copies the first
-    # `width` frames straight and re-gathers only that window in place, instead of gathering the
-    # whole cache (measured on the H200: 193 µs per step for the full gather at B = 4, fp16).
-    # Window positions past the width are clamped: duplicates then carry identical (dst, src)
-    # pairs, so the scatter stays deterministic.
-    _, depth, _, heads, _, two_d = att.shape
-    window = min(keep_oldest, width)
-    dst = (prompt.to(torch.int64)[:, None] + torch.arange(window, device=mu.device)[None]).clamp(max=width - 1)
-    src = index.gather(1, dst)
+    # Write-back of each step's new attention cache, trimmed. CUDA: one Triton kernel reads the
+    # frames the index names and writes them into the arena (kernels/cache_trim.py). Elsewhere:
+    # the trim moves at most keep_oldest frames per row (output frames [P, P + keep) of a row due
+    # for a trim) and every other output frame j reads frame j, so the first `width` frames are
+    # copied straight and only that window is re-gathered in place. Both agree on every valid
+    # frame; they may differ in padding frames (never read). Window positions past the width are
+    # clamped: duplicates then carry identical (dst, src) pairs, so the scatter is deterministic.
+    use_kernel = att.device.type == "cuda" and att.stride(-1) == 1
+    if use_kernel:
+        from ..kernels.cache_trim import trim_copy_into
+    else:
+        _, depth, _, heads, _, two_d = att.shape
+        window = min(keep_oldest, width)
+        dst = (prompt.to(torch.int64)[:, None] + torch.arange(window, device=mu.device)[None]).clamp(max=width - 1)
+        src = index.gather(1, dst)
 
-    def per_row(ix: torch.Tensor) -> torch.Tensor:  # (n_rows, window) -> the cache's 5-D layout
-        return torch.cat([ix, ix]).view(1, 2 * n_rows, 1, window, 1).expand(depth, 2 * n_rows, heads, window, two_d)
+        def per_row(ix: torch.Tensor) -> torch.Tensor:  # (n_rows, window) -> the cache's 5-D layout
+            return torch.cat([ix, ix]).view(1, 2 * n_rows, 1, window, 1).expand(
+                depth, 2 * n_rows, heads, window, two_d)
 
-    dst, src = per_row(dst), per_row(src)
+        dst, src = per_row(dst), per_row(src)
 
     for i in range(n_timesteps):
         t = torch.full((2 * n_rows,), ts[i], device=mu.device, dtype=dtype)
@@ -145,14 +151,19 @@ def solve_arena_chunk(
             valid_lengths=vl2, cache_lengths=cl2, fused=fused)
         v = (1.0 + cfg_rate) * v[:n_rows] - cfg_rate * v[n_rows:]
         x = x + (ts[i + 1] - ts[i]) * v.to(dtype)
-        new_att.scatter_(3, dst, torch.gather(new_att, 3, src))  # the estimator's own new tensor
-        kept = new_att[:, :, :, :width]
         if slots is None:
             cnn[i].copy_(new_cnn)
-            att[i][:, :, :, :width].copy_(kept)
         else:
             cnn[i].index_copy_(1, rows, new_cnn.to(cnn.dtype))
-            att[i][:, :, :, :width].index_copy_(1, rows, kept.to(att.dtype))
+        if use_kernel:
+            trim_copy_into(att[i], new_att.contiguous(), index, None if slots is None else rows)
+        else:
+            new_att.scatter_(3, dst, torch.gather(new_att, 3, src))  # the estimator's own new tensor
+            kept = new_att[:, :, :, :width]
+            if slots is None:
+                att[i][:, :, :, :width].copy_(kept)
+            else:
+                att[i][:, :, :, :width].index_copy_(1, rows, kept.to(att.dtype))
     if slots is None:
         out_mel.copy_(x)
         cache_lengths.copy_(new_lengths)

@@ -1,0 +1,132 @@
+"""The server's trimmed cache write-back kernel (``torch_cfm.kernels.cache_trim``).
+
+Oracle: ``trim_copy_reference`` (a full ``torch.gather`` then a copy / ``index_copy_``). The kernel
+only moves values, so it must match bitwise. CPU: the Triton interpreter in a child process (the
+same pattern as test_cfm_attention_triton.py: ``TRITON_INTERPRET`` is read when a kernel is
+decorated). CUDA (gpu marker): the compiled kernel, graph capture/replay and no host sync.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torch_cfm.kernels.cache_trim import trim_copy_into, trim_copy_reference
+from torch_cfm.models.cache import trim_gather_index
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_HERE)
+
+# name, depth, requests n, heads, src frames Fs, arena frames M, width W, 2D, dtype, compacted rows
+CASES = [
+    ("trim-some-rows", 2, 3, 2, 40, 48, 40, 16, torch.float16, False),
+    ("width-below-arena", 3, 2, 2, 30, 64, 25, 32, torch.float32, False),
+    ("compacted-rows", 2, 2, 3, 21, 21, 21, 16, torch.bfloat16, True),
+    ("one-frame", 1, 1, 1, 1, 4, 1, 16, torch.float16, False),
+    ("width-not-tile-multiple", 2, 4, 1, 37, 37, 37, 64, torch.float32, True),
+]
+
+
+def make_case(case, device="cpu"):
+    """(dst, src, index, dst_rows) for a case: a realistic trim index (some rows due for a trim,
+    some clamped past their length) and fresh random cache values (never zeros)."""
+    name, depth, n_req, heads, fs, m, width, two_d, dtype, compact = case
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    rows = 2 * n_req
+    src = torch.randn(depth, rows, heads, fs, two_d, generator=g).to(dtype)
+    r_dst = rows + 2 if compact else rows
+    dst = torch.randn(depth, r_dst, heads, m + 3, two_d, generator=g).to(dtype)[:, :, :, :m]  # strided view
+    new_len = torch.randint(0, fs + 1, (n_req,), generator=g)
+    prompt = torch.randint(0, max(fs // 3, 1), (n_req,), generator=g)
+    index, _ = trim_gather_index(new_len, prompt, width, fs, keep_oldest=max(fs // 4, 1))
+    dst_rows = torch.randperm(r_dst, generator=g)[:rows] if compact else None
+    to = (lambda t: None if t is None else t.to(device))  # noqa: E731
+    return to(dst), to(src), to(index), to(dst_rows)
+
+
+def _child(out_path: str) -> None:
+    results = {}
+    for case in CASES:
+        dst, src, index, dst_rows = make_case(case)
+        results[case[0]] = trim_copy_into(dst, src, index, dst_rows).clone()
+    torch.save(results, out_path)
+
+
+@pytest.fixture(scope="module")
+def interpreter_results(tmp_path_factory):
+    out_path = str(tmp_path_factory.mktemp("trim_interp") / "out.pt")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([_HERE, _ROOT, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", out_path], env=env, cwd=_HERE,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out_path)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_interpreter_matches_reference_bitwise(case, interpreter_results):
+    dst, src, index, dst_rows = make_case(case)
+    untouched = dst.clone()
+    expected = trim_copy_reference(dst, src, index, dst_rows)
+    got = interpreter_results[case[0]]
+    assert torch.equal(got, expected)
+    width = index.shape[1]
+    # nothing outside the written frames/rows changed
+    assert torch.equal(got[:, :, :, width:], untouched[:, :, :, width:])
+    if dst_rows is not None:
+        others = [r for r in range(dst.shape[1]) if r not in dst_rows.tolist()]
+        assert torch.equal(got[:, others], untouched[:, others])
+
+
+def test_reference_implements_the_trim_rule():
+    """The oracle itself against a per-row loop of the SPEC §3 rule (independent of both)."""
+    dst, src, index, _ = make_case(CASES[0])
+    out = trim_copy_reference(dst.clone(), src, index)
+    n_req, width = index.shape
+    for r in range(src.shape[1]):
+        for j in range(width):
+            assert torch.equal(out[:, r, :, j], src[:, r, :, int(index[r % n_req, j])])
+
+
+def test_bad_layouts_raise():
+    dst, src, index, _ = make_case(CASES[0])
+    with pytest.raises(ValueError, match="unit stride"):
+        trim_copy_into(dst.transpose(3, 4), src, index)
+    with pytest.raises(ValueError, match="incompatible"):
+        trim_copy_into(dst[:, :, :, :10], src, index)  # width 40 > 10 arena frames
+    with pytest.raises(ValueError, match="incompatible"):
+        trim_copy_into(dst, src[:, :5], index)  # 5 rows are not a multiple of 3 requests
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_gpu_matches_reference_bitwise_in_a_graph_without_sync(case):
+    dst, src, index, dst_rows = make_case(case, "cuda")
+    expected = trim_copy_reference(dst.clone(), src, index, dst_rows)
+    start = dst.clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        trim_copy_into(dst, src, index, dst_rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(dst, expected)
+    dst.copy_(start)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        trim_copy_into(dst, src, index, dst_rows)
+    dst.copy_(start)
+    src.copy_(torch.randn_like(src))  # new values in place: the replay must read them
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dst, trim_copy_reference(start.clone(), src, index, dst_rows))
+
+
+if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--child":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run the child with TRITON_INTERPRET=1")
+    _child(sys.argv[2])
