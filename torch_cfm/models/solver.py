@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .. import policy
 from ..config import SolverConfig, cosine_timesteps
 from ..ops._checks import fail, shape_str
 from .cache import TRIM_KEEP_OLDEST, trim_gather_index
@@ -118,14 +119,15 @@ def solve_arena_chunk(
     cl2 = torch.cat([cl, cl]).to(torch.int32)
 
     index, new_lengths = trim_gather_index(vl + cl, prompt, width, t_len + cache_frames, keep_oldest)
-    # Write-back of each step's new attention cache, trimmed. CUDA: one Triton kernel reads the
-    # frames the index names and writes them into the arena (kernels/cache_trim.py). Elsewhere:
+    # Write-back of each step's new attention cache, trimmed. Where the policy runs Triton kernels
+    # (NVIDIA SM80+): one kernel reads the frames the index names and writes them into the arena
+    # (kernels/cache_trim.py). Elsewhere:
     # the trim moves at most keep_oldest frames per row (output frames [P, P + keep) of a row due
     # for a trim) and every other output frame j reads frame j, so the first `width` frames are
     # copied straight and only that window is re-gathered in place. Both agree on every valid
     # frame; they may differ in padding frames (never read). Window positions past the width are
     # clamped: duplicates then carry identical (dst, src) pairs, so the scatter is deterministic.
-    use_kernel = att.device.type == "cuda" and att.stride(-1) == 1
+    use_kernel = policy.decide(att.device, dtype).attention_kernel == "triton" and att.stride(-1) == 1
     if use_kernel:
         from ..kernels.cache_trim import trim_copy_into
     else:
