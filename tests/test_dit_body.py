@@ -193,6 +193,44 @@ def test_packing_is_cached_and_repacked_on_change():
     torch.testing.assert_close(table[0], model.modulation_table(0.25), rtol=1e-5, atol=1e-5)
 
 
+def test_packing_sees_every_kind_of_parameter_change(monkeypatch):
+    """The cache hit path reads each parameter slot without walking the module tree; every way of
+    changing a weight still gives a fresh pack, and a hit never walks the tree again."""
+    from torch_cfm import packing
+
+    clear_packed()
+    model = random_dit(TINY, seed=12)
+    fc2 = lambda p: p.body[2 + 18 + 16]  # noqa: E731  block 1's fc2 weight in the pack
+    p = packed_for(model, torch.float32, "cpu")
+    walks = {"n": 0}
+    slots = packing._slots
+    monkeypatch.setattr(packing, "_slots", lambda m: walks.__setitem__("n", walks["n"] + 1) or slots(m))
+    torch.nn.Linear(2, 2)  # registrations elsewhere bump the epoch: one walk, still a hit
+    assert packed_for(model, torch.float32, "cpu") is p and walks["n"] == 1
+    assert packed_for(model, torch.float32, "cpu") is p and walks["n"] == 1  # a hit: no walk
+
+    def changed(mutate):
+        nonlocal p
+        with torch.no_grad():
+            mutate(model.blocks[1].mlp)
+        new = packed_for(model, torch.float32, "cpu")
+        assert new is not p
+        assert torch.equal(fc2(new), model.blocks[1].mlp.fc2.weight)
+        p = new
+
+    changed(lambda mlp: mlp.fc2.weight.add_(1.0))  # in place: version counter
+    changed(lambda mlp: setattr(mlp.fc2, "weight", torch.nn.Parameter(torch.randn(64, 256))))
+    changed(lambda mlp: mlp.fc2._parameters.__setitem__("weight", torch.nn.Parameter(torch.randn(64, 256))))
+    changed(lambda mlp: setattr(mlp.fc2.weight, "data", torch.randn(64, 256)))  # new storage, same Parameter
+    changed(lambda mlp: setattr(mlp, "fc2", torch.nn.Linear(256, 64)))  # a new submodule
+    p16 = packed_for(model.half(), torch.float16, "cpu")
+    assert p16.body[0].dtype == torch.float16 and torch.equal(fc2(p16), model.blocks[1].mlp.fc2.weight)
+    assert packed_for(model, torch.float16, "cpu") is p16
+    del model.blocks[1].mlp.fc2.weight  # a weight gone: never a stale pack
+    with pytest.raises((ValueError, KeyError)):
+        packed_for(model, torch.float16, "cpu")
+
+
 def _sample(dtype=torch.float32, l_len=3):
     model = random_dit(TINY, seed=10)
     packed = pack_dit(model, dtype, "cpu")
