@@ -172,9 +172,13 @@ def _structure_changed(*_args) -> None:
     return None  # keep the registered object
 
 
-for _register in ("register_module_parameter_registration_hook", "register_module_buffer_registration_hook",
-                  "register_module_module_registration_hook"):
-    getattr(torch.nn.modules.module, _register)(_structure_changed)
+_REGISTRATION_HOOKS = ("register_module_parameter_registration_hook", "register_module_buffer_registration_hook",
+                       "register_module_module_registration_hook")
+# Without all three hooks (not expected on torch >= 2.0) every call walks the tree, as before.
+_HOOKED = all(hasattr(torch.nn.modules.module, name) for name in _REGISTRATION_HOOKS)
+if _HOOKED:
+    for _register in _REGISTRATION_HOOKS:
+        getattr(torch.nn.modules.module, _register)(_structure_changed)
 
 
 def _slots(module: torch.nn.Module) -> list[tuple[dict, str]]:
@@ -213,7 +217,7 @@ def packed_for(module: torch.nn.Module, dtype: torch.dtype, device: torch.device
         per_module = _CACHE.setdefault(module, {})
         walked = per_module.get("slots")
     sig = None
-    if walked is not None and walked[0] == _STRUCTURE_EPOCH[0]:
+    if _HOOKED and walked is not None and walked[0] == _STRUCTURE_EPOCH[0]:
         try:
             sig = _signature(walked[1])
         except KeyError:  # a tensor was deleted from its module: walk again
