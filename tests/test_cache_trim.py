@@ -1,6 +1,6 @@
 """The server's trimmed cache write-back kernel (``torch_cfm.kernels.cache_trim``).
 
-Oracle: ``trim_copy_reference`` (a full ``torch.gather`` then a copy / ``index_copy_``). The kernel
+Oracle: ``torch_cfm.reference.cache_trim.trim_copy_reference`` (a full ``torch.gather`` then a copy / ``index_copy_``). The kernel
 only moves values, so it must match bitwise. CPU: the Triton interpreter in a child process (the
 same pattern as test_cfm_attention_triton.py: ``TRITON_INTERPRET`` is read when a kernel is
 decorated). CUDA (gpu marker): the compiled kernel, graph capture/replay and no host sync.
@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from torch_cfm.kernels.cache_trim import trim_copy_into, trim_copy_reference
+from torch_cfm.kernels.cache_trim import trim_copy_into
+from torch_cfm.reference.cache_trim import trim_copy_reference
 from torch_cfm.models.cache import trim_gather_index
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

@@ -10,7 +10,8 @@ launches, the two index kernels at ~55 µs each at B = 4 on the H200); here one 
 straight into the arena.
 
 Source and destination are different tensors, so the per-row frame permutation needs no
-temporary. Graph-safe: no allocation, no host synchronisation.
+temporary. Graph-safe: no allocation, no host synchronisation. Reference (and the path where the
+policy runs no Triton kernels): ``torch_cfm.reference.cache_trim.trim_copy_reference``.
 """
 
 from __future__ import annotations
@@ -90,18 +91,4 @@ def trim_copy_into(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
     return dst
 
 
-def trim_copy_reference(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
-                        dst_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The same write-back with ATen ops (a full gather, then a copy): the test oracle."""
-    depth, n_rows, heads, src_frames, two_d = src.shape
-    n_req, width = index.shape
-    idx = index.clamp(0, max(src_frames - 1, 0)).repeat(n_rows // max(n_req, 1), 1)
-    taken = torch.gather(src, 3, idx.view(1, n_rows, 1, width, 1).expand(depth, n_rows, heads, width, two_d))
-    if dst_rows is None:
-        dst[:, :, :, :width].copy_(taken)
-    else:
-        dst[:, :, :, :width].index_copy_(1, dst_rows, taken.to(dst.dtype))
-    return dst
-
-
-__all__ = ["trim_copy_into", "trim_copy_reference"]
+__all__ = ["trim_copy_into"]

@@ -16,6 +16,7 @@ from torch import nn
 from .. import policy
 from ..config import SolverConfig, cosine_timesteps
 from ..ops._checks import fail, shape_str
+from ..reference.cache_trim import trim_copy_reference
 from .cache import TRIM_KEEP_OLDEST, trim_gather_index
 
 _SOLVER = SolverConfig()
@@ -119,28 +120,12 @@ def solve_arena_chunk(
     cl2 = torch.cat([cl, cl]).to(torch.int32)
 
     index, new_lengths = trim_gather_index(vl + cl, prompt, width, t_len + cache_frames, keep_oldest)
-    # Write-back of each step's new attention cache, trimmed. Where the policy runs Triton kernels
-    # (NVIDIA SM80+): one kernel reads the frames the index names and writes them into the arena
-    # (kernels/cache_trim.py). Elsewhere:
-    # the trim moves at most keep_oldest frames per row (output frames [P, P + keep) of a row due
-    # for a trim) and every other output frame j reads frame j, so the first `width` frames are
-    # copied straight and only that window is re-gathered in place. Both agree on every valid
-    # frame; they may differ in padding frames (never read). Window positions past the width are
-    # clamped: duplicates then carry identical (dst, src) pairs, so the scatter is deterministic.
-    use_kernel = policy.decide(att.device, dtype).attention_kernel == "triton" and att.stride(-1) == 1
-    if use_kernel:
-        from ..kernels.cache_trim import trim_copy_into
-    else:
-        _, depth, _, heads, _, two_d = att.shape
-        window = min(keep_oldest, width)
-        dst = (prompt.to(torch.int64)[:, None] + torch.arange(window, device=mu.device)[None]).clamp(max=width - 1)
-        src = index.gather(1, dst)
-
-        def per_row(ix: torch.Tensor) -> torch.Tensor:  # (n_rows, window) -> the cache's 5-D layout
-            return torch.cat([ix, ix]).view(1, 2 * n_rows, 1, window, 1).expand(
-                depth, 2 * n_rows, heads, window, two_d)
-
-        dst, src = per_row(dst), per_row(src)
+    # Write-back of each step's new attention cache, trimmed: output frame j of a row reads frame
+    # index[row, j] of the new cache. Where the policy runs Triton kernels (NVIDIA SM80+) one
+    # kernel does the gather into the arena (kernels/cache_trim.py); elsewhere its ATen reference.
+    write_trimmed = trim_copy_reference
+    if policy.decide(att.device, dtype).attention_kernel == "triton" and att.stride(-1) == 1:
+        from ..kernels.cache_trim import trim_copy_into as write_trimmed
 
     for i in range(n_timesteps):
         t = torch.full((2 * n_rows,), ts[i], device=mu.device, dtype=dtype)
@@ -157,15 +142,7 @@ def solve_arena_chunk(
             cnn[i].copy_(new_cnn)
         else:
             cnn[i].index_copy_(1, rows, new_cnn.to(cnn.dtype))
-        if use_kernel:
-            trim_copy_into(att[i], new_att.contiguous(), index, None if slots is None else rows)
-        else:
-            new_att.scatter_(3, dst, torch.gather(new_att, 3, src))  # the estimator's own new tensor
-            kept = new_att[:, :, :, :width]
-            if slots is None:
-                att[i][:, :, :, :width].copy_(kept)
-            else:
-                att[i][:, :, :, :width].index_copy_(1, rows, kept.to(att.dtype))
+        write_trimmed(att[i], new_att.contiguous(), index, None if slots is None else rows)
     if slots is None:
         out_mel.copy_(x)
         cache_lengths.copy_(new_lengths)
