@@ -124,13 +124,12 @@ def _arena(cfm, rows, max_cache, max_chunk):
     return CacheArena.allocate(TINY, STEPS, rows, max_cache, max_chunk, torch.device("cpu"), torch.float32)
 
 
-@pytest.mark.parametrize("compact", [False, True])
-def test_solve_arena_chunk_ragged_rows_match_oracle_and_idle_rows_stay(cfm, sd, compact):
+def _ragged_case(cfm, compact):
+    """Solve a 3-slot arena (one slot idle): returns (state before, arena after)."""
     g = torch.Generator().manual_seed(9)
     arena = _arena(cfm, 3, 40, 12)
     # slot 0: cache 7 frames (prompt 4); slot 1: idle with 5 cached frames; slot 2: no cache yet
-    init = {0: 7, 1: 5, 2: 0}
-    for slot, frames in init.items():
+    for slot, frames in RAGGED_INIT.items():
         arena.att[:, :, [slot, 3 + slot], :, :frames] = torch.randn(STEPS, 2, 2, 4, frames, 32, generator=g)
         arena.cnn[:, :, [slot, 3 + slot]] = torch.randn(STEPS, 2, 2, 128, 2, generator=g)
         arena.cache_lengths[slot] = frames
@@ -146,10 +145,17 @@ def test_solve_arena_chunk_ragged_rows_match_oracle_and_idle_rows_stay(cfm, sd, 
                       arena.cond[:, :, :10], arena.valid_lengths, arena.cache_lengths, arena.prompt_lengths,
                       arena.out_mel[:, :, :10], cache_frames=7, n_timesteps=STEPS, cfg_rate=0.7, slots=slots)
     assert arena.data_ptrs() == ptrs
+    return before, arena
+
+
+RAGGED_INIT = {0: 7, 1: 5, 2: 0}
+
+
+def _check_ragged_case(cfm, sd, compact, before, arena):
     assert arena.cache_lengths.tolist() == [17, 5, 6]
     for slot, tn in ((0, 10), (2, 6)):
         rows = [slot, 3 + slot]
-        ln = init[slot]
+        ln = RAGGED_INIT[slot]
         mel, c, a = O.solve_request(sd, before["mu"][slot, :, :tn].double(), before["spks"][slot].double(),
                                     before["cond"][slot, :, :tn].double(), cfm.noise.double(), STEPS, 0.7,
                                     before["cnn"][:, :, rows].double(),
@@ -167,6 +173,48 @@ def test_solve_arena_chunk_ragged_rows_match_oracle_and_idle_rows_stay(cfm, sd, 
     assert torch.isfinite(arena.att).all() and torch.isfinite(arena.out_mel).all()
 
 
+@pytest.mark.parametrize("compact", [False, True])
+def test_solve_arena_chunk_ragged_rows_match_oracle_and_idle_rows_stay(cfm, sd, compact):
+    _check_ragged_case(cfm, sd, compact, *_ragged_case(cfm, compact))
+
+
+def _fused_route_child(out_path: str) -> None:
+    """Child (TRITON_INTERPRET=1): the same cases with the fused route forced on CPU (the policy
+    never picks it there): schedule tables, the staged input updated by cfg_euler, Triton body."""
+    from torch_cfm.models import solver
+
+    calls = []
+    solver._fused_route = lambda *args: calls.append(args) or "ieee"
+    cfm = StreamingCFM(DiT(TINY).random_init_(8).eval(), n_timesteps=STEPS, seed=5)
+    results = {compact: _ragged_case(cfm, compact) for compact in (False, True)}
+    assert calls, "the fused route was not taken"
+    assert len(solver._SCHEDULE_TABLES) == 1, "the schedule tables were not cached per packed weights"
+    torch.save({c: (b, dict(vars(a))) for c, (b, a) in results.items()}, out_path)
+
+
+@pytest.fixture(scope="module")
+def fused_route_results(tmp_path_factory):
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out_path = str(tmp_path_factory.mktemp("solver_fused") / "out.pt")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--fused-route-child", out_path], env=env,
+                          cwd=here, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out_path)
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_solve_arena_chunk_fused_route_matches_oracle(cfm, sd, compact, fused_route_results):
+    before, state = fused_route_results[compact]
+    arena = CacheArena(**state)
+    _check_ragged_case(cfm, sd, compact, before, arena)
+
+
 def test_solve_arena_chunk_trims_every_step_cache(cfm):
     g = torch.Generator().manual_seed(4)
     arena = _arena(cfm, 1, 110, 20)  # prompt 8 -> bound 108 frames
@@ -182,3 +230,13 @@ def test_solve_arena_chunk_trims_every_step_cache(cfm):
     # new cache = [20 current ; 100 old] = 120 frames > 8 + 100: keep [:8] (newest current frames)
     # then the last 100 frames, i.e. new frames 20..119 = the 100 old frames, for every step.
     assert torch.equal(arena.att[:, :, :, :, 8:108], old[:, :, :, :, :100])
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+
+    if len(sys.argv) >= 3 and sys.argv[1] == "--fused-route-child":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("run the child with TRITON_INTERPRET=1")
+        _fused_route_child(sys.argv[2])

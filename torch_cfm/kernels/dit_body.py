@@ -399,6 +399,8 @@ def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Te
 def cfg_euler(x: torch.Tensor, v: torch.Tensor, staged: torch.Tensor, dt: float, cfg_rate: float) -> None:
     """x (B, Cm, T) float32 += dt * ((1+r) v[:B] - r v[B:]); staged[:, :Cm] <- x for both halves."""
     b, cm, t_len = x.shape
+    if not x.is_contiguous():
+        raise ValueError("cfg_euler: x (the Euler state) must be contiguous: the kernel indexes it densely")
     total = b * cm * t_len
     if total == 0:
         return

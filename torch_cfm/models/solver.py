@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from typing import Optional
 
 import torch
@@ -72,7 +74,12 @@ def solve_arena_chunk(
         * With ``slots``, that (S,) index buffer is static too (its values may change between
           replays, its size may not).
         * The estimator is called as ``forward_chunk(x, mu, t, spks, cond, cnn[i],
-          att[i][..., :Lb, :], valid_lengths=, cache_lengths=, fused=fused)``.
+          att[i][..., :Lb, :], valid_lengths=, cache_lengths=, fused=fused)``, except when it is
+          a torch_cfm :class:`~torch_cfm.models.DiT` in the arena's dtype and the policy says
+          fused: then each step runs the fused body directly with the schedule's modulation
+          tables (computed once per packed weights, outside any capture), the staged input
+          built once and updated by one CFG/Euler kernel per step, and a float32 Euler state
+          (the runner's math; within the SPEC §6 oracle of the per-step path).
 
     Args:
         estimator: a :class:`~torch_cfm.models.DiT` (or anything with its ``forward_chunk``).
@@ -127,28 +134,111 @@ def solve_arena_chunk(
     if policy.decide(att.device, dtype).attention_kernel == "triton" and att.stride(-1) == 1:
         from ..kernels.cache_trim import trim_copy_into as write_trimmed
 
-    for i in range(n_timesteps):
-        t = torch.full((2 * n_rows,), ts[i], device=mu.device, dtype=dtype)
-        att_in = att[i][:, :, :, :cache_frames]
-        cnn_in = cnn[i]
-        if slots is not None:
-            att_in, cnn_in = att_in.index_select(1, rows), cnn_in.index_select(1, rows)
-        v, new_cnn, new_att = estimator.forward_chunk(
-            torch.cat([x, x]), mu2, t, spks2, cond2, cnn_in, att_in,
-            valid_lengths=vl2, cache_lengths=cl2, fused=fused)
-        v = (1.0 + cfg_rate) * v[:n_rows] - cfg_rate * v[n_rows:]
-        x = x + (ts[i + 1] - ts[i]) * v.to(dtype)
+    def write_back(i: int, new_cnn: torch.Tensor, new_att: torch.Tensor) -> None:
+        """Step i's new caches into the arena, the attention cache trimmed."""
         if slots is None:
             cnn[i].copy_(new_cnn)
         else:
             cnn[i].index_copy_(1, rows, new_cnn.to(cnn.dtype))
         write_trimmed(att[i], new_att.contiguous(), index, None if slots is None else rows)
+
+    def step_caches(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        att_in, cnn_in = att[i][:, :, :, :cache_frames], cnn[i]
+        if slots is not None:
+            att_in, cnn_in = att_in.index_select(1, rows), cnn_in.index_select(1, rows)
+        return att_in, cnn_in
+
+    precision = _fused_route(estimator, att.device, dtype, fused, t_len)
+    if precision is not None:
+        x = _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, precision,
+                               step_caches, write_back)
+    else:
+        for i in range(n_timesteps):
+            t = torch.full((2 * n_rows,), ts[i], device=mu.device, dtype=dtype)
+            att_in, cnn_in = step_caches(i)
+            v, new_cnn, new_att = estimator.forward_chunk(
+                torch.cat([x, x]), mu2, t, spks2, cond2, cnn_in, att_in,
+                valid_lengths=vl2, cache_lengths=cl2, fused=fused)
+            v = (1.0 + cfg_rate) * v[:n_rows] - cfg_rate * v[n_rows:]
+            x = x + (ts[i + 1] - ts[i]) * v.to(dtype)
+            write_back(i, new_cnn, new_att)
     if slots is None:
-        out_mel.copy_(x)
+        out_mel.copy_(x)  # copy_ casts (x is float32 on the fused route)
         cache_lengths.copy_(new_lengths)
     else:
         out_mel.index_copy_(0, slots, x.to(out_mel.dtype))
         cache_lengths.index_copy_(0, slots, new_lengths.to(cache_lengths.dtype))
+
+
+# Modulation tables of a schedule per packed weights, (n, 1, depth+1, 9, C), keyed by the id of
+# the PackedDiT and dropped with it (a repack after a parameter change is a new object); filled
+# only outside CUDA-graph capture, so a cached table never lives in a graph's private pool.
+_SCHEDULE_TABLES: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _fused_route(estimator: nn.Module, device: torch.device, dtype: torch.dtype, fused: Optional[bool],
+                 t_len: int) -> Optional[str]:
+    """The fused-body precision ("tf32" | "ieee" | "" for 16-bit) when the solve may run the
+    estimator as the fused body directly (a torch_cfm DiT, policy says fused, not tracing), else None."""
+    from .dit import DiT
+
+    if not isinstance(estimator, DiT) or t_len == 0 or torch.compiler.is_compiling():
+        return None
+    if torch.is_autocast_enabled(device.type) or estimator.in_proj.weight.dtype != dtype:
+        return None  # forward_chunk would compute in another dtype than the arena's
+    decision = policy.decide(device, dtype, fused=fused)
+    if not decision.fused:
+        return None
+    return decision.precision or ""
+
+
+def _schedule_tables(packed, n_steps: int, precision: str) -> torch.Tensor:
+    from ..graphs import solve_tables
+
+    key = (n_steps, precision)
+    entry = _SCHEDULE_TABLES.get(id(packed))
+    if entry is not None and entry[0]() is packed and key in entry[1]:
+        return entry[1][key]
+    scope = (policy.tf32_scope(precision == "tf32") if packed.dtype == torch.float32 and packed.device.type == "cuda"
+             else contextlib.nullcontext())
+    with scope:
+        tables, _ = solve_tables(packed, n_steps)
+    capturing = packed.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        if entry is None or entry[0]() is not packed:
+            entry = (weakref.ref(packed, lambda _, k=id(packed): _SCHEDULE_TABLES.pop(k, None)), {})
+            _SCHEDULE_TABLES[id(packed)] = entry
+        entry[1][key] = tables
+    return tables
+
+
+def _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, precision,
+                       step_caches, write_back) -> torch.Tensor:
+    """The n Euler steps on the fused body: the schedule's modulation tables computed once per
+    weights (not per step), the staged input built once and updated in place by one CFG/Euler
+    kernel per step, the outputs allocated once. The Euler state is float32 (as in the runner).
+    Returns the final x (rows, 80, T) in float32."""
+    from ..kernels.dit_body import cfg_euler
+    from ..ops.dit_body import _empty_outputs, check_dit_body, dit_body_fused_into, stage_input
+    from ..packing import packed_for
+
+    dtype = mu2.dtype
+    packed = packed_for(estimator, dtype, mu2.device)
+    tables = _schedule_tables(packed, len(ts) - 1, precision)
+    prec = precision or None
+    staged = stage_input(torch.cat([x, x]), mu2, spks2, cond2, dtype)
+    x32 = x.float().contiguous()  # cfg_euler indexes the state densely
+    outs = None
+    for i in range(len(ts) - 1):
+        att_in, cnn_in = step_caches(i)
+        if outs is None:
+            sizes = check_dit_body(staged, packed.body, tables[i], cnn_in, att_in, vl2, cl2, precision or "auto")
+            outs = _empty_outputs(staged, sizes)
+        vel, new_cnn, new_att = dit_body_fused_into(staged, packed.body, tables[i], cnn_in, att_in, vl2, cl2, prec,
+                                                    outs)
+        cfg_euler(x32, vel, staged, ts[i + 1] - ts[i], cfg_rate)
+        write_back(i, new_cnn, new_att)
+    return x32
 
 
 class StreamingCFM(nn.Module):
