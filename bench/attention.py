@@ -200,11 +200,13 @@ def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
     from torch_cfm.kernels.cfm_attention import AttentionConfig as C
 
     if dtype != torch.float32:
-        return [C(64, 64, 1, 4, 3, pdl=False), C(64, 64, 1, 4, 3, pdl=True), C(64, 64, 1, 4, 2, pdl=True),
-                C(64, 64, 2, 4, 3, pdl=True), C(64, 128, 1, 4, 3, pdl=True)]
+        return [C(64, 64, 1, 4, 3, pdl=False), C(64, 64, 1, 4, 3, pdl=True), C(64, 64, 2, 4, 3, pdl=True),
+                C(64, 64, 2, 4, 3, pdl=True, merge="last"), C(64, 64, 2, 4, 2, pdl=True, merge="last"),
+                C(64, 64, 2, 4, 3, pdl=False, merge="last"), C(64, 64, 3, 4, 3, pdl=True, merge="last")]
     if precision == "tf32":
-        return [C(32, 64, 1, 4, 3, pdl=False), C(32, 64, 1, 4, 3, pdl=True), C(32, 64, 1, 4, 2, pdl=True),
-                C(32, 64, 1, 4, 2, peel=False), C(16, 64, 1, 4, 2, pdl=True), C(32, 64, 2, 4, 3, pdl=True)]
+        return [C(32, 64, 1, 4, 3, pdl=False), C(32, 64, 1, 4, 3, pdl=True), C(32, 64, 1, 4, 2, peel=False),
+                C(32, 64, 2, 4, 3, pdl=True), C(32, 64, 2, 4, 3, merge="last"), C(32, 64, 2, 4, 2, merge="last"),
+                C(16, 64, 2, 4, 2, merge="last"), C(16, 64, 1, 4, 3)]
     return [C(32, 64, 1, 4, 2, pdl=False), C(32, 64, 1, 4, 2, pdl=True), C(16, 64, 1, 4, 2)]
 
 

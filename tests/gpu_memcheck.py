@@ -83,12 +83,13 @@ def check_attention_configs(dtype: torch.dtype, precision: str, quick: bool) -> 
     same = S.attention_same_dtype(case, tf32=precision == "tf32").cpu()
     prec = None if dtype != torch.float32 else precision
     for block_q, block_k, splits in launch_variants(quick):
-        out = empty_attention_out(case.q)
-        cfm_attention_triton(case.q, case.k, case.v, case.key_lengths, case.mask, None, prec, out,
-                             config=AttentionConfig(block_q, block_k, splits))
-        torch.cuda.synchronize()
-        assert_within_oracle(out.cpu(), same, ref64, name=f"q{block_q} k{block_k} s{splits}",
-                             tf32=precision == "tf32")
+        for merge in ("kernel", "last") if splits > 1 else ("kernel",):
+            out = empty_attention_out(case.q)
+            cfm_attention_triton(case.q, case.k, case.v, case.key_lengths, case.mask, None, prec, out,
+                                 config=AttentionConfig(block_q, block_k, splits, merge=merge))
+            torch.cuda.synchronize()
+            assert_within_oracle(out.cpu(), same, ref64, name=f"q{block_q} k{block_k} s{splits} {merge}",
+                                 tf32=precision == "tf32")
 
 
 def body_outputs(model, a: dict) -> tuple:

@@ -91,6 +91,15 @@ for _dt in (F32, F16):
         Case(f"{_t}-mask-pool-nanpad-split2", _dt, 4, 2, 6, 37, 32, (37, 3, 16, 0), mask="random",
              kv_rows=(1, 3, 0, 2), pool=4, kv_interleaved=True, precision=_p, config=(16, _B, 2), nan_padding=True),
     ]
+    # split partials merged by the last-arriving program (one atomic counter per query tile)
+    _last = (4, 2, True, "tf32x3", None, "last")
+    CASES += [
+        Case(f"{_t}-edge-lengths-split3-last", _dt, 8, 2, 5, 40, 16, _EDGE, precision=_p, config=(16, _B, 3) + _last),
+        Case(f"{_t}-q1-split2-last", _dt, 3, 2, 1, 37, 32, (37, 20, 5), precision=_p, config=(16, _B, 2) + _last),
+        Case(f"{_t}-mask-pool-nanpad-split2-last", _dt, 4, 2, 6, 37, 32, (37, 3, 16, 0), mask="random",
+             kv_rows=(1, 3, 0, 2), pool=4, kv_interleaved=True, precision=_p, config=(16, _B, 2) + _last,
+             nan_padding=True),
+    ]
     for _d in (16, 32, 64, 128):  # each head dim through the default heuristic
         CASES.append(Case(f"{_t}-d{_d}-default-config", _dt, 2, 2, 9, 70, _d, (70, 31), precision=_p))
 CASES.append(Case("f32-tf32-flag-interpreter", F32, 2, 2, 4, 20, 16, (20, 7), precision="tf32",
@@ -321,8 +330,11 @@ def test_gpu_default_config_head_dims_and_long_keys(dtype, precision, d, k_len):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,precision", _GPU_DTYPES, ids=["f16", "bf16", "f32-tf32", "f32-ieee"])
 @pytest.mark.parametrize("config", [(16, 64, 1), (32, 32, 3), (64, 64, 4), (16, 128, 2), (64, 32, 8),
-                                    (64, 64, 1, 4, 3, True, "tf32x3", True), (32, 64, 2, 4, 3, True, "tf32x3", False)],
-                         ids=lambda c: "q%d_k%d_s%d" % c[:3] + ("" if len(c) < 8 else "_pdl%d" % c[7]))
+                                    (64, 64, 1, 4, 3, True, "tf32x3", True), (32, 64, 2, 4, 3, True, "tf32x3", False),
+                                    (64, 64, 2, 4, 3, True, "tf32x3", True, "last"),
+                                    (32, 64, 3, 4, 2, True, "tf32x3", False, "last")],
+                         ids=lambda c: "q%d_k%d_s%d" % c[:3] + ("" if len(c) < 8 else "_pdl%d" % c[7])
+                         + ("" if len(c) < 9 else "_" + c[8]))
 @pytest.mark.parametrize("d", [16, 32, 64, 128], ids=lambda d: f"D{d}")
 def test_gpu_variants(dtype, precision, config, d):
     from torch_cfm.kernels.cfm_attention import AttentionConfig
@@ -356,6 +368,95 @@ def test_gpu_graph_replay_matches_eager():
     fresh = torch.empty_like(out)
     cfm_attention_triton(a["q"], a["k"], a["v"], a["key_lengths"], None, None, None, fresh)
     assert torch.equal(out, fresh)
+
+
+def _counters_idle() -> bool:
+    """Every arrival counter handed out so far is back at zero (launches done)."""
+    from torch_cfm.kernels.cfm_attention import COUNTERS
+
+    torch.cuda.synchronize()
+    bufs = list(COUNTERS._eager.values()) + [p for p, _ in COUNTERS._pool.values()] + COUNTERS._retired
+    return all(int(b.abs().sum()) == 0 for b in bufs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision", _GPU_DTYPES[:1] + _GPU_DTYPES[2:3], ids=["f16", "f32-tf32"])
+def test_gpu_last_merge_graph_replays_with_new_inputs(dtype, precision):
+    """merge="last": two launches captured in one graph (each with counters of its own), replayed
+    three times with new inputs and lengths == fresh eager calls, bitwise; counters end at zero."""
+    from torch_cfm.kernels.cfm_attention import AttentionConfig, cfm_attention_triton
+
+    cfg = AttentionConfig(64 if dtype != torch.float32 else 32, 64, 2, 4, 3, merge="last")
+    a = _gpu_inputs(8, 8, 50, 450, 64, dtype, mask=True)
+    outs = [torch.empty(8, 50, 8, 64, device="cuda", dtype=dtype).transpose(1, 2) for _ in range(2)]
+
+    def both(o0, o1):
+        cfm_attention_triton(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], None, precision, o0, config=cfg)
+        cfm_attention_triton(a["q"], a["k"], a["v"], a["key_lengths"], None, None, precision, o1, config=cfg)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        both(*outs)  # eager warm-up: compiles, creates the counter pool
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        both(*outs)
+    for seed in (3, 4, 5):
+        b = _gpu_inputs(8, 8, 50, 450, 64, dtype, mask=True, seed=seed)
+        for name in ("q", "k", "v", "key_lengths", "mask"):
+            a[name].copy_(b[name])
+        graph.replay()
+        fresh = [torch.empty_like(o) for o in outs]
+        both(*fresh)
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], fresh[0]) and torch.equal(outs[1], fresh[1])
+    _gpu_check(a, dtype, precision, cfg)
+    assert _counters_idle()
+
+
+@pytest.mark.gpu
+def test_gpu_last_merge_two_streams_and_capture_fallback(monkeypatch):
+    """Concurrent eager launches on two streams use separate counters; a capture that finds the
+    counter pool used up falls back to the combine kernel, with the same result."""
+    from torch_cfm.kernels import cfm_attention as mod
+
+    cfg = mod.AttentionConfig(64, 64, 2, 4, 3, merge="last")
+    inputs = [_gpu_inputs(8, 8, 50, 450, 64, torch.float16, seed=s) for s in (11, 12)]
+    outs = [torch.empty(8, 50, 8, 64, device="cuda", dtype=torch.float16).transpose(1, 2) for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for st in streams:
+        st.wait_stream(torch.cuda.current_stream())
+    for _ in range(20):  # interleaved launches: without per-stream counters tiles would miss merges
+        for a, o, st in zip(inputs, outs, streams):
+            with torch.cuda.stream(st):
+                mod.cfm_attention_triton(a["q"], a["k"], a["v"], a["key_lengths"], None, None, None, o, config=cfg)
+    torch.cuda.synchronize()
+    for a, o in zip(inputs, outs):
+        ref = torch.empty_like(o)
+        mod.cfm_attention_triton(a["q"], a["k"], a["v"], a["key_lengths"], None, None, None, ref,
+                                 config=mod.AttentionConfig(64, 64, 1, 4, 3))
+        torch.testing.assert_close(o, ref, atol=2e-3, rtol=0)
+    assert _counters_idle()
+
+    a, out = inputs[0], outs[0]
+    mod.cfm_attention_triton(a["q"], a["k"], a["v"], a["key_lengths"], None, None, None, out,
+                             config=mod.AttentionConfig(64, 64, 2, 4, 3))  # compiles the combine kernel
+    torch.cuda.synchronize()
+    monkeypatch.setattr(mod.COUNTERS, "reserve_for_capture", lambda device, n: None)
+    combine_launches = []
+    real = mod._cfm_attention_combine_kernel
+    monkeypatch.setattr(mod, "_cfm_attention_combine_kernel",
+                        type("Spy", (), {"__getitem__": lambda self, grid: combine_launches.append(grid) or real[grid]})())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mod.cfm_attention_triton(a["q"], a["k"], a["v"], a["key_lengths"], None, None, None, out, config=cfg)
+    graph.replay()
+    eager = torch.empty_like(out)
+    mod.cfm_attention_triton(a["q"], a["k"], a["v"], a["key_lengths"], None, None, None, eager, config=cfg)
+    torch.cuda.synchronize()
+    assert len(combine_launches) == 1, "the capture without counters must use the combine kernel"
+    torch.testing.assert_close(out, eager, atol=2e-3, rtol=0)
 
 
 @pytest.mark.gpu

@@ -58,6 +58,9 @@ class AttentionConfig:
         pdl: programmatic dependent launch (SM90+): the kernel is scheduled while its predecessor
             in the stream still runs and waits (``griddepcontrol.wait``) before its first memory
             access. None = :func:`use_pdl` (on for grids of at most one program per SM).
+        merge: how split partials are merged (splits > 1): "kernel" (a second, combine kernel) or
+            "last" (the last program of a tile to finish merges them, counted with one atomic per
+            tile: no second launch; see :class:`ArrivalCounters`).
     """
 
     block_q: int
@@ -68,11 +71,13 @@ class AttentionConfig:
     peel: bool = True
     ieee_dot: str = "tf32x3"
     pdl: Optional[bool] = None
+    merge: str = "kernel"
 
     @property
     def name(self) -> str:
         extra = ("" if self.peel else "_nopeel") + ("" if self.ieee_dot == "tf32x3" else "_fma")
         extra += "" if self.pdl is None else ("_pdl" if self.pdl else "_nopdl")
+        extra += "_last" if self.merge == "last" and self.splits > 1 else ""
         return f"q{self.block_q}_k{self.block_k}_s{self.splits}_w{self.num_warps}_st{self.num_stages}{extra}"
 
 
@@ -138,6 +143,7 @@ def _cfm_attention_fwd_kernel(
     out_ptr,  # (N, H, Q, D) output (written when n_splits == 1)
     part_ptr,  # (splits, N·H, Q, D) fp32 normalised partial outputs (written when n_splits > 1)
     lse_ptr,  # (splits, N·H, Q) fp32 log2-sum-exp of each partial (written when n_splits > 1)
+    count_ptr,  # (N·H·q_tiles,) int32 arrival counters, zero between launches (read when LAST_MERGES)
     stride_q_n, stride_q_h, stride_q_q, stride_q_d,
     stride_k_n, stride_k_h, stride_k_k, stride_k_d,
     stride_v_n, stride_v_h, stride_v_k, stride_v_d,
@@ -147,7 +153,7 @@ def _cfm_attention_fwd_kernel(
     qk_scale,  # log2(e) / sqrt(D)
     HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PEEL: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PEEL: tl.constexpr, USE_PDL: tl.constexpr, LAST_MERGES: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # programmatic dependent launch: wait for the previous kernel first
     # program -> (row·head, query tile, split); splits of one tile are adjacent
@@ -223,6 +229,47 @@ def _cfm_attention_fwd_kernel(
         tl.store(part_ptr + (slot + offs_q[:, None]) * HEAD_DIM + offs_d[None, :], o, mask=q_ok[:, None])
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
         tl.store(lse_ptr + slot + offs_q, lse, mask=q_ok)
+        if LAST_MERGES:
+            # Every thread's partial is stored before the (gpu-scope, acq_rel) arrival; the program
+            # that arrives last sees all partials and merges them; it also re-zeroes the counter.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + rest, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_splits - 1:
+                tl.debug_barrier()
+                tl.atomic_xchg(count_ptr + rest, 0, sem="relaxed", scope="gpu")
+                out_base = out_ptr + n.to(tl.int64) * stride_o_n + h.to(tl.int64) * stride_o_h
+                _merge_partials(part_ptr, lse_ptr, out_base, offs_q, offs_d, q_ok, nh, q_len, n_splits,
+                                n_rows_heads, stride_o_q, stride_o_d, HEAD_DIM, BLOCK_Q, True)
+
+
+@triton.jit
+def _merge_partials(part_ptr, lse_ptr, out_base, offs_q, offs_d, q_ok, nh, q_len, n_splits, n_rows_heads,
+                    stride_o_q, stride_o_d, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BYPASS_L1: tl.constexpr):
+    """out[q] = sum_s 2^(lse_s - max) part_s[q] / sum_s 2^(lse_s - max), splits in order (so both merge
+    paths give the same bits). BYPASS_L1: the partials were written by other SMs during this launch."""
+    m = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    w_sum = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+    for s in range(0, n_splits):
+        slot = (s * n_rows_heads + nh).to(tl.int64) * q_len
+        if BYPASS_L1:
+            lse = tl.load(lse_ptr + slot + offs_q, mask=q_ok, other=float("-inf"), cache_modifier=".cg")
+            part = tl.load(part_ptr + (slot + offs_q[:, None]) * HEAD_DIM + offs_d[None, :],
+                           mask=q_ok[:, None], other=0.0, cache_modifier=".cg")
+        else:
+            lse = tl.load(lse_ptr + slot + offs_q, mask=q_ok, other=float("-inf"))
+            part = tl.load(part_ptr + (slot + offs_q[:, None]) * HEAD_DIM + offs_d[None, :],
+                           mask=q_ok[:, None], other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m - m_ref)
+        w = tl.math.exp2(lse - m_ref)
+        acc = acc * alpha[:, None] + part * w[:, None]
+        w_sum = w_sum * alpha + w
+        m = m_new
+    o = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+    tl.store(out_base + offs_q[:, None] * stride_o_q + offs_d[None, :] * stride_o_d,
+             o.to(out_base.dtype.element_ty), mask=q_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["n_heads", "q_len", "q_tiles", "n_splits", "n_rows_heads"])
@@ -243,26 +290,9 @@ def _cfm_attention_combine_kernel(
     offs_q = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, HEAD_DIM)
     q_ok = offs_q < q_len
-
-    m = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    w_sum = tl.zeros([BLOCK_Q], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
-    for s in range(0, n_splits):
-        slot = (s * n_rows_heads + nh).to(tl.int64) * q_len
-        lse = tl.load(lse_ptr + slot + offs_q, mask=q_ok, other=float("-inf"))
-        part = tl.load(part_ptr + (slot + offs_q[:, None]) * HEAD_DIM + offs_d[None, :],
-                       mask=q_ok[:, None], other=0.0)
-        m_new = tl.maximum(m, lse)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m - m_ref)
-        w = tl.math.exp2(lse - m_ref)
-        acc = acc * alpha[:, None] + part * w[:, None]
-        w_sum = w_sum * alpha + w
-        m = m_new
-    o = acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
     out_base = out_ptr + n.to(tl.int64) * stride_o_n + h.to(tl.int64) * stride_o_h
-    tl.store(out_base + offs_q[:, None] * stride_o_q + offs_d[None, :] * stride_o_d,
-             o.to(out_ptr.dtype.element_ty), mask=q_ok[:, None])
+    _merge_partials(part_ptr, lse_ptr, out_base, offs_q, offs_d, q_ok, nh, q_len, n_splits, n_rows_heads,
+                    stride_o_q, stride_o_d, HEAD_DIM, BLOCK_Q, False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -316,6 +346,63 @@ def choose_config(dtype: torch.dtype, head_dim: int, rows_heads: int, q_len: int
     return AttentionConfig(block_q, block_k, splits, num_warps=num_warps, num_stages=num_stages, peel=peel)
 
 
+class ArrivalCounters:
+    """Zeroed int32 counters for ``merge="last"``: one per (row, head, query tile) of a launch.
+
+    A launch increments each tile's counter once per split; the program that brings it to
+    ``splits`` merges the partials and writes the counter back to 0, so a counter is zero again
+    when its launch ends. Two launches may share counters only if one finishes before the other
+    starts, hence:
+
+    * outside CUDA-graph capture, each (device, stream) has its own counters (launches on one
+      stream are ordered; the buffer grows when a launch needs more);
+    * inside a capture, every captured launch reserves counters of its own, never handed out
+      again (the graph may be replayed on any stream, next to anything), from a pool zeroed
+      outside capture: :meth:`reserve_for_capture` returns None when the pool is missing or
+      used up, and the caller then merges with the combine kernel instead.
+
+    The pool is (re)filled by eager launches (a capture cannot zero memory without adding a node
+    to the graph); 2**18 counters (1 MiB) per refill, i.e. thousands of captured launches.
+    """
+
+    POOL = 1 << 18
+
+    def __init__(self) -> None:
+        self._eager: dict[tuple[int, int], torch.Tensor] = {}
+        self._pool: dict[int, tuple[torch.Tensor, int]] = {}  # device index -> (pool, next free)
+        self._retired: list[torch.Tensor] = []  # used-up pools: captured graphs still point into them
+
+    @staticmethod
+    def _index(device: torch.device) -> int:
+        return device.index if device.index is not None else torch.cuda.current_device()
+
+    def for_eager(self, device: torch.device, n: int) -> torch.Tensor:
+        index = self._index(device)
+        key = (index, torch.cuda.current_stream(index).cuda_stream)
+        buf = self._eager.get(key)
+        if buf is None or buf.numel() < n:
+            buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+            self._eager[key] = buf
+        pool = self._pool.get(index)
+        if pool is None or pool[0].numel() - pool[1] < self.POOL // 4:
+            if pool is not None:
+                self._retired.append(pool[0])
+            self._pool[index] = (torch.zeros(self.POOL, dtype=torch.int32, device=device), 0)
+        return buf
+
+    def reserve_for_capture(self, device: torch.device, n: int) -> Optional[torch.Tensor]:
+        index = self._index(device)
+        pool = self._pool.get(index)
+        if pool is None or pool[0].numel() - pool[1] < n:
+            return None
+        buf, start = pool
+        self._pool[index] = (buf, start + n)
+        return buf[start:start + n]
+
+
+COUNTERS = ArrivalCounters()
+
+
 def use_pdl(programs: int, n_sm: int) -> bool:
     """Programmatic dependent launch by default only for grids of at most one program per SM.
 
@@ -367,7 +454,8 @@ def cfm_attention_triton(
     Returns:
         ``out``.
     Shapes: N rows, H heads, Q queries, K keys, D in {16, 32, 64, 128}, R pool rows.
-    Graph safety: no host sync; allocates only a workspace when splits > 1 (caching allocator).
+    Graph safety: no host sync; allocates only a workspace when splits > 1 (caching allocator);
+    ``merge="last"`` takes its counters from :data:`COUNTERS` (see :class:`ArrivalCounters`).
     """
     n_rows, n_heads, q_len, head_dim = q.shape
     n_pool, _, k_len, _ = k.shape
@@ -381,6 +469,14 @@ def cfm_attention_triton(
     q_tiles = triton.cdiv(q_len, block_q)
     splits = max(1, min(config.splits, triton.cdiv(max(k_len, 1), block_k)))
 
+    counters = None
+    if splits > 1 and config.merge == "last":
+        if q.device.type != "cuda":
+            counters = torch.zeros(rows_heads * q_tiles, dtype=torch.int32, device=q.device)
+        elif torch.cuda.is_current_stream_capturing():
+            counters = COUNTERS.reserve_for_capture(q.device, rows_heads * q_tiles)
+        else:
+            counters = COUNTERS.for_eager(q.device, rows_heads * q_tiles)
     if splits > 1:
         work = torch.empty(splits * rows_heads * q_len * (head_dim + 1), device=q.device, dtype=torch.float32)
         part = work[: splits * rows_heads * q_len * head_dim]
@@ -404,16 +500,16 @@ def cfm_attention_triton(
             key_lengths if key_lengths is not None else q,
             mask_arg,
             kv_rows if kv_rows is not None else q,
-            out, part, lse,
+            out, part, lse, counters if counters is not None else q,
             *q.stride(), *k.stride(), *v.stride(), *m_strides, *out.stride(),
             n_heads, q_len, k_len, n_pool, q_tiles, splits, rows_heads,
             qk_scale,
             HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_K=block_k,
             HAS_LENGTHS=key_lengths is not None, HAS_MASK=mask is not None, HAS_ROWS=kv_rows is not None,
-            DOT_PRECISION=dot_precision, PEEL=config.peel, USE_PDL=pdl,
+            DOT_PRECISION=dot_precision, PEEL=config.peel, USE_PDL=pdl, LAST_MERGES=counters is not None,
             num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(pdl),
         )
-        if splits > 1:
+        if splits > 1 and counters is None:
             block_qc = 16 if q_len <= 16 else 32
             qc_tiles = triton.cdiv(q_len, block_qc)
             _cfm_attention_combine_kernel[(rows_heads * qc_tiles,)](

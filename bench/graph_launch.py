@@ -1,0 +1,147 @@
+"""Host cost of launching the whole-solve CUDA graphs: the server's arena graph vs the runner's.
+
+A served chunk is serialised as host work (staging, graph key, ``cudaGraphLaunch``) then GPU work;
+session 4 measured ~2.5 ms of ``cudaGraphLaunch`` per server chunk (`results/dit_server_profile.txt`).
+This script captures both graphs of one bucket (B = 4 requests, T = 50, L = 400, random weights)
+with CUDA-graph debug mode on and reports, per graph: nodes by type and the most frequent kernels
+(from the graph's DOT dump), edges, host µs of ``graph.replay()`` (synchronised before, nothing
+waited for inside) and GPU µs of one replay (events). Run it again with ``TORCH_CFM_PDL=0`` to
+see what programmatic dependent launch edges cost at launch.
+
+    python3 bench/graph_launch.py --out bench/results --dtype fp16
+
+Writes ``graph_launch.json`` (one row per graph, with provenance) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from dit_step import DTYPES, env_info, random_dit, tf32_ctx  # noqa: E402
+
+B, T, L = 4, 50, 400
+
+
+class _DebugGraph(torch.cuda.CUDAGraph):
+    """A CUDAGraph in debug mode (keeps its cudaGraph_t for the DOT dump)."""
+
+    created: list = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.enable_debug_mode()
+        _DebugGraph.created.append(self)
+
+
+def graph_nodes(graph: torch.cuda.CUDAGraph) -> dict:
+    """Node types, edge count and the 8 most frequent kernel names of a debug-mode graph."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "g.dot")
+        graph.debug_dump(path)
+        text = open(path).read()
+    types = collections.Counter(re.findall(r'label="\{?\s*(\w+)', text))
+    names = collections.Counter(m for m in re.findall(r"(nvjet\w+|_\w+_kernel\b|\w*[Kk]ernel\w*)", text)
+                                if m not in ("KERNEL", "kernel"))
+    return {"node_types": dict(types), "edges": text.count("->"), "top_kernels": names.most_common(8)}
+
+
+def time_graph(graph: torch.cuda.CUDAGraph, repeats: int) -> dict:
+    host, gpu = [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        graph.replay()
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        graph.replay()
+        t1 = time.perf_counter()
+        end.record()
+        end.synchronize()
+        host.append((t1 - t0) * 1e6)
+        gpu.append(start.elapsed_time(end) * 1e3)
+    med = lambda xs: round(sorted(xs)[len(xs) // 2], 1)  # noqa: E731
+    return {"host_replay_us_p50": med(host), "gpu_replay_us_p50": med(gpu)}
+
+
+def build_server(model, dtype):
+    from torch_cfm.models import CFMServer, StreamingCFM
+    from torch_cfm.models.cache import TRIM_KEEP_OLDEST
+
+    prompt = L - TRIM_KEEP_OLDEST
+    g = torch.Generator().manual_seed(2)
+    server = CFMServer(StreamingCFM(model, n_timesteps=10), max_requests=B, max_prompt_frames=prompt,
+                       max_chunk_frames=max(T, prompt), chunk_buckets=(T,), cache_buckets=(L,),
+                       device=torch.device("cuda"), dtype=dtype, graphs=True)
+    d = lambda *shape: torch.randn(*shape, generator=g).to("cuda", dtype)  # noqa: E731
+    for r in range(B):
+        server.open_request(r, d(80), prompt_mu=d(80, prompt), prompt_mel=d(80, prompt))
+    chunks = {r: d(80, T) for r in range(B)}
+    while min(server.cache_length(r) for r in range(B)) < L:
+        server.solve_chunk(chunks)
+    for _ in range(2):
+        server.solve_chunk(chunks)
+    ents = [e for e in server.solve_fn._keys.values() if e.graph is not None]
+    return server, chunks, ents[-1].graph
+
+
+def build_runner(model, dtype, precision):
+    from torch_cfm.graphs import CFMGraphRunner
+
+    runner = CFMGraphRunner(model, dtype=dtype, device="cuda", n_timesteps=10, precision=precision,
+                            batch_buckets=(B,), chunk_buckets=(T,), cache_buckets=(L,))
+    ent = runner.entry((B, T, L))
+    ent.bufs.valid.fill_(T)  # full chunks over settled caches, as in the server row
+    ent.bufs.cached.fill_(L)
+    for buf in (ent.bufs.att_in, ent.bufs.staged, ent.bufs.x0):
+        buf.normal_()
+    runner.run(ent)  # captures
+    return runner, ent.graph
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/graph_launch.py needs a CUDA device")
+        return 2
+    from torch_cfm.config import DiTConfig
+
+    dtype, precision = DTYPES[args.dtype]
+    env = env_info()
+    torch.cuda.CUDAGraph = _DebugGraph  # every graph built below keeps its DOT
+    rows = []
+    with torch.no_grad(), tf32_ctx(dtype, precision)():
+        model = random_dit(DiTConfig(), seed=0).to("cuda", dtype)
+        for name, build in (("runner", lambda: build_runner(model, dtype, precision)[-1]),
+                            ("server", lambda: build_server(model, dtype)[-1])):
+            graph = build()
+            row = dict(env, op="graph_launch", provider=name, shape={"B": B, "N": 2 * B, "T": T, "L": L},
+                       dtype=args.dtype, precision=precision, pdl_env=os.environ.get("TORCH_CFM_PDL"))
+            row.update(time_graph(graph, args.repeats))
+            row.update(graph_nodes(graph))
+            rows.append(row)
+            print(json.dumps({k: row[k] for k in ("provider", "pdl_env", "host_replay_us_p50", "gpu_replay_us_p50",
+                                                  "node_types", "edges", "top_kernels")}), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "graph_launch.json")
+    old = json.load(open(path)) if os.path.exists(path) else []
+    json.dump(old + rows, open(path, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
