@@ -207,7 +207,8 @@ def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
         return [C(32, 64, 1, 4, 3, pdl=False), C(32, 64, 1, 4, 3, pdl=True), C(32, 64, 1, 4, 2, peel=False),
                 C(32, 64, 2, 4, 3, pdl=True), C(32, 64, 2, 4, 3, merge="last"), C(32, 64, 2, 4, 2, merge="last"),
                 C(16, 64, 2, 4, 2, merge="last"), C(16, 64, 1, 4, 3)]
-    return [C(32, 64, 1, 4, 2, pdl=False), C(32, 64, 1, 4, 2, pdl=True), C(16, 64, 1, 4, 2)]
+    return [C(32, 64, 1, 4, 2, pdl=False), C(32, 64, 1, 4, 2, pdl=True), C(16, 64, 1, 4, 2),
+            C(16, 64, 2, 4, 2, merge="last"), C(32, 64, 2, 4, 2, merge="last")]
 
 
 def run_sweep(shapes, dtypes, args, env) -> list[dict]:

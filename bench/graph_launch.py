@@ -37,10 +37,12 @@ class _DebugGraph(torch.cuda.CUDAGraph):
 
     created: list = []
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.enable_debug_mode()
-        _DebugGraph.created.append(self)
+    def __new__(cls, keep_graph: bool = True):
+        # the cudaGraph_t (what debug_dump prints) is destroyed at instantiation unless kept
+        graph = super().__new__(cls, True)
+        graph.enable_debug_mode()
+        _DebugGraph.created.append(graph)
+        return graph
 
 
 def graph_nodes(graph: torch.cuda.CUDAGraph) -> dict:
@@ -48,6 +50,8 @@ def graph_nodes(graph: torch.cuda.CUDAGraph) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "g.dot")
         graph.debug_dump(path)
+        if not os.path.exists(path):
+            return {"node_types": None, "edges": None, "top_kernels": None}
         text = open(path).read()
     types = collections.Counter(re.findall(r'label="\{?\s*(\w+)', text))
     names = collections.Counter(m for m in re.findall(r"(nvjet\w+|_\w+_kernel\b|\w*[Kk]ernel\w*)", text)
