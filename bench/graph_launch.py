@@ -99,6 +99,33 @@ def build_server(model, dtype):
     return server, chunks, ents[-1].graph
 
 
+def server_host_profile(server, chunks, repeats: int) -> dict:
+    """Host µs of one ``solve_chunk`` (synchronised before; the GPU runs behind) and a cProfile of
+    five calls: which Python/host work precedes the graph launch."""
+    import cProfile
+    import io
+    import pstats
+
+    host = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        server.solve_chunk(chunks)
+        host.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    for _ in range(5):
+        torch.cuda.synchronize()
+        prof.enable()
+        server.solve_chunk(chunks)
+        prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
+    print(buf.getvalue(), flush=True)
+    return {"solve_chunk_host_us_p50": round(sorted(host)[len(host) // 2], 1)}
+
+
 def build_runner(model, dtype, precision):
     from torch_cfm.graphs import CFMGraphRunner
 
@@ -130,16 +157,20 @@ def main(argv=None) -> int:
     rows = []
     with torch.no_grad(), tf32_ctx(dtype, precision)():
         model = random_dit(DiTConfig(), seed=0).to("cuda", dtype)
-        for name, build in (("runner", lambda: build_runner(model, dtype, precision)[-1]),
-                            ("server", lambda: build_server(model, dtype)[-1])):
-            graph = build()
+        for name, build in (("runner", lambda: build_runner(model, dtype, precision)),
+                            ("server", lambda: build_server(model, dtype))):
+            built = build()
+            graph = built[-1]
             row = dict(env, op="graph_launch", provider=name, shape={"B": B, "N": 2 * B, "T": T, "L": L},
                        dtype=args.dtype, precision=precision, pdl_env=os.environ.get("TORCH_CFM_PDL"))
             row.update(time_graph(graph, args.repeats))
+            if name == "server":
+                row.update(server_host_profile(built[0], built[1], args.repeats))
             row.update(graph_nodes(graph))
             rows.append(row)
-            print(json.dumps({k: row[k] for k in ("provider", "pdl_env", "host_replay_us_p50", "gpu_replay_us_p50",
-                                                  "node_types", "edges", "top_kernels")}), flush=True)
+            print(json.dumps({k: row.get(k) for k in ("provider", "pdl_env", "host_replay_us_p50", "gpu_replay_us_p50",
+                                                      "solve_chunk_host_us_p50", "node_types", "edges",
+                                                      "top_kernels")}), flush=True)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "graph_launch.json")
     old = json.load(open(path)) if os.path.exists(path) else []

@@ -309,9 +309,9 @@ def choose_config(dtype: torch.dtype, head_dim: int, rows_heads: int, q_len: int
     saves. fp16/bf16: 64-query tiles (Hopper wgmma), 64-key steps, 3-stage pipeline, peeled tail.
     fp32 (tf32 and the 3xTF32 "ieee" dots): 32-query tiles, 64-key steps; 16-query tiles when
     there are very few programs; tf32 pipelines 3 deep at medium sizes and walks unpeeled at
-    large ones. Splits: TF32 with so few programs that two key halves still fit one wave
-    (K >= 256) splits in 2 merged by the last program (sweep 6: (2,50,450) 8.65 -> 6.84 µs; fp16
-    never gained from a split); long key ranges with few programs split too (untested beyond
+    large ones. Splits: fp32 with so few programs that two key halves still fit one wave
+    (K >= 256) splits in 2 merged by the last program (sweeps 6-7, (2,50,450): TF32 8.65 -> 6.81
+    µs, 3xTF32 12.24 -> 9.21; fp16 never gained from a split); long key ranges with few programs split too (untested beyond
     K = 524: a conservative extrapolation), also merged in-kernel (one wave by construction; the
     last-program merge beat the combine kernel at every one-wave shape of sweep 6). D = 128 tiles
     are chosen from the ptxas register report (no spills), not timed; D = 16/32 reuse D = 64's.
@@ -346,8 +346,8 @@ def choose_config(dtype: torch.dtype, head_dim: int, rows_heads: int, q_len: int
     splits, merge = 1, "kernel"
     if k_len >= 2048 and tiles < n_sm:
         splits, merge = min(triton.cdiv(k_len, 1024), max(1, n_sm // tiles), 8), "last"
-    elif precision == "tf32" and k_len >= 256 and 2 * tiles <= n_sm:
-        splits, merge = 2, "last"  # TF32 with few programs: two key halves in one wave (sweep 6)
+    elif dtype == torch.float32 and k_len >= 256 and 2 * tiles <= n_sm:
+        splits, merge = 2, "last"  # fp32 with few programs: two key halves in one wave (sweeps 6-7)
     return AttentionConfig(block_q, block_k, splits, num_warps=num_warps, num_stages=num_stages, peel=peel,
                            merge=merge)
 
