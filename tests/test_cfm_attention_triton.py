@@ -255,6 +255,47 @@ def test_cases_cover_edges() -> None:
     assert any(c.nan_padding for c in CASES)
 
 
+def test_choose_config_split_rule() -> None:
+    """The measured split decisions (bench/NOTES_attention.md, sweeps 6-7) and their invariant."""
+    import triton
+
+    from torch_cfm.kernels.cfm_attention import choose_config
+
+    for precision in ("tf32", "ieee"):  # fp32, few programs: two key halves, merged in-kernel
+        cfg = choose_config(torch.float32, 64, 16, 50, 450, 132, precision)
+        assert (cfg.block_q, cfg.splits, cfg.merge) == (16, 2, "last")
+    assert choose_config(torch.float32, 64, 64, 50, 450, 132, "tf32").splits == 1  # a full wave already
+    assert choose_config(torch.float32, 64, 16, 50, 200, 132, "tf32").splits == 1  # short key range
+    for rows_heads in (16, 64, 256):  # fp16 never gained from a split at streaming sizes
+        assert choose_config(torch.float16, 64, rows_heads, 50, 450, 132).splits == 1
+    long_k = choose_config(torch.float16, 64, 4, 20, 4096, 132)
+    assert long_k.splits > 1 and long_k.merge == "last"
+    for dtype, precision in ((torch.float16, None), (torch.float32, "tf32"), (torch.float32, "ieee")):
+        for rows_heads in (1, 2, 8, 16, 33, 64, 256):
+            for q_len in (1, 16, 50, 150):
+                for k_len in (0, 64, 256, 450, 2048, 9000):
+                    cfg = choose_config(dtype, 64, rows_heads, q_len, k_len, 132, precision)
+                    if cfg.merge == "last" and cfg.splits > 1:  # the in-kernel merge is used in one wave only
+                        assert rows_heads * triton.cdiv(q_len, cfg.block_q) * cfg.splits <= 132, cfg
+
+
+def test_arrival_counters_reserve_disjoint_slices_and_never_reuse_them() -> None:
+    """Captured launches get counters of their own from the zeroed pool; a used-up (or missing)
+    pool answers None (the launcher then merges with the combine kernel)."""
+    from torch_cfm.kernels.cfm_attention import ArrivalCounters
+
+    counters, dev = ArrivalCounters(), torch.device("cuda", 0)
+    assert counters.reserve_for_capture(dev, 8) is None  # no eager launch has made a pool yet
+    pool = torch.zeros(20, dtype=torch.int32)
+    counters._pool[0] = (pool, 0)
+    a, b = counters.reserve_for_capture(dev, 8), counters.reserve_for_capture(dev, 8)
+    a.fill_(1)
+    b.fill_(2)
+    assert pool[:16].tolist() == [1] * 8 + [2] * 8 and pool[16:].tolist() == [0] * 4
+    assert counters.reserve_for_capture(dev, 8) is None  # 4 left: never hands out a used slot
+    assert counters.reserve_for_capture(dev, 4) is not None
+
+
 # ---------------------------------------------------------------------------------------------
 # CUDA (H200): every dtype/precision, the default heuristic at the bench shapes, explicit
 # split/no-split variants, graph capture and sync-freedom.
