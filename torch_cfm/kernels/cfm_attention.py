@@ -30,6 +30,7 @@ the same code on CPU tensors, and graph capture never benchmarks.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -311,10 +312,11 @@ def choose_config(dtype: torch.dtype, head_dim: int, rows_heads: int, q_len: int
     there are very few programs; tf32 pipelines 3 deep at medium sizes and walks unpeeled at
     large ones. Splits: fp32 with so few programs that two key halves still fit one wave
     (K >= 256) splits in 2 merged by the last program (sweeps 6-7, (2,50,450): TF32 8.65 -> 6.81
-    µs, 3xTF32 12.24 -> 9.21; fp16 never gained from a split); long key ranges with few programs split too (untested beyond
-    K = 524: a conservative extrapolation), also merged in-kernel (one wave by construction; the
-    last-program merge beat the combine kernel at every one-wave shape of sweep 6). D = 128 tiles
-    are chosen from the ptxas register report (no spills), not timed; D = 16/32 reuse D = 64's.
+    µs, 3xTF32 12.24 -> 9.21; fp16 never gained from a split). Long key ranges with few programs
+    split too (untested beyond K = 524: a conservative extrapolation), also merged in-kernel (one
+    wave by construction; the last-program merge beat the combine kernel at every one-wave shape
+    of sweep 6). D = 128 tiles are chosen from the ptxas register report (no spills), not timed;
+    D = 16/32 reuse the D = 64 choice.
 
     Args:
         dtype: q/k/v dtype.
@@ -374,6 +376,7 @@ class ArrivalCounters:
     POOL = 1 << 18
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()  # launches (and captures) may come from several threads
         self._eager: dict[tuple[int, int], torch.Tensor] = {}
         self._pool: dict[int, tuple[torch.Tensor, int]] = {}  # device index -> (pool, next free)
         self._retired: list[torch.Tensor] = []  # used-up pools: captured graphs still point into them
@@ -383,26 +386,30 @@ class ArrivalCounters:
         return device.index if device.index is not None else torch.cuda.current_device()
 
     def for_eager(self, device: torch.device, n: int) -> torch.Tensor:
+        """Counters for an eager launch of ``n`` tiles on the current stream (tops the pool up)."""
         index = self._index(device)
         key = (index, torch.cuda.current_stream(index).cuda_stream)
-        buf = self._eager.get(key)
-        if buf is None or buf.numel() < n:
-            buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-            self._eager[key] = buf
-        pool = self._pool.get(index)
-        if pool is None or pool[0].numel() - pool[1] < self.POOL // 4:
-            if pool is not None:
-                self._retired.append(pool[0])
-            self._pool[index] = (torch.zeros(self.POOL, dtype=torch.int32, device=device), 0)
+        with self._lock:
+            buf = self._eager.get(key)
+            if buf is None or buf.numel() < n:
+                buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+                self._eager[key] = buf
+            pool = self._pool.get(index)
+            if pool is None or pool[0].numel() - pool[1] < self.POOL // 4:
+                if pool is not None:
+                    self._retired.append(pool[0])
+                self._pool[index] = (torch.zeros(self.POOL, dtype=torch.int32, device=device), 0)
         return buf
 
     def reserve_for_capture(self, device: torch.device, n: int) -> Optional[torch.Tensor]:
+        """``n`` counters of the pool that no other launch will ever get, or None."""
         index = self._index(device)
-        pool = self._pool.get(index)
-        if pool is None or pool[0].numel() - pool[1] < n:
-            return None
-        buf, start = pool
-        self._pool[index] = (buf, start + n)
+        with self._lock:
+            pool = self._pool.get(index)
+            if pool is None or pool[0].numel() - pool[1] < n:
+                return None
+            buf, start = pool
+            self._pool[index] = (buf, start + n)
         return buf[start:start + n]
 
 
