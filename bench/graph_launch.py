@@ -3,12 +3,18 @@
 A served chunk is serialised as host work (staging, graph key, ``cudaGraphLaunch``) then GPU work;
 session 4 measured ~2.5 ms of ``cudaGraphLaunch`` per server chunk (`results/dit_server_profile.txt`).
 This script captures both graphs of one bucket (B = 4 requests, T = 50, L = 400, random weights)
-with CUDA-graph debug mode on and reports, per graph: nodes by type and the most frequent kernels
-(from the graph's DOT dump), edges, host µs of ``graph.replay()`` (synchronised before, nothing
-waited for inside) and GPU µs of one replay (events). Run it again with ``TORCH_CFM_PDL=0`` to
-see what programmatic dependent launch edges cost at launch.
+and reports, per graph: host µs of ``graph.replay()`` (synchronised before, nothing waited for
+inside), GPU µs of one replay (events), for the server also the host µs of a whole
+``solve_chunk`` and a cProfile of it, and (debug graphs only) nodes by type and the most frequent
+kernels from the graph's DOT dump. Run it again with ``TORCH_CFM_PDL=0`` to see what programmatic
+dependent launch edges cost at launch.
 
-    python3 bench/graph_launch.py --out bench/results --dtype fp16
+    python3 bench/graph_launch.py --out bench/results --dtype fp16 [--plain-graphs]
+
+Session 5 ran it with debug graphs (the default: ``keep_graph=True`` + debug mode, for the DOT
+dump); on torch 2.11 the dump wrote no file, so those rows have no node counts. ``--plain-graphs``
+captures ordinary graphs, to check whether debug graphs explain why ``solve_chunk`` took 0.69 ms
+of host time here but 2.2-2.7 ms in ``bench/dit_step.py --profile-server`` (bench/NOTES.md).
 
 Writes ``graph_launch.json`` (one row per graph, with provenance) under ``--out``.
 """
@@ -145,6 +151,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="fp16", choices=sorted(DTYPES))
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--plain-graphs", action="store_true",
+                    help="ordinary CUDA graphs (default: debug graphs kept for their DOT dump)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/graph_launch.py needs a CUDA device")
@@ -153,7 +161,8 @@ def main(argv=None) -> int:
 
     dtype, precision = DTYPES[args.dtype]
     env = env_info()
-    torch.cuda.CUDAGraph = _DebugGraph  # every graph built below keeps its DOT
+    if not args.plain_graphs:
+        torch.cuda.CUDAGraph = _DebugGraph  # every graph built below keeps its DOT
     rows = []
     with torch.no_grad(), tf32_ctx(dtype, precision)():
         model = random_dit(DiTConfig(), seed=0).to("cuda", dtype)
@@ -162,13 +171,16 @@ def main(argv=None) -> int:
             built = build()
             graph = built[-1]
             row = dict(env, op="graph_launch", provider=name, shape={"B": B, "N": 2 * B, "T": T, "L": L},
-                       dtype=args.dtype, precision=precision, pdl_env=os.environ.get("TORCH_CFM_PDL"))
+                       dtype=args.dtype, precision=precision, pdl_env=os.environ.get("TORCH_CFM_PDL"),
+                       debug_graphs=not args.plain_graphs)
             row.update(time_graph(graph, args.repeats))
             if name == "server":
                 row.update(server_host_profile(built[0], built[1], args.repeats))
-            row.update(graph_nodes(graph))
+            if not args.plain_graphs:
+                row.update(graph_nodes(graph))
             rows.append(row)
-            print(json.dumps({k: row.get(k) for k in ("provider", "pdl_env", "host_replay_us_p50", "gpu_replay_us_p50",
+            print(json.dumps({k: row.get(k) for k in ("provider", "pdl_env", "debug_graphs", "host_replay_us_p50",
+                                                      "gpu_replay_us_p50",
                                                       "solve_chunk_host_us_p50", "node_types", "edges",
                                                       "top_kernels")}), flush=True)
     os.makedirs(args.out, exist_ok=True)

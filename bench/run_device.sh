@@ -6,7 +6,7 @@
 # Usage: BENCH_COMMIT=<git hash> bash bench/run_device.sh [stage ...]
 #   tests          the whole suite with CUDA (GPU-marked tests included), hypothesis "ci" profile
 #   tests-gpu      the GPU-marked tests of the ops, graphs and compile rules only (~5 min with 12
-#                  workers; GPU_TESTS="file ..." picks a subset)
+#                  workers; GPU_TESTS="file ..." picks files, GPU_TESTS_K="expr" a pytest -k filter)
 #   tests-cpu-ops  the CPU tests of the op contract and failure files on this box's build (the C++
 #                  CPU kernel's error paths with this compiler/torch pair)
 #   props          the property suite under the hypothesis "gpu" profile, with case counts
@@ -18,6 +18,8 @@
 #                  DIT_ARGS narrows it, e.g. "--no-solve --variants none --providers torch_cfm")
 #   dit-compile    the torch.compile max-autotune peer at (8,50,400) fp16 with torch_cfm and the
 #                  reference graph in the same run (~3 min of compilation)
+#   graph-launch   bench/graph_launch.py: host µs of the solve graphs' launch and of CFMServer.solve_chunk
+#                  (GRAPH_LAUNCH_ARGS, e.g. "--plain-graphs")
 #   ncu-attention  Nsight Compute (full set, SASS source counters) of the attention kernel at
 #                  (8,50,450) fp16 and fp32-tf32 (bench/profile_attention.py), when ncu exists
 # Default: tests memcheck attention dit-full. The device copy has no .git: pass BENCH_COMMIT.
@@ -52,7 +54,8 @@ export CXX=${TORCH_CFM_CXX:-g++} CC=${TORCH_CFM_CC:-gcc}
       tests)  # SIGINT at the limit so pytest still prints its summary of what ran
         timeout -s INT "$(limit tests 420)" $PYTEST > "$OUT/tests.log" 2>&1; summary "$OUT/tests.log" ;;
       tests-gpu)
-        timeout -s INT "$(limit tests-gpu 200)" $PYTEST -m gpu $GPU_TESTS > "$OUT/tests_gpu.log" 2>&1
+        timeout -s INT "$(limit tests-gpu 200)" $PYTEST -m gpu ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} $GPU_TESTS \
+          > "$OUT/tests_gpu.log" 2>&1
         summary "$OUT/tests_gpu.log" ;;
       tests-cpu-ops)
         timeout -s INT "$(limit tests-cpu-ops 120)" $PYTEST -m "not gpu" tests/test_cfm_attention_contract.py \
@@ -83,6 +86,10 @@ export CXX=${TORCH_CFM_CXX:-g++} CC=${TORCH_CFM_CC:-gcc}
           --variants none --providers torch_cfm,reference_graph,torch_compile_graph --out "$OUT" \
           > "$OUT/dit_compile.log" 2>&1
         grep -E "^dit_step" "$OUT/dit_compile.log" ;;
+      graph-launch)  # host cost of the solve graphs' launch and of CFMServer.solve_chunk
+        timeout "$(limit graph-launch 150)" python3 bench/graph_launch.py --out "$OUT" ${GRAPH_LAUNCH_ARGS:-} \
+          > "$OUT/graph_launch.log" 2>&1
+        grep "^{" "$OUT/graph_launch.log" ;;
       ncu-attention)
         NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
         if [ -z "$NCU" ]; then echo "no ncu on this machine"; continue; fi
