@@ -287,7 +287,8 @@ def check_triton_rows_independent(device, spec, dtype, data):
     tiles = [16, 32] if spec.d == 128 else [16, 32, 64]
     cfg = AttentionConfig(data.draw(st.sampled_from(tiles), label="block_q"),
                           data.draw(st.sampled_from(tiles), label="block_k"),
-                          data.draw(st.sampled_from([1, 2, 3, 8]), label="splits"))
+                          data.draw(st.sampled_from([1, 2, 3, 8]), label="splits"),
+                          merge=data.draw(st.sampled_from(["kernel", "last"]), label="merge"))
     case = S.build_attention(spec, device, dtype)
     precision = "ieee" if dtype == torch.float32 else None
     full = cfm_attention_triton(case.q, case.k, case.v, case.key_lengths, case.mask, case.kv_rows,
