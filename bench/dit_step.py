@@ -265,21 +265,33 @@ SWEEP = ({"block_m": 32}, {"block_m": 64}, {"block_m": 64, "num_warps": 8}, {"bl
          {"block_m": 64, "num_stages": 2})
 
 
+# v5's fused attention + cache kernel (torch_cfm.kernels.dit_attention.LAUNCH_OVERRIDE); {} = its defaults
+SWEEP_V5 = ({}, {"num_warps": 4}, {"block_k": 32}, {"block_c": 32}, {"num_stages": 3},
+            {"block_k": 32, "num_warps": 4})
+
+
 def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
-    """Time the v3 step under each tile override of SWEEP (torch_cfm.kernels.dit_gemm.TILE_OVERRIDE)."""
-    from torch_cfm.kernels import dit_gemm
+    """Time the v3 step under each tile override of SWEEP (torch_cfm.kernels.dit_gemm.TILE_OVERRIDE)
+    and the v5 step under each launch override of SWEEP_V5 (kernels.dit_attention.LAUNCH_OVERRIDE)."""
+    from torch_cfm.kernels import dit_attention, dit_gemm
 
     rows = []
+    plans = [("v3", dit_gemm.TILE_OVERRIDE, over) for over in SWEEP]
+    plans += [("v5", dit_attention.LAUNCH_OVERRIDE, over) for over in SWEEP_V5]
     for n, t, l_len in shapes:
         for dname in dnames:
             dtype, precision = DTYPES[dname]
             model = copy.deepcopy(base).to(device=DEVICE, dtype=dtype)
             inp = step_inputs(cfg, n, t, l_len, dtype)
-            fused = [f for f in step_providers(model, dtype, inp, dname, precision) if f[1] == "v3"][0][2]
-            for over in SWEEP:
-                dit_gemm.TILE_OVERRIDE.clear()
-                dit_gemm.TILE_OVERRIDE.update(over)
-                tag = "sweep_v3_" + "_".join(f"{k}{v}" for k, v in over.items())
+            providers = step_providers(model, dtype, inp, dname, precision)
+            for variant, override, over in plans:
+                found = [f for f in providers if f[1] == variant]
+                if not found:  # the default variant is listed under its own name only
+                    continue
+                fused = found[0][2]
+                override.clear()
+                override.update(over)
+                tag = f"sweep_{variant}_" + ("_".join(f"{k}{v}" for k, v in over.items()) or "default")
                 row = dict(op="dit_step", provider="torch_cfm", variant=tag, shape={"N": n, "T": t, "L": l_len},
                            dtype=dname.split("-")[0], precision=precision, timing="cuda_graph")
                 try:
@@ -290,7 +302,7 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 rows.append(_row(env, **row))
                 print(f"sweep {n},{t},{l_len} {dname} {tag}: p50 {row.get('us_p50')} us", flush=True)
-            dit_gemm.TILE_OVERRIDE.clear()
+                override.clear()
     return rows
 
 

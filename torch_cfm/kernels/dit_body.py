@@ -13,6 +13,9 @@ by three Triton kernels that do everything between them in one pass each:
   (row n: its T_n current k|v frames, then its L_n old frames, then zeros).
 * ``_cfg_euler_kernel``: CFG combine + Euler update of x, written back into the staged input.
 
+Variant "v5" replaces the q/k-norm kernel and the attention call of each block with one kernel
+(:mod:`torch_cfm.kernels.dit_attention`).
+
 :func:`dit_body_triton` is the host driver of one body call (sync-free, graph-capturable).
 """
 
@@ -28,13 +31,14 @@ from ..config import BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS
 from ..packing import (GATE_A, GATE_C, GATE_M, MOD_VECTORS, PER_BLOCK, SCALE_A, SCALE_C, SCALE_M,
                        SHIFT_A, SHIFT_C, SHIFT_M)
 from ._launch import on_device
+from .dit_attention import attention_cache
 
 CONV_HISTORY = 2  # causal conv k=3: 2 cached frames in front of the chunk
-VARIANTS = ("v1", "v2", "v3", "v4")
+VARIANTS = ("v1", "v2", "v3", "v4", "v5")
 DEFAULT_VARIANT = None  # None: per dtype/precision from VARIANT_BY_PRECISION (set from bench/NOTES.md)
-# Measured on the H200 (bench/NOTES.md, session 2, (8, 50, 400) fp16 per step): v1 1.123 ms (0.982 with
-# one row per rownorm program), v2 1.165, v3 3.98; v4 not measured yet. v3's Triton TF32 dots are ~2x
-# cuBLAS TF32 error (outside the oracle): never for tf32.
+# Measured on the H200 (bench/NOTES.md, sessions 2-3, (8, 50, 400) fp16 per step): v1 1.123 ms (0.982 with
+# one row per rownorm program), v2 1.165, v3 3.98, v4 1.039 vs v1 1.041 (no gain); v5 not measured yet.
+# v3's Triton TF32 dots are ~2x cuBLAS TF32 error (outside the oracle): never for tf32.
 VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
 
 
@@ -547,6 +551,13 @@ def _attention_precision(dtype: torch.dtype, precision: Optional[str]) -> str:
     return precision if (dtype == torch.float32 and precision in ("tf32", "ieee")) else "auto"
 
 
+def _v5_dot_precision(dtype: torch.dtype, precision: Optional[str]) -> str:
+    """v5's attention dots: as ``cfm_attention``'s (fp32 "ieee" = 3xTF32, see its kernel module)."""
+    if dtype != torch.float32:
+        return "tf32"  # ignored for 16-bit operands
+    return "tf32" if precision == "tf32" else "tf32x3"
+
+
 def _mod_off(i: int, j: int, c: int) -> int:
     return (i * MOD_VECTORS + j) * c
 
@@ -583,6 +594,8 @@ def dit_body_triton(
       block's new cache are copied on a side stream forked at the start of the step
       (:class:`_OldFramesOnSideStream`), off the critical path: 12 kernels per block on the
       caller's stream + 1 copy per block beside it.
+    * "v5": v1 with the q/k norm, the new-cache write and the attention in one kernel
+      (:mod:`torch_cfm.kernels.dit_attention`): 11 kernels per block.
     """
     variant = variant or choose_variant(x_in.dtype, precision)
     if variant not in VARIANTS:
@@ -601,7 +614,7 @@ def dit_body_triton(
     a = torch.empty((m, c), dtype=cd, device=dev)
     y = torch.empty((m, c), dtype=cd, device=dev)
     qkv = None if variant == "v2" else torch.empty((m, 3 * inner), dtype=cd, device=dev)
-    qbuf = torch.empty((n_rows, t_len, heads, head_dim), dtype=cd, device=dev)
+    qbuf = torch.empty((n_rows, t_len, heads, head_dim), dtype=cd, device=dev)  # v5: the attention output
     hist1 = torch.empty((n_rows * (t_len + CONV_HISTORY), c), dtype=cd, device=dev)
     hist2 = torch.empty_like(hist1)
     z = torch.empty((n_rows * (t_len + CONV_HISTORY), 3 * c), dtype=cd, device=dev)
@@ -621,7 +634,14 @@ def dit_body_triton(
          c2_w, c2_b, fc1_w, fc1_b, fc2_w, fc2_b) = weights[2 + PER_BLOCK * i: 2 + PER_BLOCK * (i + 1)]
         cnn_i = cnn_cache[i] if cnn_cache is not None else None
         # attention: packed QKV GEMM, q/k norm + cache write, attention over the new cache
-        if v2:
+        if variant == "v5":
+            torch.addmm(qkv_b, a, qkv_w.t(), out=qkv)
+            old = att_cache[i] if att_cache is not None and att_cache.shape[3] > 0 else None
+            attention_cache(qkv, (qn_w, qn_b, kn_w, kn_b), old, new_att[i], qbuf, valid, cached,
+                            heads=heads, head_dim=head_dim, dot_precision=_v5_dot_precision(cd, precision),
+                            **common)
+            torch.addmm(proj_b, qbuf.view(m, inner), proj_w.t(), out=y)
+        elif v2:
             qkv_gemm_cache(a, qkv_w, qkv_b, (qn_w, qn_b, kn_w, kn_b), qbuf, new_att[i], valid, t_len=t_len,
                            heads=heads, head_dim=head_dim, precision=precision)
         elif shift is not None:
@@ -634,11 +654,12 @@ def dit_body_triton(
             old = att_cache[i] if att_cache is not None and att_cache.shape[3] > 0 else None
             qk_cache(qkv, (qn_w, qn_b, kn_w, kn_b), qbuf, old, new_att[i], valid, cached,
                      heads=heads, head_dim=head_dim, **common)
-        kv = new_att[i]
-        o = torch.ops.torch_cfm.cfm_attention.default(
-            qbuf.permute(0, 2, 1, 3), kv[..., :head_dim], kv[..., head_dim:], key_lengths, None, None,
-            att_precision)
-        torch.addmm(proj_b, o.transpose(1, 2).reshape(m, inner), proj_w.t(), out=y)
+        if variant != "v5":
+            kv = new_att[i]
+            o = torch.ops.torch_cfm.cfm_attention.default(
+                qbuf.permute(0, 2, 1, 3), kv[..., :head_dim], kv[..., head_dim:], key_lengths, None, None,
+                att_precision)
+            torch.addmm(proj_b, o.transpose(1, 2).reshape(m, inner), proj_w.t(), out=y)
         # residual + gate_a, LN, modulation (c) -> conv-1 history (frames 0,1 from the conv cache)
         rownorm(y, h, hist1, valid, table=mod_table, gate=_mod_off(i, GATE_A, c),
                 shift=_mod_off(i, SHIFT_C, c), scale=_mod_off(i, SCALE_C, c),
@@ -690,7 +711,7 @@ def _body_v3(x_in, weights, table, cnn_cache, att_cache, valid, cached, precisio
     hstats = torch.empty((m, nt, 2), dtype=torch.float32, device=dev)
     u = torch.empty((m, c), dtype=torch.float32, device=dev)
     ustats = torch.empty((m, nt, 2), dtype=torch.float32, device=dev)
-    qbuf = torch.empty((n_rows, t_len, heads, head_dim), dtype=cd, device=dev)
+    qbuf = torch.empty((n_rows, t_len, heads, head_dim), dtype=cd, device=dev)  # v5: the attention output
     fbuf = torch.empty((m, mlp), dtype=cd, device=dev)
     common = dict(m=m, t_len=t_len, c=c, valid=valid, precision=precision)
 

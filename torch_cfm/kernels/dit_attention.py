@@ -1,0 +1,210 @@
+"""One Triton kernel for a DiT block's attention *and* its new attention cache (body variant "v5").
+
+Variant v1 runs two kernels per block between the QKV GEMM and the proj GEMM: ``_dit_qk_cache_kernel``
+(q/k LayerNorm over D, the new (N, H, T+L, 2D) cache written whole: current frames, then the
+old ones, then zeros) and ``cfm_attention`` over that new cache. ``_dit_attention_cache_kernel``
+does both in one pass: program = (row, head, query tile); it normalises its queries in registers,
+then walks the new cache's frames f = 0 .. T+L in key tiles, building each tile from its sources
+(f < T_n: the QKV GEMM output, k normalised; T_n <= f < T_n + L_n: old frame f - T_n; beyond:
+zeros), writes the tile into the new cache (query tile 0 only: every frame is written exactly once)
+and, for f < T_n + L_n, feeds it to the online softmax (FP32 statistics, ``exp2`` with the
+log2(e)/sqrt(D) scale folded in, as in :mod:`torch_cfm.kernels.cfm_attention`). A row with no
+valid key gets exactly 0.
+
+Removes per block one launch and one full read of the new cache (the attention read it back from
+memory in v1); costs the key tiles a trip through registers (no cp.async straight to shared
+memory). Same math and rounding points as v1 (k and q rounded to the compute dtype before the
+dots, the cache stores what the dots read), so it is checked against the same SPEC §6 oracle.
+Not measured on a GPU yet: ``choose_variant`` does not pick it (bench/NOTES.md, session 5).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import QK_NORM_EPS
+from ._launch import on_device
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _layer_norm_rows(x, w_ptr, b_ptr, offs_d, eps, HEAD_DIM: tl.constexpr):
+    """LayerNorm of each row of x (rows, D) float32 over D, with the (D,) affine."""
+    mu = tl.sum(x, axis=1) / HEAD_DIM
+    xc = x - mu[:, None]
+    rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / HEAD_DIM + eps)
+    return (xc * rstd[:, None] * tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
+            + tl.load(b_ptr + offs_d).to(tl.float32)[None, :])
+
+
+@triton.jit
+def _old_tile(old_base, f, tn, ln, s_old_f, s_old_e, offs_d, cdt: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Frames f of the new cache that come from the old one (old frame f - T_n), zeros elsewhere."""
+    j = f - tn
+    in_old = ((f >= tn) & (j < ln))[:, None]
+    rows = old_base + j.to(tl.int64)[:, None] * s_old_f
+    ko = tl.load(rows + offs_d[None, :] * s_old_e, mask=in_old, other=0.0).to(cdt)
+    vo = tl.load(rows + (HEAD_DIM + offs_d)[None, :] * s_old_e, mask=in_old, other=0.0).to(cdt)
+    return ko, vo
+
+
+@triton.jit
+def _store_tile(new_base, f, k, v, total, s_new_f, s_new_e, offs_d, HEAD_DIM: tl.constexpr):
+    rows = new_base + f.to(tl.int64)[:, None] * s_new_f
+    ok = (f < total)[:, None]
+    tl.store(rows + offs_d[None, :] * s_new_e, k, mask=ok)
+    tl.store(rows + (HEAD_DIM + offs_d)[None, :] * s_new_e, v, mask=ok)
+
+
+@triton.jit
+def _attend_tile(q, k, v, f, length, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update with one key tile (keys f >= length ignored)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    s = tl.where((f < length)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s * qk_scale - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["T", "L", "H", "q_tiles"])
+def _dit_attention_cache_kernel(
+    qkv_ptr, stride_qkv,        # (N*T, 3*H*D) packed q | k | v GEMM output (bias included)
+    qn_w_ptr, qn_b_ptr, kn_w_ptr, kn_b_ptr,  # (D,) q/k LayerNorm affine
+    old_ptr, s_old_n, s_old_h, s_old_f, s_old_e,   # (N, H, L, 2D) old cache [HAS_OLD]
+    new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,   # (N, H, T+L, 2D) new cache (written)
+    out_ptr,                    # (N, T, H, D) contiguous attention output (written)
+    valid_ptr, cached_ptr,      # (N,) int32 T_n, L_n, already clamped to [0, T] / [0, L]
+    T, L, H, q_tiles, eps, qk_scale,
+    HAS_OLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    q_tile = pid % q_tiles
+    nh = pid // q_tiles
+    n = (nh // H).to(tl.int64)
+    h = nh % H
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_k = tl.arange(0, BLOCK_K)
+    inner = H * HEAD_DIM
+    tn = tl.load(valid_ptr + n)
+    ln = tl.load(cached_ptr + n) if HAS_OLD else 0
+    length = tn + ln
+    total = T + L
+    cdt = new_ptr.dtype.element_ty
+
+    # queries (every current frame, padding queries included, as v1): LayerNorm over D, rounded
+    # to the compute dtype as v1's query buffer is
+    tq = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_ok = tq < T
+    x = tl.load(qkv_ptr + (n * T + tq)[:, None] * stride_qkv + (h * HEAD_DIM + offs_d)[None, :],
+                mask=q_ok[:, None], other=0.0).to(tl.float32)
+    q = _layer_norm_rows(x, qn_w_ptr, qn_b_ptr, offs_d, eps, HEAD_DIM).to(cdt)
+
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+    write_cache = q_tile == 0  # every frame of the new cache is written by exactly one program
+    new_base = new_ptr + n * s_new_n + h * s_new_h
+    old_base = old_ptr + n * s_old_n + h * s_old_h
+
+    # 1. tiles of BLOCK_C frames holding current frames (f < T_n; the last may continue with old
+    #    frames). Small tiles: their k LayerNorm keeps a (BLOCK_C, D) float32 block live.
+    offs_c = tl.arange(0, BLOCK_C)
+    for k0 in range(0, tn, BLOCK_C):
+        f = k0 + offs_c
+        cur = (f < tn)[:, None]
+        krow = (n * T + f)[:, None] * stride_qkv
+        kx = tl.load(qkv_ptr + krow + (inner + h * HEAD_DIM + offs_d)[None, :], mask=cur, other=0.0)
+        k = _layer_norm_rows(kx.to(tl.float32), kn_w_ptr, kn_b_ptr, offs_d, eps, HEAD_DIM).to(cdt)
+        v = tl.load(qkv_ptr + krow + (2 * inner + h * HEAD_DIM + offs_d)[None, :], mask=cur, other=0.0).to(cdt)
+        if HAS_OLD:
+            ko, vo = _old_tile(old_base, f, tn, ln, s_old_f, s_old_e, offs_d, cdt, HEAD_DIM)
+            k = tl.where(cur, k, ko)
+            v = tl.where(cur, v, vo)
+        else:
+            k = tl.where(cur, k, tl.zeros_like(k))
+        if write_cache:
+            _store_tile(new_base, f, k, v, total, s_new_f, s_new_e, offs_d, HEAD_DIM)
+        m_i, l_i, acc = _attend_tile(q, k, v, f, length, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    # 2. tiles of old frames only, up to the row's key length
+    start = tl.cdiv(tn, BLOCK_C) * BLOCK_C
+    end = start
+    if HAS_OLD:
+        end = start + tl.cdiv(tl.maximum(length - start, 0), BLOCK_K) * BLOCK_K
+        for k0 in range(start, length, BLOCK_K):
+            f = k0 + offs_k
+            k, v = _old_tile(old_base, f, tn, ln, s_old_f, s_old_e, offs_d, cdt, HEAD_DIM)
+            if write_cache:
+                _store_tile(new_base, f, k, v, total, s_new_f, s_new_e, offs_d, HEAD_DIM)
+            m_i, l_i, acc = _attend_tile(q, k, v, f, length, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    # 3. the rest of the new cache: zeros
+    if write_cache:
+        zero = tl.zeros([BLOCK_K, HEAD_DIM], dtype=cdt)
+        for k0 in range(end, total, BLOCK_K):
+            _store_tile(new_base, k0 + offs_k, zero, zero, total, s_new_f, s_new_e, offs_d, HEAD_DIM)
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no valid key: acc = 0 -> exactly 0
+    tl.store(out_ptr + ((n * T + tq) * inner + h * HEAD_DIM)[:, None] + offs_d[None, :], o.to(cdt),
+             mask=q_ok[:, None])
+
+
+# Launch parameters by compute-dtype family, overridable for sweeps (bench/dit_step.py --sweep).
+# Chosen from the register report of Triton 3.6 for sm_90 (ptxas spills, bench/NOTES.md session 5),
+# not timed yet.
+LAUNCH = {"16bit": dict(block_k=64, block_c=16, num_warps=8, num_stages=2),
+          "fp32": dict(block_k=32, block_c=16, num_warps=4, num_stages=2)}
+LAUNCH_OVERRIDE: dict = {}
+
+
+def attention_tiles(dtype: torch.dtype, head_dim: int, t_len: int) -> dict:
+    """Launch parameters: v1's query tiles (wgmma-sized for 16-bit inputs) and :data:`LAUNCH`."""
+    block_q = 16 if t_len <= 16 else 32 if (t_len <= 32 or dtype == torch.float32) else 64
+    cfg = dict(LAUNCH["fp32" if dtype == torch.float32 else "16bit"], block_q=block_q)
+    cfg.update(LAUNCH_OVERRIDE)
+    if head_dim > 64:
+        cfg["block_k"] = min(cfg["block_k"], 32)
+    return cfg
+
+
+def attention_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], old: Optional[torch.Tensor],
+                    new: torch.Tensor, out: torch.Tensor, valid: torch.Tensor, cached: torch.Tensor, *,
+                    n_rows: int, t_len: int, heads: int, head_dim: int, dot_precision: str) -> None:
+    """Launch ``_dit_attention_cache_kernel`` for one block (sync-free, graph-capturable).
+
+    Args:
+        qkv: (N*T, 3*H*D) packed q | k | v (the QKV GEMM output, bias included), compute dtype.
+        norms: (q_w, q_b, k_w, k_b), each (D,).
+        old: (N, H, L, 2D) old cache in the compute dtype, or None (L = 0).
+        new: (N, H, T+L, 2D) new cache, written whole (current frames, old frames, zeros).
+        out: (N, T, H, D) contiguous attention output.
+        valid, cached: (N,) int32 T_n, L_n, already clamped.
+        dot_precision: Triton ``input_precision`` ("tf32" for 16-bit inputs, "tf32" | "tf32x3" |
+            "ieee" for float32).
+    """
+    l_len = 0 if old is None else old.shape[2]
+    if n_rows == 0 or t_len + l_len == 0:
+        return
+    if not out.is_contiguous():
+        raise ValueError("attention_cache: out must be a contiguous (N, T, H, D) buffer")
+    cfg = attention_tiles(new.dtype, head_dim, t_len)
+    q_tiles = max(1, triton.cdiv(t_len, cfg["block_q"]))  # T = 0 still needs the programs that copy the cache
+    o = old if old is not None and l_len > 0 else new
+    with on_device(qkv.device):
+        _dit_attention_cache_kernel[(n_rows * heads * q_tiles,)](
+            qkv, qkv.stride(0), *norms,
+            o, o.stride(0), o.stride(1), o.stride(2), o.stride(3),
+            new, new.stride(0), new.stride(1), new.stride(2), new.stride(3),
+            out, valid, cached, t_len, l_len, heads, q_tiles, QK_NORM_EPS, LOG2E / math.sqrt(head_dim),
+            HAS_OLD=o is not new, HEAD_DIM=head_dim, BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"],
+            BLOCK_C=cfg["block_c"], DOT_PRECISION=dot_precision, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
