@@ -266,8 +266,7 @@ SWEEP = ({"block_m": 32}, {"block_m": 64}, {"block_m": 64, "num_warps": 8}, {"bl
 
 
 # v5's fused attention + cache kernel (torch_cfm.kernels.dit_attention.LAUNCH_OVERRIDE); {} = its defaults
-SWEEP_V5 = ({}, {"num_warps": 4}, {"block_k": 32}, {"block_c": 32}, {"num_stages": 3},
-            {"block_k": 32, "num_warps": 4})
+SWEEP_V5 = ({}, {"num_warps": 8}, {"num_stages": 2}, {"block_k": 32}, {"block_c": 32}, {"block_c": 64})
 
 
 def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:

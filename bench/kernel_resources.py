@@ -1,23 +1,25 @@
-"""Registers, spills and shared memory of the Triton kernels, compiled for a GPU target on any machine.
+"""Registers, spills, shared memory and load pipelining of the Triton kernels, compiled for a GPU
+target on any machine (no GPU needed).
 
-Triton compiles ahead of time without a GPU (``triton.compile`` with a ``GPUTarget``); the cubin's
-resource usage (``cuobjdump -res-usage``, shipped with Triton) shows register pressure and spills
-(``STACK`` bytes per thread) before any device time is spent. Use the Triton version of the GPU box
-for numbers that match it, e.g. on the CPU box:
+Triton compiles ahead of time without a GPU (``triton.compile`` with a ``GPUTarget``). This script
+specialises each kernel the way a real launch would (16-byte aligned pointers and multiples of 16
+marked divisible, integer arguments equal to 1 folded to constants, ``do_not_specialize`` honoured)
+from the argument values of a representative call, then reads the cubin's resource usage with
+``cuobjdump -res-usage`` (shipped with Triton) and counts the asynchronous copies in the PTX. Use
+the Triton version of the GPU box for numbers that match it, e.g. on the CPU box:
 
     pip download triton==3.6.0 --no-deps -d /tmp/whl && python3 -m zipfile -e /tmp/whl/triton-3.6.0-*.whl /tmp/tri36
     chmod +x /tmp/tri36/triton/backends/nvidia/bin/*
     PYTHONPATH=/tmp/tri36 python3 bench/kernel_resources.py            # sm_90 (H100/H200)
 
-Prints one line per kernel configuration: what ``choose_config`` picks for the SPEC §7 attention
-shapes, and the body's v5 attention + cache kernel at its default launch parameters. Not a
-benchmark (nothing runs): spills predict slowness, no spills do not predict speed.
+One line per kernel configuration: the attention kernel as ``choose_config`` picks it for the
+SPEC §7 shapes, and the body's v5 attention + cache kernel at its launch parameters. Not a
+benchmark (nothing runs): spills predict slowness, their absence does not predict speed.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import subprocess
 import sys
@@ -29,7 +31,43 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 _TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
-def _resources(compiled) -> str:
+def compile_like_launch(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int, arch: int):
+    """Compile ``kernel`` for sm_``arch`` as a launch with these argument values would.
+
+    ``args``: every runtime argument by name: a pointer as its Triton type string ("*fp16", assumed
+    16-byte aligned), an int as its value, a float as its value. ``constexprs``: the constexpr
+    parameters by name."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, consts, attrs = {}, dict(constexprs), {}
+    for i, param in enumerate(kernel.params):
+        name = param.name
+        if name in constexprs:
+            signature[name] = "constexpr"
+            continue
+        value = args[name]
+        if isinstance(value, str):  # pointer
+            signature[name] = value
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        elif param.do_not_specialize:
+            signature[name] = "i32"
+        elif value == 1:  # Triton folds integer arguments equal to 1 into the kernel
+            signature[name] = "constexpr"
+            consts[name] = 1
+        else:
+            signature[name] = "i32"
+            if value % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def describe(compiled) -> str:
+    """REG / STACK (spill bytes per thread) from cuobjdump, shared memory, async copies in the PTX."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -38,70 +76,66 @@ def _resources(compiled) -> str:
         fh.write(compiled.asm["cubin"])
     out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
     line = next((ln.strip() for ln in out.splitlines() if "REG:" in ln), "?")
-    return line.split(" SHARED")[0] + f" smem={compiled.metadata.shared}"
-
-
-def _compile(kernel, signature: dict, constexprs: dict, num_warps: int, num_stages: int, arch: int):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {k: ("constexpr" if k in constexprs else v) for k, v in signature.items()}
-    return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
-                          target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
-
-
-def _signature(kernel, pointer: str, ints: tuple[str, ...] = (), floats: tuple[str, ...] = (), **pointers) -> dict:
-    sig = {}
-    for name in inspect.signature(kernel.fn).parameters:
-        if name in pointers:
-            sig[name] = pointers[name]
-        elif name.endswith("_ptr"):
-            sig[name] = pointer
-        elif name in floats:
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-    return sig
+    ptx = compiled.asm["ptx"]
+    return (line.split(" SHARED")[0] + f" smem={compiled.metadata.shared}"
+            + f" cp.async={ptx.count('cp.async.cg') + ptx.count('cp.async.ca')}"
+            + f" wgmma={ptx.count('wgmma.mma_async')} mma.sync={ptx.count('mma.sync')}")
 
 
 def attention_rows(arch: int, n_sm: int) -> list[str]:
     from torch_cfm.config import ATTENTION_BENCH_SHAPES
+    from torch_cfm.kernels.cfm_attention import LOG2E, _dot_precision, choose_config
     from torch_cfm.kernels.cfm_attention import _cfm_attention_fwd_kernel as kernel
-    from torch_cfm.kernels.cfm_attention import _dot_precision, choose_config
 
     rows = []
-    heads, head_dim = 8, 64
+    heads, d = 8, 64
     for dtype, precision in ((torch.float16, None), (torch.float32, "tf32"), (torch.float32, "ieee")):
+        ty = "*" + _TRITON_TYPES[dtype]
         for n, q_len, k_len in ATTENTION_BENCH_SHAPES:
-            cfg = choose_config(dtype, head_dim, n * heads, q_len, k_len, n_sm, precision)
-            sig = _signature(kernel, f"*{_TRITON_TYPES[dtype]}", floats=("qk_scale",), lengths_ptr="*i32",
-                             rows_ptr="*i32", mask_ptr="*u8", part_ptr="*fp32", lse_ptr="*fp32", count_ptr="*i32")
-            const = dict(HEAD_DIM=head_dim, BLOCK_Q=cfg.block_q, BLOCK_K=cfg.block_k, HAS_LENGTHS=True,
-                         HAS_MASK=False, HAS_ROWS=False, DOT_PRECISION=_dot_precision(dtype, precision, cfg),
-                         PEEL=cfg.peel, USE_PDL=False, LAST_MERGES=cfg.splits > 1 and cfg.merge == "last")
-            if cfg.splits == 1:
-                const["n_splits"] = 1
-            compiled = _compile(kernel, sig, const, cfg.num_warps, cfg.num_stages, arch)
+            cfg = choose_config(dtype, d, n * heads, q_len, k_len, n_sm, precision)
+            q_tiles = -(-q_len // cfg.block_q)
+            # the bench's layout: q a (N, Q, H, D) buffer seen as (N, H, Q, D); k, v the halves of an
+            # (N, H, K, 2D) cache; out (N, Q, H, D) seen as (N, H, Q, D); lengths only
+            q_strides = (q_len * heads * d, d, heads * d, 1)
+            kv_strides = (heads * k_len * 2 * d, k_len * 2 * d, 2 * d, 1)
+            args = dict(q_ptr=ty, k_ptr=ty, v_ptr=ty, lengths_ptr="*i32", mask_ptr="*u8", rows_ptr="*i32",
+                        out_ptr=ty, part_ptr="*fp32", lse_ptr="*fp32", count_ptr="*i32",
+                        n_heads=heads, q_len=q_len, k_len=k_len, n_pool=n, q_tiles=q_tiles, n_splits=cfg.splits,
+                        n_rows_heads=n * heads, qk_scale=LOG2E / d ** 0.5)
+            for prefix, strides in (("q", q_strides), ("k", kv_strides), ("v", kv_strides), ("m", (0, 0, 0)),
+                                    ("o", q_strides)):
+                names = ("n", "q", "k") if prefix == "m" else ("n", "h", "k" if prefix in "kv" else "q", "d")
+                for name, stride in zip(names, strides):
+                    args[f"stride_{prefix}_{name}"] = stride
+            const = dict(HEAD_DIM=d, BLOCK_Q=cfg.block_q, BLOCK_K=cfg.block_k, HAS_LENGTHS=True, HAS_MASK=False,
+                         HAS_ROWS=False, DOT_PRECISION=_dot_precision(dtype, precision, cfg), PEEL=cfg.peel,
+                         USE_PDL=False, LAST_MERGES=cfg.splits > 1 and cfg.merge == "last")
+            compiled = compile_like_launch(kernel, args, const, cfg.num_warps, cfg.num_stages, arch)
             rows.append(f"cfm_attention {n},{q_len},{k_len} {_TRITON_TYPES[dtype]}-{precision or '16'} {cfg.name}: "
-                        + _resources(compiled))
+                        + describe(compiled))
     return rows
 
 
-def dit_attention_rows(arch: int) -> list[str]:
-    from torch_cfm.kernels.dit_attention import _dit_attention_cache_kernel as kernel
+def dit_attention_rows(arch: int, n_rows: int = 8, t_len: int = 50, l_len: int = 400) -> list[str]:
+    from torch_cfm.kernels.dit_attention import LOG2E, _dit_attention_cache_kernel as kernel
     from torch_cfm.kernels.dit_attention import attention_tiles
 
     rows = []
+    heads, d = 8, 64
     for dtype, dot in ((torch.float16, "tf32"), (torch.bfloat16, "tf32"), (torch.float32, "tf32"),
                        (torch.float32, "tf32x3")):
-        cfg = attention_tiles(dtype, 64, 50)
-        sig = _signature(kernel, f"*{_TRITON_TYPES[dtype]}", floats=("eps", "qk_scale"), valid_ptr="*i32",
-                         cached_ptr="*i32")
-        const = dict(HAS_OLD=True, HEAD_DIM=64, BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"],
+        ty = "*" + _TRITON_TYPES[dtype]
+        cfg = attention_tiles(dtype, d, t_len)
+        args = dict(qkv_ptr=ty, stride_qkv=3 * heads * d, qn_w_ptr=ty, qn_b_ptr=ty, kn_w_ptr=ty, kn_b_ptr=ty,
+                    old_ptr=ty, s_old_n=heads * l_len * 2 * d, s_old_h=l_len * 2 * d, s_old_f=2 * d, s_old_e=1,
+                    new_ptr=ty, s_new_n=heads * (t_len + l_len) * 2 * d, s_new_h=(t_len + l_len) * 2 * d,
+                    s_new_f=2 * d, s_new_e=1, out_ptr=ty, valid_ptr="*i32", cached_ptr="*i32",
+                    T=t_len, L=l_len, H=heads, q_tiles=-(-t_len // cfg["block_q"]), eps=1e-6, qk_scale=LOG2E / d ** 0.5)
+        const = dict(HAS_OLD=True, HEAD_DIM=d, BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"],
                      BLOCK_C=cfg["block_c"], DOT_PRECISION=dot)
-        compiled = _compile(kernel, sig, const, cfg["num_warps"], cfg["num_stages"], arch)
-        rows.append(f"dit_attention (v5) T=50 {_TRITON_TYPES[dtype]}-{dot} {cfg}: " + _resources(compiled))
+        compiled = compile_like_launch(kernel, args, const, cfg["num_warps"], cfg["num_stages"], arch)
+        rows.append(f"dit_attention (v5) {n_rows},{t_len},{l_len} {_TRITON_TYPES[dtype]}-{dot} {cfg}: "
+                    + describe(compiled))
     return rows
 
 

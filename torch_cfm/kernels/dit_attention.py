@@ -158,10 +158,12 @@ def _dit_attention_cache_kernel(
              mask=q_ok[:, None])
 
 
-# Launch parameters by compute-dtype family, overridable for sweeps (bench/dit_step.py --sweep).
-# Chosen from the register report of Triton 3.6 for sm_90 (ptxas spills, bench/NOTES.md session 5),
-# not timed yet.
-LAUNCH = {"16bit": dict(block_k=64, block_c=16, num_warps=8, num_stages=2),
+# Launch parameters by compute-dtype family, overridable for sweeps (bench/dit_step.py --sweep):
+# 16-bit: cfm_attention's measured tiles (64-key steps, 4 warps, 3 stages); fp32: 32-key steps
+# (64 need 254 registers); 16-frame tiles for the current frames. Not timed yet. Compiled for
+# sm_90 with Triton 3.6 (bench/kernel_resources.py): 170 / 178 registers (3xTF32: 232), no
+# spills, K/V loads pipelined (cp.async).
+LAUNCH = {"16bit": dict(block_k=64, block_c=16, num_warps=4, num_stages=3),
           "fp32": dict(block_k=32, block_c=16, num_warps=4, num_stages=2)}
 LAUNCH_OVERRIDE: dict = {}
 
