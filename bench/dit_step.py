@@ -275,8 +275,9 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
     from torch_cfm.kernels import dit_attention, dit_gemm
 
     rows = []
-    plans = [("v3", dit_gemm.TILE_OVERRIDE, over) for over in SWEEP]
-    plans += [("v5", dit_attention.LAUNCH_OVERRIDE, over) for over in SWEEP_V5]
+    swept = set(args.sweep_variants.split(","))
+    plans = [("v3", dit_gemm.TILE_OVERRIDE, over) for over in SWEEP if "v3" in swept]
+    plans += [("v5", dit_attention.LAUNCH_OVERRIDE, over) for over in SWEEP_V5 if "v5" in swept]
     for n, t, l_len in shapes:
         for dname in dnames:
             dtype, precision = DTYPES[dname]
@@ -571,7 +572,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-steps", action="store_true")
     ap.add_argument("--compile-all", action="store_true",
                     help="torch_compile_graph at every shape/dtype (default: SPEC §7 anchor shapes, fp16/fp32-tf32)")
-    ap.add_argument("--sweep", action="store_true", help="also time v3 tile overrides (fp16 by default)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the launch overrides of the bodies in --sweep-variants (SWEEP, SWEEP_V5)")
+    ap.add_argument("--sweep-variants", default="v3,v5", help="bodies the sweep covers (comma list of v3, v5)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="fused-body variants timed besides the default one (comma list, or 'none')")
     ap.add_argument("--calls", type=int, default=5)
