@@ -12,10 +12,12 @@ log2(e)/sqrt(D) scale folded in, as in :mod:`torch_cfm.kernels.cfm_attention`). 
 valid key gets exactly 0.
 
 Removes per block one launch and one full read of the new cache (the attention read it back from
-memory in v1); costs the key tiles a trip through registers (no cp.async straight to shared
-memory). Same math and rounding points as v1 (k and q rounded to the compute dtype before the
-dots, the cache stores what the dots read), so it is checked against the same SPEC §6 oracle.
-Not measured on a GPU yet: ``choose_variant`` does not pick it (bench/NOTES.md, session 5).
+memory in v1). The old frames' tiles still stream through shared memory (``cp.async``, as in
+``cfm_attention``) and are also read into registers for the copy; the current frames' tiles are
+built in registers (LayerNorm), 16 frames at a time. Same math and rounding points as v1 (q and k
+rounded to the compute dtype before the dots, the cache stores what the dots read), so it is
+checked against the same SPEC §6 oracle. Not measured on a GPU yet: ``choose_variant`` does not
+pick it (bench/NOTES.md, session 5).
 """
 
 from __future__ import annotations
