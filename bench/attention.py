@@ -202,11 +202,13 @@ def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
     if dtype != torch.float32:
         return [C(64, 64, 1, 4, 3, pdl=False), C(64, 64, 1, 4, 3, pdl=True), C(64, 64, 2, 4, 3, pdl=True),
                 C(64, 64, 2, 4, 3, pdl=True, merge="last"), C(64, 64, 2, 4, 2, pdl=True, merge="last"),
-                C(64, 64, 2, 4, 3, pdl=False, merge="last"), C(64, 64, 3, 4, 3, pdl=True, merge="last")]
+                C(64, 64, 2, 4, 3, pdl=False, merge="last"), C(64, 64, 3, 4, 3, pdl=True, merge="last"),
+                C(64, 64, 1, 8, 3, pdl=True)]
     if precision == "tf32":
         return [C(32, 64, 1, 4, 3, pdl=False), C(32, 64, 1, 4, 3, pdl=True), C(32, 64, 1, 4, 2, peel=False),
                 C(32, 64, 2, 4, 3, pdl=True), C(32, 64, 2, 4, 3, merge="last"), C(32, 64, 2, 4, 2, merge="last"),
-                C(16, 64, 2, 4, 2, merge="last"), C(16, 64, 1, 4, 3)]
+                C(16, 64, 2, 4, 2, merge="last"), C(16, 64, 1, 4, 3),
+                C(32, 64, 1, 8, 3, pdl=True), C(32, 64, 1, 8, 2, pdl=True)]  # 2 warps per scheduler
     return [C(32, 64, 1, 4, 2, pdl=False), C(32, 64, 1, 4, 2, pdl=True), C(16, 64, 1, 4, 2),
             C(16, 64, 2, 4, 2, merge="last"), C(32, 64, 2, 4, 2, merge="last")]
 
