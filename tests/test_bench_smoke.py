@@ -24,3 +24,21 @@ def test_bench_script_dry_run_writes_complete_rows(tmp_path, script, result, op)
     assert any(r["op"] == op and r["provider"] == "torch_cfm" and r["error"] is None for r in rows)
     assert all(r["commit"] == "test" for r in rows)
     assert "Reproduce:" in (tmp_path / result.replace(".json", ".md")).read_text()
+
+
+def test_kernel_resources_compiles_for_sm90_without_a_gpu():
+    """bench/kernel_resources.py: a kernel specialised like a launch compiles for sm_90 on this
+    machine and its resource line parses (registers, spill stack, shared memory, async copies)."""
+    import re
+
+    pytest.importorskip("triton")
+    sys.path.insert(0, BENCH)
+    try:
+        import kernel_resources as kr
+    finally:
+        sys.path.remove(BENCH)
+    line = kr.dit_attention_rows(90)[0]
+    m = re.search(r"REG:(\d+) STACK:(\d+) smem=(\d+) cp\.async=(\d+)", line)
+    assert m, line
+    regs, _, smem, _ = map(int, m.groups())
+    assert 0 < regs <= 255 and smem > 0, line
