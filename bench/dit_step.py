@@ -401,14 +401,44 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dic
     return rows
 
 
-def run_server(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dict]:
-    """The production path: CFMServer(graphs=True) solving a chunk for ``b`` requests whose caches
-    have settled at ``l_len`` frames (prompt P = l_len - 100, the trim keeps P + 100)."""
+def settled_server(model, dtype, b: int, t: int, l_len: int, n_steps: int, generator: torch.Generator):
+    """CFMServer(graphs=True) with ``b`` requests whose caches have settled at ``l_len`` frames
+    (prompt P = l_len - 100, the trim keeps P + 100), its steady-state key warmed up and captured.
+    Returns (server, chunks): ``server.solve_chunk(chunks)`` is then one graph replay."""
     from torch_cfm.models import CFMServer, StreamingCFM
     from torch_cfm.models.cache import TRIM_KEEP_OLDEST
 
-    rows = []
     prompt = max(l_len - TRIM_KEEP_OLDEST, 1)
+    server = CFMServer(StreamingCFM(model, n_timesteps=n_steps), max_requests=b, max_prompt_frames=prompt,
+                       max_chunk_frames=max(t, prompt), chunk_buckets=(t,), cache_buckets=(l_len,),
+                       device=torch.device(DEVICE), dtype=dtype, graphs=True)
+    d = lambda *shape: torch.randn(*shape, generator=generator).to(DEVICE, dtype)  # noqa: E731
+    for r in range(b):
+        server.open_request(r, d(80), prompt_mu=d(80, prompt), prompt_mel=d(80, prompt))
+    chunks = {r: d(80, t) for r in range(b)}
+    while min(server.cache_length(r) for r in range(b)) < l_len:
+        server.solve_chunk(chunks)
+    for _ in range(2):  # the steady-state key's eager warm-up, then its capture
+        server.solve_chunk(chunks)
+    return server, chunks
+
+
+def host_us_p50(fn: Callable[[], object], repeats: int) -> float:
+    """Median host µs of one ``fn()`` call, the GPU synchronised before each (nothing waited for inside)."""
+    host = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return round(sorted(host)[len(host) // 2], 1)
+
+
+def run_server(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dict]:
+    """The production path: CFMServer(graphs=True) solving a chunk for ``b`` requests whose caches
+    have settled at ``l_len`` frames (:func:`settled_server`)."""
+    rows = []
     g = torch.Generator().manual_seed(2)
     for dname in dnames:
         dtype, precision = DTYPES[dname]
@@ -422,18 +452,7 @@ def run_server(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[di
                     torch.cuda.synchronize()
                     mem0 = torch.cuda.memory_allocated()
                     torch.cuda.reset_peak_memory_stats()
-                server = CFMServer(StreamingCFM(model, n_timesteps=n_steps), max_requests=b,
-                                   max_prompt_frames=prompt, max_chunk_frames=max(t, prompt),
-                                   chunk_buckets=(t,), cache_buckets=(l_len,), device=torch.device(DEVICE),
-                                   dtype=dtype, graphs=True)
-                d = lambda *shape: torch.randn(*shape, generator=g).to(DEVICE, dtype)  # noqa: E731
-                for r in range(b):
-                    server.open_request(r, d(80), prompt_mu=d(80, prompt), prompt_mel=d(80, prompt))
-                chunks = {r: d(80, t) for r in range(b)}
-                while min(server.cache_length(r) for r in range(b)) < l_len:
-                    server.solve_chunk(chunks)
-                for _ in range(2):  # the steady-state key's eager warm-up, then its capture
-                    server.solve_chunk(chunks)
+                server, chunks = settled_server(model, dtype, b, t, l_len, n_steps, g)
                 row.update(time_replay(lambda: server.solve_chunk(chunks), args))
                 row["arena_bytes"] = sum(a.nbytes() for a in server.arenas)
                 if DEVICE == "cuda":
@@ -442,14 +461,7 @@ def run_server(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[di
                 if args.profile_server and DEVICE == "cuda":  # where a served chunk's time goes
                     from torch.profiler import ProfilerActivity, profile
 
-                    host = []
-                    for _ in range(5):  # host time of one call (no sync inside: the GPU runs behind)
-                        torch.cuda.synchronize()
-                        t0 = time.perf_counter()
-                        server.solve_chunk(chunks)
-                        host.append((time.perf_counter() - t0) * 1e6)
-                    torch.cuda.synchronize()
-                    row["host_us_p50"] = round(sorted(host)[len(host) // 2], 1)
+                    row["host_us_p50"] = host_us_p50(lambda: server.solve_chunk(chunks), 5)
                     print(f"server.solve_chunk host time per call (no sync), p50: {row['host_us_p50']} us", flush=True)
 
                     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

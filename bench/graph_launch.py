@@ -33,7 +33,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dit_step import DTYPES, env_info, random_dit, tf32_ctx  # noqa: E402
+from dit_step import DTYPES, env_info, host_us_p50, random_dit, settled_server, tf32_ctx  # noqa: E402
 
 B, T, L = 4, 50, 400
 
@@ -85,22 +85,7 @@ def time_graph(graph: torch.cuda.CUDAGraph, repeats: int) -> dict:
 
 
 def build_server(model, dtype):
-    from torch_cfm.models import CFMServer, StreamingCFM
-    from torch_cfm.models.cache import TRIM_KEEP_OLDEST
-
-    prompt = L - TRIM_KEEP_OLDEST
-    g = torch.Generator().manual_seed(2)
-    server = CFMServer(StreamingCFM(model, n_timesteps=10), max_requests=B, max_prompt_frames=prompt,
-                       max_chunk_frames=max(T, prompt), chunk_buckets=(T,), cache_buckets=(L,),
-                       device=torch.device("cuda"), dtype=dtype, graphs=True)
-    d = lambda *shape: torch.randn(*shape, generator=g).to("cuda", dtype)  # noqa: E731
-    for r in range(B):
-        server.open_request(r, d(80), prompt_mu=d(80, prompt), prompt_mel=d(80, prompt))
-    chunks = {r: d(80, T) for r in range(B)}
-    while min(server.cache_length(r) for r in range(B)) < L:
-        server.solve_chunk(chunks)
-    for _ in range(2):
-        server.solve_chunk(chunks)
+    server, chunks = settled_server(model, dtype, B, T, L, 10, torch.Generator().manual_seed(2))
     ents = [e for e in server.solve_fn._keys.values() if e.graph is not None]
     return server, chunks, ents[-1].graph
 
@@ -112,13 +97,7 @@ def server_host_profile(server, chunks, repeats: int) -> dict:
     import io
     import pstats
 
-    host = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        server.solve_chunk(chunks)
-        host.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
+    host = host_us_p50(lambda: server.solve_chunk(chunks), repeats)
     prof = cProfile.Profile()
     for _ in range(5):
         torch.cuda.synchronize()
@@ -129,7 +108,7 @@ def server_host_profile(server, chunks, repeats: int) -> dict:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(25)
     print(buf.getvalue(), flush=True)
-    return {"solve_chunk_host_us_p50": round(sorted(host)[len(host) // 2], 1)}
+    return {"solve_chunk_host_us_p50": host}
 
 
 def build_runner(model, dtype, precision):
