@@ -31,6 +31,7 @@ from ..config import BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS
 from ..packing import (GATE_A, GATE_C, GATE_M, MOD_VECTORS, PER_BLOCK, SCALE_A, SCALE_C, SCALE_M,
                        SHIFT_A, SHIFT_C, SHIFT_M)
 from ._launch import on_device
+from .cfm_attention import AttentionConfig
 from .dit_attention import attention_cache
 
 CONV_HISTORY = 2  # causal conv k=3: 2 cached frames in front of the chunk
@@ -552,10 +553,10 @@ def _attention_precision(dtype: torch.dtype, precision: Optional[str]) -> str:
 
 
 def _v5_dot_precision(dtype: torch.dtype, precision: Optional[str]) -> str:
-    """v5's attention dots: as ``cfm_attention``'s (fp32 "ieee" = 3xTF32, see its kernel module)."""
+    """v5's attention dots: as ``cfm_attention``'s (fp32 "ieee" = its default ``ieee_dot``, 3xTF32)."""
     if dtype != torch.float32:
         return "tf32"  # ignored for 16-bit operands
-    return "tf32" if precision == "tf32" else "tf32x3"
+    return "tf32" if precision == "tf32" else AttentionConfig.ieee_dot
 
 
 def _mod_off(i: int, j: int, c: int) -> int:
