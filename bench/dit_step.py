@@ -269,40 +269,68 @@ SWEEP = ({"block_m": 32}, {"block_m": 64}, {"block_m": 64, "num_warps": 8}, {"bl
 SWEEP_V5 = ({}, {"num_warps": 8}, {"num_stages": 2}, {"block_k": 32}, {"block_c": 32}, {"block_c": 64})
 
 
+def _overriding(target: dict, over: dict):
+    """Context manager: ``target`` (a module's override dict) holds ``over`` inside, is empty after."""
+    @contextlib.contextmanager
+    def ctx():
+        target.clear()
+        target.update(over)
+        try:
+            yield
+        finally:
+            target.clear()
+    return ctx
+
+
+@contextlib.contextmanager
+def _body_pdl_off():
+    from torch_cfm.kernels import dit_body
+
+    dit_body.PDL_OVERRIDE = False
+    try:
+        yield
+    finally:
+        dit_body.PDL_OVERRIDE = None
+
+
 def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
-    """Time the v3 step under each tile override of SWEEP (torch_cfm.kernels.dit_gemm.TILE_OVERRIDE)
-    and the v5 step under each launch override of SWEEP_V5 (kernels.dit_attention.LAUNCH_OVERRIDE)."""
+    """Time the v3 step under each tile override of SWEEP (torch_cfm.kernels.dit_gemm.TILE_OVERRIDE),
+    the v5 step under each launch override of SWEEP_V5 (kernels.dit_attention.LAUNCH_OVERRIDE) and,
+    for "pdl", the v1 and v5 steps with the body's own PDL launches off (kernels.dit_body.PDL_OVERRIDE)."""
     from torch_cfm.kernels import dit_attention, dit_gemm
 
     rows = []
     swept = set(args.sweep_variants.split(","))
-    plans = [("v3", dit_gemm.TILE_OVERRIDE, over) for over in SWEEP if "v3" in swept]
-    plans += [("v5", dit_attention.LAUNCH_OVERRIDE, over) for over in SWEEP_V5 if "v5" in swept]
+    plans = []  # (body variant, row tag, context manager factory)
+    for variant, target, overs in (("v3", dit_gemm.TILE_OVERRIDE, SWEEP), ("v5", dit_attention.LAUNCH_OVERRIDE, SWEEP_V5)):
+        if variant in swept:
+            plans += [(variant, f"sweep_{variant}_" + ("_".join(f"{k}{v}" for k, v in over.items()) or "default"),
+                       _overriding(target, over)) for over in overs]
+    if "pdl" in swept:
+        plans += [(v, f"sweep_{v}_body_pdl_off", _body_pdl_off) for v in ("v1", "v5")]
     for n, t, l_len in shapes:
         for dname in dnames:
             dtype, precision = DTYPES[dname]
             model = copy.deepcopy(base).to(device=DEVICE, dtype=dtype)
             inp = step_inputs(cfg, n, t, l_len, dtype)
             providers = step_providers(model, dtype, inp, dname, precision)
-            for variant, override, over in plans:
-                found = [f for f in providers if f[1] == variant]
-                if not found:  # the default variant is listed under its own name only
+            default = choose_variant(dtype, precision)
+            for variant, tag, context in plans:
+                # the default variant is listed under "" (fused() with no variant: the choice at call time)
+                found = [f for f in providers if f[0] == "torch_cfm" and f[1] == ("" if variant == default else variant)]
+                if not found:
                     continue
                 fused = found[0][2]
-                override.clear()
-                override.update(over)
-                tag = f"sweep_{variant}_" + ("_".join(f"{k}{v}" for k, v in over.items()) or "default")
                 row = dict(op="dit_step", provider="torch_cfm", variant=tag, shape={"N": n, "T": t, "L": l_len},
                            dtype=dname.split("-")[0], precision=precision, timing="cuda_graph")
                 try:
-                    with torch.no_grad():
+                    with context(), torch.no_grad():
                         row.update(time_cuda_graph(fused, calls=args.calls, repeats=args.repeats,
                                                    context=tf32_ctx(dtype, precision)))
                 except Exception as exc:  # noqa: BLE001
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 rows.append(_row(env, **row))
                 print(f"sweep {n},{t},{l_len} {dname} {tag}: p50 {row.get('us_p50')} us", flush=True)
-                override.clear()
     return rows
 
 
@@ -586,7 +614,8 @@ def main(argv=None) -> int:
                     help="torch_compile_graph at every shape/dtype (default: SPEC §7 anchor shapes, fp16/fp32-tf32)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time the launch overrides of the bodies in --sweep-variants (SWEEP, SWEEP_V5)")
-    ap.add_argument("--sweep-variants", default="v3,v5", help="bodies the sweep covers (comma list of v3, v5)")
+    ap.add_argument("--sweep-variants", default="v3,v5,pdl",
+                    help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL off)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="fused-body variants timed besides the default one (comma list, or 'none')")
     ap.add_argument("--calls", type=int, default=5)

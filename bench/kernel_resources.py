@@ -132,7 +132,7 @@ def dit_attention_rows(arch: int, n_rows: int = 8, t_len: int = 50, l_len: int =
                     s_new_f=2 * d, s_new_e=1, out_ptr=ty, valid_ptr="*i32", cached_ptr="*i32",
                     T=t_len, L=l_len, H=heads, q_tiles=-(-t_len // cfg["block_q"]), eps=1e-6, qk_scale=LOG2E / d ** 0.5)
         const = dict(HAS_OLD=True, HEAD_DIM=d, BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"],
-                     BLOCK_C=cfg["block_c"], DOT_PRECISION=dot)
+                     BLOCK_C=cfg["block_c"], DOT_PRECISION=dot, USE_PDL=True)
         compiled = compile_like_launch(kernel, args, const, cfg["num_warps"], cfg["num_stages"], arch)
         rows.append(f"dit_attention (v5) {n_rows},{t_len},{l_len} {_TRITON_TYPES[dtype]}-{dot} {cfg}: "
                     + describe(compiled))

@@ -138,3 +138,57 @@ def test_gpu_v4_side_streams_two_callers_and_capture_bitwise():
     torch.cuda.synchronize()
     for o, w_ in zip(outs, want[1]):
         assert torch.equal(o, w_)
+
+
+def test_body_pdl_rule_off_on_cpu_and_by_override(monkeypatch):
+    import torch_cfm.kernels.dit_body as kernels
+
+    assert kernels.body_pdl(torch.device("cpu")) is False  # the interpreter has no grid dependency control
+    monkeypatch.setattr(kernels, "pdl_supported", lambda device: True)
+    assert kernels.body_pdl(torch.device("cuda")) is True
+    monkeypatch.setattr(kernels, "PDL_OVERRIDE", False)
+    assert kernels.body_pdl(torch.device("cuda")) is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["v1", "v5"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_gpu_body_pdl_replays_equal_no_pdl_eager_bitwise(dtype, variant, monkeypatch):
+    """The body's own kernels load weights, tables, lengths and old caches before their PDL wait:
+    a captured body with PDL, replayed three times on new inputs written just before each replay,
+    equals the body without PDL, eager, bitwise."""
+    import torch_cfm.kernels.dit_body as kernels
+    from torch_cfm.ops.dit_body import _empty_outputs, check_dit_body, dit_body_fused_into
+
+    dev = torch.device("cuda")
+    if not kernels.body_pdl(dev):
+        pytest.skip("PDL not available on this device/Triton")
+    cases = [_op_args(GPU_CFG, dtype, dev, seed=s, n=4, t=50, l_len=64) for s in (13, 23, 33)]
+    cases = [cases[0]] + [(c[0], cases[0][1]) + tuple(c[2:]) for c in cases[1:]]  # one set of weights
+
+    def run(args, out=None):
+        x_in, w, table, cnn, att, valid, cached = args
+        shapes = check_dit_body(x_in, w, table, cnn, att, valid, cached, "tf32")
+        out = _empty_outputs(x_in, shapes) if out is None else out
+        return dit_body_fused_into(x_in, w, table, cnn, att, valid, cached, "tf32", out, variant)
+
+    monkeypatch.setattr(kernels, "PDL_OVERRIDE", False)
+    want = [run(c) for c in cases]
+    monkeypatch.setattr(kernels, "PDL_OVERRIDE", None)
+    static = [a.clone() if isinstance(a, torch.Tensor) else a for a in cases[0]]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run(static)
+    for case, expected in zip(cases[::-1], want[::-1]):
+        for dst, src in zip(static, case):
+            if isinstance(dst, torch.Tensor) and dst is not case[1]:
+                dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        for o, w_ in zip(outs, expected):
+            assert torch.equal(o, w_)

@@ -47,9 +47,14 @@ def pdl_supported(device: torch.device) -> bool:
 
 @triton.jit
 def pdl_prologue(USE_PDL: tl.constexpr):
-    """First statement of a kernel launched with PDL: wait for the previous kernel in the stream
-    to finish (its writes visible), then let the next one be scheduled. Every program passes the
-    wait, so "kernel done" keeps implying "all earlier kernels done"."""
+    """Wait for the previous kernel in the stream to finish (its writes visible), then let the
+    next one be scheduled. Every program passes the wait, so "kernel done" keeps implying "all
+    earlier kernels done".
+
+    Loads placed before it overlap the previous kernel's tail; they may only read what the
+    *immediately preceding* kernel does not write (everything older is complete: that kernel
+    itself waited, or was launched without PDL). The body kernels load weights, modulation
+    tables, lengths and old caches there, always behind one of the body's GEMMs."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..config import QK_NORM_EPS
-from ._launch import on_device
+from ._launch import launch_kwargs, on_device, pdl_prologue
 
 LOG2E = 1.4426950408889634
 
@@ -88,7 +88,7 @@ def _dit_attention_cache_kernel(
     valid_ptr, cached_ptr,      # (N,) int32 T_n, L_n, already clamped to [0, T] / [0, L]
     T, L, H, q_tiles, eps, qk_scale,
     HAS_OLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     q_tile = pid % q_tiles
@@ -98,8 +98,10 @@ def _dit_attention_cache_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_k = tl.arange(0, BLOCK_K)
     inner = H * HEAD_DIM
+    # the lengths are body inputs, not written by the QKV GEMM in front: read before the PDL wait
     tn = tl.load(valid_ptr + n)
     ln = tl.load(cached_ptr + n) if HAS_OLD else 0
+    pdl_prologue(USE_PDL)
     length = tn + ln
     total = T + L
     cdt = new_ptr.dtype.element_ty
@@ -182,7 +184,8 @@ def attention_tiles(dtype: torch.dtype, head_dim: int, t_len: int) -> dict:
 
 def attention_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], old: Optional[torch.Tensor],
                     new: torch.Tensor, out: torch.Tensor, valid: torch.Tensor, cached: torch.Tensor, *,
-                    n_rows: int, t_len: int, heads: int, head_dim: int, dot_precision: str) -> None:
+                    n_rows: int, t_len: int, heads: int, head_dim: int, dot_precision: str,
+                    pdl: bool = False) -> None:
     """Launch ``_dit_attention_cache_kernel`` for one block (sync-free, graph-capturable).
 
     Args:
@@ -194,6 +197,8 @@ def attention_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], old: Opt
         valid, cached: (N,) int32 T_n, L_n, already clamped.
         dot_precision: Triton ``input_precision`` ("tf32" for 16-bit inputs, "tf32" | "tf32x3" |
             "ieee" for float32).
+        pdl: launch with programmatic dependent launch (the caller's rule; the lengths are read
+            before the wait, so the kernel in front must not write ``valid``/``cached``).
     """
     l_len = 0 if old is None else old.shape[2]
     if n_rows == 0 or t_len + l_len == 0:
@@ -210,5 +215,5 @@ def attention_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], old: Opt
             new, new.stride(0), new.stride(1), new.stride(2), new.stride(3),
             out, valid, cached, t_len, l_len, heads, q_tiles, QK_NORM_EPS, LOG2E / math.sqrt(head_dim),
             HAS_OLD=o is not new, HEAD_DIM=head_dim, BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"],
-            BLOCK_C=cfg["block_c"], DOT_PRECISION=dot_precision, num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"])
+            BLOCK_C=cfg["block_c"], DOT_PRECISION=dot_precision, USE_PDL=pdl, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"], **launch_kwargs(pdl))

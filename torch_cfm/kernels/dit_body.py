@@ -30,7 +30,7 @@ import triton.language as tl
 from ..config import BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS
 from ..packing import (GATE_A, GATE_C, GATE_M, MOD_VECTORS, PER_BLOCK, SCALE_A, SCALE_C, SCALE_M,
                        SHIFT_A, SHIFT_C, SHIFT_M)
-from ._launch import on_device
+from ._launch import launch_kwargs, on_device, pdl_prologue, pdl_supported
 from .cfm_attention import AttentionConfig
 from .dit_attention import attention_cache
 
@@ -41,6 +41,16 @@ DEFAULT_VARIANT = None  # None: per dtype/precision from VARIANT_BY_PRECISION (s
 # one row per rownorm program), v2 1.165, v3 3.98, v4 1.039 vs v1 1.041 (no gain); v5 not measured yet.
 # v3's Triton TF32 dots are ~2x cuBLAS TF32 error (outside the oracle): never for tf32.
 VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
+
+# The body's own Triton kernels (rownorm, q/k cache, v5's attention, CFG-Euler) are launched with
+# programmatic dependent launch where _launch.pdl_supported allows it; False turns it off for
+# them only (bench A/B: bench/dit_step.py --sweep-variants pdl). cfm_attention keeps its own rule.
+PDL_OVERRIDE: Optional[bool] = None
+
+
+def body_pdl(device: torch.device) -> bool:
+    """PDL for the body's Triton launches on ``device`` (see :data:`PDL_OVERRIDE`)."""
+    return PDL_OVERRIDE is not False and pdl_supported(device)
 
 
 def choose_variant(dtype: torch.dtype, precision: Optional[str]) -> str:
@@ -71,7 +81,7 @@ def _dit_rownorm_kernel(
     M, T, C, eps,
     TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_GATE: tl.constexpr, NORM: tl.constexpr, HEAD: tl.constexpr, HAS_CNN: tl.constexpr,
-    EMIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+    EMIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * ROWS + tl.arange(0, ROWS)
@@ -83,6 +93,21 @@ def _dit_rownorm_kernel(
     t = rows % T
     rows64 = rows.to(tl.int64)
 
+    # Weights and the step's modulation table: loaded before the PDL wait, while the GEMM in front
+    # of this kernel drains (safe: that GEMM writes neither; _launch.pdl_prologue).
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tab_row = tab_ptr + n[:, None] * stride_tab + cols[None, :]
+    if HAS_GATE:
+        gate = tl.load(tab_row + gate_off, mask=ok, other=0.0)
+    if NORM == 0:
+        mod_scale = tl.load(tab_row + scale_off, mask=ok, other=0.0)
+        mod_shift = tl.load(tab_row + shift_off, mask=ok, other=0.0)
+    else:
+        ln_w = tl.load(lnw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        ln_b = tl.load(lnb_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    pdl_prologue(USE_PDL)
+
     # y: plain GEMM rows, or the sum of the 3 conv taps read at hist rows t, t+1, t+2
     if TAPS:
         hrow = n * (T + 2) + t
@@ -92,11 +117,9 @@ def _dit_rownorm_kernel(
     else:
         y = tl.load(y_ptr + rows64[:, None] * stride_y + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-
-    tab_row = tab_ptr + n[:, None] * stride_tab + cols[None, :]
+        y += bias
     if HAS_GATE:
-        y = y * tl.load(tab_row + gate_off, mask=ok, other=0.0)
+        y = y * gate
     if HAS_RES:
         y += tl.load(h_ptr + rows64[:, None] * C + cols[None, :], mask=ok, other=0.0)
     if WRITE_H:
@@ -108,10 +131,9 @@ def _dit_rownorm_kernel(
     var = tl.sum(diff * diff, axis=1) / C
     z = diff * tl.rsqrt(var + eps)[:, None]
     if NORM == 0:  # adaLN: z * (1 + scale) + shift (the table stores 1 + scale)
-        z = z * tl.load(tab_row + scale_off, mask=ok, other=0.0) + tl.load(tab_row + shift_off, mask=ok, other=0.0)
+        z = z * mod_scale + mod_shift
     else:  # affine LayerNorm then Mish: x * tanh(softplus(x)) = x * e(e+2) / (e(e+2) + 2), e = exp(x)
-        z = z * tl.load(lnw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :] \
-            + tl.load(lnb_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        z = z * ln_w + ln_b
         e = tl.exp(tl.minimum(z, 20.0))
         p = e * (e + 2.0)
         z = tl.where(z > 20.0, z, z * p / (p + 2.0))
@@ -147,6 +169,7 @@ def _dit_qk_cache_kernel(
     valid_ptr, cached_ptr,      # (N,) int32 clamped T_n, L_n
     T, L, H, eps,
     HAS_OLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_F: tl.constexpr, CUR_ONLY: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_nh = tl.program_id(0)
     pid_f = tl.program_id(1)
@@ -155,6 +178,8 @@ def _dit_qk_cache_kernel(
     f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
     d = tl.arange(0, HEAD_DIM)
     inner = H * HEAD_DIM
+    # Body inputs (lengths, the old cache) and weights: loaded before the PDL wait (the QKV GEMM in
+    # front of this kernel writes none of them; _launch.pdl_prologue)
     tn = tl.load(valid_ptr + n)
     ln = tl.load(cached_ptr + n)
     is_q = f < T
@@ -163,6 +188,16 @@ def _dit_qk_cache_kernel(
     in_old = (f >= tn) & (j < ln)
     in_new = f < T + L
     row = (n * T + f)[:, None] * stride_qkv
+    qn_w = tl.load(qn_w_ptr + d).to(tl.float32)[None, :]
+    qn_b = tl.load(qn_b_ptr + d).to(tl.float32)[None, :]
+    kn_w = tl.load(kn_w_ptr + d).to(tl.float32)[None, :]
+    kn_b = tl.load(kn_b_ptr + d).to(tl.float32)[None, :]
+    if HAS_OLD:
+        om = in_old[:, None]
+        o_base = old_ptr + n * s_old_n + h * s_old_h + j.to(tl.int64)[:, None] * s_old_f
+        ko = tl.load(o_base + d[None, :] * s_old_e, mask=om, other=0.0).to(tl.float32)
+        vo = tl.load(o_base + (HEAD_DIM + d)[None, :] * s_old_e, mask=om, other=0.0).to(tl.float32)
+    pdl_prologue(USE_PDL)
 
     # queries: LayerNorm over D (affine), every current frame (padding queries included)
     qm = is_q[:, None]
@@ -170,7 +205,7 @@ def _dit_qk_cache_kernel(
     mu = tl.sum(x, axis=1) / HEAD_DIM
     xc = x - mu[:, None]
     rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / HEAD_DIM + eps)
-    qv = xc * rstd[:, None] * tl.load(qn_w_ptr + d).to(tl.float32)[None, :] + tl.load(qn_b_ptr + d).to(tl.float32)[None, :]
+    qv = xc * rstd[:, None] * qn_w + qn_b
     q_off = ((n * T + f) * inner)[:, None] + (h * HEAD_DIM + d)[None, :]
     tl.store(q_out_ptr + q_off, qv.to(q_out_ptr.dtype.element_ty), mask=qm)
 
@@ -180,13 +215,9 @@ def _dit_qk_cache_kernel(
     mu = tl.sum(x, axis=1) / HEAD_DIM
     xc = x - mu[:, None]
     rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / HEAD_DIM + eps)
-    kv = xc * rstd[:, None] * tl.load(kn_w_ptr + d).to(tl.float32)[None, :] + tl.load(kn_b_ptr + d).to(tl.float32)[None, :]
+    kv = xc * rstd[:, None] * kn_w + kn_b
     vv = tl.load(qkv_ptr + row + (2 * inner + h * HEAD_DIM + d)[None, :], mask=cm, other=0.0).to(tl.float32)
     if HAS_OLD:
-        om = in_old[:, None]
-        o_base = old_ptr + n * s_old_n + h * s_old_h + j.to(tl.int64)[:, None] * s_old_f
-        ko = tl.load(o_base + d[None, :] * s_old_e, mask=om, other=0.0).to(tl.float32)
-        vo = tl.load(o_base + (HEAD_DIM + d)[None, :] * s_old_e, mask=om, other=0.0).to(tl.float32)
         kv = tl.where(cm, kv, ko)
         vv = tl.where(cm, vv, vo)
     else:
@@ -206,7 +237,7 @@ def _cfg_euler_kernel(
     v_ptr, s_v_n, s_v_c, s_v_t,  # (2B, Cm, T) velocity: cond rows [0, B), uncond rows [B, 2B)
     st_ptr, s_st_n, s_st_c, s_st_t,  # (2B, Cin, T) staged input; channels [0, Cm) <- x for both halves
     B, Cm, T, dt, cfg_rate,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     idx = pid * BLOCK + tl.arange(0, BLOCK)
@@ -215,6 +246,7 @@ def _cfg_euler_kernel(
     b = (idx // (Cm * T)).to(tl.int64)
     c = (idx // T) % Cm
     t = idx % T
+    pdl_prologue(USE_PDL)
     vc = tl.load(v_ptr + b * s_v_n + c * s_v_c + t * s_v_t, mask=ok, other=0.0).to(tl.float32)
     vu = tl.load(v_ptr + (b + B) * s_v_n + c * s_v_c + t * s_v_t, mask=ok, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + idx, mask=ok, other=0.0)
@@ -361,6 +393,7 @@ def rownorm(
         e_src, e_dst, e_cbase = h, h.view(-1, 1, 1)[:1], 0
     lnw, lnb = ln_affine if ln_affine is not None else (h, h)
     grid = (triton.cdiv(m, rows),)
+    pdl = body_pdl(h.device)
     with on_device(h.device):
         _dit_rownorm_kernel[grid](
             y, y.stride(0), bias if bias is not None else h, h, tab, stride_tab,
@@ -371,8 +404,8 @@ def rownorm(
             valid, m, t_len, c, eps,
             TAPS=taps, HAS_BIAS=bias is not None, HAS_RES=has_res, WRITE_H=write_h,
             HAS_GATE=gate is not None, NORM=0 if ln_affine is None else 1, HEAD=head is not None,
-            HAS_CNN=cnn is not None, EMIT=emit is not None, ROWS=rows, BLOCK_C=block_c,
-            num_warps=warps)
+            HAS_CNN=cnn is not None, EMIT=emit is not None, ROWS=rows, BLOCK_C=block_c, USE_PDL=pdl,
+            num_warps=warps, **launch_kwargs(pdl))
 
 
 def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Tensor,
@@ -391,6 +424,7 @@ def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Te
     block_f = 32 if head_dim <= 64 else 16
     o = old if old is not None else new
     grid = (n_rows * heads, triton.cdiv(total, block_f))
+    pdl = body_pdl(qkv.device)
     with on_device(qkv.device):
         _dit_qk_cache_kernel[grid](
             qkv, qkv.stride(0), *norms, q_out,
@@ -398,7 +432,7 @@ def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Te
             new, new.stride(0), new.stride(1), new.stride(2), new.stride(3),
             valid, cached, t_len, l_len, heads, QK_NORM_EPS,
             HAS_OLD=old is not None and l_len > 0, HEAD_DIM=head_dim, BLOCK_F=block_f, CUR_ONLY=current_only,
-            num_warps=4)
+            USE_PDL=pdl, num_warps=4, **launch_kwargs(pdl))
 
 
 def cfg_euler(x: torch.Tensor, v: torch.Tensor, staged: torch.Tensor, dt: float, cfg_rate: float) -> None:
@@ -410,10 +444,12 @@ def cfg_euler(x: torch.Tensor, v: torch.Tensor, staged: torch.Tensor, dt: float,
     if total == 0:
         return
     block = 1024
+    pdl = body_pdl(x.device)
     with on_device(x.device):
         _cfg_euler_kernel[(triton.cdiv(total, block),)](
             x, v, v.stride(0), v.stride(1), v.stride(2), staged, staged.stride(0), staged.stride(1),
-            staged.stride(2), b, cm, t_len, float(dt), float(cfg_rate), BLOCK=block, num_warps=4)
+            staged.stride(2), b, cm, t_len, float(dt), float(cfg_rate), BLOCK=block, USE_PDL=pdl, num_warps=4,
+            **launch_kwargs(pdl))
 
 
 def _dot_precision(dtype: torch.dtype, precision: Optional[str]) -> str:
@@ -640,7 +676,7 @@ def dit_body_triton(
             old = att_cache[i] if att_cache is not None and att_cache.shape[3] > 0 else None
             attention_cache(qkv, (qn_w, qn_b, kn_w, kn_b), old, new_att[i], qbuf, valid, cached,
                             heads=heads, head_dim=head_dim, dot_precision=_v5_dot_precision(cd, precision),
-                            **common)
+                            pdl=body_pdl(dev), **common)
             torch.addmm(proj_b, qbuf.view(m, inner), proj_w.t(), out=y)
         elif v2:
             qkv_gemm_cache(a, qkv_w, qkv_b, (qn_w, qn_b, kn_w, kn_b), qbuf, new_att[i], valid, t_len=t_len,
