@@ -28,7 +28,7 @@ ROW_FIELDS = ("op", "provider", "variant", "shape", "dtype", "precision", "timin
               "us_p80", "rel_err", "error", "gpu", "capability", "torch", "triton", "commit", "timestamp")
 
 
-def _percentiles(values: Sequence[float]) -> dict[str, float]:
+def percentiles(values: Sequence[float]) -> dict[str, float]:
     xs = sorted(values)
 
     def pct(p: float) -> float:
@@ -46,10 +46,12 @@ def _null_context() -> ContextManager:
 
 
 def time_cuda_graph(fn: Callable[[], object], *, calls: int = 20, repeats: int = 30, warmup: int = 3,
-                    context: Callable[[], ContextManager] = _null_context) -> dict[str, float]:
+                    context: Callable[[], ContextManager] = _null_context, samples: Optional[list] = None,
+                    ) -> dict[str, float]:
     """µs per call of ``fn`` replayed from one CUDA graph of ``calls`` calls (p20/p50/p80 over repeats).
 
-    ``context`` is entered around warm-up and capture (e.g. an SDPA backend selection).
+    ``context`` is entered around warm-up and capture (e.g. an SDPA backend selection). The
+    per-repeat µs are appended to ``samples`` when given (pooling several captures).
     """
     with context():
         side = torch.cuda.Stream()
@@ -67,15 +69,17 @@ def time_cuda_graph(fn: Callable[[], object], *, calls: int = 20, repeats: int =
         graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
+    times = []
     for _ in range(repeats):
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000.0 / calls)
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
     del graph
-    return _percentiles(samples)
+    if samples is not None:
+        samples.extend(times)
+    return percentiles(times)
 
 
 def time_eager(fn: Callable[[], object], *, calls: int = 20, repeats: int = 30, warmup: int = 3,
@@ -94,7 +98,7 @@ def time_eager(fn: Callable[[], object], *, calls: int = 20, repeats: int = 30, 
             end.record()
             end.synchronize()
             samples.append(start.elapsed_time(end) * 1000.0 / calls)
-    return _percentiles(samples)
+    return percentiles(samples)
 
 
 def git_commit(repo: Optional[str] = None) -> str:
@@ -212,8 +216,11 @@ def provenance_footer(rows: Sequence[dict], command: str) -> str:
 
 
 def dry_run_timer(fn: Callable[[], object], *, calls: int = 1, repeats: int = 1, warmup: int = 0,
-                  context: Callable[[], ContextManager] = _null_context) -> dict[str, float]:
+                  context: Callable[[], ContextManager] = _null_context, samples: Optional[list] = None,
+                  ) -> dict[str, float]:
     """Stand-in for the timers in ``--dry-run`` (CPU smoke test of a bench script): one call."""
     with context():
         fn()
+    if samples is not None:
+        samples.append(0.0)
     return {"us_p20": 0.0, "us_p50": 0.0, "us_p80": 0.0}

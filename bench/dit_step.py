@@ -51,7 +51,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root (in-place build)
-from _harness import (dry_run_timer, env_info, make_row, markdown_table, provenance_footer,  # noqa: E402
+from _harness import (dry_run_timer, env_info, make_row, markdown_table, percentiles, provenance_footer,  # noqa: E402
                       rel_err, time_cuda_graph, time_eager, upsert_rows)
 
 import torch_cfm.compile_rules  # noqa: E402,F401  registers backend "torch_cfm" (no entry point in an in-place build)
@@ -282,21 +282,38 @@ def _overriding(target: dict, over: dict):
     return ctx
 
 
-@contextlib.contextmanager
-def _body_pdl_off():
-    from torch_cfm.kernels import dit_body
+def _body_pdl_kernels(kernels: frozenset):
+    """Context manager factory: the body's PDL launches limited to ``kernels`` (dit_body.PDL_KERNELS_OVERRIDE)."""
+    @contextlib.contextmanager
+    def ctx():
+        from torch_cfm.kernels import dit_body
 
-    dit_body.PDL_OVERRIDE = False
-    try:
-        yield
-    finally:
-        dit_body.PDL_OVERRIDE = None
+        dit_body.PDL_KERNELS_OVERRIDE = kernels
+        try:
+            yield
+        finally:
+            dit_body.PDL_KERNELS_OVERRIDE = None
+    return ctx
+
+
+# --sweep-variants pdl: which of the body's own kernels launch with PDL (kernels.dit_body.BODY_PDL_KERNELS)
+SWEEP_PDL = {"none": frozenset(), "rownorm": frozenset({"rownorm", "cfg_euler"}),
+             "rownorm_qk": frozenset({"rownorm", "cfg_euler", "qk_cache"}),
+             "all": frozenset({"rownorm", "cfg_euler", "qk_cache", "attention_cache"})}
 
 
 def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
     """Time the v3 step under each tile override of SWEEP (torch_cfm.kernels.dit_gemm.TILE_OVERRIDE),
     the v5 step under each launch override of SWEEP_V5 (kernels.dit_attention.LAUNCH_OVERRIDE) and,
-    for "pdl", the v1 and v5 steps with the body's own PDL launches off (kernels.dit_body.PDL_OVERRIDE)."""
+    for "pdl", the v1 and v5 steps under each set of SWEEP_PDL.
+
+    With ``--sweep-rounds R`` > 1 every plan is captured and timed R times, the plans in a new
+    order each round and the graph's buffers at shifted addresses (a random-size allocation
+    held across the capture): separate captures of one step differ by a few % (session 6), more
+    than the changes an A/B looks for. A row's percentiles pool the repeats of all its rounds;
+    ``round_p50s`` lists each round's median."""
+    import random
+
     from torch_cfm.kernels import dit_attention, dit_gemm
 
     rows = []
@@ -307,7 +324,9 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
             plans += [(variant, f"sweep_{variant}_" + ("_".join(f"{k}{v}" for k, v in over.items()) or "default"),
                        _overriding(target, over)) for over in overs]
     if "pdl" in swept:
-        plans += [(v, f"sweep_{v}_body_pdl_off", _body_pdl_off) for v in ("v1", "v5")]
+        plans += [(v, f"sweep_{v}_pdl_{name}", _body_pdl_kernels(kernels)) for v in ("v1", "v5")
+                  for name, kernels in SWEEP_PDL.items() if name != ("all" if v == "v1" else "rownorm_qk")]
+    rng = random.Random(0)
     for n, t, l_len in shapes:
         for dname in dnames:
             dtype, precision = DTYPES[dname]
@@ -315,22 +334,41 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
             inp = step_inputs(cfg, n, t, l_len, dtype)
             providers = step_providers(model, dtype, inp, dname, precision)
             default = choose_variant(dtype, precision)
+            todo = []
             for variant, tag, context in plans:
                 # the default variant is listed under "" (fused() with no variant: the choice at call time)
                 found = [f for f in providers if f[0] == "torch_cfm" and f[1] == ("" if variant == default else variant)]
-                if not found:
-                    continue
-                fused = found[0][2]
+                if found:
+                    todo.append((tag, context, found[0][2]))
+            pooled = {tag: [] for tag, _, _ in todo}
+            p50s = {tag: [] for tag, _, _ in todo}
+            errors = {}
+            for _ in range(args.sweep_rounds):
+                order = todo[:]
+                if args.sweep_rounds > 1:
+                    rng.shuffle(order)
+                for tag, context, fused in order:
+                    jitter = torch.empty(rng.randrange(1, 64) << 20, dtype=torch.uint8, device=DEVICE) \
+                        if args.sweep_rounds > 1 else None
+                    try:
+                        with context(), torch.no_grad():
+                            got = time_cuda_graph(fused, calls=args.calls, repeats=args.repeats,
+                                                  context=tf32_ctx(dtype, precision), samples=pooled[tag])
+                        p50s[tag].append(got["us_p50"])
+                    except Exception as exc:  # noqa: BLE001
+                        errors[tag] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                    del jitter
+            for tag, _, _ in todo:
                 row = dict(op="dit_step", provider="torch_cfm", variant=tag, shape={"N": n, "T": t, "L": l_len},
                            dtype=dname.split("-")[0], precision=precision, timing="cuda_graph")
-                try:
-                    with context(), torch.no_grad():
-                        row.update(time_cuda_graph(fused, calls=args.calls, repeats=args.repeats,
-                                                   context=tf32_ctx(dtype, precision)))
-                except Exception as exc:  # noqa: BLE001
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                if pooled[tag]:
+                    row.update(percentiles(pooled[tag]))
+                    row["round_p50s"] = p50s[tag]
+                if tag in errors:
+                    row["error"] = errors[tag]
                 rows.append(_row(env, **row))
-                print(f"sweep {n},{t},{l_len} {dname} {tag}: p50 {row.get('us_p50')} us", flush=True)
+                print(f"sweep {n},{t},{l_len} {dname} {tag}: p50 {row.get('us_p50')} us, rounds {p50s[tag]}",
+                      flush=True)
     return rows
 
 
@@ -614,6 +652,8 @@ def main(argv=None) -> int:
                     help="torch_compile_graph at every shape/dtype (default: SPEC §7 anchor shapes, fp16/fp32-tf32)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time the launch overrides of the bodies in --sweep-variants (SWEEP, SWEEP_V5)")
+    ap.add_argument("--sweep-rounds", type=int, default=1,
+                    help="captures per sweep plan, interleaved in a new order each round (A/B at the few-%% level)")
     ap.add_argument("--sweep-variants", default="v3,v5,pdl",
                     help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL off)")
     ap.add_argument("--variants", default=",".join(VARIANTS),

@@ -143,11 +143,13 @@ def test_gpu_v4_side_streams_two_callers_and_capture_bitwise():
 def test_body_pdl_rule_off_on_cpu_and_by_override(monkeypatch):
     import torch_cfm.kernels.dit_body as kernels
 
-    assert kernels.body_pdl(torch.device("cpu")) is False  # the interpreter has no grid dependency control
+    for name in kernels.BODY_PDL_KERNELS:  # the interpreter has no grid dependency control
+        assert kernels.body_pdl(torch.device("cpu"), name) is False
     monkeypatch.setattr(kernels, "pdl_supported", lambda device: True)
-    assert kernels.body_pdl(torch.device("cuda")) is True
-    monkeypatch.setattr(kernels, "PDL_OVERRIDE", False)
-    assert kernels.body_pdl(torch.device("cuda")) is False
+    assert kernels.body_pdl(torch.device("cuda"), "rownorm") is ("rownorm" in kernels.BODY_PDL_KERNELS)
+    monkeypatch.setattr(kernels, "PDL_KERNELS_OVERRIDE", frozenset({"qk_cache"}))
+    assert kernels.body_pdl(torch.device("cuda"), "qk_cache") is True
+    assert kernels.body_pdl(torch.device("cuda"), "rownorm") is False
 
 
 @pytest.mark.gpu
@@ -161,7 +163,7 @@ def test_gpu_body_pdl_replays_equal_no_pdl_eager_bitwise(dtype, variant, monkeyp
     from torch_cfm.ops.dit_body import _empty_outputs, check_dit_body, dit_body_fused_into
 
     dev = torch.device("cuda")
-    if not kernels.body_pdl(dev):
+    if not kernels.pdl_supported(dev):
         pytest.skip("PDL not available on this device/Triton")
     cases = [_op_args(GPU_CFG, dtype, dev, seed=s, n=4, t=50, l_len=64) for s in (13, 23, 33)]
     cases = [cases[0]] + [(c[0], cases[0][1]) + tuple(c[2:]) for c in cases[1:]]  # one set of weights
@@ -172,9 +174,10 @@ def test_gpu_body_pdl_replays_equal_no_pdl_eager_bitwise(dtype, variant, monkeyp
         out = _empty_outputs(x_in, shapes) if out is None else out
         return dit_body_fused_into(x_in, w, table, cnn, att, valid, cached, "tf32", out, variant)
 
-    monkeypatch.setattr(kernels, "PDL_OVERRIDE", False)
+    monkeypatch.setattr(kernels, "PDL_KERNELS_OVERRIDE", frozenset())
     want = [run(c) for c in cases]
-    monkeypatch.setattr(kernels, "PDL_OVERRIDE", None)
+    monkeypatch.setattr(kernels, "PDL_KERNELS_OVERRIDE", frozenset({"rownorm", "qk_cache", "attention_cache",
+                                                                     "cfg_euler"}))
     static = [a.clone() if isinstance(a, torch.Tensor) else a for a in cases[0]]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -42,15 +42,18 @@ DEFAULT_VARIANT = None  # None: per dtype/precision from VARIANT_BY_PRECISION (s
 # v3's Triton TF32 dots are ~2x cuBLAS TF32 error (outside the oracle): never for tf32.
 VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
 
-# The body's own Triton kernels (rownorm, q/k cache, v5's attention, CFG-Euler) are launched with
-# programmatic dependent launch where _launch.pdl_supported allows it; False turns it off for
-# them only (bench A/B: bench/dit_step.py --sweep-variants pdl). cfm_attention keeps its own rule.
-PDL_OVERRIDE: Optional[bool] = None
+# The body's own Triton kernels launched with programmatic dependent launch (where
+# _launch.pdl_supported allows it), by name: "rownorm", "qk_cache", "attention_cache" (v5),
+# "cfg_euler". PDL_KERNELS_OVERRIDE replaces the set (bench A/B: bench/dit_step.py
+# --sweep-variants pdl). cfm_attention keeps its own rule (kernels.cfm_attention.use_pdl).
+BODY_PDL_KERNELS = frozenset({"rownorm", "qk_cache", "attention_cache", "cfg_euler"})
+PDL_KERNELS_OVERRIDE: Optional[frozenset] = None
 
 
-def body_pdl(device: torch.device) -> bool:
-    """PDL for the body's Triton launches on ``device`` (see :data:`PDL_OVERRIDE`)."""
-    return PDL_OVERRIDE is not False and pdl_supported(device)
+def body_pdl(device: torch.device, kernel: str) -> bool:
+    """PDL for the body kernel ``kernel`` on ``device`` (see :data:`BODY_PDL_KERNELS`)."""
+    kernels = BODY_PDL_KERNELS if PDL_KERNELS_OVERRIDE is None else PDL_KERNELS_OVERRIDE
+    return kernel in kernels and pdl_supported(device)
 
 
 def choose_variant(dtype: torch.dtype, precision: Optional[str]) -> str:
@@ -393,7 +396,7 @@ def rownorm(
         e_src, e_dst, e_cbase = h, h.view(-1, 1, 1)[:1], 0
     lnw, lnb = ln_affine if ln_affine is not None else (h, h)
     grid = (triton.cdiv(m, rows),)
-    pdl = body_pdl(h.device)
+    pdl = body_pdl(h.device, "rownorm")
     with on_device(h.device):
         _dit_rownorm_kernel[grid](
             y, y.stride(0), bias if bias is not None else h, h, tab, stride_tab,
@@ -424,7 +427,7 @@ def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Te
     block_f = 32 if head_dim <= 64 else 16
     o = old if old is not None else new
     grid = (n_rows * heads, triton.cdiv(total, block_f))
-    pdl = body_pdl(qkv.device)
+    pdl = body_pdl(qkv.device, "qk_cache")
     with on_device(qkv.device):
         _dit_qk_cache_kernel[grid](
             qkv, qkv.stride(0), *norms, q_out,
@@ -444,7 +447,7 @@ def cfg_euler(x: torch.Tensor, v: torch.Tensor, staged: torch.Tensor, dt: float,
     if total == 0:
         return
     block = 1024
-    pdl = body_pdl(x.device)
+    pdl = body_pdl(x.device, "cfg_euler")
     with on_device(x.device):
         _cfg_euler_kernel[(triton.cdiv(total, block),)](
             x, v, v.stride(0), v.stride(1), v.stride(2), staged, staged.stride(0), staged.stride(1),
@@ -676,7 +679,7 @@ def dit_body_triton(
             old = att_cache[i] if att_cache is not None and att_cache.shape[3] > 0 else None
             attention_cache(qkv, (qn_w, qn_b, kn_w, kn_b), old, new_att[i], qbuf, valid, cached,
                             heads=heads, head_dim=head_dim, dot_precision=_v5_dot_precision(cd, precision),
-                            pdl=body_pdl(dev), **common)
+                            pdl=body_pdl(dev, "attention_cache"), **common)
             torch.addmm(proj_b, qbuf.view(m, inner), proj_w.t(), out=y)
         elif v2:
             qkv_gemm_cache(a, qkv_w, qkv_b, (qn_w, qn_b, kn_w, kn_b), qbuf, new_att[i], valid, t_len=t_len,
