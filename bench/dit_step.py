@@ -183,7 +183,7 @@ def step_providers(model, model_dtype, inp, dname, precision, variants=VARIANTS)
         return model.forward_chunk(inp["x"], inp["mu"], inp["t"], inp["spks"], inp["cond"], inp["cnn"], inp["att"],
                                    fused=False)[0]
 
-    default = choose_variant(dtype, precision)
+    default = choose_variant(dtype, precision, x_in.shape[0])
     fns += [("torch_cfm", "", fused())]
     fns += [("torch_cfm", v, fused(v)) for v in VARIANTS if v != default and v in variants]
     def compiled():
@@ -333,7 +333,7 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
             model = copy.deepcopy(base).to(device=DEVICE, dtype=dtype)
             inp = step_inputs(cfg, n, t, l_len, dtype)
             providers = step_providers(model, dtype, inp, dname, precision)
-            default = choose_variant(dtype, precision)
+            default = choose_variant(dtype, precision, n)
             todo = []
             for variant, tag, context in plans:
                 # the default variant is listed under "" (fused() with no variant: the choice at call time)
@@ -434,7 +434,7 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dic
         mu2, spks2, cond2, x0d, cnnd, attd = rows2(dtype)
         common = dict(op="cfm_solve_chunk", shape=shape, dtype=dname.split("-")[0], precision=precision,
                       floor_us=round(fl, 2))
-        default = choose_variant(dtype, precision)
+        default = choose_variant(dtype, precision, 2 * b)
         runner_variants = [default] + [v for v in VARIANTS if v != default and v in args.variants]
         for variant in runner_variants if "torch_cfm" in args.provider_set else []:
             rows.append(_row(env, **solve_fused_row(model, dtype, precision, variant, b, t, l_len, n_steps,
@@ -552,7 +552,7 @@ def solve_fused_row(model, dtype, precision, variant, b, t, l_len, n_steps, tens
     mu2, spks2, cond2, x0d, cnnd, attd = tensors
     runner = CFMGraphRunner(model, dtype=dtype, device=DEVICE, n_timesteps=n_steps, precision=precision,
                             batch_buckets=(b,), chunk_buckets=(t,), cache_buckets=(l_len,), variant=variant)
-    row = dict(common, provider="torch_cfm", variant="" if variant == choose_variant(dtype, precision) else variant,
+    row = dict(common, provider="torch_cfm", variant="" if variant == choose_variant(dtype, precision, 2 * b) else variant,
                timing="cuda_graph")
     try:
         with torch.no_grad():

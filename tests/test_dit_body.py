@@ -473,3 +473,18 @@ if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--child":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run the child with TRITON_INTERPRET=1")
     _child(sys.argv[2])
+
+
+def test_choose_variant_v5_for_wide_16bit_bodies_only(monkeypatch):
+    import torch_cfm.kernels.dit_body as kernels
+
+    monkeypatch.setattr(kernels, "DEFAULT_VARIANT", None)
+    wide = kernels.V5_MIN_ROWS_16BIT
+    for dtype in (torch.float16, torch.bfloat16):
+        assert kernels.choose_variant(dtype, None, wide) == "v5"
+        assert kernels.choose_variant(dtype, None, wide - 1) == "v1"
+        assert kernels.choose_variant(dtype, None) == "v1"
+    for precision in ("tf32", "ieee"):  # v5 measured slower for TF32
+        assert kernels.choose_variant(torch.float32, precision, 4 * wide) == "v1"
+    monkeypatch.setattr(kernels, "DEFAULT_VARIANT", "v4")
+    assert kernels.choose_variant(torch.float16, None, wide) == "v4"

@@ -143,13 +143,19 @@ def test_gpu_v4_side_streams_two_callers_and_capture_bitwise():
 def test_body_pdl_rule_off_on_cpu_and_by_override(monkeypatch):
     import torch_cfm.kernels.dit_body as kernels
 
-    for name in kernels.BODY_PDL_KERNELS:  # the interpreter has no grid dependency control
-        assert kernels.body_pdl(torch.device("cpu"), name) is False
+    names = ("rownorm", "qk_cache", "attention_cache", "cfg_euler")
+    for name in names:  # the interpreter has no grid dependency control
+        for dtype in (torch.float16, torch.float32):
+            assert kernels.body_pdl(torch.device("cpu"), name, dtype) is False
     monkeypatch.setattr(kernels, "pdl_supported", lambda device: True)
-    assert kernels.body_pdl(torch.device("cuda"), "rownorm") is ("rownorm" in kernels.BODY_PDL_KERNELS)
+    cuda = torch.device("cuda")
+    # the measured sets (session 6): rownorm + CFG-Euler for fp32 only
+    assert [kernels.body_pdl(cuda, k, torch.float32) for k in names] == [True, False, False, True]
+    for dtype in (torch.float16, torch.bfloat16):
+        assert not any(kernels.body_pdl(cuda, k, dtype) for k in names)
     monkeypatch.setattr(kernels, "PDL_KERNELS_OVERRIDE", frozenset({"qk_cache"}))
-    assert kernels.body_pdl(torch.device("cuda"), "qk_cache") is True
-    assert kernels.body_pdl(torch.device("cuda"), "rownorm") is False
+    assert kernels.body_pdl(cuda, "qk_cache", torch.float16) is True
+    assert kernels.body_pdl(cuda, "rownorm", torch.float32) is False
 
 
 @pytest.mark.gpu

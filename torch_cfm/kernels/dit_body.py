@@ -38,33 +38,46 @@ CONV_HISTORY = 2  # causal conv k=3: 2 cached frames in front of the chunk
 VARIANTS = ("v1", "v2", "v3", "v4", "v5")
 DEFAULT_VARIANT = None  # None: per dtype/precision from VARIANT_BY_PRECISION (set from bench/NOTES.md)
 # Measured on the H200 (bench/NOTES.md, sessions 2-3, (8, 50, 400) fp16 per step): v1 1.123 ms (0.982 with
-# one row per rownorm program), v2 1.165, v3 3.98, v4 1.039 vs v1 1.041 (no gain); v5 not measured yet.
+# one row per rownorm program), v2 1.165, v3 3.98, v4 1.039 vs v1 1.041 (no gain).
 # v3's Triton TF32 dots are ~2x cuBLAS TF32 error (outside the oracle): never for tf32.
 VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
+# v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
+# fp16 v5 beat v1 by 3-7 % in four separate runs; at (8, 50, 400) the runs disagree (-5 % .. +17 %),
+# and for TF32 v5 is 11 % slower at both sizes. bf16 runs the same kernels (not timed).
+V5_MIN_ROWS_16BIT = 32
+
+
+def choose_variant(dtype: torch.dtype, precision: Optional[str], n_rows: Optional[int] = None) -> str:
+    """The body variant for a compute dtype (fp32: by dot precision) and, for 16-bit bodies, the
+    number of rows N (None: the per-dtype choice); DEFAULT_VARIANT overrides."""
+    if DEFAULT_VARIANT is not None:
+        return DEFAULT_VARIANT
+    if dtype in (torch.float16, torch.bfloat16):
+        if n_rows is not None and n_rows >= V5_MIN_ROWS_16BIT:
+            return "v5"
+        return VARIANT_BY_PRECISION["fp16" if dtype == torch.float16 else "bf16"]
+    return VARIANT_BY_PRECISION["tf32" if precision == "tf32" else "ieee"]
+
 
 # The body's own Triton kernels launched with programmatic dependent launch (where
-# _launch.pdl_supported allows it), by name: "rownorm", "qk_cache", "attention_cache" (v5),
-# "cfg_euler". PDL_KERNELS_OVERRIDE replaces the set (bench A/B: bench/dit_step.py
-# --sweep-variants pdl). cfm_attention keeps its own rule (kernels.cfm_attention.use_pdl).
-BODY_PDL_KERNELS = frozenset({"rownorm", "qk_cache", "attention_cache", "cfg_euler"})
+# _launch.pdl_supported allows it), by compute-dtype family and kernel name ("rownorm",
+# "qk_cache", "attention_cache" (v5), "cfg_euler"). Session 6, interleaved re-captures
+# (bench/NOTES.md): PDL on the rownorm kernels gives fp32-tf32 -1.3 % (8, 50, 400) and -1.6 %
+# (32, 50, 400); for fp16 it costs +3 % at (32, 50, 400) and nothing clear at N = 8, and on the
+# q/k-cache and v5 kernels it never helps. PDL_KERNELS_OVERRIDE replaces the set for every dtype
+# (bench A/B: bench/dit_step.py --sweep-variants pdl). cfm_attention keeps its own rule
+# (kernels.cfm_attention.use_pdl).
+BODY_PDL_KERNELS = {"16bit": frozenset(), "fp32": frozenset({"rownorm", "cfg_euler"})}
 PDL_KERNELS_OVERRIDE: Optional[frozenset] = None
 
 
-def body_pdl(device: torch.device, kernel: str) -> bool:
-    """PDL for the body kernel ``kernel`` on ``device`` (see :data:`BODY_PDL_KERNELS`)."""
-    kernels = BODY_PDL_KERNELS if PDL_KERNELS_OVERRIDE is None else PDL_KERNELS_OVERRIDE
+def body_pdl(device: torch.device, kernel: str, dtype: torch.dtype) -> bool:
+    """PDL for the body kernel ``kernel`` computing in ``dtype`` on ``device`` (:data:`BODY_PDL_KERNELS`)."""
+    if PDL_KERNELS_OVERRIDE is not None:
+        kernels = PDL_KERNELS_OVERRIDE
+    else:
+        kernels = BODY_PDL_KERNELS["fp32" if dtype == torch.float32 else "16bit"]
     return kernel in kernels and pdl_supported(device)
-
-
-def choose_variant(dtype: torch.dtype, precision: Optional[str]) -> str:
-    """The body variant for a compute dtype (fp32: by dot precision); DEFAULT_VARIANT overrides."""
-    if DEFAULT_VARIANT is not None:
-        return DEFAULT_VARIANT
-    if dtype == torch.float16:
-        return VARIANT_BY_PRECISION["fp16"]
-    if dtype == torch.bfloat16:
-        return VARIANT_BY_PRECISION["bf16"]
-    return VARIANT_BY_PRECISION["tf32" if precision == "tf32" else "ieee"]
 
 
 @triton.jit
@@ -396,7 +409,7 @@ def rownorm(
         e_src, e_dst, e_cbase = h, h.view(-1, 1, 1)[:1], 0
     lnw, lnb = ln_affine if ln_affine is not None else (h, h)
     grid = (triton.cdiv(m, rows),)
-    pdl = body_pdl(h.device, "rownorm")
+    pdl = body_pdl(h.device, "rownorm", out.dtype)
     with on_device(h.device):
         _dit_rownorm_kernel[grid](
             y, y.stride(0), bias if bias is not None else h, h, tab, stride_tab,
@@ -427,7 +440,7 @@ def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Te
     block_f = 32 if head_dim <= 64 else 16
     o = old if old is not None else new
     grid = (n_rows * heads, triton.cdiv(total, block_f))
-    pdl = body_pdl(qkv.device, "qk_cache")
+    pdl = body_pdl(qkv.device, "qk_cache", qkv.dtype)
     with on_device(qkv.device):
         _dit_qk_cache_kernel[grid](
             qkv, qkv.stride(0), *norms, q_out,
@@ -447,7 +460,7 @@ def cfg_euler(x: torch.Tensor, v: torch.Tensor, staged: torch.Tensor, dt: float,
     if total == 0:
         return
     block = 1024
-    pdl = body_pdl(x.device, "cfg_euler")
+    pdl = body_pdl(x.device, "cfg_euler", staged.dtype)
     with on_device(x.device):
         _cfg_euler_kernel[(triton.cdiv(total, block),)](
             x, v, v.stride(0), v.stride(1), v.stride(2), staged, staged.stride(0), staged.stride(1),
@@ -637,7 +650,7 @@ def dit_body_triton(
     * "v5": v1 with the q/k norm, the new-cache write and the attention in one kernel
       (:mod:`torch_cfm.kernels.dit_attention`): 11 kernels per block.
     """
-    variant = variant or choose_variant(x_in.dtype, precision)
+    variant = variant or choose_variant(x_in.dtype, precision, x_in.shape[0])
     if variant not in VARIANTS:
         raise ValueError(f"dit_body_triton: variant must be one of {VARIANTS}, got {variant!r}")
     vel, new_cnn, new_att = out
@@ -679,7 +692,7 @@ def dit_body_triton(
             old = att_cache[i] if att_cache is not None and att_cache.shape[3] > 0 else None
             attention_cache(qkv, (qn_w, qn_b, kn_w, kn_b), old, new_att[i], qbuf, valid, cached,
                             heads=heads, head_dim=head_dim, dot_precision=_v5_dot_precision(cd, precision),
-                            pdl=body_pdl(dev, "attention_cache"), **common)
+                            pdl=body_pdl(dev, "attention_cache", cd), **common)
             torch.addmm(proj_b, qbuf.view(m, inner), proj_w.t(), out=y)
         elif v2:
             qkv_gemm_cache(a, qkv_w, qkv_b, (qn_w, qn_b, kn_w, kn_b), qbuf, new_att[i], valid, t_len=t_len,
