@@ -32,7 +32,7 @@ from typing import Iterator
 
 import pytest
 import torch
-from hypothesis import event, given
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 
 import strategies as S
@@ -156,8 +156,15 @@ def test_permuting_cache_frames_keeps_outputs_cpu(spec, dtype, keep_lengths, see
     check_permuting_cache_frames_keeps_outputs("cpu", spec, dtype, keep_lengths, seed)
 
 
+# Found by the GPU profile on the H200 (session 6): with 3xTF32 scores this sharp fp32 softmax
+# (inputs x2, K = 233, shuffled) had 1.07x the SPEC §6 max-abs bound; "ieee" now scores in FP32.
+_SHARP_FP32 = dict(spec=S.AttnSpec(n=2, h=1, q_len=1, k_len=233, d=64, seed=0, scale=2.0),
+                   dtype=torch.float32, keep_lengths=False, seed=0)
+
+
 @pytest.mark.gpu
 @GPU_SETTINGS
+@example(**_SHARP_FP32)
 @given(spec=S.attention_specs(), dtype=S.dtypes, keep_lengths=st.booleans(),
        seed=st.integers(0, 2**31 - 1))
 def test_permuting_cache_frames_keeps_outputs_cuda(spec, dtype, keep_lengths, seed):
