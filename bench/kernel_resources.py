@@ -84,7 +84,7 @@ def describe(compiled) -> str:
 
 def attention_rows(arch: int, n_sm: int) -> list[str]:
     from torch_cfm.config import ATTENTION_BENCH_SHAPES
-    from torch_cfm.kernels.cfm_attention import LOG2E, choose_config, dot_precisions
+    from torch_cfm.kernels.cfm_attention import LOG2E, _dot_precision, choose_config
     from torch_cfm.kernels.cfm_attention import _cfm_attention_fwd_kernel as kernel
 
     rows = []
@@ -108,8 +108,7 @@ def attention_rows(arch: int, n_sm: int) -> list[str]:
                 for name, stride in zip(names, strides):
                     args[f"stride_{prefix}_{name}"] = stride
             const = dict(HEAD_DIM=d, BLOCK_Q=cfg.block_q, BLOCK_K=cfg.block_k, HAS_LENGTHS=True, HAS_MASK=False,
-                         HAS_ROWS=False, PEEL=cfg.peel,
-                         **dict(zip(("QK_PRECISION", "PV_PRECISION"), dot_precisions(dtype, precision, cfg.ieee_dot))),
+                         HAS_ROWS=False, DOT_PRECISION=_dot_precision(dtype, precision, cfg), PEEL=cfg.peel,
                          USE_PDL=False, LAST_MERGES=cfg.splits > 1 and cfg.merge == "last")
             compiled = compile_like_launch(kernel, args, const, cfg.num_warps, cfg.num_stages, arch)
             rows.append(f"cfm_attention {n},{q_len},{k_len} {_TRITON_TYPES[dtype]}-{precision or '16'} {cfg.name}: "
@@ -119,14 +118,12 @@ def attention_rows(arch: int, n_sm: int) -> list[str]:
 
 def dit_attention_rows(arch: int, n_rows: int = 8, t_len: int = 50, l_len: int = 400) -> list[str]:
     from torch_cfm.kernels.dit_attention import LOG2E, _dit_attention_cache_kernel as kernel
-    from torch_cfm.kernels.cfm_attention import dot_precisions
     from torch_cfm.kernels.dit_attention import attention_tiles
 
     rows = []
     heads, d = 8, 64
-    for dtype, precision in ((torch.float16, None), (torch.bfloat16, None), (torch.float32, "tf32"),
-                             (torch.float32, "ieee")):
-        qk_dot, pv_dot = dot_precisions(dtype, precision)
+    for dtype, dot in ((torch.float16, "tf32"), (torch.bfloat16, "tf32"), (torch.float32, "tf32"),
+                       (torch.float32, "tf32x3")):
         ty = "*" + _TRITON_TYPES[dtype]
         cfg = attention_tiles(dtype, d, t_len)
         args = dict(qkv_ptr=ty, stride_qkv=3 * heads * d, qn_w_ptr=ty, qn_b_ptr=ty, kn_w_ptr=ty, kn_b_ptr=ty,
@@ -135,9 +132,9 @@ def dit_attention_rows(arch: int, n_rows: int = 8, t_len: int = 50, l_len: int =
                     s_new_f=2 * d, s_new_e=1, out_ptr=ty, valid_ptr="*i32", cached_ptr="*i32",
                     T=t_len, L=l_len, H=heads, q_tiles=-(-t_len // cfg["block_q"]), eps=1e-6, qk_scale=LOG2E / d ** 0.5)
         const = dict(HAS_OLD=True, HEAD_DIM=d, BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"],
-                     BLOCK_C=cfg["block_c"], QK_PRECISION=qk_dot, PV_PRECISION=pv_dot, USE_PDL=True)
+                     BLOCK_C=cfg["block_c"], DOT_PRECISION=dot, USE_PDL=True)
         compiled = compile_like_launch(kernel, args, const, cfg["num_warps"], cfg["num_stages"], arch)
-        rows.append(f"dit_attention (v5) {n_rows},{t_len},{l_len} {_TRITON_TYPES[dtype]}-{precision or '16'} {cfg}: "
+        rows.append(f"dit_attention (v5) {n_rows},{t_len},{l_len} {_TRITON_TYPES[dtype]}-{dot} {cfg}: "
                     + describe(compiled))
     return rows
 

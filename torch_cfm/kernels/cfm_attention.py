@@ -12,13 +12,9 @@
 
 Measured on an H200 (``bench/NOTES_attention.md``): at the streaming shapes (K ≤ 524) the
 combine kernel costs more than the shorter key walk saves, so :func:`choose_config` splits only
-long key ranges with few programs. FP32 ``precision="ieee"`` runs QKᵀ as an FP32 FMA dot and
-P·V as 3xTF32 (error-compensated TF32 on tensor cores): 3xTF32 operands keep 22 of FP32's 24
-mantissa bits, which is plenty for P·V but not for the scores, whose absolute error turns into a
-relative error of every probability (``exp2``): with 3xTF32 scores, sharp softmaxes exceeded the
-SPEC §6 bound (2x the FP32 reference's error) in the GPU property suite (session 6).
-``AttentionConfig.ieee_dot`` selects "ieee_qk" (that split, default), "tf32x3" (both dots 3xTF32:
-faster, outside the oracle at the tail) or "ieee" (both FMA, slowest).
+long key ranges with few programs. FP32 ``precision="ieee"`` runs its dots as 3xTF32
+(error-compensated TF32 on tensor cores, FP32-level accuracy: rel. error ≈ 4e-7 vs float64,
+below the FMA dot's); ``AttentionConfig(ieee_dot="ieee")`` selects plain FP32 FMA dots.
 
 A query whose keys are all invalid ends with ``l = 0``: every exponent is taken against 0 rather
 than ``-inf`` (no ``-inf − -inf``), so it yields exactly 0, never NaN.
@@ -58,9 +54,8 @@ class AttentionConfig:
         num_warps: warps per program of the main kernel.
         num_stages: software-pipelining depth of the key loop.
         peel: walk whole key tiles without bound tests and mask only the last one.
-        ieee_dot: how fp32 "ieee" dots run: "ieee_qk" (QKᵀ as FP32 FMA, P·V as 3xTF32), "tf32x3"
-            (both as error-compensated TF32 on tensor cores, three TF32 products per dot) or
-            "ieee" (both FP32 FMA, slowest). See the module docstring for why "ieee_qk".
+        ieee_dot: how fp32 "ieee" dots run: "tf32x3" (error-compensated TF32 on tensor cores:
+            three TF32 products per dot, FP32-level accuracy) or "ieee" (FP32 FMA, slow).
         pdl: programmatic dependent launch (SM90+): the kernel is scheduled while its predecessor
             in the stream still runs and waits (``griddepcontrol.wait``) before its first memory
             access. None = :func:`use_pdl` (on for grids of at most one program per SM).
@@ -75,13 +70,13 @@ class AttentionConfig:
     num_warps: int = 4
     num_stages: int = 2
     peel: bool = True
-    ieee_dot: str = "ieee_qk"
+    ieee_dot: str = "tf32x3"
     pdl: Optional[bool] = None
     merge: str = "kernel"
 
     @property
     def name(self) -> str:
-        extra = ("" if self.peel else "_nopeel") + {"ieee_qk": "", "tf32x3": "_3x", "ieee": "_fma"}[self.ieee_dot]
+        extra = ("" if self.peel else "_nopeel") + ("" if self.ieee_dot == "tf32x3" else "_fma")
         extra += "" if self.pdl is None else ("_pdl" if self.pdl else "_nopdl")
         extra += "_last" if self.merge == "last" and self.splits > 1 else ""
         return f"q{self.block_q}_k{self.block_k}_s{self.splits}_w{self.num_warps}_st{self.num_stages}{extra}"
@@ -93,7 +88,7 @@ def _cfm_attention_fwd_inner(
     k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
     stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k,
     qk_scale,
-    HAS_MASK: tl.constexpr, MASK_KEYS: tl.constexpr, QK_PRECISION: tl.constexpr, PV_PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One key tile ``[k0, k0 + BLOCK_K)``: scores, online-softmax update, ``acc += p·v``.
 
@@ -109,7 +104,7 @@ def _cfm_attention_fwd_inner(
     else:
         kt = tl.load(k_ptrs)
     # -- raw scores (FP32 accumulation); the log2(e)/sqrt(D) scale is folded into the exponent
-    s = tl.dot(q, kt, input_precision=QK_PRECISION)
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION)
     if HAS_MASK:
         if MASK_KEYS:
             keep = q_ok[:, None] & k_ok[None, :]
@@ -130,7 +125,7 @@ def _cfm_attention_fwd_inner(
         v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PV_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -159,8 +154,7 @@ def _cfm_attention_fwd_kernel(
     qk_scale,  # log2(e) / sqrt(D)
     HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr,
-    QK_PRECISION: tl.constexpr, PV_PRECISION: tl.constexpr, PEEL: tl.constexpr, USE_PDL: tl.constexpr,
-    LAST_MERGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PEEL: tl.constexpr, USE_PDL: tl.constexpr, LAST_MERGES: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # programmatic dependent launch: wait for the previous kernel first
     # program -> (row·head, query tile, split); splits of one tile are adjacent
@@ -212,18 +206,18 @@ def _cfm_attention_fwd_kernel(
             m_i, l_i, acc = _cfm_attention_fwd_inner(
                 q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
                 stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
-                HAS_MASK, False, QK_PRECISION, PV_PRECISION)
+                HAS_MASK, False, DOT_PRECISION)
         for k0 in range(k_mid, k_end, BLOCK_K):
             m_i, l_i, acc = _cfm_attention_fwd_inner(
                 q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
                 stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
-                HAS_MASK, True, QK_PRECISION, PV_PRECISION)
+                HAS_MASK, True, DOT_PRECISION)
     else:
         for k0 in range(k_start, k_end, BLOCK_K):
             m_i, l_i, acc = _cfm_attention_fwd_inner(
                 q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
                 stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
-                HAS_MASK, True, QK_PRECISION, PV_PRECISION)
+                HAS_MASK, True, DOT_PRECISION)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # rows without a valid key: acc = 0 -> exactly 0
@@ -314,9 +308,9 @@ def choose_config(dtype: torch.dtype, head_dim: int, rows_heads: int, q_len: int
     (row, head, query-tile) program walking all its keys beats every split-K variant up to
     K = 524, because the combine kernel costs more (~2 µs in a graph) than the shorter key walk
     saves. fp16/bf16: 64-query tiles (Hopper wgmma), 64-key steps, 3-stage pipeline, peeled tail.
-    fp32 (tf32 and "ieee"): 32-query tiles, 64-key steps; 16-query tiles when there are very few
-    programs; tf32 pipelines 3 deep at medium sizes and walks unpeeled at large ones; "ieee" runs
-    32-query tiles with 8 warps (register pressure of its FMA score dot). Splits: fp32 with so few programs that two key halves still fit one wave
+    fp32 (tf32 and the 3xTF32 "ieee" dots): 32-query tiles, 64-key steps; 16-query tiles when
+    there are very few programs; tf32 pipelines 3 deep at medium sizes and walks unpeeled at
+    large ones. Splits: fp32 with so few programs that two key halves still fit one wave
     (K >= 256) splits in 2 merged by the last program (sweeps 6-7, (2,50,450): TF32 8.65 -> 6.81
     µs, 3xTF32 12.24 -> 9.21; fp16 never gained from a split). Long key ranges with few programs
     split too (untested beyond K = 524: a conservative extrapolation), also merged in-kernel (one
@@ -344,10 +338,8 @@ def choose_config(dtype: torch.dtype, head_dim: int, rows_heads: int, q_len: int
             else:
                 peel = False
         block_k = 64 if head_dim <= 64 else 32
-        if precision != "tf32" and block_q > 16:
-            # "ieee" (FMA QKᵀ + 3xTF32 P·V) spills 304 B per thread at D = 64 with 4 warps,
-            # none with 8 (ptxas report for sm_90, bench/kernel_resources.py; session 6)
-            num_warps = 8
+        if head_dim > 64 and precision != "tf32" and block_q > 16:
+            num_warps = 8  # 3xTF32 at D = 128 spills with 4 warps (ptxas report, sm_90)
     else:
         block_q = 16 if q_len <= 16 else 32 if q_len <= 32 else 64
         block_k = 64 if head_dim <= 64 else 32  # D = 128: 64-key tiles spill with a mask
@@ -434,24 +426,16 @@ def use_pdl(programs: int, n_sm: int) -> bool:
     return programs <= n_sm
 
 
-IEEE_DOTS = {"ieee_qk": ("ieee", "tf32x3"), "tf32x3": ("tf32x3", "tf32x3"), "ieee": ("ieee", "ieee")}
-
-
-def dot_precisions(dtype: torch.dtype, precision: Optional[str], ieee_dot: str = AttentionConfig.ieee_dot,
-                   ) -> tuple[str, str]:
-    """Triton ``input_precision`` of the (QKᵀ, P·V) dots for inputs of ``dtype`` at ``precision``
-    (fp32: "tf32" | "ieee"; ``ieee_dot`` as :class:`AttentionConfig`)."""
+def _dot_precision(dtype: torch.dtype, precision: Optional[str], config: AttentionConfig) -> str:
     if dtype == torch.float32:
         if precision == "tf32":
-            return "tf32", "tf32"
+            return "tf32"
         if precision == "ieee":
-            if ieee_dot not in IEEE_DOTS:
-                raise ValueError(f"cfm_attention: ieee_dot must be one of {tuple(IEEE_DOTS)}, got {ieee_dot!r}")
-            return IEEE_DOTS[ieee_dot]
+            return config.ieee_dot
         raise ValueError(
             f"cfm_attention: precision must be 'tf32' or 'ieee' for float32 inputs, got {precision!r}; "
             "resolve 'auto' with torch_cfm.policy.resolve_precision first")
-    return "tf32", "tf32"  # ignored by tl.dot for 16-bit operands (tensor cores, FP32 accumulation)
+    return "tf32"  # ignored by tl.dot for 16-bit operands (tensor cores, FP32 accumulation)
 
 
 def cfm_attention_triton(
@@ -491,7 +475,7 @@ def cfm_attention_triton(
     rows_heads = n_rows * n_heads
     if config is None:
         config = choose_config(q.dtype, head_dim, rows_heads, q_len, k_len, sm_count(q.device), precision)
-    qk_precision, pv_precision = dot_precisions(q.dtype, precision, config.ieee_dot)
+    dot_precision = _dot_precision(q.dtype, precision, config)
     if out.numel() == 0:
         return out
     block_q, block_k = config.block_q, config.block_k
@@ -535,7 +519,7 @@ def cfm_attention_triton(
             qk_scale,
             HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_K=block_k,
             HAS_LENGTHS=key_lengths is not None, HAS_MASK=mask is not None, HAS_ROWS=kv_rows is not None,
-            QK_PRECISION=qk_precision, PV_PRECISION=pv_precision, PEEL=config.peel, USE_PDL=pdl, LAST_MERGES=counters is not None,
+            DOT_PRECISION=dot_precision, PEEL=config.peel, USE_PDL=pdl, LAST_MERGES=counters is not None,
             num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(pdl),
         )
         if splits > 1 and counters is None:

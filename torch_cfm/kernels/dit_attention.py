@@ -65,17 +65,16 @@ def _store_tile(new_base, f, k, v, total, s_new_f, s_new_e, offs_d, HEAD_DIM: tl
 
 
 @triton.jit
-def _attend_tile(q, k, v, f, length, m_i, l_i, acc, qk_scale, QK_PRECISION: tl.constexpr,
-                 PV_PRECISION: tl.constexpr):
+def _attend_tile(q, k, v, f, length, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
     """Online-softmax update with one key tile (keys f >= length ignored)."""
-    s = tl.dot(q, tl.trans(k), input_precision=QK_PRECISION)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     s = tl.where((f < length)[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s * qk_scale - m_ref[:, None])
     alpha = tl.math.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PV_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -89,7 +88,7 @@ def _dit_attention_cache_kernel(
     valid_ptr, cached_ptr,      # (N,) int32 T_n, L_n, already clamped to [0, T] / [0, L]
     T, L, H, q_tiles, eps, qk_scale,
     HAS_OLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_C: tl.constexpr, QK_PRECISION: tl.constexpr, PV_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     q_tile = pid % q_tiles
@@ -140,7 +139,7 @@ def _dit_attention_cache_kernel(
             k = tl.where(cur, k, tl.zeros_like(k))
         if write_cache:
             _store_tile(new_base, f, k, v, total, s_new_f, s_new_e, offs_d, HEAD_DIM)
-        m_i, l_i, acc = _attend_tile(q, k, v, f, length, m_i, l_i, acc, qk_scale, QK_PRECISION, PV_PRECISION)
+        m_i, l_i, acc = _attend_tile(q, k, v, f, length, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     # 2. tiles of old frames only, up to the row's key length
     start = tl.cdiv(tn, BLOCK_C) * BLOCK_C
     end = start
@@ -151,7 +150,7 @@ def _dit_attention_cache_kernel(
             k, v = _old_tile(old_base, f, tn, ln, s_old_f, s_old_e, offs_d, cdt, HEAD_DIM)
             if write_cache:
                 _store_tile(new_base, f, k, v, total, s_new_f, s_new_e, offs_d, HEAD_DIM)
-            m_i, l_i, acc = _attend_tile(q, k, v, f, length, m_i, l_i, acc, qk_scale, QK_PRECISION, PV_PRECISION)
+            m_i, l_i, acc = _attend_tile(q, k, v, f, length, m_i, l_i, acc, qk_scale, DOT_PRECISION)
     # 3. the rest of the new cache: zeros
     if write_cache:
         zero = tl.zeros([BLOCK_K, HEAD_DIM], dtype=cdt)
@@ -185,7 +184,7 @@ def attention_tiles(dtype: torch.dtype, head_dim: int, t_len: int) -> dict:
 
 def attention_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], old: Optional[torch.Tensor],
                     new: torch.Tensor, out: torch.Tensor, valid: torch.Tensor, cached: torch.Tensor, *,
-                    n_rows: int, t_len: int, heads: int, head_dim: int, dot_precisions: tuple[str, str],
+                    n_rows: int, t_len: int, heads: int, head_dim: int, dot_precision: str,
                     pdl: bool = False) -> None:
     """Launch ``_dit_attention_cache_kernel`` for one block (sync-free, graph-capturable).
 
@@ -196,8 +195,8 @@ def attention_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], old: Opt
         new: (N, H, T+L, 2D) new cache, written whole (current frames, old frames, zeros).
         out: (N, T, H, D) contiguous attention output.
         valid, cached: (N,) int32 T_n, L_n, already clamped.
-        dot_precisions: Triton ``input_precision`` of the (QKᵀ, P·V) dots, as
-            :func:`torch_cfm.kernels.cfm_attention.dot_precisions` gives them.
+        dot_precision: Triton ``input_precision`` ("tf32" for 16-bit inputs, "tf32" | "tf32x3" |
+            "ieee" for float32).
         pdl: launch with programmatic dependent launch (the caller's rule; the lengths are read
             before the wait, so the kernel in front must not write ``valid``/``cached``).
     """
@@ -216,5 +215,5 @@ def attention_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], old: Opt
             new, new.stride(0), new.stride(1), new.stride(2), new.stride(3),
             out, valid, cached, t_len, l_len, heads, q_tiles, QK_NORM_EPS, LOG2E / math.sqrt(head_dim),
             HAS_OLD=o is not new, HEAD_DIM=head_dim, BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"],
-            BLOCK_C=cfg["block_c"], QK_PRECISION=dot_precisions[0], PV_PRECISION=dot_precisions[1], USE_PDL=pdl, num_warps=cfg["num_warps"],
+            BLOCK_C=cfg["block_c"], DOT_PRECISION=dot_precision, USE_PDL=pdl, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"], **launch_kwargs(pdl))

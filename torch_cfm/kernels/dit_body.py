@@ -31,7 +31,7 @@ from ..config import BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS
 from ..packing import (GATE_A, GATE_C, GATE_M, MOD_VECTORS, PER_BLOCK, SCALE_A, SCALE_C, SCALE_M,
                        SHIFT_A, SHIFT_C, SHIFT_M)
 from ._launch import launch_kwargs, on_device, pdl_prologue, pdl_supported
-from .cfm_attention import dot_precisions
+from .cfm_attention import AttentionConfig
 from .dit_attention import attention_cache
 
 CONV_HISTORY = 2  # causal conv k=3: 2 cached frames in front of the chunk
@@ -604,6 +604,11 @@ def _attention_precision(dtype: torch.dtype, precision: Optional[str]) -> str:
     return precision if (dtype == torch.float32 and precision in ("tf32", "ieee")) else "auto"
 
 
+def _v5_dot_precision(dtype: torch.dtype, precision: Optional[str]) -> str:
+    """v5's attention dots: as ``cfm_attention``'s (fp32 "ieee" = its default ``ieee_dot``, 3xTF32)."""
+    if dtype != torch.float32:
+        return "tf32"  # ignored for 16-bit operands
+    return "tf32" if precision == "tf32" else AttentionConfig.ieee_dot
 
 
 def _mod_off(i: int, j: int, c: int) -> int:
@@ -686,8 +691,7 @@ def dit_body_triton(
             torch.addmm(qkv_b, a, qkv_w.t(), out=qkv)
             old = att_cache[i] if att_cache is not None and att_cache.shape[3] > 0 else None
             attention_cache(qkv, (qn_w, qn_b, kn_w, kn_b), old, new_att[i], qbuf, valid, cached,
-                            heads=heads, head_dim=head_dim,
-                            dot_precisions=dot_precisions(cd, "tf32" if precision == "tf32" else "ieee"),
+                            heads=heads, head_dim=head_dim, dot_precision=_v5_dot_precision(cd, precision),
                             pdl=body_pdl(dev, "attention_cache", cd), **common)
             torch.addmm(proj_b, qbuf.view(m, inner), proj_w.t(), out=y)
         elif v2:
