@@ -47,7 +47,8 @@ def machine_report(device: Optional[torch.device] = None) -> str:
                  f"allowed={policy.tf32_allowed()}")
     lines.append(f"  override:   {policy.ENV_FUSED}={os.environ.get(policy.ENV_FUSED, '<unset>')}")
     lines.append(f"  pdl:        {'allowed' if policy.pdl_allowed(device) else 'off'} (SM90+, "
-                 f"{policy.ENV_PDL}={os.environ.get(policy.ENV_PDL, '<unset>')}; attention grids of one wave)")
+                 f"{policy.ENV_PDL}={os.environ.get(policy.ENV_PDL, '<unset>')}; attention grids of one wave, "
+                 "fp32 body row-norm kernels)")
     lines.append("ops:")
     for dtype in _DTYPES:
         d = policy.decide(device, dtype)
