@@ -168,11 +168,10 @@ def test_permuting_cache_frames_keeps_outputs_cuda(spec, dtype, keep_lengths, se
 # fp32 "ieee", inputs x2 (a sharp softmax over K = 233 keys). Max-abs error 2.83e-6 against a
 # bound of 2.65e-6 (2 x the same-dtype reference's 8.3e-7 + 1e-6) on the shuffled copy; the
 # relative Frobenius error passes. Scoring with an FP32 FMA dot instead of 3xTF32 did not fix it
-# on the GPU (2.48e-6 > 2.41e-6). A CPU emulation reproduces the GPU's size of error only when the
-# 3xTF32 operand halves are *truncated* to TF32 (as Hopper's TF32 MMA does, triton-lang/triton#4574),
-# not rounded: the suspected fix is a round-to-nearest hi/lo split done in the kernel (operands
-# exactly representable, 3 plain TF32 dots), not yet run on a GPU (bench/NOTES_attention.md,
-# session 6). Strict: a fix makes this test fail until the marker goes.
+# on the GPU (2.48e-6 > 2.41e-6). CPU emulations point at the tensor-core accumulation of P.V
+# over all keys (not round-to-nearest), not at the scores or the exponent; the candidate fix and
+# its emulated effect are in bench/NOTES_attention.md (session 6, run 9), not yet run on a GPU.
+# Strict: a fix makes this test fail until the marker goes.
 _SHARP_FP32 = dict(spec=S.AttnSpec(n=2, h=1, q_len=1, k_len=233, d=64, seed=0, scale=2.0),
                    dtype=torch.float32, keep_lengths=False, seed=0)
 
