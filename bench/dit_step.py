@@ -651,11 +651,11 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-all", action="store_true",
                     help="torch_compile_graph at every shape/dtype (default: SPEC §7 anchor shapes, fp16/fp32-tf32)")
     ap.add_argument("--sweep", action="store_true",
-                    help="also time the launch overrides of the bodies in --sweep-variants (SWEEP, SWEEP_V5)")
+                    help="also time the plans of --sweep-variants (SWEEP, SWEEP_V5, SWEEP_PDL)")
     ap.add_argument("--sweep-rounds", type=int, default=1,
                     help="captures per sweep plan, interleaved in a new order each round (A/B at the few-%% level)")
     ap.add_argument("--sweep-variants", default="v3,v5,pdl",
-                    help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL off)")
+                    help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL kernel sets)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="fused-body variants timed besides the default one (comma list, or 'none')")
     ap.add_argument("--calls", type=int, default=5)

@@ -469,12 +469,6 @@ def test_gpu_no_host_sync():
     assert torch.isfinite(out[0].float()).all()
 
 
-if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--child":
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("run the child with TRITON_INTERPRET=1")
-    _child(sys.argv[2])
-
-
 def test_choose_variant_v5_for_wide_16bit_bodies_only(monkeypatch):
     import torch_cfm.kernels.dit_body as kernels
 
@@ -488,3 +482,9 @@ def test_choose_variant_v5_for_wide_16bit_bodies_only(monkeypatch):
         assert kernels.choose_variant(torch.float32, precision, 4 * wide) == "v1"
     monkeypatch.setattr(kernels, "DEFAULT_VARIANT", "v4")
     assert kernels.choose_variant(torch.float16, None, wide) == "v4"
+
+
+if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--child":
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run the child with TRITON_INTERPRET=1")
+    _child(sys.argv[2])
