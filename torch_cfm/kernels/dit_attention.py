@@ -17,7 +17,7 @@ memory in v1). The old frames' tiles still stream through shared memory (``cp.as
 built in registers (LayerNorm), 16 frames at a time. Same math and rounding points as v1 (q and k
 rounded to the compute dtype before the dots, the cache stores what the dots read), so it is
 checked against the same SPEC §6 oracle. ``choose_variant`` picks it for 16-bit bodies of
-N >= 32 rows, where it measured 3-7 % faster per step than v1 (bench/NOTES.md, session 6).
+N >= 32 rows, where it measured 4-9 % faster per step than v1 (bench/NOTES.md, session 6).
 """
 
 from __future__ import annotations

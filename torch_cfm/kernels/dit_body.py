@@ -42,8 +42,8 @@ DEFAULT_VARIANT = None  # None: per dtype/precision from VARIANT_BY_PRECISION (s
 # v3's Triton TF32 dots are ~2x cuBLAS TF32 error (outside the oracle): never for tf32.
 VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
-# fp16 v5 beat v1 by 3-7 % in four separate runs; at (8, 50, 400) the runs disagree (-5 % .. +17 %),
-# and for TF32 v5 is 11 % slower at both sizes. bf16 runs the same kernels (not timed).
+# fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
+# (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
 V5_MIN_ROWS_16BIT = 32
 
 
