@@ -58,7 +58,7 @@ import torch_cfm.compile_rules  # noqa: E402,F401  registers backend "torch_cfm"
 from torch_cfm import policy  # noqa: E402
 from torch_cfm.config import BODY_BENCH_SHAPES, DiTConfig, cosine_timesteps  # noqa: E402
 from torch_cfm.graphs import CFMGraphRunner  # noqa: E402
-from torch_cfm.kernels.dit_body import VARIANTS, choose_variant  # noqa: E402
+from torch_cfm.kernels.dit_body import PDL_CAPABLE_KERNELS, VARIANTS, choose_variant  # noqa: E402
 from torch_cfm.models import random_dit  # noqa: E402
 from torch_cfm.ops.dit_body import _empty_outputs, check_dit_body, dit_body_fused_into, stage_input  # noqa: E402
 from torch_cfm.packing import modulation_table, packed_for  # noqa: E402
@@ -299,7 +299,7 @@ def _body_pdl_kernels(kernels: frozenset):
 # --sweep-variants pdl: which of the body's own kernels launch with PDL (kernels.dit_body.BODY_PDL_KERNELS)
 SWEEP_PDL = {"none": frozenset(), "rownorm": frozenset({"rownorm", "cfg_euler"}),
              "rownorm_qk": frozenset({"rownorm", "cfg_euler", "qk_cache"}),
-             "all": frozenset({"rownorm", "cfg_euler", "qk_cache", "attention_cache"})}
+             "all": PDL_CAPABLE_KERNELS}
 
 
 def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:

@@ -182,8 +182,7 @@ def test_gpu_body_pdl_replays_equal_no_pdl_eager_bitwise(dtype, variant, monkeyp
 
     monkeypatch.setattr(kernels, "PDL_KERNELS_OVERRIDE", frozenset())
     want = [run(c) for c in cases]
-    monkeypatch.setattr(kernels, "PDL_KERNELS_OVERRIDE", frozenset({"rownorm", "qk_cache", "attention_cache",
-                                                                     "cfg_euler"}))
+    monkeypatch.setattr(kernels, "PDL_KERNELS_OVERRIDE", kernels.PDL_CAPABLE_KERNELS)
     static = [a.clone() if isinstance(a, torch.Tensor) else a for a in cases[0]]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -67,12 +67,14 @@ def choose_variant(dtype: torch.dtype, precision: Optional[str], n_rows: Optiona
 # q/k-cache and v5 kernels it never helps. PDL_KERNELS_OVERRIDE replaces the set for every dtype
 # (bench A/B: bench/dit_step.py --sweep-variants pdl). cfm_attention keeps its own rule
 # (kernels.cfm_attention.use_pdl).
+PDL_CAPABLE_KERNELS = frozenset({"rownorm", "qk_cache", "attention_cache", "cfg_euler"})
 BODY_PDL_KERNELS = {"16bit": frozenset(), "fp32": frozenset({"rownorm", "cfg_euler"})}
 PDL_KERNELS_OVERRIDE: Optional[frozenset] = None
 
 
 def body_pdl(device: torch.device, kernel: str, dtype: torch.dtype) -> bool:
     """PDL for the body kernel ``kernel`` computing in ``dtype`` on ``device`` (:data:`BODY_PDL_KERNELS`)."""
+    assert kernel in PDL_CAPABLE_KERNELS, kernel  # a misspelt launcher name would silently mean "off"
     if PDL_KERNELS_OVERRIDE is not None:
         kernels = PDL_KERNELS_OVERRIDE
     else:
