@@ -26,6 +26,21 @@ def test_bench_script_dry_run_writes_complete_rows(tmp_path, script, result, op)
     assert "Reproduce:" in (tmp_path / result.replace(".json", ".md")).read_text()
 
 
+def test_attention_accuracy_dry_run_rows(tmp_path):
+    """bench/attention_accuracy.py on CPU: one row per config, the pinned sharp case included;
+    the interpreter's exact fp32 dots keep it inside the SPEC §6 bound (the GPU is the question)."""
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "attention_accuracy.py"), "--dry-run",
+                          "--configs", "default,pvfresh", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, BENCH_COMMIT="test"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((tmp_path / "attention_accuracy.json").read_text())
+    assert [r["variant"] for r in rows] == ["default", "pvfresh"]
+    for r in rows:
+        assert r["op"] == "cfm_attention_accuracy" and r["commit"] == "test"
+        assert r["shape"]["cases"] == 2 and "K233" in r["worst_case"]
+        assert r["fails"] == 0 and 0 < r["max_ratio"] < 1, r
+
+
 def test_kernel_resources_compiles_for_sm90_without_a_gpu():
     """bench/kernel_resources.py: a kernel specialised like a launch compiles for sm_90 on this
     machine and its resource line parses (registers, spill stack, shared memory, async copies)."""

@@ -100,6 +100,15 @@ for _dt in (F32, F16):
              kv_rows=(1, 3, 0, 2), pool=4, kv_interleaved=True, precision=_p, config=(16, _B, 2) + _last,
              nan_padding=True),
     ]
+    # each tile's P.V in a fresh accumulator (pv_fresh), whole and split key walks
+    _fresh = (4, 2, True, "tf32x3", None, "last", True)
+    CASES += [
+        Case(f"{_t}-edge-lengths-pvfresh", _dt, 8, 2, 5, 40, 16, _EDGE, precision=_p,
+             config=(16, _B, 1) + _fresh),
+        Case(f"{_t}-mask-pool-nanpad-split2-last-pvfresh", _dt, 4, 2, 6, 37, 32, (37, 3, 16, 0), mask="random",
+             kv_rows=(1, 3, 0, 2), pool=4, kv_interleaved=True, precision=_p, config=(16, _B, 2) + _fresh,
+             nan_padding=True),
+    ]
     for _d in (16, 32, 64, 128):  # each head dim through the default heuristic
         CASES.append(Case(f"{_t}-d{_d}-default-config", _dt, 2, 2, 9, 70, _d, (70, 31), precision=_p))
 CASES.append(Case("f32-tf32-flag-interpreter", F32, 2, 2, 4, 20, 16, (20, 7), precision="tf32",

@@ -62,6 +62,11 @@ class AttentionConfig:
         merge: how split partials are merged (splits > 1): "kernel" (a second, combine kernel) or
             "last" (the last program of a tile to finish merges them, counted with one atomic per
             tile: no second launch; see :class:`ArrivalCounters`).
+        pv_fresh: give each key tile's P·V its own zero accumulator and add it to the running
+            output with an FP32 add, instead of letting the MMA accumulate into the running
+            output across all keys (the tensor cores' accumulation is not round-to-nearest).
+            Experimental, for the fp32 "ieee" accuracy gap of bench/NOTES_attention.md run 9;
+            not timed or checked on a GPU yet.
     """
 
     block_q: int
@@ -73,12 +78,14 @@ class AttentionConfig:
     ieee_dot: str = "tf32x3"
     pdl: Optional[bool] = None
     merge: str = "kernel"
+    pv_fresh: bool = False
 
     @property
     def name(self) -> str:
         extra = ("" if self.peel else "_nopeel") + ("" if self.ieee_dot == "tf32x3" else "_fma")
         extra += "" if self.pdl is None else ("_pdl" if self.pdl else "_nopdl")
         extra += "_last" if self.merge == "last" and self.splits > 1 else ""
+        extra += "_pvfresh" if self.pv_fresh else ""
         return f"q{self.block_q}_k{self.block_k}_s{self.splits}_w{self.num_warps}_st{self.num_stages}{extra}"
 
 
@@ -87,8 +94,8 @@ def _cfm_attention_fwd_inner(
     q, m_i, l_i, acc, k0, k_end,
     k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
     stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k,
-    qk_scale,
-    HAS_MASK: tl.constexpr, MASK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    qk_scale, pv_zero,
+    HAS_MASK: tl.constexpr, MASK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr, PV_FRESH: tl.constexpr,
 ):
     """One key tile ``[k0, k0 + BLOCK_K)``: scores, online-softmax update, ``acc += p·v``.
 
@@ -125,7 +132,13 @@ def _cfm_attention_fwd_inner(
         v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    if PV_FRESH:
+        # a runtime zero as the MMA's accumulator: Triton folds `x + dot(a, b, 0)` into the MMA only
+        # for a constant zero, so this tile's sum stays separate and is added here in FP32
+        pv = tl.dot(p.to(v.dtype), v, tl.zeros_like(acc) + pv_zero, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -152,9 +165,11 @@ def _cfm_attention_fwd_kernel(
     stride_o_n, stride_o_h, stride_o_q, stride_o_d,
     n_heads, q_len, k_len, n_pool, q_tiles, n_splits, n_rows_heads,
     qk_scale,  # log2(e) / sqrt(D)
+    pv_zero,  # 0.0 at run time (PV_FRESH)
     HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PEEL: tl.constexpr, USE_PDL: tl.constexpr, LAST_MERGES: tl.constexpr,
+    PV_FRESH: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # programmatic dependent launch: wait for the previous kernel first
     # program -> (row·head, query tile, split); splits of one tile are adjacent
@@ -205,19 +220,19 @@ def _cfm_attention_fwd_kernel(
         for k0 in range(k_start, k_mid, BLOCK_K):
             m_i, l_i, acc = _cfm_attention_fwd_inner(
                 q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
-                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
-                HAS_MASK, False, DOT_PRECISION)
+                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale, pv_zero,
+                HAS_MASK, False, DOT_PRECISION, PV_FRESH)
         for k0 in range(k_mid, k_end, BLOCK_K):
             m_i, l_i, acc = _cfm_attention_fwd_inner(
                 q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
-                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
-                HAS_MASK, True, DOT_PRECISION)
+                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale, pv_zero,
+                HAS_MASK, True, DOT_PRECISION, PV_FRESH)
     else:
         for k0 in range(k_start, k_end, BLOCK_K):
             m_i, l_i, acc = _cfm_attention_fwd_inner(
                 q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
-                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale,
-                HAS_MASK, True, DOT_PRECISION)
+                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale, pv_zero,
+                HAS_MASK, True, DOT_PRECISION, PV_FRESH)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # rows without a valid key: acc = 0 -> exactly 0
@@ -516,11 +531,11 @@ def cfm_attention_triton(
             out, part, lse, counters if counters is not None else q,
             *q.stride(), *k.stride(), *v.stride(), *m_strides, *out.stride(),
             n_heads, q_len, k_len, n_pool, q_tiles, splits, rows_heads,
-            qk_scale,
+            qk_scale, 0.0,
             HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_K=block_k,
             HAS_LENGTHS=key_lengths is not None, HAS_MASK=mask is not None, HAS_ROWS=kv_rows is not None,
             DOT_PRECISION=dot_precision, PEEL=config.peel, USE_PDL=pdl, LAST_MERGES=counters is not None,
-            num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(pdl),
+            PV_FRESH=config.pv_fresh, num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(pdl),
         )
         if splits > 1 and counters is None:
             block_qc = 16 if q_len <= 16 else 32
