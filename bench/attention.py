@@ -209,8 +209,9 @@ def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
                 C(32, 64, 2, 4, 3, pdl=True), C(32, 64, 2, 4, 3, merge="last"), C(32, 64, 2, 4, 2, merge="last"),
                 C(16, 64, 2, 4, 2, merge="last"), C(16, 64, 1, 4, 3),
                 C(32, 64, 1, 8, 3, pdl=True), C(32, 64, 1, 8, 2, pdl=True)]  # 2 warps per scheduler
-    return [C(32, 64, 1, 4, 2, pdl=False), C(32, 64, 1, 4, 2, pdl=True), C(16, 64, 1, 4, 2),
+    ieee = [C(32, 64, 1, 4, 2, pdl=False), C(32, 64, 1, 4, 2, pdl=True), C(16, 64, 1, 4, 2),
             C(16, 64, 2, 4, 2, merge="last"), C(32, 64, 2, 4, 2, merge="last")]
+    return ieee + [replace(c, qk_slab=32) for c in ieee]  # q·k in 32-wide head-dim slices (run 10)
 
 
 def run_sweep(shapes, dtypes, args, env) -> list[dict]:

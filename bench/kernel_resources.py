@@ -84,7 +84,7 @@ def describe(compiled) -> str:
 
 def attention_rows(arch: int, n_sm: int) -> list[str]:
     from torch_cfm.config import ATTENTION_BENCH_SHAPES
-    from torch_cfm.kernels.cfm_attention import LOG2E, _dot_precision, choose_config
+    from torch_cfm.kernels.cfm_attention import LOG2E, _dot_precision, choose_config, qk_slabs
     from torch_cfm.kernels.cfm_attention import _cfm_attention_fwd_kernel as kernel
 
     rows = []
@@ -101,14 +101,14 @@ def attention_rows(arch: int, n_sm: int) -> list[str]:
             args = dict(q_ptr=ty, k_ptr=ty, v_ptr=ty, lengths_ptr="*i32", mask_ptr="*u8", rows_ptr="*i32",
                         out_ptr=ty, part_ptr="*fp32", lse_ptr="*fp32", count_ptr="*i32",
                         n_heads=heads, q_len=q_len, k_len=k_len, n_pool=n, q_tiles=q_tiles, n_splits=cfg.splits,
-                        n_rows_heads=n * heads, qk_scale=LOG2E / d ** 0.5, pv_zero=0.0)
+                        n_rows_heads=n * heads, qk_scale=LOG2E / d ** 0.5, fresh_zero=0.0)
             for prefix, strides in (("q", q_strides), ("k", kv_strides), ("v", kv_strides), ("m", (0, 0, 0)),
                                     ("o", q_strides)):
                 names = ("n", "q", "k") if prefix == "m" else ("n", "h", "k" if prefix in "kv" else "q", "d")
                 for name, stride in zip(names, strides):
                     args[f"stride_{prefix}_{name}"] = stride
             const = dict(HEAD_DIM=d, BLOCK_Q=cfg.block_q, BLOCK_K=cfg.block_k, HAS_LENGTHS=True, HAS_MASK=False,
-                         PV_FRESH=cfg.pv_fresh,
+                         QK_SLABS=qk_slabs(cfg, d),
                          HAS_ROWS=False, DOT_PRECISION=_dot_precision(dtype, precision, cfg), PEEL=cfg.peel,
                          USE_PDL=False, LAST_MERGES=cfg.splits > 1 and cfg.merge == "last")
             compiled = compile_like_launch(kernel, args, const, cfg.num_warps, cfg.num_stages, arch)

@@ -100,14 +100,14 @@ for _dt in (F32, F16):
              kv_rows=(1, 3, 0, 2), pool=4, kv_interleaved=True, precision=_p, config=(16, _B, 2) + _last,
              nan_padding=True),
     ]
-    # each tile's P.V in a fresh accumulator (pv_fresh), whole and split key walks
-    _fresh = (4, 2, True, "tf32x3", None, "last", True)
+    # q·k in head-dim slices with accumulators of their own (qk_slab): 4 and 2 slices, whole and split walks
+    _slab16 = (4, 2, True, "tf32x3", None, "last", 16)
     CASES += [
-        Case(f"{_t}-edge-lengths-pvfresh", _dt, 8, 2, 5, 40, 16, _EDGE, precision=_p,
-             config=(16, _B, 1) + _fresh),
-        Case(f"{_t}-mask-pool-nanpad-split2-last-pvfresh", _dt, 4, 2, 6, 37, 32, (37, 3, 16, 0), mask="random",
-             kv_rows=(1, 3, 0, 2), pool=4, kv_interleaved=True, precision=_p, config=(16, _B, 2) + _fresh,
-             nan_padding=True),
+        Case(f"{_t}-edge-lengths-qkslab16x4", _dt, 8, 2, 5, 40, 64, _EDGE, mask="random", precision=_p,
+             config=(16, _B, 1) + _slab16),
+        Case(f"{_t}-mask-pool-nanpad-split2-last-qkslab16x2", _dt, 4, 2, 6, 37, 32, (37, 3, 16, 0), mask="random",
+             kv_rows=(1, 3, 0, 2), pool=4, kv_interleaved=True, q_transposed=True, precision=_p,
+             config=(16, _B, 2) + _slab16, nan_padding=True),
     ]
     for _d in (16, 32, 64, 128):  # each head dim through the default heuristic
         CASES.append(Case(f"{_t}-d{_d}-default-config", _dt, 2, 2, 9, 70, _d, (70, 31), precision=_p))
@@ -286,6 +286,21 @@ def test_choose_config_split_rule() -> None:
                     cfg = choose_config(dtype, 64, rows_heads, q_len, k_len, 132, precision)
                     if cfg.merge == "last" and cfg.splits > 1:  # the in-kernel merge is used in one wave only
                         assert rows_heads * triton.cdiv(q_len, cfg.block_q) * cfg.splits <= 132, cfg
+
+
+def test_choose_config_slices_ieee_scores_only() -> None:
+    """fp32 "ieee" scores run in 32-wide head-dim slices for D > 32 (NOTES_attention.md run 10); other
+    dtypes and precisions keep one dot; qk_slabs rejects a width that does not cut D into 2 or 4."""
+    from torch_cfm.kernels.cfm_attention import AttentionConfig, choose_config, qk_slabs
+
+    for d, slabs in ((16, 1), (32, 1), (64, 2), (128, 4)):
+        cfg = choose_config(torch.float32, d, 8, 50, 450, 132, "ieee")
+        assert qk_slabs(cfg, d) == slabs
+        assert qk_slabs(choose_config(torch.float32, d, 8, 50, 450, 132, "tf32"), d) == 1
+        assert qk_slabs(choose_config(torch.float16, d, 8, 50, 450, 132), d) == 1
+    for bad in (48, 8):
+        with pytest.raises(ValueError, match="qk_slab"):
+            qk_slabs(AttentionConfig(32, 64, qk_slab=bad), 128)
 
 
 def test_arrival_counters_reserve_disjoint_slices_and_never_reuse_them() -> None:

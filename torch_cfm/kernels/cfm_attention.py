@@ -62,11 +62,12 @@ class AttentionConfig:
         merge: how split partials are merged (splits > 1): "kernel" (a second, combine kernel) or
             "last" (the last program of a tile to finish merges them, counted with one atomic per
             tile: no second launch; see :class:`ArrivalCounters`).
-        pv_fresh: give each key tile's P·V its own zero accumulator and add it to the running
-            output with an FP32 add, instead of letting the MMA accumulate into the running
-            output across all keys (the tensor cores' accumulation is not round-to-nearest).
-            Experimental, for the fp32 "ieee" accuracy gap of bench/NOTES_attention.md run 9;
-            not timed or checked on a GPU yet.
+        qk_slab: width of the head-dim slices whose q·k partial dots each run into a fresh
+            accumulator and are summed in FP32 (0 = one dot over the whole head dim). A single dot
+            accumulates all D products in one running FP32 sum; on sharp softmaxes that sum's
+            rounding moved fp32 "ieee" outputs outside SPEC §6's bound (error up to 3.3× the
+            bound at D = 128, K = 437; 32-wide slices: within it, like cuBLAS's FP32 GEMM;
+            bench/NOTES_attention.md run 10). :func:`choose_config` sets 32 for "ieee" and D > 32.
     """
 
     block_q: int
@@ -78,40 +79,71 @@ class AttentionConfig:
     ieee_dot: str = "tf32x3"
     pdl: Optional[bool] = None
     merge: str = "kernel"
-    pv_fresh: bool = False
+    qk_slab: int = 0
 
     @property
     def name(self) -> str:
         extra = ("" if self.peel else "_nopeel") + ("" if self.ieee_dot == "tf32x3" else "_fma")
         extra += "" if self.pdl is None else ("_pdl" if self.pdl else "_nopdl")
         extra += "_last" if self.merge == "last" and self.splits > 1 else ""
-        extra += "_pvfresh" if self.pv_fresh else ""
+        extra += f"_slab{self.qk_slab}" if self.qk_slab else ""
         return f"q{self.block_q}_k{self.block_k}_s{self.splits}_w{self.num_warps}_st{self.num_stages}{extra}"
 
 
 @triton.jit
+def _qk_slab(q_j, j, k_base, offs_k, k_ok, stride_k_k, stride_k_d, fresh_zero,
+             SLAB: tl.constexpr, MASK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Raw scores of head-dim slice ``[j·SLAB, (j+1)·SLAB)`` in an accumulator of their own.
+
+    ``fresh_zero`` is 0.0 at run time: Triton folds ``s + dot(a, b)`` (a constant-zero
+    accumulator) into ``dot(a, b, s)``, which would chain the slices into one running sum again.
+    """
+    offs_d = j * SLAB + tl.arange(0, SLAB)
+    k_ptrs = k_base + offs_k[None, :] * stride_k_k + offs_d[:, None] * stride_k_d
+    if MASK_KEYS:
+        kt = tl.load(k_ptrs, mask=k_ok[None, :], other=0.0)
+    else:
+        kt = tl.load(k_ptrs)
+    zero = tl.zeros((q_j.shape[0], offs_k.shape[0]), dtype=tl.float32) + fresh_zero
+    return tl.dot(q_j, kt, zero, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _cfm_attention_fwd_inner(
-    q, m_i, l_i, acc, k0, k_end,
+    q0, q1, q2, q3, m_i, l_i, acc, k0, k_end,
     k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
     stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k,
-    qk_scale, pv_zero,
-    HAS_MASK: tl.constexpr, MASK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr, PV_FRESH: tl.constexpr,
+    qk_scale, fresh_zero,
+    HAS_MASK: tl.constexpr, MASK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr, QK_SLABS: tl.constexpr,
 ):
     """One key tile ``[k0, k0 + BLOCK_K)``: scores, online-softmax update, ``acc += p·v``.
 
     MASK_KEYS=False is the fast path for tiles entirely inside ``[k_start, k_end)``: unmasked
-    loads and no per-key bound test.
+    loads and no per-key bound test. QK_SLABS = 1: ``q0`` is the whole (BLOCK_Q, D) query tile;
+    2 or 4: ``q0..q{QK_SLABS-1}`` are its head-dim slices (see ``AttentionConfig.qk_slab``).
     """
     offs_k = k0 + offs_kb
-    k_ptrs = k_base + offs_k[None, :] * stride_k_k + offs_d[:, None] * stride_k_d
+    k_ok = offs_k < k_end
     v_ptrs = v_base + offs_k[:, None] * stride_v_k + offs_d[None, :] * stride_v_d
-    if MASK_KEYS:
-        k_ok = offs_k < k_end
-        kt = tl.load(k_ptrs, mask=k_ok[None, :], other=0.0)
-    else:
-        kt = tl.load(k_ptrs)
     # -- raw scores (FP32 accumulation); the log2(e)/sqrt(D) scale is folded into the exponent
-    s = tl.dot(q, kt, input_precision=DOT_PRECISION)
+    if QK_SLABS == 1:
+        k_ptrs = k_base + offs_k[None, :] * stride_k_k + offs_d[:, None] * stride_k_d
+        if MASK_KEYS:
+            kt = tl.load(k_ptrs, mask=k_ok[None, :], other=0.0)
+        else:
+            kt = tl.load(k_ptrs)
+        s = tl.dot(q0, kt, input_precision=DOT_PRECISION)
+    else:
+        SLAB: tl.constexpr = q0.shape[1]
+        s = _qk_slab(q0, 0, k_base, offs_k, k_ok, stride_k_k, stride_k_d, fresh_zero, SLAB, MASK_KEYS,
+                     DOT_PRECISION)
+        s += _qk_slab(q1, 1, k_base, offs_k, k_ok, stride_k_k, stride_k_d, fresh_zero, SLAB, MASK_KEYS,
+                      DOT_PRECISION)
+        if QK_SLABS == 4:
+            s += _qk_slab(q2, 2, k_base, offs_k, k_ok, stride_k_k, stride_k_d, fresh_zero, SLAB, MASK_KEYS,
+                          DOT_PRECISION)
+            s += _qk_slab(q3, 3, k_base, offs_k, k_ok, stride_k_k, stride_k_d, fresh_zero, SLAB, MASK_KEYS,
+                          DOT_PRECISION)
     if HAS_MASK:
         if MASK_KEYS:
             keep = q_ok[:, None] & k_ok[None, :]
@@ -132,13 +164,7 @@ def _cfm_attention_fwd_inner(
         v = tl.load(v_ptrs, mask=k_ok[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
-    if PV_FRESH:
-        # a runtime zero as the MMA's accumulator: Triton folds `x + dot(a, b, 0)` into the MMA only
-        # for a constant zero, so this tile's sum stays separate and is added here in FP32
-        pv = tl.dot(p.to(v.dtype), v, tl.zeros_like(acc) + pv_zero, input_precision=DOT_PRECISION)
-        acc = acc * alpha[:, None] + pv
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -165,11 +191,11 @@ def _cfm_attention_fwd_kernel(
     stride_o_n, stride_o_h, stride_o_q, stride_o_d,
     n_heads, q_len, k_len, n_pool, q_tiles, n_splits, n_rows_heads,
     qk_scale,  # log2(e) / sqrt(D)
-    pv_zero,  # 0.0 at run time (PV_FRESH)
+    fresh_zero,  # 0.0 at run time (QK_SLABS > 1)
     HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_LENGTHS: tl.constexpr, HAS_MASK: tl.constexpr, HAS_ROWS: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PEEL: tl.constexpr, USE_PDL: tl.constexpr, LAST_MERGES: tl.constexpr,
-    PV_FRESH: tl.constexpr,
+    QK_SLABS: tl.constexpr,
 ):
     pdl_prologue(USE_PDL)  # programmatic dependent launch: wait for the previous kernel first
     # program -> (row·head, query tile, split); splits of one tile are adjacent
@@ -206,9 +232,24 @@ def _cfm_attention_fwd_kernel(
     v_base = v_ptr + row.to(tl.int64) * stride_v_n + h.to(tl.int64) * stride_v_h
     m_base = mask_ptr + n.to(tl.int64) * stride_m_n
 
-    # q stays resident for the whole key walk
-    q = tl.load(q_base + offs_q[:, None] * stride_q_q + offs_d[None, :] * stride_q_d,
-                mask=q_ok[:, None], other=0.0)
+    # q stays resident for the whole key walk (whole, or as QK_SLABS head-dim slices)
+    if QK_SLABS == 1:
+        q0 = tl.load(q_base + offs_q[:, None] * stride_q_q + offs_d[None, :] * stride_q_d,
+                     mask=q_ok[:, None], other=0.0)
+        q1 = q0
+        q2 = q0
+        q3 = q0
+    else:
+        SLAB: tl.constexpr = HEAD_DIM // QK_SLABS
+        offs_s = tl.arange(0, SLAB)
+        q_ptrs = q_base + offs_q[:, None] * stride_q_q + offs_s[None, :] * stride_q_d
+        q0 = tl.load(q_ptrs, mask=q_ok[:, None], other=0.0)
+        q1 = tl.load(q_ptrs + SLAB * stride_q_d, mask=q_ok[:, None], other=0.0)
+        q2 = q0
+        q3 = q0
+        if QK_SLABS == 4:
+            q2 = tl.load(q_ptrs + 2 * SLAB * stride_q_d, mask=q_ok[:, None], other=0.0)
+            q3 = tl.load(q_ptrs + 3 * SLAB * stride_q_d, mask=q_ok[:, None], other=0.0)
 
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)  # running max (scaled, log2 units)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)  # running sum of 2^(s·scale - m_i)
@@ -219,20 +260,20 @@ def _cfm_attention_fwd_kernel(
         k_mid = k_start + ((k_end - k_start) // BLOCK_K) * BLOCK_K
         for k0 in range(k_start, k_mid, BLOCK_K):
             m_i, l_i, acc = _cfm_attention_fwd_inner(
-                q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
-                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale, pv_zero,
-                HAS_MASK, False, DOT_PRECISION, PV_FRESH)
+                q0, q1, q2, q3, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
+                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale, fresh_zero,
+                HAS_MASK, False, DOT_PRECISION, QK_SLABS)
         for k0 in range(k_mid, k_end, BLOCK_K):
             m_i, l_i, acc = _cfm_attention_fwd_inner(
-                q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
-                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale, pv_zero,
-                HAS_MASK, True, DOT_PRECISION, PV_FRESH)
+                q0, q1, q2, q3, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
+                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale, fresh_zero,
+                HAS_MASK, True, DOT_PRECISION, QK_SLABS)
     else:
         for k0 in range(k_start, k_end, BLOCK_K):
             m_i, l_i, acc = _cfm_attention_fwd_inner(
-                q, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
-                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale, pv_zero,
-                HAS_MASK, True, DOT_PRECISION, PV_FRESH)
+                q0, q1, q2, q3, m_i, l_i, acc, k0, k_end, k_base, v_base, m_base, offs_q, q_ok, offs_d, offs_kb,
+                stride_k_k, stride_k_d, stride_v_k, stride_v_d, stride_m_q, stride_m_k, qk_scale, fresh_zero,
+                HAS_MASK, True, DOT_PRECISION, QK_SLABS)
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # rows without a valid key: acc = 0 -> exactly 0
@@ -365,8 +406,10 @@ def choose_config(dtype: torch.dtype, head_dim: int, rows_heads: int, q_len: int
         splits, merge = min(triton.cdiv(k_len, 1024), max(1, n_sm // tiles), 8), "last"
     elif dtype == torch.float32 and k_len >= 256 and 2 * tiles <= n_sm:
         splits, merge = 2, "last"  # fp32 with few programs: two key halves in one wave (sweeps 6-7)
+    # fp32 "ieee": q·k in 32-wide head-dim slices summed in FP32 (SPEC §6 on sharp softmaxes, run 10)
+    qk_slab = 32 if dtype == torch.float32 and precision != "tf32" and head_dim > 32 else 0
     return AttentionConfig(block_q, block_k, splits, num_warps=num_warps, num_stages=num_stages, peel=peel,
-                           merge=merge)
+                           merge=merge, qk_slab=qk_slab)
 
 
 class ArrivalCounters:
@@ -439,6 +482,17 @@ def use_pdl(programs: int, n_sm: int) -> bool:
     next call's early-resident programs take SM slots from this call's second wave.
     """
     return programs <= n_sm
+
+
+def qk_slabs(config: AttentionConfig, head_dim: int) -> int:
+    """How many head-dim slices ``config.qk_slab`` cuts a D-wide q·k dot into: 1, 2 or 4."""
+    if not config.qk_slab or config.qk_slab >= head_dim:
+        return 1
+    slabs = head_dim // config.qk_slab
+    if slabs * config.qk_slab != head_dim or slabs not in (2, 4) or config.qk_slab < 16:
+        raise ValueError(f"AttentionConfig.qk_slab={config.qk_slab} must cut head_dim={head_dim} into 2 or 4 "
+                         "slices of at least 16")
+    return slabs
 
 
 def _dot_precision(dtype: torch.dtype, precision: Optional[str], config: AttentionConfig) -> str:
@@ -535,7 +589,7 @@ def cfm_attention_triton(
             HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_K=block_k,
             HAS_LENGTHS=key_lengths is not None, HAS_MASK=mask is not None, HAS_ROWS=kv_rows is not None,
             DOT_PRECISION=dot_precision, PEEL=config.peel, USE_PDL=pdl, LAST_MERGES=counters is not None,
-            PV_FRESH=config.pv_fresh, num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(pdl),
+            QK_SLABS=qk_slabs(config, head_dim), num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(pdl),
         )
         if splits > 1 and counters is None:
             block_qc = 16 if q_len <= 16 else 32
