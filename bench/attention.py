@@ -197,6 +197,8 @@ def run_bench(shapes, dtypes, providers, args, env) -> list[dict]:
 
 def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
     """Kernel variants the sweep times (runs 1-3's grids and results: bench/NOTES_attention.md)."""
+    from dataclasses import replace
+
     from torch_cfm.kernels.cfm_attention import AttentionConfig as C
 
     if dtype != torch.float32:

@@ -414,8 +414,11 @@ def _variant_id(c: tuple) -> str:
 def test_gpu_variants(dtype, precision, config, d):
     from torch_cfm.kernels.cfm_attention import AttentionConfig
 
-    if dtype == torch.float32 and d * config[1] >= 128 * 128:
-        pytest.skip("fp32 K/V tiles of 128x128 exceed shared memory (choose_config never picks them)")
+    stages = config[4] if len(config) > 4 else 2
+    smem = (2 * config[1] * stages + config[0]) * d * 4  # fp32 K and V tiles per stage, plus q
+    if dtype == torch.float32 and (d * config[1] >= 128 * 128 or smem > 216 * 1024):
+        # e.g. 64-query, 64-key, 3-stage tiles at D = 128 need 240-256 KiB (H200, session 7)
+        pytest.skip("fp32 tiles exceed shared memory (choose_config never picks them)")
     a = _gpu_inputs(3, 2, 37, 300, d, dtype, mask=True, pool=5, seed=d)
     _gpu_check(a, dtype, precision, AttentionConfig(*config))
 
