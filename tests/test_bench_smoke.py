@@ -41,6 +41,18 @@ def test_attention_accuracy_dry_run_rows(tmp_path):
         assert r["fails"] == 0 and 0 < r["max_ratio"] < 1, r
 
 
+def test_attention_error_sources_dry_run(tmp_path):
+    """bench/attention_error_sources.py on CPU: both reports, every column a finite ratio per case."""
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "attention_error_sources.py"), "--dry-run",
+                          "--parts", "--scores", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for label, column in (("parts", "kernel_noslab"), ("scores", "x3_slab32")):
+        rows = json.loads((tmp_path / f"attention_error_sources_{label}.json").read_text())
+        assert {r["case"] for r in rows} == {"pinned", "pinned-shuffled"}
+        assert all(0 < r[column] < 1 for r in rows), rows
+
+
 def test_kernel_resources_compiles_for_sm90_without_a_gpu():
     """bench/kernel_resources.py: a kernel specialised like a launch compiles for sm_90 on this
     machine and its resource line parses (registers, spill stack, shared memory, async copies)."""
