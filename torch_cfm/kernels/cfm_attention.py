@@ -372,7 +372,8 @@ def choose_config(dtype: torch.dtype, head_dim: int, rows_heads: int, q_len: int
     split too (untested beyond K = 524: a conservative extrapolation), also merged in-kernel (one
     wave by construction; the last-program merge beat the combine kernel at every one-wave shape
     of sweep 6). D = 128 tiles are chosen from the ptxas register report (no spills), not timed;
-    D = 16/32 reuse the D = 64 choice.
+    D = 16/32 reuse the D = 64 choice. fp32 "ieee" with D > 32 sums q·k in 32-wide head-dim
+    slices (``qk_slab``: SPEC §6 on sharp softmaxes, no measurable time; NOTES run 10).
 
     Args:
         dtype: q/k/v dtype.
