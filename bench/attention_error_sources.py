@@ -166,10 +166,12 @@ def main(argv=None) -> int:
         if args.parts:
             base = choose_config(torch.float32, d, n * h, q_len, case.k.shape[2], sm_count(case.q.device), "ieee")
             row["config"] = base.name
-            for cname, cfg in (("kernel", base), ("kernel_noslab", replace(base, qk_slab=0)),
-                               ("kernel_split1", replace(base, splits=1)), ("kernel_fma", replace(base, ieee_dot="ieee"))):
+            configs = (("kernel", base), ("kernel_noslab", replace(base, qk_slab=0)),
+                       ("kernel_split1", replace(base, splits=1)), ("kernel_fma", replace(base, ieee_dot="ieee")))
+            for cname, cfg in configs:
                 out = torch.empty_like(case.q)
-                cfm_attention_triton(case.q, case.k, case.v, case.key_lengths, case.mask, case.kv_rows, "ieee", out, cfg)
+                cfm_attention_triton(case.q, case.k, case.v, case.key_lengths, case.mask, case.kv_rows, "ieee",
+                                     out, cfg)
                 row[cname] = err_max(out, ref64) / bound
             row["scores_x3"] = ratio_of_scores(scores(q, k, "tf32x3", 1 << 10, False, bq))
             row["scores_fma"] = ratio_of_scores(scores(q, k, "ieee", 1 << 10, False, bq))

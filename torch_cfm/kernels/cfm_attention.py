@@ -546,6 +546,7 @@ def cfm_attention_triton(
     if config is None:
         config = choose_config(q.dtype, head_dim, rows_heads, q_len, k_len, sm_count(q.device), precision)
     dot_precision = _dot_precision(q.dtype, precision, config)
+    slabs = qk_slabs(config, head_dim)
     if out.numel() == 0:
         return out
     block_q, block_k = config.block_q, config.block_k
@@ -590,7 +591,7 @@ def cfm_attention_triton(
             HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_K=block_k,
             HAS_LENGTHS=key_lengths is not None, HAS_MASK=mask is not None, HAS_ROWS=kv_rows is not None,
             DOT_PRECISION=dot_precision, PEEL=config.peel, USE_PDL=pdl, LAST_MERGES=counters is not None,
-            QK_SLABS=qk_slabs(config, head_dim), num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(pdl),
+            QK_SLABS=slabs, num_warps=config.num_warps, num_stages=config.num_stages, **launch_kwargs(pdl),
         )
         if splits > 1 and counters is None:
             block_qc = 16 if q_len <= 16 else 32
