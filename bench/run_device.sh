@@ -18,6 +18,8 @@
 #                  DIT_ARGS narrows it, e.g. "--no-solve --variants none --providers torch_cfm")
 #   dit-compile    the torch.compile max-autotune peer at (8,50,400) fp16 with torch_cfm and the
 #                  reference graph in the same run (~3 min of compilation)
+#   dit-gemm       bench/dit_gemm.py: each GEMM role of a block alone, v3's fused Triton GEMM vs cuBLAS
+#                  (DIT_GEMM_ARGS, e.g. "--tiles 64,4,4;128,8,3")
 #   graph-launch   bench/graph_launch.py: host µs of the solve graphs' launch and of CFMServer.solve_chunk
 #                  (GRAPH_LAUNCH_ARGS, e.g. "--plain-graphs")
 #   ncu-attention  Nsight Compute (full set, SASS source counters) of the attention kernel at
@@ -78,6 +80,9 @@ export CXX=${TORCH_CFM_CXX:-g++} CC=${TORCH_CFM_CC:-gcc}
       dit)
         timeout "$(limit dit 180)" python3 bench/dit_step.py --quick --out "$OUT" > "$OUT/dit.log" 2>&1
         grep -E "^(dit_step|solve)" "$OUT/dit.log" | tail -40 ;;
+      dit-gemm)
+        timeout "$(limit dit-gemm 150)" python3 bench/dit_gemm.py ${DIT_GEMM_ARGS:-} --out "$OUT" > "$OUT/dit_gemm.log" 2>&1
+        tail -45 "$OUT/dit_gemm.log" ;;
       dit-full)
         timeout "$(limit dit-full 1500)" python3 bench/dit_step.py ${DIT_ARGS:-} --out "$OUT" > "$OUT/dit.log" 2>&1
         grep -E "^(dit_step|solve)" "$OUT/dit.log" | tail -60 ;;

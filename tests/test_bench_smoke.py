@@ -53,6 +53,23 @@ def test_attention_error_sources_dry_run(tmp_path):
         assert all(0 < r[column] < 1 for r in rows), rows
 
 
+def test_dit_gemm_dry_run_rows(tmp_path):
+    """bench/dit_gemm.py on CPU: every role for cuBLAS, the fused and the plain Triton GEMM (with a
+    tile override), no launch errors, and the plain Triton GEMM agrees with torch's on equal operands."""
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "dit_gemm.py"), "--dry-run", "--dtypes", "fp16",
+                          "--tiles", "32,4,2", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, BENCH_COMMIT="test"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((tmp_path / "dit_gemm.json").read_text())
+    roles = {"qkv", "proj", "conv1", "conv2", "fc1", "fc2"}
+    for provider, variants in (("cublas", roles), ("triton_fused", roles | {r + "/m32_w4_s2" for r in roles}),
+                               ("triton_plain", roles | {r + "/m32_w4_s2" for r in roles})):
+        assert {r["variant"] for r in rows if r["provider"] == provider} == variants
+    assert all(r["error"] is None and r["op"] == "dit_gemm" and r["commit"] == "test" for r in rows)
+    plain = [r for r in rows if r["provider"] == "triton_plain"]
+    assert all(r["rel_err_vs_cublas"] < 1e-2 for r in plain), plain
+
+
 def test_kernel_resources_compiles_for_sm90_without_a_gpu():
     """bench/kernel_resources.py: a kernel specialised like a launch compiles for sm_90 on this
     machine and its resource line parses (registers, spill stack, shared memory, async copies)."""
