@@ -81,7 +81,7 @@ export CXX=${TORCH_CFM_CXX:-g++} CC=${TORCH_CFM_CC:-gcc}
         timeout "$(limit dit 180)" python3 bench/dit_step.py --quick --out "$OUT" > "$OUT/dit.log" 2>&1
         grep -E "^(dit_step|solve)" "$OUT/dit.log" | tail -40 ;;
       dit-gemm)
-        timeout "$(limit dit-gemm 150)" python3 bench/dit_gemm.py ${DIT_GEMM_ARGS:-} --out "$OUT" > "$OUT/dit_gemm.log" 2>&1
+        timeout "$(limit dit-gemm 240)" python3 bench/dit_gemm.py ${DIT_GEMM_ARGS:-} --out "$OUT" > "$OUT/dit_gemm.log" 2>&1
         tail -45 "$OUT/dit_gemm.log" ;;
       dit-full)
         timeout "$(limit dit-full 1500)" python3 bench/dit_step.py ${DIT_ARGS:-} --out "$OUT" > "$OUT/dit.log" 2>&1
