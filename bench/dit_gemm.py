@@ -141,6 +141,7 @@ def plain_launches(shapes: dict, dtype: torch.dtype, device: str, precision: str
     from torch_cfm.kernels.dit_gemm import fused_gemm
 
     g = torch.Generator(device="cpu").manual_seed(1)
+    valid = torch.zeros(1, dtype=torch.int32, device=device)  # not read by A_MODE 0 / EPI 0-1
     launches = []
     for role, (m, k, nout, gelu) in shapes.items():
         a = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
@@ -155,10 +156,11 @@ def plain_launches(shapes: dict, dtype: torch.dtype, device: str, precision: str
             else:
                 launches.append((role, lambda a=a, w=w, b=bias, o=out: torch.addmm(b, a, w.t(), out=o), out))
         else:
+            # one "sequence" of m frames with row-major strides: the kernel's row-major fast paths
             launches.append((role, lambda a=a, w=w, b=bias, o=out, m=m, k=k, nout=nout, gelu=gelu: fused_gemm(
-                w=w, w_strides=(w.stride(0), w.stride(1), 0), bias=b, out=o, out_strides=(0, nout, 1), m=m,
-                nout=nout, k=k, t_len=m, c=k, valid=None, a_mode=0, epi=1 if gelu else 0, precision=precision, a=a,
-                a_strides=(0, k, 1)), out))
+                w=w, w_strides=(w.stride(0), w.stride(1), 0), bias=b, out=o, out_strides=(m * nout, nout, 1), m=m,
+                nout=nout, k=k, t_len=m, c=k, valid=valid, a_mode=0, epi=1 if gelu else 0, precision=precision,
+                a=a, a_strides=(m * k, k, 1)), out))
     return launches
 
 
@@ -225,7 +227,8 @@ def main(argv=None) -> int:
     upsert_rows(os.path.join(args.out, "dit_gemm.json"), rows)
     table = markdown_table(rows, row_key=lambda r: f"{r['shape']['N']},{r['shape']['T']} {r['dtype']} {r['variant']}",
                            col_key=lambda r: r["provider"], value=fmt_us, row_title="N,T dtype role")
-    command = "python3 bench/dit_gemm.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    given = argv if argv is not None else sys.argv[1:]
+    command = "python3 bench/dit_gemm.py " + " ".join(shlex.quote(a) for a in given)
     with open(os.path.join(args.out, "dit_gemm.md"), "w") as f:
         f.write("# One DiT block's GEMMs alone, µs per launch (p50, CUDA graph)\n\n" + table + "\n"
                 + provenance_footer(rows, command))
