@@ -203,6 +203,8 @@ def main(argv=None) -> int:
                     if tile:
                         dit_gemm.TILE_OVERRIDE.update(block_m=tile[0], num_warps=tile[1], num_stages=tile[2])
                     m, k, nout, _ = gshapes[role]
+                    if provider == "triton_fused" and role.startswith("conv"):  # implicit conv: 3 taps in K
+                        m, k, nout = n * t, 3 * c, c
                     variant = role + ("" if tile is None else "/m%d_w%d_s%d" % tile)
                     try:
                         timing = timer(fn, calls=args.calls, repeats=args.repeats)
