@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     import attention_accuracy as A
     import strategies as S
-    from oracle import ABS_FLOOR, err_max, naive_attention64
+    from oracle import err_max, max_abs_bound, naive_attention64
     from torch_cfm.kernels._launch import sm_count
     from torch_cfm.kernels.cfm_attention import cfm_attention_triton, choose_config
 
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         if case.k.shape[2] == 0:
             continue
         ref64 = naive_attention64(case.q, case.k, case.v, case.key_lengths, case.mask, case.kv_rows).to(device)
-        bound = 2 * err_max(S.attention_same_dtype(case), ref64) + ABS_FLOOR
+        bound = max_abs_bound(err_max(S.attention_same_dtype(case), ref64))
         q, k, v, keep = dense(case, S)
         n, h, q_len, d = q.shape
         bq = max(16, triton.next_power_of_2(q_len))
