@@ -84,7 +84,7 @@ def block_tensors(n: int, t: int, c: int, heads: int, head_dim: int, mlp: int, d
 def triton_roles(x: dict, n: int, t: int, l_len: int, c: int, heads: int, head_dim: int, mlp: int, precision: str):
     """(role, zero-argument launch, None) of v3's six per-block GEMMs on the tensors of ``block_tensors``
     (their numerics are the test suite's: tests/test_dit_body.py, variant v3)."""
-    from torch_cfm.kernels.dit_gemm import fused_gemm
+    from torch_cfm.kernels.dit_gemm import fused_gemm, linear_strides, tap_strides
 
     dtype, dev, m, inner = x["w_qkv"].dtype, x["h"].device, x["m"], x["inner"]
     new_att = torch.empty(n, heads, t + l_len, 2 * head_dim, device=dev, dtype=dtype)
@@ -93,11 +93,10 @@ def triton_roles(x: dict, n: int, t: int, l_len: int, c: int, heads: int, head_d
     fbuf = torch.empty(m, mlp, device=dev, dtype=dtype)
     common = dict(m=m, t_len=t, c=c, valid=x["valid"], precision=precision)
 
-    def lin(w):
-        return (w.stride(0), w.stride(1), 0)
+    lin = linear_strides
 
     def taps(w):
-        return (w.stride(0), w.stride(1), c * w.stride(0))
+        return tap_strides(w, c)
 
     tab = dict(table=x["table"])
     o3 = x["attn_out"]
@@ -138,7 +137,7 @@ def plain_launches(shapes: dict, dtype: torch.dtype, device: str, precision: str
     """(role, launch, out) of a plain GEMM ``out = a @ w.T + bias`` (GELU for fc1) at each role's shape.
 
     The same seed gives both providers the same operands, so their outputs can be compared."""
-    from torch_cfm.kernels.dit_gemm import fused_gemm
+    from torch_cfm.kernels.dit_gemm import fused_gemm, linear_strides
 
     g = torch.Generator(device="cpu").manual_seed(1)
     valid = torch.zeros(1, dtype=torch.int32, device=device)  # not read by A_MODE 0 / EPI 0-1
@@ -158,7 +157,7 @@ def plain_launches(shapes: dict, dtype: torch.dtype, device: str, precision: str
         else:
             # one "sequence" of m frames with row-major strides: the kernel's row-major fast paths
             launches.append((role, lambda a=a, w=w, b=bias, o=out, m=m, k=k, nout=nout, gelu=gelu: fused_gemm(
-                w=w, w_strides=(w.stride(0), w.stride(1), 0), bias=b, out=o, out_strides=(m * nout, nout, 1), m=m,
+                w=w, w_strides=linear_strides(w), bias=b, out=o, out_strides=(m * nout, nout, 1), m=m,
                 nout=nout, k=k, t_len=m, c=k, valid=valid, a_mode=0, epi=1 if gelu else 0, precision=precision,
                 a=a, a_strides=(m * k, k, 1)), out))
     return launches

@@ -753,7 +753,7 @@ def dit_body_triton(
 
 def _body_v3(x_in, weights, table, cnn_cache, att_cache, valid, cached, precision, out):
     """The "v3" body: 7 kernels per block (see :func:`dit_body_triton`)."""
-    from .dit_gemm import fused_gemm, stat_tiles
+    from .dit_gemm import fused_gemm, linear_strides, stat_tiles, tap_strides
 
     vel, new_cnn, new_att = out
     n_rows, cin, t_len, depth, c, heads, head_dim, inner, mlp = _body_sizes(x_in, weights)
@@ -770,11 +770,10 @@ def _body_v3(x_in, weights, table, cnn_cache, att_cache, valid, cached, precisio
     fbuf = torch.empty((m, mlp), dtype=cd, device=dev)
     common = dict(m=m, t_len=t_len, c=c, valid=valid, precision=precision)
 
-    def lin(w):  # (Nout, K) row-major weight
-        return (w.stride(0), w.stride(1), 0)
+    lin = linear_strides
 
-    def taps(w):  # packed conv taps (3C, C): tap j, out o, in c at row j*C + o
-        return (w.stride(0), w.stride(1), c * w.stride(0))
+    def taps(w):
+        return tap_strides(w, c)
 
     cache_shift(att_cache, new_att, valid, cached)
     in_w, in_b = weights[0], weights[1]

@@ -242,6 +242,16 @@ STAT_BN = 64  # column tile of every epilogue that writes row statistics (EPI 3/
 TILE_OVERRIDE: dict = {}
 
 
+def linear_strides(w) -> tuple[int, int, int]:
+    """``w_strides`` of a (Nout, K) linear weight (no taps)."""
+    return (w.stride(0), w.stride(1), 0)
+
+
+def tap_strides(w, c: int) -> tuple[int, int, int]:
+    """``w_strides`` of packed conv taps (3C, C): tap j, output o, input channel at row j·C + o."""
+    return (w.stride(0), w.stride(1), c * w.stride(0))
+
+
 def stat_tiles(c: int) -> int:
     """NT: partial-statistics tiles per row of width C."""
     return triton.cdiv(c, STAT_BN)
