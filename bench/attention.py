@@ -205,7 +205,11 @@ def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
         return [C(64, 64, 1, 4, 3, pdl=False), C(64, 64, 1, 4, 3, pdl=True), C(64, 64, 2, 4, 3, pdl=True),
                 C(64, 64, 2, 4, 3, pdl=True, merge="last"), C(64, 64, 2, 4, 2, pdl=True, merge="last"),
                 C(64, 64, 2, 4, 3, pdl=False, merge="last"), C(64, 64, 3, 4, 3, pdl=True, merge="last"),
-                C(64, 64, 1, 8, 3, pdl=True)]
+                C(64, 64, 1, 8, 3, pdl=True),
+                # 128-key steps: half the serial softmax/wgmma round trips per program (run 1 timed
+                # them with the masked v1 loop only)
+                C(64, 128, 1, 4, 2, pdl=True), C(64, 128, 1, 4, 3, pdl=True), C(64, 128, 1, 8, 2, pdl=True),
+                C(64, 64, 1, 4, 4, pdl=True)]
     if precision == "tf32":
         return [C(32, 64, 1, 4, 3, pdl=False), C(32, 64, 1, 4, 3, pdl=True), C(32, 64, 1, 4, 2, peel=False),
                 C(32, 64, 2, 4, 3, pdl=True), C(32, 64, 2, 4, 3, merge="last"), C(32, 64, 2, 4, 2, merge="last"),
@@ -213,7 +217,12 @@ def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
                 C(32, 64, 1, 8, 3, pdl=True), C(32, 64, 1, 8, 2, pdl=True),  # 2 warps per scheduler
                 # 64-query tiles: wgmma for both tf32 dots (32-query tiles get mma.sync); lost in run 1
                 # with that kernel, not timed with the peeled one
-                C(64, 64, 1, 4, 2, pdl=True), C(64, 64, 1, 4, 3, pdl=True), C(64, 32, 1, 4, 3, pdl=True)]
+                C(64, 64, 1, 4, 2, pdl=True), C(64, 64, 1, 4, 3, pdl=True), C(64, 32, 1, 4, 3, pdl=True),
+                # wgmma tiles split in 2 key halves (the q32 grid's 128 programs, half the walk each)
+                C(64, 64, 2, 4, 2, pdl=True, merge="last"), C(64, 64, 2, 4, 3, pdl=True, merge="last"),
+                C(64, 32, 2, 4, 3, pdl=True, merge="last"),
+                # 128-key steps: half the serial round trips
+                C(32, 128, 1, 4, 2, pdl=True), C(64, 128, 1, 8, 2, pdl=True), C(32, 32, 1, 4, 3, pdl=True)]
     ieee = [C(32, 64, 1, 4, 2, pdl=False), C(32, 64, 1, 4, 2, pdl=True), C(16, 64, 1, 4, 2),
             C(16, 64, 2, 4, 2, merge="last"), C(32, 64, 2, 4, 2, merge="last")]
     return ieee + [replace(c, qk_slab=32) for c in ieee]  # q·k in 32-wide head-dim slices (run 10)
