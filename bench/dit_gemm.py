@@ -29,6 +29,7 @@ markdown table. ``--dry-run``: CPU, Triton interpreter, tiny sizes, no timing (s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
@@ -176,6 +177,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    from torch_cfm import policy
     from torch_cfm.kernels import dit_gemm
 
     timer = dry_run_timer if args.dry_run else time_cuda_graph
@@ -189,41 +191,45 @@ def main(argv=None) -> int:
     for n, t in shapes:
         for dname in args.dtypes.split(","):
             dtype, precision = DTYPES[dname]
-            x = block_tensors(n, t, c, heads, head_dim, mlp, dtype, device)
-            gshapes = gemm_shapes(n, t, c, x["inner"], mlp)
-            timed = [("cublas", None, plain_launches(gshapes, dtype, device, precision, use_cublas=True))]
-            for tile in tiles:
-                timed.append(("triton_fused", tile, triton_roles(x, n, t, l_len, c, heads, head_dim, mlp, precision)))
-                timed.append(("triton_plain", tile, plain_launches(gshapes, dtype, device, precision, False)))
-            cublas_out = {role: out for role, _, out in timed[0][2]}
-            for provider, tile, launches in timed:
-                for role, fn, out in launches:
-                    dit_gemm.TILE_OVERRIDE.clear()
-                    if tile:
-                        dit_gemm.TILE_OVERRIDE.update(block_m=tile[0], num_warps=tile[1], num_stages=tile[2])
-                    m, k, nout, _ = gshapes[role]
-                    if provider == "triton_fused" and role.startswith("conv"):  # implicit conv: 3 taps in K
-                        m, k, nout = n * t, 3 * c, c
-                    variant = role + ("" if tile is None else "/m%d_w%d_s%d" % tile)
-                    try:
-                        timing = timer(fn, calls=args.calls, repeats=args.repeats)
-                        error = None
-                    except Exception as exc:  # a config that does not compile/launch: a row that says so
-                        timing, error = {}, f"{type(exc).__name__}: {str(exc)[:160]}"
-                    finally:
+            # cuBLAS follows torch's TF32 flag (off by default); the body sets it the same way
+            with (policy.tf32_scope(precision == "tf32") if dtype == torch.float32
+                  else contextlib.nullcontext()):
+                x = block_tensors(n, t, c, heads, head_dim, mlp, dtype, device)
+                gshapes = gemm_shapes(n, t, c, x["inner"], mlp)
+                timed = [("cublas", None, plain_launches(gshapes, dtype, device, precision, use_cublas=True))]
+                for tile in tiles:
+                    fused = triton_roles(x, n, t, l_len, c, heads, head_dim, mlp, precision)
+                    timed.append(("triton_fused", tile, fused))
+                    timed.append(("triton_plain", tile, plain_launches(gshapes, dtype, device, precision, False)))
+                cublas_out = {role: out for role, _, out in timed[0][2]}
+                for provider, tile, launches in timed:
+                    for role, fn, out in launches:
                         dit_gemm.TILE_OVERRIDE.clear()
-                    err = None
-                    if error is None and out is not None and provider != "cublas":  # plain Triton vs cuBLAS
-                        ref = cublas_out[role].double()
-                        err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-                    rows.append(make_row(env, op="dit_gemm", provider=provider, variant=variant,
-                                         shape={"N": n, "T": t, "M": m, "K": k, "N_out": nout}, dtype=dname,
-                                         precision=precision if dtype == torch.float32 else None,
-                                         timing="cuda_graph", error=error, rel_err_vs_cublas=err, **timing))
-                    if not args.dry_run:
-                        print(f"{n},{t} {dname} {provider:12s} {variant:18s} "
-                              + (f"{timing['us_p50']:.2f} us" if error is None else error)
-                              + ("" if err is None else f"  rel err vs cuBLAS {err:.1e}"), flush=True)
+                        if tile:
+                            dit_gemm.TILE_OVERRIDE.update(block_m=tile[0], num_warps=tile[1], num_stages=tile[2])
+                        m, k, nout, _ = gshapes[role]
+                        if provider == "triton_fused" and role.startswith("conv"):  # implicit conv: 3 taps in K
+                            m, k, nout = n * t, 3 * c, c
+                        variant = role + ("" if tile is None else "/m%d_w%d_s%d" % tile)
+                        try:
+                            timing = timer(fn, calls=args.calls, repeats=args.repeats)
+                            error = None
+                        except Exception as exc:  # a config that does not compile/launch: a row that says so
+                            timing, error = {}, f"{type(exc).__name__}: {str(exc)[:160]}"
+                        finally:
+                            dit_gemm.TILE_OVERRIDE.clear()
+                        err = None
+                        if error is None and out is not None and provider != "cublas":  # plain Triton vs cuBLAS
+                            ref = cublas_out[role].double()
+                            err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                        rows.append(make_row(env, op="dit_gemm", provider=provider, variant=variant,
+                                             shape={"N": n, "T": t, "M": m, "K": k, "N_out": nout}, dtype=dname,
+                                             precision=precision if dtype == torch.float32 else None,
+                                             timing="cuda_graph", error=error, rel_err_vs_cublas=err, **timing))
+                        if not args.dry_run:
+                            print(f"{n},{t} {dname} {provider:12s} {variant:18s} "
+                                  + (f"{timing['us_p50']:.2f} us" if error is None else error)
+                                  + ("" if err is None else f"  rel err vs cuBLAS {err:.1e}"), flush=True)
     os.makedirs(args.out, exist_ok=True)
     upsert_rows(os.path.join(args.out, "dit_gemm.json"), rows)
     table = markdown_table(rows, row_key=lambda r: f"{r['shape']['N']},{r['shape']['T']} {r['dtype']} {r['variant']}",
