@@ -171,7 +171,9 @@ def _cfm_attention_fwd_inner(
 # Scalars that vary per call and gain nothing from Triton's "== 1" / "% 16" specialisation: leaving
 # them unspecialised keeps one compiled variant per tile config across shapes. n_splits stays
 # specialised so that splits == 1 compiles the direct-store path only.
-_NO_SPEC = ["n_heads", "q_len", "k_len", "n_pool", "q_tiles", "n_rows_heads"]
+# stride_m_n: a mask shared by all rows (stride 0) and a per-row one (e.g. 130) compiled two kernels
+# that round 1 fp16 ulp apart, so a row's output changed with the batch it sat in (NOTES run 11).
+_NO_SPEC = ["n_heads", "q_len", "k_len", "n_pool", "q_tiles", "n_rows_heads", "stride_m_n"]
 
 
 @triton.jit(do_not_specialize=_NO_SPEC)
