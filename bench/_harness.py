@@ -45,6 +45,18 @@ def _null_context() -> ContextManager:
     return contextlib.nullcontext()
 
 
+def tf32_context(dtype: torch.dtype, precision: Optional[str], device: str) -> Callable[[], ContextManager]:
+    """Factory of the context that sets torch's TF32 flags the way the estimator body does.
+
+    Only CUDA fp32 runs change anything: cuBLAS/cuDNN follow those flags (off by default), so a
+    cuBLAS peer timed without them runs IEEE SGEMM, not TF32."""
+    if dtype == torch.float32 and device == "cuda":
+        from torch_cfm import policy
+
+        return lambda: policy.tf32_scope(precision == "tf32")
+    return _null_context
+
+
 def time_cuda_graph(fn: Callable[[], object], *, calls: int = 20, repeats: int = 30, warmup: int = 3,
                     context: Callable[[], ContextManager] = _null_context, samples: Optional[list] = None,
                     ) -> dict[str, float]:

@@ -29,7 +29,6 @@ markdown table. ``--dry-run``: CPU, Triton interpreter, tiny sizes, no timing (s
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shlex
 import sys
@@ -40,7 +39,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 from _harness import (dry_run_timer, env_info, fmt_us, make_row, markdown_table, provenance_footer,  # noqa: E402
-                      time_cuda_graph, upsert_rows)
+                      tf32_context, time_cuda_graph, upsert_rows)
 
 DTYPES = {"fp16": (torch.float16, "tf32"), "bf16": (torch.bfloat16, "tf32"), "fp32-tf32": (torch.float32, "tf32"),
           "fp32-ieee": (torch.float32, "ieee")}
@@ -177,7 +176,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from torch_cfm import policy
     from torch_cfm.kernels import dit_gemm
 
     timer = dry_run_timer if args.dry_run else time_cuda_graph
@@ -191,9 +189,7 @@ def main(argv=None) -> int:
     for n, t in shapes:
         for dname in args.dtypes.split(","):
             dtype, precision = DTYPES[dname]
-            # cuBLAS follows torch's TF32 flag (off by default); the body sets it the same way
-            with (policy.tf32_scope(precision == "tf32") if dtype == torch.float32
-                  else contextlib.nullcontext()):
+            with tf32_context(dtype, precision, device)():  # cuBLAS follows torch's TF32 flag
                 x = block_tensors(n, t, c, heads, head_dim, mlp, dtype, device)
                 gshapes = gemm_shapes(n, t, c, x["inner"], mlp)
                 timed = [("cublas", None, plain_launches(gshapes, dtype, device, precision, use_cublas=True))]

@@ -52,10 +52,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root (in-place build)
 from _harness import (dry_run_timer, env_info, make_row, markdown_table, percentiles, provenance_footer,  # noqa: E402
-                      rel_err, time_cuda_graph, time_eager, upsert_rows)
+                      rel_err, tf32_context, time_cuda_graph, time_eager, upsert_rows)
 
 import torch_cfm.compile_rules  # noqa: E402,F401  registers backend "torch_cfm" (no entry point in an in-place build)
-from torch_cfm import policy  # noqa: E402
 from torch_cfm.config import BODY_BENCH_SHAPES, DiTConfig, cosine_timesteps  # noqa: E402
 from torch_cfm.graphs import CFMGraphRunner  # noqa: E402
 from torch_cfm.kernels.dit_body import PDL_CAPABLE_KERNELS, VARIANTS, choose_variant  # noqa: E402
@@ -155,9 +154,7 @@ def step_inputs(cfg: DiTConfig, n: int, t: int, l_len: int, dtype: torch.dtype, 
 
 
 def tf32_ctx(dtype: torch.dtype, precision: Optional[str]):
-    if dtype == torch.float32 and DEVICE == "cuda":
-        return lambda: policy.tf32_scope(precision == "tf32")
-    return contextlib.nullcontext
+    return tf32_context(dtype, precision, DEVICE)  # DEVICE: "cpu" in --dry-run
 
 
 def step_providers(model, model_dtype, inp, dname, precision, variants=VARIANTS):
