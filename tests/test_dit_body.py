@@ -297,19 +297,19 @@ _INTERP_BASE = [
          per_row_t=True),
     dict(name="nokeys_row_f32", dtype=torch.float32, n=2, t=4, l_len=3, valid=[4, 0], cached=[3, 0]),
 ]
-VARIANTS = ("v1", "v2", "v3", "v4", "v5")  # torch_cfm.kernels.dit_body.VARIANTS (not imported: it imports triton)
+VARIANTS = ("v1", "v2", "v3", "v4", "v5", "v7")  # torch_cfm.kernels.dit_body.VARIANTS (not imported: it imports triton)
 INTERP_CASES = [dict(c, name=f"{c['name']}_{v}", variant=v) for v in VARIANTS for c in _INTERP_BASE]
 # The shipped widths (C = 512, H = 8, D = 64), one block: the launch rules of the real model
 # (e.g. one row per rownorm program), which the tiny config never reaches.
 WIDE = DiTConfig(depth=1)
 INTERP_CASES += [dict(name=f"wide_f32_{v}", dtype=torch.float32, n=2, t=3, l_len=2, valid=[3, 2], cached=[2, 1],
-                      variant=v, wide=True) for v in ("v1", "v4", "v5")]
+                      variant=v, wide=True) for v in ("v1", "v4", "v5", "v7")]
 # v5 at the shipped widths in fp16: a 16-query tile over T = 5, a key walk of two 64-frame tiles
-INTERP_CASES += [dict(name="wide_f16_v5", dtype=torch.float16, n=2, t=5, l_len=70, valid=[5, 1], cached=[70, 33],
-                      variant="v5", wide=True)]
+INTERP_CASES += [dict(name=f"wide_f16_{v}", dtype=torch.float16, n=2, t=5, l_len=70, valid=[5, 1], cached=[70, 33],
+                      variant=v, wide=True) for v in ("v5", "v7")]
 # several query tiles per (row, head): only the first writes the cache, every one attends
 INTERP_CASES += [dict(name=f"qtiles_f32_{v}", dtype=torch.float32, n=2, t=40, l_len=9, valid=[40, 17],
-                      cached=[9, 3], variant=v) for v in ("v1", "v5")]
+                      cached=[9, 3], variant=v) for v in ("v1", "v5", "v7")]
 
 
 def _interp_args(case):

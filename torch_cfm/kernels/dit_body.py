@@ -35,7 +35,7 @@ from .cfm_attention import AttentionConfig
 from .dit_attention import attention_cache
 
 CONV_HISTORY = 2  # causal conv k=3: 2 cached frames in front of the chunk
-VARIANTS = ("v1", "v2", "v3", "v4", "v5")
+VARIANTS = ("v1", "v2", "v3", "v4", "v5", "v7")
 DEFAULT_VARIANT = None  # None: per dtype/precision from VARIANT_BY_PRECISION (set from bench/NOTES.md)
 # Measured on the H200 (bench/NOTES.md, sessions 2-3, (8, 50, 400) fp16 per step): v1 1.123 ms (0.982 with
 # one row per rownorm program), v2 1.165, v3 3.98, v4 1.039 vs v1 1.041 (no gain).
@@ -83,8 +83,10 @@ def body_pdl(device: torch.device, kernel: str, dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def _dit_rownorm_kernel(
+def _rownorm_rows(
+    row0,                       # first token row of this tile
     y_ptr, stride_y,            # GEMM output rows (M, C) [plain] or (N*(T+2), 3C) conv taps [TAPS]
+    split_stride,               # elements between the SPLITS partial sums of y [plain]
     bias_ptr,                   # (C,) added to y [HAS_BIAS]
     h_ptr,                      # (M, C) float32 residual stream, read [HAS_RES] / written [WRITE_H]
     tab_ptr, stride_tab,        # (R, depth+1, 9, C) float32 modulation table; row stride 0 if R == 1
@@ -99,10 +101,12 @@ def _dit_rownorm_kernel(
     M, T, C, eps,
     TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_GATE: tl.constexpr, NORM: tl.constexpr, HEAD: tl.constexpr, HAS_CNN: tl.constexpr,
-    EMIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
+    EMIT: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = pid * ROWS + tl.arange(0, ROWS)
+    """ROWS token rows from ``row0``: the body of ``_dit_rownorm_kernel`` (see its caller's comments),
+    shared with the persistent block kernel (:mod:`torch_cfm.kernels.dit_block`), which also sums
+    SPLITS split-K partials of a plain ``y``."""
+    rows = row0 + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_C)
     row_ok = rows < M
     col_ok = cols < C
@@ -134,6 +138,9 @@ def _dit_rownorm_kernel(
         y += tl.load(y_ptr + (hrow + 2)[:, None] * stride_y + (2 * C + cols)[None, :], mask=ok, other=0.0).to(tl.float32)
     else:
         y = tl.load(y_ptr + rows64[:, None] * stride_y + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        for s in tl.static_range(1, SPLITS):
+            y += tl.load(y_ptr + s * split_stride + rows64[:, None] * stride_y + cols[None, :], mask=ok,
+                         other=0.0).to(tl.float32)
     if HAS_BIAS:
         y += bias
     if HAS_GATE:
@@ -175,6 +182,25 @@ def _dit_rownorm_kernel(
             ev = tl.load(emit_src_ptr + (n * (T + 2) + tn + j)[:, None] * C + cols[None, :], mask=fmask, other=0.0)
             tl.store(emit_ptr + n[:, None] * stride_emit_n + (emit_cbase + cols)[None, :] * stride_emit_c
                      + j * stride_emit_j, ev.to(emit_ptr.dtype.element_ty), mask=fmask)
+
+
+@triton.jit
+def _dit_rownorm_kernel(
+    y_ptr, stride_y, bias_ptr, h_ptr, tab_ptr, stride_tab, gate_off, shift_off, scale_off, lnw_ptr, lnb_ptr,
+    out_ptr, out_t, out_off, cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j, head_cbase,
+    emit_src_ptr, emit_ptr, stride_emit_n, stride_emit_c, stride_emit_j, emit_cbase, valid_ptr,
+    M, T, C, eps,
+    TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_H: tl.constexpr,
+    HAS_GATE: tl.constexpr, NORM: tl.constexpr, HEAD: tl.constexpr, HAS_CNN: tl.constexpr,
+    EMIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """One block boundary, ROWS token rows per program (arguments: :func:`_rownorm_rows`)."""
+    _rownorm_rows(
+        tl.program_id(0) * ROWS, y_ptr, stride_y, 0, bias_ptr, h_ptr, tab_ptr, stride_tab, gate_off, shift_off,
+        scale_off, lnw_ptr, lnb_ptr, out_ptr, out_t, out_off, cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j,
+        head_cbase, emit_src_ptr, emit_ptr, stride_emit_n, stride_emit_c, stride_emit_j, emit_cbase, valid_ptr,
+        M, T, C, eps, TAPS, HAS_BIAS, HAS_RES, WRITE_H, HAS_GATE, NORM, HEAD, HAS_CNN, EMIT, 1, ROWS, BLOCK_C,
+        USE_PDL)
 
 
 @triton.jit
@@ -318,31 +344,49 @@ def _dit_gemm_kernel(
         tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * stride_c + offs_n[None, :],
                  _gelu_tanh(acc).to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
     else:  # BLOCK_N == D: this tile is one head of q, k or v
-        inner = H * BLOCK_N
-        seg = (pid_n * BLOCK_N) // inner
-        h = ((pid_n * BLOCK_N) % inner) // BLOCK_N
-        d = tl.arange(0, BLOCK_N)
-        n = (offs_m // T).to(tl.int64)
-        t = offs_m % T
-        if seg < 2:
-            mu = tl.sum(acc, axis=1) / BLOCK_N
-            xc = acc - mu[:, None]
-            z = xc * tl.rsqrt(tl.sum(xc * xc, axis=1) / BLOCK_N + eps)[:, None]
-            if seg == 0:
-                z = z * tl.load(qn_w_ptr + d).to(tl.float32)[None, :] + tl.load(qn_b_ptr + d).to(tl.float32)[None, :]
-                q_off = offs_m.to(tl.int64)[:, None] * inner + (h * BLOCK_N + d)[None, :]
-                tl.store(q_out_ptr + q_off, z.to(q_out_ptr.dtype.element_ty), mask=m_ok[:, None])
-            else:
-                z = z * tl.load(kn_w_ptr + d).to(tl.float32)[None, :] + tl.load(kn_b_ptr + d).to(tl.float32)[None, :]
-                tn = tl.load(valid_ptr + n, mask=m_ok, other=0)
-                ok = (m_ok & (t < tn))[:, None]
-                dst = new_ptr + n[:, None] * s_new_n + h * s_new_h + t.to(tl.int64)[:, None] * s_new_f
-                tl.store(dst + d[None, :] * s_new_e, z.to(new_ptr.dtype.element_ty), mask=ok)
+        _qkv_head_epilogue(acc, offs_m, m_ok, pid_n * BLOCK_N, T, H, eps, qn_w_ptr, qn_b_ptr, kn_w_ptr, kn_b_ptr,
+                           q_out_ptr, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e, valid_ptr, BLOCK_N)
+
+
+@triton.jit
+def _qkv_head_epilogue(
+    acc,                        # (BLOCK_M, D) float32 packed-QKV GEMM tile, bias included
+    offs_m, m_ok,               # its token rows (n*T + t) and their validity
+    col0,                       # its first column in the packed q | k | v output (a multiple of D)
+    T, H, eps,
+    qn_w_ptr, qn_b_ptr, kn_w_ptr, kn_b_ptr,  # (D,) q/k LayerNorm affine
+    q_out_ptr,                  # (N, T, H, D) contiguous normalised queries
+    new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,  # (N, H, T+L, 2D) new cache
+    valid_ptr,                  # (N,) int32 clamped T_n
+    D: tl.constexpr,
+):
+    """One head of q (LayerNorm -> ``q_out``), k (LayerNorm -> new cache frames t < T_n) or v
+    (-> new cache frames t < T_n)."""
+    inner = H * D
+    seg = col0 // inner
+    h = (col0 % inner) // D
+    d = tl.arange(0, D)
+    n = (offs_m // T).to(tl.int64)
+    t = offs_m % T
+    if seg < 2:
+        mu = tl.sum(acc, axis=1) / D
+        xc = acc - mu[:, None]
+        z = xc * tl.rsqrt(tl.sum(xc * xc, axis=1) / D + eps)[:, None]
+        if seg == 0:
+            z = z * tl.load(qn_w_ptr + d).to(tl.float32)[None, :] + tl.load(qn_b_ptr + d).to(tl.float32)[None, :]
+            q_off = offs_m.to(tl.int64)[:, None] * inner + (h * D + d)[None, :]
+            tl.store(q_out_ptr + q_off, z.to(q_out_ptr.dtype.element_ty), mask=m_ok[:, None])
         else:
+            z = z * tl.load(kn_w_ptr + d).to(tl.float32)[None, :] + tl.load(kn_b_ptr + d).to(tl.float32)[None, :]
             tn = tl.load(valid_ptr + n, mask=m_ok, other=0)
             ok = (m_ok & (t < tn))[:, None]
             dst = new_ptr + n[:, None] * s_new_n + h * s_new_h + t.to(tl.int64)[:, None] * s_new_f
-            tl.store(dst + (BLOCK_N + d)[None, :] * s_new_e, acc.to(new_ptr.dtype.element_ty), mask=ok)
+            tl.store(dst + d[None, :] * s_new_e, z.to(new_ptr.dtype.element_ty), mask=ok)
+    else:
+        tn = tl.load(valid_ptr + n, mask=m_ok, other=0)
+        ok = (m_ok & (t < tn))[:, None]
+        dst = new_ptr + n[:, None] * s_new_n + h * s_new_h + t.to(tl.int64)[:, None] * s_new_f
+        tl.store(dst + (D + d)[None, :] * s_new_e, acc.to(new_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -651,6 +695,8 @@ def dit_body_triton(
       caller's stream + 1 copy per block beside it.
     * "v5": v1 with the q/k norm, the new-cache write and the attention in one kernel
       (:mod:`torch_cfm.kernels.dit_attention`): 11 kernels per block.
+    * "v7": one persistent launch per block, its 11 phases separated by grid barriers
+      (:mod:`torch_cfm.kernels.dit_block`); in_proj and the final layer as v1.
     """
     variant = variant or choose_variant(x_in.dtype, precision, x_in.shape[0])
     if variant not in VARIANTS:
@@ -658,6 +704,10 @@ def dit_body_triton(
     vel, new_cnn, new_att = out
     if variant == "v3":
         return _body_v3(x_in, weights, mod_table, cnn_cache, att_cache, valid, cached, precision, out)
+    if variant == "v7" and x_in.shape[0] * x_in.shape[2] > 0:  # no token rows: v1 copies the caches
+        from .dit_block import body_v7
+
+        return body_v7(x_in, weights, mod_table, cnn_cache, att_cache, valid, cached, precision, out)
     n_rows, _, t_len, depth, c, heads, head_dim, inner, mlp = _body_sizes(x_in, weights)
     m = n_rows * t_len
     cd = x_in.dtype

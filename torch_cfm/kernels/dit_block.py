@@ -1,0 +1,385 @@
+"""Persistent per-block kernel of the fused DiT body (body variant "v7").
+
+v1 spends ~12 launches on one DiT block and every launch at M = N*T ≈ 400 token rows is latency
+bound (3-7 µs, bench/NOTES.md sessions 2-8), so the step is ~200 dependent launches. Here one
+launch runs a whole block as 11 *phases* over a fixed grid of programs; each program walks the
+tiles of a phase (``tile = pid, pid + G, ...``) and the phases are separated by a grid-wide
+barrier (an atomic counter in global memory), so the per-launch drain/ramp becomes a barrier:
+
+====  ===========  =====================================================================
+ #    phase        tiles
+====  ===========  =====================================================================
+ 0    qkv          packed-QKV GEMM tiles (one head each: q/k LayerNorm, current k|v frames
+                   into the new cache) + old-frame copy tiles of the new attention cache
+ 1    attention    (row, head, BQ queries) over frames [0, T_n + L_n) of the new cache
+ 2    proj         attention-output projection, split-K, FP32 partials
+ 3    norm_a       residual + gate_a, LayerNorm, modulation (c) -> conv-1 history
+ 4    conv1        conv-1 taps GEMM over the history
+ 5    norm_c1      tap sum + bias, affine LayerNorm, Mish -> conv-2 history; conv-1 cache
+ 6    conv2        conv-2 taps GEMM
+ 7    norm_c2      tap sum + bias, residual + gate_c, LayerNorm, modulation (m); conv-2 cache
+ 8    fc1          MLP up-projection, GELU (tanh)
+ 9    fc2          MLP down-projection, split-K, FP32 partials
+ 10   norm_m       residual + gate_m, LayerNorm, next block's modulation (a)
+====  ===========  =====================================================================
+
+The row-norm phases are :func:`torch_cfm.kernels.dit_body._rownorm_rows` (v1's boundary
+kernel) and the QKV epilogue is v2's, so v7 computes the same math as v1 with Triton GEMMs.
+
+Two launch modes with the same tile code:
+
+* persistent (``SYNC``; CUDA): G ≤ #SM programs, every phase of the block in one launch. The
+  barrier needs every program resident at once: G is at most one program per SM, and one
+  program always fits an SM (4 warps: registers <= 255 x 128; shared memory beyond an SM's
+  is a compile error). A bounded spin makes a broken barrier
+  a wrong result plus a raised flag (``bar[1]``), never a hang.
+* one launch per phase (no barrier): the Triton interpreter, and a debugging reference on the
+  GPU (the persistent result must equal it bitwise).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..config import BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS
+from ..packing import GATE_A, GATE_C, GATE_M, PER_BLOCK, SCALE_A, SCALE_C, SCALE_M, SHIFT_A, SHIFT_C, SHIFT_M
+from ._launch import on_device, sm_count
+from .dit_body import (CONV_HISTORY, _body_sizes, _dot_precision, _gelu_tanh, _mod_off, _qkv_head_epilogue,
+                       _rownorm_rows, rownorm)
+
+PHASES = ("qkv", "attention", "proj", "norm_a", "conv1", "norm_c1", "conv2", "norm_c2", "fc1", "fc2", "norm_m")
+MAX_SPIN = 1 << 22  # barrier polls before a program gives up (≈ seconds): a hang becomes a flag
+SPLIT_PROJ = 2      # split-K factors of the two GEMMs whose consumer (a row-norm) sums partials
+SPLIT_FC2 = 4
+BLOCK_Q = 32        # attention queries per tile: at N = 8, T = 50 this gives 128 tiles for 132 SMs
+BLOCK_KV = 64
+COPY_FRAMES = 64    # new-cache frames per old-frame copy tile
+NORM_ROWS = 4       # token rows per row-norm tile
+
+NUM_WARPS = 4       # <= 255 registers x 128 threads: one program always fits an SM's register file
+PERSISTENT = True   # CUDA: one launch per block with grid barriers (False: one launch per phase)
+
+
+@triton.jit
+def _grid_sync(bar_ptr, target, MAX_SPIN_: tl.constexpr):
+    """Grid-wide barrier: every program adds 1 to ``bar[0]`` and waits until it reaches ``target``
+    (= G x barriers passed so far in this body call). Release/acquire at GPU scope order this
+    phase's stores before the next phase's loads in every program."""
+    tl.debug_barrier()
+    tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+    spins = 0
+    while (tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu") < target) & (spins < MAX_SPIN_):
+        spins += 1
+    if spins >= MAX_SPIN_:
+        tl.atomic_add(bar_ptr + 1, 1, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _gemm_tile(a_ptr, lda, w_ptr, ldw, m0, n0, k_lo, k_hi, M, NOUT,
+               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """(BM, BN) float32 tile of a (M, K) @ w (NOUT, K)^T over k in [k_lo, k_hi) (multiples of BK)."""
+    offs_m = m0 + tl.arange(0, BM)
+    offs_n = n0 + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    a_rows = a_ptr + offs_m.to(tl.int64)[:, None] * lda
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * ldw
+    m_ok = (offs_m < M)[:, None]
+    n_ok = (offs_n < NOUT)[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=m_ok, other=0.0)
+        w = tl.load(w_cols + (k0 + offs_k)[:, None], mask=n_ok, other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _store_tile(c_ptr, ldc, acc, m0, n0, M, NOUT, BM: tl.constexpr, BN: tl.constexpr):
+    offs_m = m0 + tl.arange(0, BM)
+    offs_n = n0 + tl.arange(0, BN)
+    ok = (offs_m < M)[:, None] & (offs_n < NOUT)[None, :]
+    tl.store(c_ptr + offs_m.to(tl.int64)[:, None] * ldc + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _attention_tile(q_ptr, o_ptr, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e, n, h, q0, kl, T, INNER, qk_scale,
+                    D: tl.constexpr, BQ: tl.constexpr, BKV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Queries [q0, q0 + BQ) of row n, head h over the first ``kl`` frames of the new cache
+    (online softmax in FP32, base 2; ``qk_scale`` = log2(e) / sqrt(D)). No key -> exactly 0."""
+    t = q0 + tl.arange(0, BQ)
+    d = tl.arange(0, D)
+    t_ok = (t < T)[:, None]
+    rows = (n * T + t).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * INNER + (h * D + d)[None, :], mask=t_ok, other=0.0)
+    m_i = tl.full([BQ], float("-inf"), tl.float32)
+    l_i = tl.zeros([BQ], tl.float32)
+    acc = tl.zeros([BQ, D], tl.float32)
+    base = new_ptr + n * s_new_n + h * s_new_h
+    for k0 in range(0, kl, BKV):
+        f = k0 + tl.arange(0, BKV)
+        f_ok = f < kl
+        kt = tl.load(base + f.to(tl.int64)[None, :] * s_new_f + d[:, None] * s_new_e, mask=f_ok[None, :], other=0.0)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(f_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: frame k0 < kl is valid
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(base + f.to(tl.int64)[:, None] * s_new_f + (D + d)[None, :] * s_new_e, mask=f_ok[:, None],
+                    other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + rows[:, None] * INNER + (h * D + d)[None, :], out.to(o_ptr.dtype.element_ty), mask=t_ok)
+
+
+@triton.jit
+def _old_frames_tile(old_ptr, s_old_n, s_old_h, s_old_f, s_old_e, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,
+                     n, h, f0, tn, ln, T, L, D: tl.constexpr, CF: tl.constexpr, HAS_OLD: tl.constexpr):
+    """New-cache frames f in [f0, f0 + CF) with T_n <= f < T + L: old frame f - T_n if it is one
+    of the L_n cached ones, else zeros (SPEC §2 layout)."""
+    f = f0 + tl.arange(0, CF)
+    e = tl.arange(0, 2 * D)
+    dst_ok = ((f >= tn) & (f < T + L))[:, None]
+    j = (f - tn).to(tl.int64)
+    if HAS_OLD:
+        src_ok = dst_ok & (j < ln)[:, None]
+        val = tl.load(old_ptr + n * s_old_n + h * s_old_h + j[:, None] * s_old_f + e[None, :] * s_old_e,
+                      mask=src_ok, other=0.0)
+    else:
+        val = tl.zeros([CF, 2 * D], dtype=tl.float32)
+    tl.store(new_ptr + n * s_new_n + h * s_new_h + f.to(tl.int64)[:, None] * s_new_f + e[None, :] * s_new_e,
+             val.to(new_ptr.dtype.element_ty), mask=dst_ok)
+
+
+@triton.jit
+def _splitk_phase(pid, G, a_ptr, w_ptr, y_ptr, M, NOUT, K, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """y[s] (M, NOUT) float32 = a[:, ks] @ w[:, ks]^T over the s-th of S equal K slices."""
+    n_mt = tl.cdiv(M, BM)
+    n_nt = NOUT // BN
+    ks = K // S
+    for tile in range(pid, n_mt * n_nt * S, G):
+        s = tile // (n_mt * n_nt)
+        r = tile % (n_mt * n_nt)
+        m0 = (r // n_nt) * BM
+        n0 = (r % n_nt) * BN
+        acc = _gemm_tile(a_ptr, K, w_ptr, K, m0, n0, s * ks, s * ks + ks, M, NOUT, BM, BN, BK, DOT_PRECISION)
+        _store_tile(y_ptr + s * M * NOUT, NOUT, acc, m0, n0, M, NOUT, BM, BN)
+
+
+@triton.jit
+def _taps_phase(pid, G, hist_ptr, w_ptr, z_ptr, MH, C, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """z (N*(T+2), 3C) = history (N*(T+2), C) @ stacked taps (3C, C)^T (the tap sum is downstream)."""
+    n_nt = 3 * C // BN
+    for tile in range(pid, tl.cdiv(MH, BM) * n_nt, G):
+        m0 = (tile // n_nt) * BM
+        n0 = (tile % n_nt) * BN
+        acc = _gemm_tile(hist_ptr, C, w_ptr, C, m0, n0, 0, C, MH, 3 * C, BM, BN, BK, DOT_PRECISION)
+        _store_tile(z_ptr, 3 * C, acc, m0, n0, MH, 3 * C, BM, BN)
+
+
+@triton.jit
+def _dit_block_kernel(
+    # activations: a / h / hist* / z / f as in v1; q, o (M, H*D); y (SPLIT, M, C) float32 partials
+    a_ptr, h_ptr, q_ptr, o_ptr, y_ptr, hist1_ptr, hist2_ptr, z_ptr, f_ptr,
+    # this block's packed weights (torch_cfm.packing)
+    qkv_w, qkv_b, qn_w, qn_b, kn_w, kn_b, proj_w, proj_b, c1_w, c1_b, cn_w, cn_b, c2_w, c2_b,
+    fc1_w, fc1_b, fc2_w, fc2_b,
+    tab_ptr, stride_tab,        # modulation table, and the offsets of this block's vectors in a row
+    gate_a, shift_c, scale_c, gate_c, shift_m, scale_m, gate_m, shift_n, scale_n,
+    cnn_ptr, s_cnn_n, s_cnn_c, s_cnn_j,          # old conv cache (N, 2C, 2) of this block [HAS_CNN]
+    ncnn_ptr, s_ncnn_n, s_ncnn_c, s_ncnn_j,      # new conv cache (N, 2C, 2)
+    old_ptr, s_old_n, s_old_h, s_old_f, s_old_e,  # old attention cache (N, H, L, 2D) [HAS_OLD]
+    new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,  # new attention cache (N, H, T+L, 2D)
+    valid_ptr, cached_ptr,      # (N,) int32 clamped T_n, L_n
+    bar_ptr, bar_base,          # barrier counter (int32 [2], zero at the body call's start); barriers before
+    NR, T, L, C, H, MLP, qk_scale, eps_block, eps_conv, eps_qk,
+    ph_lo, ph_hi,               # phases [ph_lo, ph_hi) of this launch
+    D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BQ: tl.constexpr, BKV: tl.constexpr,
+    CF: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, S_PROJ: tl.constexpr, S_FC2: tl.constexpr,
+    HAS_CNN: tl.constexpr, HAS_OLD: tl.constexpr, SYNC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MAX_SPIN_: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    G = tl.num_programs(0)
+    INNER = H * D
+    M = NR * T
+    MH = NR * (T + 2)
+    n_mt = tl.cdiv(M, BM)
+    n_norm = tl.cdiv(M, ROWS)
+    for phase in range(ph_lo, ph_hi):
+        if phase == 0:  # packed QKV (one head per tile) + old frames of the new cache
+            n_qkv = n_mt * (3 * INNER // D)
+            n_cf = tl.cdiv(T + L, CF)
+            for tile in range(pid, n_qkv + NR * H * n_cf, G):
+                if tile < n_qkv:
+                    m0 = (tile // (3 * INNER // D)) * BM
+                    n0 = (tile % (3 * INNER // D)) * D
+                    acc = _gemm_tile(a_ptr, C, qkv_w, C, m0, n0, 0, C, M, 3 * INNER, BM, D, BK, DOT_PRECISION)
+                    acc += tl.load(qkv_b + n0 + tl.arange(0, D)).to(tl.float32)[None, :]
+                    offs_m = m0 + tl.arange(0, BM)
+                    _qkv_head_epilogue(acc, offs_m, offs_m < M, n0, T, H, eps_qk, qn_w, qn_b, kn_w, kn_b, q_ptr,
+                                       new_ptr, s_new_n, s_new_h, s_new_f, s_new_e, valid_ptr, D)
+                else:
+                    r = tile - n_qkv
+                    nh = r // n_cf
+                    n = (nh // H).to(tl.int64)
+                    tn = tl.load(valid_ptr + n)
+                    ln = tl.load(cached_ptr + n)
+                    _old_frames_tile(old_ptr, s_old_n, s_old_h, s_old_f, s_old_e, new_ptr, s_new_n, s_new_h,
+                                     s_new_f, s_new_e, n, nh % H, (r % n_cf) * CF, tn, ln, T, L, D, CF, HAS_OLD)
+        elif phase == 1:  # attention
+            n_qt = tl.cdiv(T, BQ)
+            for tile in range(pid, NR * H * n_qt, G):
+                nh = tile // n_qt
+                n = (nh // H).to(tl.int64)
+                kl = tl.load(valid_ptr + n) + tl.load(cached_ptr + n)
+                _attention_tile(q_ptr, o_ptr, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e, n, nh % H,
+                                (tile % n_qt) * BQ, kl, T, INNER, qk_scale, D, BQ, BKV, DOT_PRECISION)
+        elif phase == 2:  # proj: split-K into float32 partials
+            _splitk_phase(pid, G, o_ptr, proj_w, y_ptr, M, C, INNER, S_PROJ, BM, D, BK, DOT_PRECISION)
+        elif phase == 9:  # fc2: split-K into float32 partials
+            _splitk_phase(pid, G, f_ptr, fc2_w, y_ptr, M, C, MLP, S_FC2, BM, D, BK, DOT_PRECISION)
+        elif phase == 4:  # conv-1 taps GEMM over the history
+            _taps_phase(pid, G, hist1_ptr, c1_w, z_ptr, MH, C, BM, D, BK, DOT_PRECISION)
+        elif phase == 6:  # conv-2 taps GEMM
+            _taps_phase(pid, G, hist2_ptr, c2_w, z_ptr, MH, C, BM, D, BK, DOT_PRECISION)
+        elif phase == 8:  # fc1 + GELU
+            n_nt = MLP // D
+            for tile in range(pid, n_mt * n_nt, G):
+                m0 = (tile // n_nt) * BM
+                n0 = (tile % n_nt) * D
+                acc = _gemm_tile(a_ptr, C, fc1_w, C, m0, n0, 0, C, M, MLP, BM, D, BK, DOT_PRECISION)
+                acc += tl.load(fc1_b + n0 + tl.arange(0, D)).to(tl.float32)[None, :]
+                _store_tile(f_ptr, MLP, _gelu_tanh(acc), m0, n0, M, MLP, BM, D)
+        elif phase == 3:  # proj + bias, residual + gate_a, LN, modulation (c) -> conv-1 history
+            for tile in range(pid, n_norm, G):
+                _rownorm_rows(tile * ROWS, y_ptr, C, M * C, proj_b, h_ptr, tab_ptr, stride_tab, gate_a, shift_c,
+                              scale_c, h_ptr, h_ptr, hist1_ptr, T + 2, 2, cnn_ptr, s_cnn_n, s_cnn_c, s_cnn_j, 0,
+                              h_ptr, h_ptr, 0, 0, 0, 0, valid_ptr, M, T, C, eps_block,
+                              False, True, True, True, True, 0, True, HAS_CNN, False, S_PROJ, ROWS, BLOCK_C, False)
+        elif phase == 5:  # conv-1 tap sum + bias, affine LN, Mish -> conv-2 history; conv-1 cache
+            for tile in range(pid, n_norm, G):
+                _rownorm_rows(tile * ROWS, z_ptr, 3 * C, 0, c1_b, h_ptr, tab_ptr, stride_tab, 0, 0, 0, cn_w, cn_b,
+                              hist2_ptr, T + 2, 2, cnn_ptr, s_cnn_n, s_cnn_c, s_cnn_j, C,
+                              hist1_ptr, ncnn_ptr, s_ncnn_n, s_ncnn_c, s_ncnn_j, 0, valid_ptr, M, T, C, eps_conv,
+                              True, True, False, False, False, 1, True, HAS_CNN, True, 1, ROWS, BLOCK_C, False)
+        elif phase == 7:  # conv-2 tap sum + bias, residual + gate_c, LN, modulation (m); conv-2 cache
+            for tile in range(pid, n_norm, G):
+                _rownorm_rows(tile * ROWS, z_ptr, 3 * C, 0, c2_b, h_ptr, tab_ptr, stride_tab, gate_c, shift_m,
+                              scale_m, h_ptr, h_ptr, a_ptr, T, 0, h_ptr, 0, 0, 0, 0,
+                              hist2_ptr, ncnn_ptr, s_ncnn_n, s_ncnn_c, s_ncnn_j, C, valid_ptr, M, T, C, eps_block,
+                              True, True, True, True, True, 0, False, False, True, 1, ROWS, BLOCK_C, False)
+        else:  # phase 10: fc2 + bias, residual + gate_m, LN, next block's modulation (a)
+            for tile in range(pid, n_norm, G):
+                _rownorm_rows(tile * ROWS, y_ptr, C, M * C, fc2_b, h_ptr, tab_ptr, stride_tab, gate_m, shift_n,
+                              scale_n, h_ptr, h_ptr, a_ptr, T, 0, h_ptr, 0, 0, 0, 0,
+                              h_ptr, h_ptr, 0, 0, 0, 0, valid_ptr, M, T, C, eps_block,
+                              False, True, True, True, True, 0, False, False, False, S_FC2, ROWS, BLOCK_C, False)
+        if SYNC:
+            if phase + 1 < ph_hi:
+                _grid_sync(bar_ptr, (bar_base + phase - ph_lo + 1) * G, MAX_SPIN_)
+
+
+def _phase_tiles(n_rows: int, t_len: int, l_len: int, c: int, heads: int, head_dim: int, mlp: int) -> list[int]:
+    """Tiles of each phase (the kernel derives the same counts; this sizes the grids)."""
+    m, mh = n_rows * t_len, n_rows * (t_len + CONV_HISTORY)
+    inner = heads * head_dim
+    mt, mht = triton.cdiv(m, 64), triton.cdiv(mh, 64)
+    norm = triton.cdiv(m, NORM_ROWS)
+    return [mt * 3 * inner // head_dim + n_rows * heads * triton.cdiv(t_len + l_len, COPY_FRAMES),
+            n_rows * heads * triton.cdiv(t_len, BLOCK_Q),
+            mt * (c // head_dim) * SPLIT_PROJ, norm, mht * 3 * c // head_dim, norm, mht * 3 * c // head_dim, norm,
+            mt * mlp // head_dim, mt * (c // head_dim) * SPLIT_FC2, norm]
+
+
+def v7_unsupported(c: int, heads: int, head_dim: int, mlp: int) -> list[str]:
+    """Why the v7 body cannot run these widths (empty: it can). Its GEMM tiles are one head wide
+    and walk K in steps of 64 (16 for narrow test models)."""
+    reasons = []
+    if head_dim not in (16, 32, 64, 128):
+        reasons.append(f"head_dim={head_dim} not in (16, 32, 64, 128)")
+    bk = min(64, head_dim)
+    for name, k in (("hidden", c), ("heads*head_dim", heads * head_dim), ("mlp", mlp)):
+        if k % head_dim or k % bk:
+            reasons.append(f"{name}={k} is not a multiple of head_dim={head_dim}")
+    for name, k, s in (("heads*head_dim", heads * head_dim, SPLIT_PROJ), ("mlp", mlp, SPLIT_FC2)):
+        if k % (s * bk):
+            reasons.append(f"{name}={k} is not a multiple of its split-K slices ({s} x {bk})")
+    return reasons
+
+
+def body_v7(x_in, weights, table, cnn_cache, att_cache, valid, cached, precision, out, *,
+            persistent: Optional[bool] = None, bar: Optional[torch.Tensor] = None):
+    """The "v7" body: in_proj + boundary row-norm, one persistent launch per block
+    (:func:`_dit_block_kernel`), final layer. Arguments as
+    :func:`torch_cfm.kernels.dit_body.dit_body_triton`; ``persistent`` None = :data:`PERSISTENT`
+    on CUDA (the interpreter always launches phase by phase). ``bar``: the barrier counter
+    (int32 (2,), zero; tests read it back), else a fresh one."""
+    vel, new_cnn, new_att = out
+    n_rows, _, t_len, depth, c, heads, head_dim, inner, mlp = _body_sizes(x_in, weights)
+    reasons = v7_unsupported(c, heads, head_dim, mlp)
+    if reasons:
+        raise ValueError("dit_body_triton: variant 'v7' cannot run this model: " + "; ".join(reasons))
+    m, mh = n_rows * t_len, n_rows * (t_len + CONV_HISTORY)
+    cd, dev = x_in.dtype, x_in.device
+    l_len = 0 if att_cache is None else att_cache.shape[3]
+    if persistent is None:
+        persistent = PERSISTENT
+    persistent = persistent and dev.type == "cuda"
+    h = torch.empty((m, c), dtype=torch.float32, device=dev)
+    a = torch.empty((m, c), dtype=cd, device=dev)
+    q = torch.empty((m, inner), dtype=cd, device=dev)
+    o = torch.empty((m, inner), dtype=cd, device=dev)
+    y = torch.empty((max(SPLIT_PROJ, SPLIT_FC2), m, c), dtype=torch.float32, device=dev)
+    hist1 = torch.empty((mh, c), dtype=cd, device=dev)
+    hist2 = torch.empty_like(hist1)
+    z = torch.empty((mh, 3 * c), dtype=cd, device=dev)
+    f = torch.empty((m, mlp), dtype=cd, device=dev)
+    bar = torch.zeros(2, dtype=torch.int32, device=dev) if bar is None else bar
+    common = dict(n_rows=n_rows, t_len=t_len)
+
+    y0 = torch.matmul(x_in.transpose(1, 2), weights[0].t()).view(m, c)
+    rownorm(y0, h, a, valid, bias=weights[1], has_res=False, table=table,
+            shift=_mod_off(0, SHIFT_A, c), scale=_mod_off(0, SCALE_A, c), **common)
+    if m > 0:
+        tiles = _phase_tiles(n_rows, t_len, l_len, c, heads, head_dim, mlp)
+        stride_tab = 0 if table.shape[0] == 1 else table.stride(0)
+        consts = dict(D=head_dim, BM=64, BK=min(64, head_dim), BQ=BLOCK_Q, BKV=BLOCK_KV, CF=COPY_FRAMES,
+                      ROWS=NORM_ROWS, BLOCK_C=triton.next_power_of_2(c), S_PROJ=SPLIT_PROJ, S_FC2=SPLIT_FC2,
+                      HAS_CNN=cnn_cache is not None, HAS_OLD=l_len > 0, SYNC=persistent,
+                      DOT_PRECISION=_dot_precision(cd, precision), MAX_SPIN_=MAX_SPIN, num_warps=NUM_WARPS)
+        if persistent:
+            launches = [((min(sm_count(dev), max(tiles)),), 0, len(PHASES))]
+        else:
+            launches = [((tiles[p],), p, p + 1) for p in range(len(PHASES))]
+        for i in range(depth):
+            wi = weights[2 + PER_BLOCK * i: 2 + PER_BLOCK * (i + 1)]
+            nxt = (i + 1, SHIFT_A, SCALE_A) if i + 1 < depth else (depth, 0, 1)
+            mods = [_mod_off(i, GATE_A, c), _mod_off(i, SHIFT_C, c), _mod_off(i, SCALE_C, c), _mod_off(i, GATE_C, c),
+                    _mod_off(i, SHIFT_M, c), _mod_off(i, SCALE_M, c), _mod_off(i, GATE_M, c),
+                    _mod_off(nxt[0], nxt[1], c), _mod_off(nxt[0], nxt[2], c)]
+            cnn_i = cnn_cache[i] if cnn_cache is not None else new_cnn[i]
+            old_i = att_cache[i] if l_len > 0 else new_att[i]
+            new_i, ncnn_i = new_att[i], new_cnn[i]
+            for grid, lo, hi in launches:
+                with on_device(dev):
+                    _dit_block_kernel[grid](
+                        a, h, q, o, y, hist1, hist2, z, f, *wi, table, stride_tab, *mods,
+                        cnn_i, cnn_i.stride(0), cnn_i.stride(1), cnn_i.stride(2),
+                        ncnn_i, ncnn_i.stride(0), ncnn_i.stride(1), ncnn_i.stride(2),
+                        old_i, *old_i.stride(), new_i, *new_i.stride(), valid, cached,
+                        bar, i * (len(PHASES) - 1), n_rows, t_len, l_len, c, heads, mlp,
+                        1.4426950408889634 / head_dim ** 0.5, BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS, lo, hi,
+                        **consts)
+    out_w, out_b = weights[-2], weights[-1]
+    torch.baddbmm(out_b[None, :, None], out_w.expand(n_rows, -1, -1), a.view(n_rows, t_len, c).transpose(1, 2),
+                  out=vel)
+    return vel, new_cnn, new_att
