@@ -76,7 +76,6 @@ def test_gpu_v7_persistent_equals_per_phase_bitwise(dtype):
 
 @pytest.mark.gpu
 def test_gpu_v7_graph_replay_equals_eager_bitwise():
-    dev = torch.device("cuda")
     args = _args(torch.float16, seed=8)
     static = [a.clone() if isinstance(a, torch.Tensor) and i != 1 else a for i, a in enumerate(args)]
 

@@ -316,52 +316,44 @@ def v7_unsupported(c: int, heads: int, head_dim: int, mlp: int) -> list[str]:
     return reasons
 
 
-def body_v7(x_in, weights, table, cnn_cache, att_cache, valid, cached, precision, out, *,
-            persistent: Optional[bool] = None, bar: Optional[torch.Tensor] = None):
-    """The "v7" body: in_proj + boundary row-norm, one persistent launch per block
-    (:func:`_dit_block_kernel`), final layer. Arguments as
-    :func:`torch_cfm.kernels.dit_body.dit_body_triton`; ``persistent`` None = :data:`PERSISTENT`
-    on CUDA (the interpreter always launches phase by phase). ``bar``: the barrier counter
-    (int32 (2,), zero; tests read it back), else a fresh one."""
-    vel, new_cnn, new_att = out
-    n_rows, _, t_len, depth, c, heads, head_dim, inner, mlp = _body_sizes(x_in, weights)
-    reasons = v7_unsupported(c, heads, head_dim, mlp)
-    if reasons:
-        raise ValueError("dit_body_triton: variant 'v7' cannot run this model: " + "; ".join(reasons))
-    m, mh = n_rows * t_len, n_rows * (t_len + CONV_HISTORY)
-    cd, dev = x_in.dtype, x_in.device
-    l_len = 0 if att_cache is None else att_cache.shape[3]
-    if persistent is None:
-        persistent = PERSISTENT
-    persistent = persistent and dev.type == "cuda"
-    h = torch.empty((m, c), dtype=torch.float32, device=dev)
-    a = torch.empty((m, c), dtype=cd, device=dev)
-    q = torch.empty((m, inner), dtype=cd, device=dev)
-    o = torch.empty((m, inner), dtype=cd, device=dev)
-    y = torch.empty((max(SPLIT_PROJ, SPLIT_FC2), m, c), dtype=torch.float32, device=dev)
-    hist1 = torch.empty((mh, c), dtype=cd, device=dev)
-    hist2 = torch.empty_like(hist1)
-    z = torch.empty((mh, 3 * c), dtype=cd, device=dev)
-    f = torch.empty((m, mlp), dtype=cd, device=dev)
-    bar = torch.zeros(2, dtype=torch.int32, device=dev) if bar is None else bar
-    common = dict(n_rows=n_rows, t_len=t_len)
+class BlockPlan:
+    """The launches of one v7 body call: its buffers, grids and per-block kernel arguments.
 
-    y0 = torch.matmul(x_in.transpose(1, 2), weights[0].t()).view(m, c)
-    rownorm(y0, h, a, valid, bias=weights[1], has_res=False, table=table,
-            shift=_mod_off(0, SHIFT_A, c), scale=_mod_off(0, SCALE_A, c), **common)
-    if m > 0:
-        tiles = _phase_tiles(n_rows, t_len, l_len, c, heads, head_dim, mlp)
+    ``launch(i, grid, lo, hi)`` runs phases [lo, hi) of block i on ``grid`` programs (returns
+    Triton's compiled kernel); ``blocks(i)`` runs block i the configured way (persistent or one
+    launch per phase). The bench (``bench/dit_block.py``) times phases through ``launch``.
+    """
+
+    def __init__(self, x_in, weights, table, cnn_cache, att_cache, valid, cached, precision, out, *,
+                 persistent: Optional[bool] = None, bar: Optional[torch.Tensor] = None):
+        _, new_cnn, new_att = out
+        n_rows, _, t_len, depth, c, heads, head_dim, inner, mlp = _body_sizes(x_in, weights)
+        reasons = v7_unsupported(c, heads, head_dim, mlp)
+        if reasons:
+            raise ValueError("dit_body_triton: variant 'v7' cannot run this model: " + "; ".join(reasons))
+        m, mh = n_rows * t_len, n_rows * (t_len + CONV_HISTORY)
+        cd, dev = x_in.dtype, x_in.device
+        l_len = 0 if att_cache is None else att_cache.shape[3]
+        self.device, self.depth, self.c = dev, depth, c
+        self.persistent = (PERSISTENT if persistent is None else persistent) and dev.type == "cuda"
+        self.h = torch.empty((m, c), dtype=torch.float32, device=dev)
+        self.a = torch.empty((m, c), dtype=cd, device=dev)
+        bufs = (self.a, self.h, torch.empty((m, inner), dtype=cd, device=dev),  # q
+                torch.empty((m, inner), dtype=cd, device=dev),  # attention output
+                torch.empty((max(SPLIT_PROJ, SPLIT_FC2), m, c), dtype=torch.float32, device=dev),  # split-K partials
+                torch.empty((mh, c), dtype=cd, device=dev), torch.empty((mh, c), dtype=cd, device=dev),  # histories
+                torch.empty((mh, 3 * c), dtype=cd, device=dev),  # conv taps
+                torch.empty((m, mlp), dtype=cd, device=dev))  # MLP hidden
+        self.bar = torch.zeros(2, dtype=torch.int32, device=dev) if bar is None else bar
+        self.tiles = _phase_tiles(n_rows, t_len, l_len, c, heads, head_dim, mlp)
+        self.grid = min(sm_count(dev), max(self.tiles))
         stride_tab = 0 if table.shape[0] == 1 else table.stride(0)
-        consts = dict(D=head_dim, BM=64, BK=min(64, head_dim), BQ=BLOCK_Q, BKV=BLOCK_KV, CF=COPY_FRAMES,
-                      ROWS=NORM_ROWS, BLOCK_C=triton.next_power_of_2(c), S_PROJ=SPLIT_PROJ, S_FC2=SPLIT_FC2,
-                      HAS_CNN=cnn_cache is not None, HAS_OLD=l_len > 0, SYNC=persistent,
-                      DOT_PRECISION=_dot_precision(cd, precision), MAX_SPIN_=MAX_SPIN, num_warps=NUM_WARPS)
-        if persistent:
-            launches = [((min(sm_count(dev), max(tiles)),), 0, len(PHASES))]
-        else:
-            launches = [((tiles[p],), p, p + 1) for p in range(len(PHASES))]
+        self.consts = dict(D=head_dim, BM=64, BK=min(64, head_dim), BQ=BLOCK_Q, BKV=BLOCK_KV, CF=COPY_FRAMES,
+                           ROWS=NORM_ROWS, BLOCK_C=triton.next_power_of_2(c), S_PROJ=SPLIT_PROJ, S_FC2=SPLIT_FC2,
+                           HAS_CNN=cnn_cache is not None, HAS_OLD=l_len > 0, SYNC=self.persistent,
+                           DOT_PRECISION=_dot_precision(cd, precision), MAX_SPIN_=MAX_SPIN, num_warps=NUM_WARPS)
+        self._args = []
         for i in range(depth):
-            wi = weights[2 + PER_BLOCK * i: 2 + PER_BLOCK * (i + 1)]
             nxt = (i + 1, SHIFT_A, SCALE_A) if i + 1 < depth else (depth, 0, 1)
             mods = [_mod_off(i, GATE_A, c), _mod_off(i, SHIFT_C, c), _mod_off(i, SCALE_C, c), _mod_off(i, GATE_C, c),
                     _mod_off(i, SHIFT_M, c), _mod_off(i, SCALE_M, c), _mod_off(i, GATE_M, c),
@@ -369,17 +361,43 @@ def body_v7(x_in, weights, table, cnn_cache, att_cache, valid, cached, precision
             cnn_i = cnn_cache[i] if cnn_cache is not None else new_cnn[i]
             old_i = att_cache[i] if l_len > 0 else new_att[i]
             new_i, ncnn_i = new_att[i], new_cnn[i]
-            for grid, lo, hi in launches:
-                with on_device(dev):
-                    _dit_block_kernel[grid](
-                        a, h, q, o, y, hist1, hist2, z, f, *wi, table, stride_tab, *mods,
-                        cnn_i, cnn_i.stride(0), cnn_i.stride(1), cnn_i.stride(2),
-                        ncnn_i, ncnn_i.stride(0), ncnn_i.stride(1), ncnn_i.stride(2),
-                        old_i, *old_i.stride(), new_i, *new_i.stride(), valid, cached,
-                        bar, i * (len(PHASES) - 1), n_rows, t_len, l_len, c, heads, mlp,
-                        1.4426950408889634 / head_dim ** 0.5, BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS, lo, hi,
-                        **consts)
+            self._args.append([
+                *bufs, *weights[2 + PER_BLOCK * i: 2 + PER_BLOCK * (i + 1)], table, stride_tab, *mods,
+                cnn_i, cnn_i.stride(0), cnn_i.stride(1), cnn_i.stride(2),
+                ncnn_i, ncnn_i.stride(0), ncnn_i.stride(1), ncnn_i.stride(2),
+                old_i, *old_i.stride(), new_i, *new_i.stride(), valid, cached,
+                self.bar, i * (len(PHASES) - 1), n_rows, t_len, l_len, c, heads, mlp,
+                1.4426950408889634 / head_dim ** 0.5, BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS])
+
+    def launch(self, i: int, grid: int, lo: int, hi: int):
+        with on_device(self.device):
+            return _dit_block_kernel[(grid,)](*self._args[i], lo, hi, **self.consts)
+
+    def block(self, i: int) -> None:
+        if self.persistent:
+            self.launch(i, self.grid, 0, len(PHASES))
+        else:
+            for p, tiles in enumerate(self.tiles):
+                self.launch(i, tiles, p, p + 1)
+
+
+def body_v7(x_in, weights, table, cnn_cache, att_cache, valid, cached, precision, out, *,
+            persistent: Optional[bool] = None, bar: Optional[torch.Tensor] = None):
+    """The "v7" body: in_proj + boundary row-norm, one persistent launch per block
+    (:func:`_dit_block_kernel`), final layer. Arguments as
+    :func:`torch_cfm.kernels.dit_body.dit_body_triton`; ``persistent`` None = :data:`PERSISTENT`
+    on CUDA (the interpreter always launches phase by phase). ``bar``: the barrier counter
+    (int32 (2,), zero; tests read it back), else a fresh one."""
+    vel = out[0]
+    n_rows, _, t_len, depth, c = _body_sizes(x_in, weights)[:5]
+    plan = BlockPlan(x_in, weights, table, cnn_cache, att_cache, valid, cached, precision, out,
+                     persistent=persistent, bar=bar)
+    y0 = torch.matmul(x_in.transpose(1, 2), weights[0].t()).view(n_rows * t_len, c)
+    rownorm(y0, plan.h, plan.a, valid, bias=weights[1], has_res=False, table=table,
+            shift=_mod_off(0, SHIFT_A, c), scale=_mod_off(0, SCALE_A, c), n_rows=n_rows, t_len=t_len)
+    for i in range(depth):
+        plan.block(i)
     out_w, out_b = weights[-2], weights[-1]
-    torch.baddbmm(out_b[None, :, None], out_w.expand(n_rows, -1, -1), a.view(n_rows, t_len, c).transpose(1, 2),
+    torch.baddbmm(out_b[None, :, None], out_w.expand(n_rows, -1, -1), plan.a.view(n_rows, t_len, c).transpose(1, 2),
                   out=vel)
-    return vel, new_cnn, new_att
+    return out
