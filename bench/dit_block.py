@@ -8,11 +8,13 @@ This bench times, in a CUDA graph (µs per launch, p20/p50/p80), at one body sha
 * ``split/<name>``: that phase alone on one program per tile (how a per-phase launch would do);
 * ``block/persistent`` and ``block/split``: the whole block, one launch vs 11;
 * ``barrier``: µs per grid barrier of G programs (a kernel doing nothing but ``--barriers`` syncs);
+* with ``--configs "w8:num_warps=8;bm32:BM=32"``: ``<name>/block/persistent`` and ``<name>/phase/*``
+  per launch-config override of ``dit_block.CONFIG`` (the default config is always timed);
 
 plus the compiled kernel's registers / spills / shared memory. Rows (``op`` = "dit_block",
 ``variant`` = the item above) go to ``<out>/dit_block.json`` and a markdown table.
 
-    python3 bench/dit_block.py --shapes "8,50,400;32,50,400" --dtypes fp16
+    python3 bench/dit_block.py --shapes "8,50,400;32,50,400" --dtypes fp16 --configs "w8:num_warps=8"
 """
 
 from __future__ import annotations
@@ -48,7 +50,16 @@ def _barriers_kernel(bar_ptr, n, MAX_SPIN_: tl.constexpr):
         _grid_sync(bar_ptr, (k + 1) * G, MAX_SPIN_)
 
 
-def _plan(cfg, n, t, l_len, dtype):
+def _parse_configs(text):
+    """ "name:k=v,k=v;name2:..." -> [(name, {k: int(v)})]; the default config first, named ""."""
+    out = [("", {})]
+    for item in filter(None, (text or "").split(";")):
+        name, _, kvs = item.partition(":")
+        out.append((name, {k: int(v) for k, v in (kv.split("=") for kv in kvs.split(",") if kv)}))
+    return out
+
+
+def _plan(cfg, n, t, l_len, dtype, config=None):
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
 
@@ -63,7 +74,7 @@ def _plan(cfg, n, t, l_len, dtype):
     valid = torch.full((n,), t, dtype=torch.int32, device=dev)
     cached = torch.tensor([l_len - (7 * i) % 64 for i in range(n)], dtype=torch.int32, device=dev)  # ragged
     out = _empty_outputs(x_in, check_dit_body(x_in, packed.body, table, cnn, att, valid, cached, "auto"))
-    plan = BlockPlan(x_in, packed.body, table, cnn, att, valid, cached, None, out)
+    plan = BlockPlan(x_in, packed.body, table, cnn, att, valid, cached, None, out, config=config)
     # real block input (a, h): the in_proj boundary, as the body runs it
     y0 = torch.matmul(x_in.transpose(1, 2), packed.body[0].t()).reshape(n * t, cfg.hidden)
     rownorm(y0, plan.h, plan.a, valid, bias=packed.body[1], has_res=False, table=table,
@@ -76,6 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="8,50,400;32,50,400")
     ap.add_argument("--dtypes", default="fp16")
     ap.add_argument("--barriers", type=int, default=100)
+    ap.add_argument("--configs", default="", help="launch-config overrides, 'name:key=int,...;...'")
+    ap.add_argument("--no-split", action="store_true", help="skip the one-launch-per-phase rows")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -98,29 +111,35 @@ def main(argv=None) -> int:
         n, t, l_len = (int(x) for x in spec.split(","))
         shape = dict(N=n, T=t, L=l_len)
         for dname in args.dtypes.split(","):
-            plan = _plan(cfg, n, t, l_len, DTYPES[dname])
-            grid = plan.grid
-            k = plan.launch(0, grid, 0, len(PHASES))
-            torch.cuda.synchronize()
-            info = dict(n_regs=getattr(k, "n_regs", None), n_spills=getattr(k, "n_spills", None),
-                        shared=getattr(getattr(k, "metadata", None), "shared", None), grid=grid)
-            ttgir = getattr(k, "asm", {}).get("ttgir", "")
-            info["ttgir_ops"] = {op: ttgir.count(op) for op in ("async_copy_global_to_local", "warp_group_dot",
-                                                                "tt.dot", "scf.for", "local_alloc")}
-            print(f"compiled: {info}", flush=True)
-            timer = dict(calls=args.calls, repeats=args.repeats)
-            add("block/persistent", shape, dname, time_cuda_graph(lambda: plan.launch(0, grid, 0, len(PHASES)), **timer),
-                **info)
-            for p, name in enumerate(PHASES):
-                add(f"phase/{name}", shape, dname, time_cuda_graph(lambda p=p: plan.launch(0, grid, p, p + 1), **timer),
-                    tiles=plan.tiles[p])
-            plan.consts = dict(plan.consts, SYNC=False)
-            plan.persistent = False
-            for p, name in enumerate(PHASES):
-                add(f"split/{name}", shape, dname,
-                    time_cuda_graph(lambda p=p: plan.launch(0, plan.tiles[p], p, p + 1), **timer), tiles=plan.tiles[p])
-            add("block/split", shape, dname, time_cuda_graph(lambda: plan.block(0), **timer))
-            assert plan.bar[1].item() == 0, "a grid barrier timed out"
+            for cname, override in _parse_configs(args.configs):
+                pre = f"{cname}/" if cname else ""
+                plan = _plan(cfg, n, t, l_len, DTYPES[dname], override)
+                grid = plan.grid
+                k = plan.launch(0, grid, 0, len(PHASES))
+                torch.cuda.synchronize()
+                info = dict(n_regs=getattr(k, "n_regs", None), n_spills=getattr(k, "n_spills", None),
+                            shared=getattr(getattr(k, "metadata", None), "shared", None), grid=grid,
+                            config={kk: plan.consts[kk] for kk in override} if override else None)
+                ttgir = getattr(k, "asm", {}).get("ttgir", "")
+                info["ttgir_ops"] = {op: ttgir.count(op) for op in ("async_copy_global_to_local", "warp_group_dot",
+                                                                    "tt.dot", "scf.for", "local_alloc")}
+                print(f"compiled {cname or 'default'}: {info}", flush=True)
+                timer = dict(calls=args.calls, repeats=args.repeats)
+                add(pre + "block/persistent", shape, dname,
+                    time_cuda_graph(lambda: plan.launch(0, grid, 0, len(PHASES)), **timer), **info)
+                for p, name in enumerate(PHASES):
+                    add(f"{pre}phase/{name}", shape, dname,
+                        time_cuda_graph(lambda p=p: plan.launch(0, grid, p, p + 1), **timer), tiles=plan.tiles[p])
+                assert plan.bar[1].item() == 0, "a grid barrier timed out"
+                if cname or args.no_split:
+                    continue
+                plan.consts = dict(plan.consts, SYNC=False)
+                plan.persistent = False
+                for p, name in enumerate(PHASES):
+                    add(f"split/{name}", shape, dname,
+                        time_cuda_graph(lambda p=p: plan.launch(0, plan.tiles[p], p, p + 1), **timer),
+                        tiles=plan.tiles[p])
+                add("block/split", shape, dname, time_cuda_graph(lambda: plan.block(0), **timer))
     bar = torch.zeros(2, dtype=torch.int32, device="cuda")
 
     def barriers():

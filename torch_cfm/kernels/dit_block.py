@@ -10,8 +10,9 @@ barrier (an atomic counter in global memory), so the per-launch drain/ramp becom
  #    phase        tiles
 ====  ===========  =====================================================================
  0    qkv          packed-QKV GEMM tiles (one head each: q/k LayerNorm, current k|v frames
-                   into the new cache) + old-frame copy tiles of the new attention cache
- 1    attention    (row, head, BQ queries) over frames [0, T_n + L_n) of the new cache
+                   into the new cache)
+ 1    attention    (row, head, BQ queries) over the current frames in the new cache and the
+                   old frames in the old cache
  2    proj         attention-output projection, split-K, FP32 partials
  3    norm_a       residual + gate_a, LayerNorm, modulation (c) -> conv-1 history
  4    conv1        conv-1 taps GEMM over the history
@@ -23,6 +24,8 @@ barrier (an atomic counter in global memory), so the per-launch drain/ramp becom
  10   norm_m       residual + gate_m, LayerNorm, next block's modulation (a)
 ====  ===========  =====================================================================
 
+The copy of the old frames into the new attention cache has no consumer inside the block, so
+its tiles are shared out over phases COPY_LO..COPY_HI-1 to the programs that a phase leaves idle.
 The row-norm phases are :func:`torch_cfm.kernels.dit_body._rownorm_rows` (v1's boundary
 kernel) and the QKV epilogue is v2's, so v7 computes the same math as v1 with Triton GEMMs.
 
@@ -30,8 +33,8 @@ Two launch modes with the same tile code:
 
 * persistent (``SYNC``; CUDA): G ≤ #SM programs, every phase of the block in one launch. The
   barrier needs every program resident at once: G is at most one program per SM, and one
-  program always fits an SM (4 warps: registers <= 255 x 128; shared memory beyond an SM's
-  is a compile error). A bounded spin makes a broken barrier
+  program always fits an SM (<= 8 warps: registers <= 255 x 256; shared memory beyond an
+  SM's is a compile error). A bounded spin makes a broken barrier
   a wrong result plus a raised flag (``bar[1]``), never a hang.
 * one launch per phase (no barrier): the Triton interpreter, and a debugging reference on the
   GPU (the persistent result must equal it bitwise).
@@ -55,12 +58,13 @@ PHASES = ("qkv", "attention", "proj", "norm_a", "conv1", "norm_c1", "conv2", "no
 MAX_SPIN = 1 << 22  # barrier polls before a program gives up (≈ seconds): a hang becomes a flag
 SPLIT_PROJ = 2      # split-K factors of the two GEMMs whose consumer (a row-norm) sums partials
 SPLIT_FC2 = 4
-BLOCK_Q = 32        # attention queries per tile: at N = 8, T = 50 this gives 128 tiles for 132 SMs
 BLOCK_KV = 64
-COPY_FRAMES = 64    # new-cache frames per old-frame copy tile
-NORM_ROWS = 4       # token rows per row-norm tile
-
-NUM_WARPS = 4       # <= 255 registers x 128 threads: one program always fits an SM's register file
+# Launch configuration (bench/dit_block.py --configs overrides any key):
+#   BM: GEMM tile rows (tile columns = D, one head); BQ: attention queries per tile; ROWS: token
+#   rows per row-norm tile; CF: new-cache frames per old-frame copy tile; COPY_LO/COPY_HI: the
+#   phases that share the old-frame copy; num_warps (<= 8: 255 registers x 256 threads still
+#   fit one program per SM); num_stages: Triton's software pipelining depth.
+CONFIG = dict(BM=64, BQ=32, ROWS=4, CF=64, COPY_LO=1, COPY_HI=11, num_warps=4, num_stages=3)
 PERSISTENT = True   # CUDA: one launch per block with grid barriers (False: one launch per phase)
 
 
@@ -107,10 +111,14 @@ def _store_tile(c_ptr, ldc, acc, m0, n0, M, NOUT, BM: tl.constexpr, BN: tl.const
 
 
 @triton.jit
-def _attention_tile(q_ptr, o_ptr, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e, n, h, q0, kl, T, INNER, qk_scale,
-                    D: tl.constexpr, BQ: tl.constexpr, BKV: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Queries [q0, q0 + BQ) of row n, head h over the first ``kl`` frames of the new cache
-    (online softmax in FP32, base 2; ``qk_scale`` = log2(e) / sqrt(D)). No key -> exactly 0."""
+def _attention_tile(q_ptr, o_ptr, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,
+                    old_ptr, s_old_n, s_old_h, s_old_f, s_old_e, n, h, q0, tn, kl, T, INNER, qk_scale,
+                    D: tl.constexpr, BQ: tl.constexpr, BKV: tl.constexpr, HAS_OLD: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """Queries [q0, q0 + BQ) of row n, head h over its ``kl`` = T_n + L_n keys: frames [0, T_n)
+    from the new cache (written by the qkv phase), [T_n, kl) straight from the old cache (so the
+    old-frame copy into the new cache can run in any phase). Online softmax in FP32, base 2
+    (``qk_scale`` = log2(e) / sqrt(D)). No key -> exactly 0."""
     t = q0 + tl.arange(0, BQ)
     d = tl.arange(0, D)
     t_ok = (t < T)[:, None]
@@ -119,19 +127,25 @@ def _attention_tile(q_ptr, o_ptr, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e, n
     m_i = tl.full([BQ], float("-inf"), tl.float32)
     l_i = tl.zeros([BQ], tl.float32)
     acc = tl.zeros([BQ, D], tl.float32)
-    base = new_ptr + n * s_new_n + h * s_new_h
+    new_base = new_ptr + n * s_new_n + h * s_new_h
+    old_base = old_ptr + n * s_old_n + h * s_old_h
     for k0 in range(0, kl, BKV):
         f = k0 + tl.arange(0, BKV)
         f_ok = f < kl
-        kt = tl.load(base + f.to(tl.int64)[None, :] * s_new_f + d[:, None] * s_new_e, mask=f_ok[None, :], other=0.0)
+        rk = new_base + f.to(tl.int64) * s_new_f
+        if HAS_OLD:
+            rk = tl.where(f < tn, rk, old_base + (f - tn).to(tl.int64) * s_old_f)
+            e_new = tl.where(f < tn, s_new_e, s_old_e)
+        else:
+            e_new = tl.zeros([BKV], tl.int64) + s_new_e
+        kt = tl.load(rk[None, :] + d[:, None] * e_new[None, :], mask=f_ok[None, :], other=0.0)
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(f_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: frame k0 < kl is valid
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(base + f.to(tl.int64)[:, None] * s_new_f + (D + d)[None, :] * s_new_e, mask=f_ok[:, None],
-                    other=0.0)
+        v = tl.load(rk[:, None] + (D + d)[None, :] * e_new[:, None], mask=f_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -205,7 +219,7 @@ def _dit_block_kernel(
     D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BQ: tl.constexpr, BKV: tl.constexpr,
     CF: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, S_PROJ: tl.constexpr, S_FC2: tl.constexpr,
     HAS_CNN: tl.constexpr, HAS_OLD: tl.constexpr, SYNC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MAX_SPIN_: tl.constexpr,
+    COPY_LO: tl.constexpr, COPY_HI: tl.constexpr, MAX_SPIN_: tl.constexpr,
 ):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -214,46 +228,47 @@ def _dit_block_kernel(
     MH = NR * (T + 2)
     n_mt = tl.cdiv(M, BM)
     n_norm = tl.cdiv(M, ROWS)
+    n_cf = tl.cdiv(T + L, CF)
+    n_copy = NR * H * n_cf
     for phase in range(ph_lo, ph_hi):
-        if phase == 0:  # packed QKV (one head per tile) + old frames of the new cache
-            n_qkv = n_mt * (3 * INNER // D)
-            n_cf = tl.cdiv(T + L, CF)
-            for tile in range(pid, n_qkv + NR * H * n_cf, G):
-                if tile < n_qkv:
-                    m0 = (tile // (3 * INNER // D)) * BM
-                    n0 = (tile % (3 * INNER // D)) * D
-                    acc = _gemm_tile(a_ptr, C, qkv_w, C, m0, n0, 0, C, M, 3 * INNER, BM, D, BK, DOT_PRECISION)
-                    acc += tl.load(qkv_b + n0 + tl.arange(0, D)).to(tl.float32)[None, :]
-                    offs_m = m0 + tl.arange(0, BM)
-                    _qkv_head_epilogue(acc, offs_m, offs_m < M, n0, T, H, eps_qk, qn_w, qn_b, kn_w, kn_b, q_ptr,
-                                       new_ptr, s_new_n, s_new_h, s_new_f, s_new_e, valid_ptr, D)
-                else:
-                    r = tile - n_qkv
-                    nh = r // n_cf
-                    n = (nh // H).to(tl.int64)
-                    tn = tl.load(valid_ptr + n)
-                    ln = tl.load(cached_ptr + n)
-                    _old_frames_tile(old_ptr, s_old_n, s_old_h, s_old_f, s_old_e, new_ptr, s_new_n, s_new_h,
-                                     s_new_f, s_new_e, n, nh % H, (r % n_cf) * CF, tn, ln, T, L, D, CF, HAS_OLD)
+        n_work = n_norm
+        if phase == 0:  # packed QKV, one head per tile
+            n_work = n_mt * (3 * INNER // D)
+            for tile in range(pid, n_work, G):
+                m0 = (tile // (3 * INNER // D)) * BM
+                n0 = (tile % (3 * INNER // D)) * D
+                acc = _gemm_tile(a_ptr, C, qkv_w, C, m0, n0, 0, C, M, 3 * INNER, BM, D, BK, DOT_PRECISION)
+                acc += tl.load(qkv_b + n0 + tl.arange(0, D)).to(tl.float32)[None, :]
+                offs_m = m0 + tl.arange(0, BM)
+                _qkv_head_epilogue(acc, offs_m, offs_m < M, n0, T, H, eps_qk, qn_w, qn_b, kn_w, kn_b, q_ptr,
+                                   new_ptr, s_new_n, s_new_h, s_new_f, s_new_e, valid_ptr, D)
         elif phase == 1:  # attention
             n_qt = tl.cdiv(T, BQ)
-            for tile in range(pid, NR * H * n_qt, G):
+            n_work = NR * H * n_qt
+            for tile in range(pid, n_work, G):
                 nh = tile // n_qt
                 n = (nh // H).to(tl.int64)
-                kl = tl.load(valid_ptr + n) + tl.load(cached_ptr + n)
-                _attention_tile(q_ptr, o_ptr, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e, n, nh % H,
-                                (tile % n_qt) * BQ, kl, T, INNER, qk_scale, D, BQ, BKV, DOT_PRECISION)
+                tn = tl.load(valid_ptr + n)
+                kl = tn + tl.load(cached_ptr + n)
+                _attention_tile(q_ptr, o_ptr, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,
+                                old_ptr, s_old_n, s_old_h, s_old_f, s_old_e, n, nh % H,
+                                (tile % n_qt) * BQ, tn, kl, T, INNER, qk_scale, D, BQ, BKV, HAS_OLD, DOT_PRECISION)
         elif phase == 2:  # proj: split-K into float32 partials
+            n_work = n_mt * (C // D) * S_PROJ
             _splitk_phase(pid, G, o_ptr, proj_w, y_ptr, M, C, INNER, S_PROJ, BM, D, BK, DOT_PRECISION)
         elif phase == 9:  # fc2: split-K into float32 partials
+            n_work = n_mt * (C // D) * S_FC2
             _splitk_phase(pid, G, f_ptr, fc2_w, y_ptr, M, C, MLP, S_FC2, BM, D, BK, DOT_PRECISION)
         elif phase == 4:  # conv-1 taps GEMM over the history
+            n_work = tl.cdiv(MH, BM) * (3 * C // D)
             _taps_phase(pid, G, hist1_ptr, c1_w, z_ptr, MH, C, BM, D, BK, DOT_PRECISION)
         elif phase == 6:  # conv-2 taps GEMM
+            n_work = tl.cdiv(MH, BM) * (3 * C // D)
             _taps_phase(pid, G, hist2_ptr, c2_w, z_ptr, MH, C, BM, D, BK, DOT_PRECISION)
         elif phase == 8:  # fc1 + GELU
             n_nt = MLP // D
-            for tile in range(pid, n_mt * n_nt, G):
+            n_work = n_mt * n_nt
+            for tile in range(pid, n_work, G):
                 m0 = (tile // n_nt) * BM
                 n0 = (tile % n_nt) * D
                 acc = _gemm_tile(a_ptr, C, fc1_w, C, m0, n0, 0, C, M, MLP, BM, D, BK, DOT_PRECISION)
@@ -283,21 +298,39 @@ def _dit_block_kernel(
                               scale_n, h_ptr, h_ptr, a_ptr, T, 0, h_ptr, 0, 0, 0, 0,
                               h_ptr, h_ptr, 0, 0, 0, 0, valid_ptr, M, T, C, eps_block,
                               False, True, True, True, True, 0, False, False, False, S_FC2, ROWS, BLOCK_C, False)
+        # old frames of the new cache: an even share of the copy tiles in each phase of
+        # [COPY_LO, COPY_HI), taken by the programs after this phase's last work tile
+        if (phase >= COPY_LO) & (phase < COPY_HI):
+            j_lo = (phase - COPY_LO) * n_copy // (COPY_HI - COPY_LO)
+            j_hi = (phase - COPY_LO + 1) * n_copy // (COPY_HI - COPY_LO)
+            for tile in range(n_work + ((pid - n_work) % G + G) % G, n_work + j_hi - j_lo, G):
+                j = j_lo + tile - n_work
+                nh = j // n_cf
+                n = (nh // H).to(tl.int64)
+                _old_frames_tile(old_ptr, s_old_n, s_old_h, s_old_f, s_old_e, new_ptr, s_new_n, s_new_h,
+                                 s_new_f, s_new_e, n, nh % H, (j % n_cf) * CF, tl.load(valid_ptr + n),
+                                 tl.load(cached_ptr + n), T, L, D, CF, HAS_OLD)
         if SYNC:
             if phase + 1 < ph_hi:
                 _grid_sync(bar_ptr, (bar_base + phase - ph_lo + 1) * G, MAX_SPIN_)
 
 
-def _phase_tiles(n_rows: int, t_len: int, l_len: int, c: int, heads: int, head_dim: int, mlp: int) -> list[int]:
-    """Tiles of each phase (the kernel derives the same counts; this sizes the grids)."""
+def _phase_tiles(n_rows: int, t_len: int, l_len: int, c: int, heads: int, head_dim: int, mlp: int,
+                 cfg: dict) -> list[int]:
+    """Tiles of each phase incl. its share of the copy tiles (the kernel derives the same counts;
+    this sizes the per-phase grids)."""
     m, mh = n_rows * t_len, n_rows * (t_len + CONV_HISTORY)
     inner = heads * head_dim
-    mt, mht = triton.cdiv(m, 64), triton.cdiv(mh, 64)
-    norm = triton.cdiv(m, NORM_ROWS)
-    return [mt * 3 * inner // head_dim + n_rows * heads * triton.cdiv(t_len + l_len, COPY_FRAMES),
-            n_rows * heads * triton.cdiv(t_len, BLOCK_Q),
+    mt, mht = triton.cdiv(m, cfg["BM"]), triton.cdiv(mh, cfg["BM"])
+    norm = triton.cdiv(m, cfg["ROWS"])
+    work = [mt * 3 * inner // head_dim, n_rows * heads * triton.cdiv(t_len, cfg["BQ"]),
             mt * (c // head_dim) * SPLIT_PROJ, norm, mht * 3 * c // head_dim, norm, mht * 3 * c // head_dim, norm,
             mt * mlp // head_dim, mt * (c // head_dim) * SPLIT_FC2, norm]
+    n_copy = n_rows * heads * triton.cdiv(t_len + l_len, cfg["CF"])
+    lo, hi = cfg["COPY_LO"], cfg["COPY_HI"]
+    for p in range(lo, hi):
+        work[p] += (p - lo + 1) * n_copy // (hi - lo) - (p - lo) * n_copy // (hi - lo)
+    return work
 
 
 def v7_unsupported(c: int, heads: int, head_dim: int, mlp: int) -> list[str]:
@@ -325,7 +358,8 @@ class BlockPlan:
     """
 
     def __init__(self, x_in, weights, table, cnn_cache, att_cache, valid, cached, precision, out, *,
-                 persistent: Optional[bool] = None, bar: Optional[torch.Tensor] = None):
+                 persistent: Optional[bool] = None, bar: Optional[torch.Tensor] = None,
+                 config: Optional[dict] = None):
         _, new_cnn, new_att = out
         n_rows, _, t_len, depth, c, heads, head_dim, inner, mlp = _body_sizes(x_in, weights)
         reasons = v7_unsupported(c, heads, head_dim, mlp)
@@ -345,13 +379,15 @@ class BlockPlan:
                 torch.empty((mh, 3 * c), dtype=cd, device=dev),  # conv taps
                 torch.empty((m, mlp), dtype=cd, device=dev))  # MLP hidden
         self.bar = torch.zeros(2, dtype=torch.int32, device=dev) if bar is None else bar
-        self.tiles = _phase_tiles(n_rows, t_len, l_len, c, heads, head_dim, mlp)
+        cfg = dict(CONFIG, **(config or {}))
+        if not (0 <= cfg["COPY_LO"] < cfg["COPY_HI"] <= len(PHASES)) or cfg["num_warps"] > 8:
+            raise ValueError(f"dit_block: bad launch config {cfg}")
+        self.tiles = _phase_tiles(n_rows, t_len, l_len, c, heads, head_dim, mlp, cfg)
         self.grid = min(sm_count(dev), max(self.tiles))
         stride_tab = 0 if table.shape[0] == 1 else table.stride(0)
-        self.consts = dict(D=head_dim, BM=64, BK=min(64, head_dim), BQ=BLOCK_Q, BKV=BLOCK_KV, CF=COPY_FRAMES,
-                           ROWS=NORM_ROWS, BLOCK_C=triton.next_power_of_2(c), S_PROJ=SPLIT_PROJ, S_FC2=SPLIT_FC2,
-                           HAS_CNN=cnn_cache is not None, HAS_OLD=l_len > 0, SYNC=self.persistent,
-                           DOT_PRECISION=_dot_precision(cd, precision), MAX_SPIN_=MAX_SPIN, num_warps=NUM_WARPS)
+        self.consts = dict(cfg, D=head_dim, BK=min(64, head_dim), BKV=BLOCK_KV, BLOCK_C=triton.next_power_of_2(c),
+                           S_PROJ=SPLIT_PROJ, S_FC2=SPLIT_FC2, HAS_CNN=cnn_cache is not None, HAS_OLD=l_len > 0,
+                           SYNC=self.persistent, DOT_PRECISION=_dot_precision(cd, precision), MAX_SPIN_=MAX_SPIN)
         self._args = []
         for i in range(depth):
             nxt = (i + 1, SHIFT_A, SCALE_A) if i + 1 < depth else (depth, 0, 1)
