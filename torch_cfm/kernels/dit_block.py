@@ -62,9 +62,12 @@ BLOCK_KV = 64
 # Launch configuration (bench/dit_block.py --configs overrides any key):
 #   BM: GEMM tile rows (tile columns = D, one head); BQ: attention queries per tile; ROWS: token
 #   rows per row-norm tile; CF: new-cache frames per old-frame copy tile; COPY_LO/COPY_HI: the
-#   phases that share the old-frame copy; num_warps (<= 8: 255 registers x 256 threads still
-#   fit one program per SM); num_stages: Triton's software pipelining depth.
-CONFIG = dict(BM=64, BQ=32, ROWS=4, CF=64, COPY_LO=1, COPY_HI=11, num_warps=4, num_stages=3)
+#   phases that share the old-frame copy; num_warps; num_stages: Triton's software pipelining
+#   depth; CTAS: persistent programs per SM (G = CTAS x #SM); optional maxnreg: a register cap
+#   (Triton's launch option) so that CTAS programs fit one SM's 64K registers.
+CONFIG = dict(BM=64, BQ=32, ROWS=4, CF=64, COPY_LO=1, COPY_HI=11, num_warps=4, num_stages=3, CTAS=1)
+REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 227 * 1024
 PERSISTENT = True   # CUDA: one launch per block with grid barriers (False: one launch per phase)
 
 
@@ -382,8 +385,10 @@ class BlockPlan:
         cfg = dict(CONFIG, **(config or {}))
         if not (0 <= cfg["COPY_LO"] < cfg["COPY_HI"] <= len(PHASES)) or cfg["num_warps"] > 8:
             raise ValueError(f"dit_block: bad launch config {cfg}")
+        self.ctas = cfg.pop("CTAS")
         self.tiles = _phase_tiles(n_rows, t_len, l_len, c, heads, head_dim, mlp, cfg)
-        self.grid = min(sm_count(dev), max(self.tiles))
+        self.grid = min(self.ctas * sm_count(dev), max(self.tiles))
+        self._checked = False
         stride_tab = 0 if table.shape[0] == 1 else table.stride(0)
         self.consts = dict(cfg, D=head_dim, BK=min(64, head_dim), BKV=BLOCK_KV, BLOCK_C=triton.next_power_of_2(c),
                            S_PROJ=SPLIT_PROJ, S_FC2=SPLIT_FC2, HAS_CNN=cnn_cache is not None, HAS_OLD=l_len > 0,
@@ -406,8 +411,22 @@ class BlockPlan:
                 1.4426950408889634 / head_dim ** 0.5, BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS])
 
     def launch(self, i: int, grid: int, lo: int, hi: int):
+        if self.persistent and not self._checked:
+            self._check_fits()
         with on_device(self.device):
             return _dit_block_kernel[(grid,)](*self._args[i], lo, hi, **self.consts)
+
+    def _check_fits(self) -> None:
+        """All G programs of a persistent launch must be resident at once (else the barrier
+        would wait on programs that cannot start): compile first, then check CTAS per SM."""
+        k = _dit_block_kernel.warmup(*self._args[0], 0, len(PHASES), grid=(self.grid,), **self.consts)
+        warps = self.consts["num_warps"]
+        regs = -(-max(k.n_regs, 1) * 32 // 256) * 256 * warps  # allocated per warp in units of 256
+        shared = k.metadata.shared
+        if self.ctas * regs > REGISTERS_PER_SM or self.ctas * shared > SHARED_PER_SM:
+            raise ValueError(f"dit_block: {self.ctas} programs per SM do not fit ({k.n_regs} registers x "
+                             f"{warps} warps, {shared} B shared each); lower CTAS or set maxnreg")
+        self._checked = True
 
     def block(self, i: int) -> None:
         if self.persistent:
