@@ -420,6 +420,8 @@ class BlockPlan:
         """All G programs of a persistent launch must be resident at once (else the barrier
         would wait on programs that cannot start): compile first, then check CTAS per SM."""
         k = _dit_block_kernel.warmup(*self._args[0], 0, len(PHASES), grid=(self.grid,), **self.consts)
+        if not hasattr(k, "n_regs"):
+            k._init_handles()  # Triton loads the binary (and learns its register count) lazily
         warps = self.consts["num_warps"]
         regs = -(-max(k.n_regs, 1) * 32 // 256) * 256 * warps  # allocated per warp in units of 256
         shared = k.metadata.shared
