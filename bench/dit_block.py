@@ -119,7 +119,7 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 info = dict(n_regs=getattr(k, "n_regs", None), n_spills=getattr(k, "n_spills", None),
                             shared=getattr(getattr(k, "metadata", None), "shared", None), grid=grid,
-                            config={kk: plan.consts[kk] for kk in override} if override else None)
+                            config=dict(override) if override else None)
                 ttgir = getattr(k, "asm", {}).get("ttgir", "")
                 info["ttgir_ops"] = {op: ttgir.count(op) for op in ("async_copy_global_to_local", "warp_group_dot",
                                                                     "tt.dot", "scf.for", "local_alloc")}
