@@ -65,7 +65,7 @@ BLOCK_KV = 64
 #   phases that share the old-frame copy; num_warps; num_stages: Triton's software pipelining
 #   depth; CTAS: persistent programs per SM (G = CTAS x #SM); optional maxnreg: a register cap
 #   (Triton's launch option) so that CTAS programs fit one SM's 64K registers.
-CONFIG = dict(BM=64, BQ=32, ROWS=4, CF=64, COPY_LO=1, COPY_HI=11, num_warps=4, num_stages=3, CTAS=1)
+CONFIG = dict(BM=64, BQ=32, ROWS=4, CF=64, COPY_LO=1, COPY_HI=11, num_warps=4, num_stages=3, CTAS=2)
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 227 * 1024
 PERSISTENT = True   # CUDA: one launch per block with grid barriers (False: one launch per phase)
