@@ -4,17 +4,22 @@
 v7 (``torch_cfm/kernels/dit_block.py``) runs one DiT block as 11 phases behind grid barriers.
 This bench times, in a CUDA graph (µs per launch, p20/p50/p80), at one body shape:
 
-* ``phase/<name>``: that phase alone on the persistent grid (G programs, no barrier);
-* ``split/<name>``: that phase alone on one program per tile (how a per-phase launch would do);
-* ``block/persistent`` and ``block/split``: the whole block, one launch vs 11;
+* ``block``: the whole block as the config launches it (``SPLIT_AT``: one persistent launch by
+  default), including a reset of the barrier counter (a graph replays the same barrier targets),
+  whose cost alone is the ``zero`` row;
+* ``phase/<name>``: that phase alone, run by the whole-block kernel on the persistent grid;
+* ``split/<name>``: that phase alone in a kernel compiled with its code only, one program per tile;
 * ``barrier``: µs per grid barrier of G programs (a kernel doing nothing but ``--barriers`` syncs);
-* with ``--configs "w8:num_warps=8;bm32:BM=32"``: ``<name>/block/persistent`` and ``<name>/phase/*``
-  per launch-config override of ``dit_block.CONFIG`` (the default config is always timed);
+* with ``--configs "w8:num_warps=8;each:SPLIT_AT=2046"``: ``<name>/block``, ``<name>/phase/*`` per
+  launch-config override of ``dit_block.CONFIG`` (the default config is always timed);
 
 plus the compiled kernel's registers / spills / shared memory. Rows (``op`` = "dit_block",
 ``variant`` = the item above) go to ``<out>/dit_block.json`` and a markdown table.
 
     python3 bench/dit_block.py --shapes "8,50,400;32,50,400" --dtypes fp16 --configs "w8:num_warps=8"
+
+``--profile-phase fc2`` instead launches that phase (persistent grid, first shape and dtype) five
+times eagerly and exits: the target of ``bash bench/run_device.sh ncu-block`` (Nsight Compute).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from _harness import (env_info, fmt_us, make_row, markdown_table, provenance_foo
                       upsert_rows)
 
 from torch_cfm.config import DiTConfig  # noqa: E402
-from torch_cfm.kernels.dit_block import MAX_SPIN, PHASES, BlockPlan, _grid_sync  # noqa: E402
+from torch_cfm.kernels.dit_block import ALL_PHASES, MAX_SPIN, PHASES, BlockPlan, _grid_sync  # noqa: E402
 from torch_cfm.kernels.dit_body import _mod_off, rownorm  # noqa: E402
 from torch_cfm.models import random_dit  # noqa: E402
 from torch_cfm.ops.dit_body import _empty_outputs, check_dit_body, stage_input  # noqa: E402
@@ -89,6 +94,8 @@ def main(argv=None) -> int:
     ap.add_argument("--barriers", type=int, default=100)
     ap.add_argument("--configs", default="", help="launch-config overrides, 'name:key=int,...;...'")
     ap.add_argument("--no-split", action="store_true", help="skip the one-launch-per-phase rows")
+    ap.add_argument("--profile-phase", default=None, choices=PHASES + ("block",),
+                    help="only launch this phase (or the whole block) 5 times, for a profiler")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -106,6 +113,19 @@ def main(argv=None) -> int:
                              precision=None, timing="cuda_graph", **stats, **extra))
         print(f"dit_block {shape} {dname} {variant}: p50 {stats['us_p50']:.2f} us {extra or ''}", flush=True)
 
+    if args.profile_phase:
+        n, t, l_len = (int(x) for x in args.shapes.split(";")[0].split(","))
+        plan = _plan(cfg, n, t, l_len, DTYPES[args.dtypes.split(",")[0]], _parse_configs(args.configs)[-1][1])
+        for _ in range(5):
+            if args.profile_phase == "block":
+                plan.bar.zero_()
+                plan.block(0)
+            else:  # the block kernel (every phase compiled in) running this one phase
+                p = PHASES.index(args.profile_phase)
+                plan.launch(0, plan.grid, p, p + 1, mask=ALL_PHASES, sync=True)
+        torch.cuda.synchronize()
+        print(f"profiled {args.profile_phase}: grid {plan.grid}, tiles {plan.tiles}, groups {plan.groups}")
+        return 0
     grid = None
     for spec in args.shapes.split(";"):
         n, t, l_len = (int(x) for x in spec.split(","))
@@ -115,32 +135,32 @@ def main(argv=None) -> int:
                 pre = f"{cname}/" if cname else ""
                 plan = _plan(cfg, n, t, l_len, DTYPES[dname], override)
                 grid = plan.grid
-                k = plan.launch(0, grid, 0, len(PHASES))
+                k = plan.launch(0, grid, 0, len(PHASES))  # the whole-block kernel: compile, resources
                 torch.cuda.synchronize()
                 info = dict(n_regs=getattr(k, "n_regs", None), n_spills=getattr(k, "n_spills", None),
                             shared=getattr(getattr(k, "metadata", None), "shared", None), grid=grid,
-                            config=dict(override) if override else None)
-                ttgir = getattr(k, "asm", {}).get("ttgir", "")
-                info["ttgir_ops"] = {op: ttgir.count(op) for op in ("async_copy_global_to_local", "warp_group_dot",
-                                                                    "tt.dot", "scf.for", "local_alloc")}
+                            groups=plan.groups, config=dict(override) if override else None)
                 print(f"compiled {cname or 'default'}: {info}", flush=True)
                 timer = dict(calls=args.calls, repeats=args.repeats)
-                add(pre + "block/persistent", shape, dname,
-                    time_cuda_graph(lambda: plan.launch(0, grid, 0, len(PHASES)), **timer), **info)
+
+                def block():  # the counter is zeroed per call: a graph replays the same barrier targets
+                    plan.bar.zero_()
+                    plan.block(0)
+
+                add(pre + "block", shape, dname, time_cuda_graph(block, **timer), **info)
+                add(pre + "zero", shape, dname, time_cuda_graph(plan.bar.zero_, **timer))
                 for p, name in enumerate(PHASES):
                     add(f"{pre}phase/{name}", shape, dname,
-                        time_cuda_graph(lambda p=p: plan.launch(0, grid, p, p + 1), **timer), tiles=plan.tiles[p])
+                        time_cuda_graph(lambda p=p: plan.launch(0, grid, p, p + 1, mask=ALL_PHASES, sync=True),
+                                        **timer), tiles=plan.tiles[p])
                 assert plan.bar[1].item() == 0, "a grid barrier timed out"
                 _save(args, rows, command)  # after each config: a timed-out run keeps what it measured
                 if cname or args.no_split:
                     continue
-                plan.consts = dict(plan.consts, SYNC=False)
-                plan.persistent = False
                 for p, name in enumerate(PHASES):
                     add(f"split/{name}", shape, dname,
                         time_cuda_graph(lambda p=p: plan.launch(0, plan.tiles[p], p, p + 1), **timer),
                         tiles=plan.tiles[p])
-                add("block/split", shape, dname, time_cuda_graph(lambda: plan.block(0), **timer))
     bar = torch.zeros(2, dtype=torch.int32, device="cuda")
 
     def barriers():

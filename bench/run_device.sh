@@ -24,6 +24,10 @@
 #                  (GRAPH_LAUNCH_ARGS, e.g. "--plain-graphs")
 #   ncu-attention  Nsight Compute (full set, SASS source counters) of the attention kernel at
 #                  (8,50,450) fp16 and fp32-tf32 (bench/profile_attention.py), when ncu exists
+#   dit-block      bench/dit_block.py: the v7 block kernel phase by phase, and the grid barrier
+#                  (DIT_BLOCK_ARGS, e.g. '--shapes 8,50,400 --no-split --configs "ctas1:CTAS=1"')
+#   ncu-block      Nsight Compute of single v7 phases at (8,50,400) fp16 (NCU_PHASES, default
+#                  "attention fc2 norm_m block"): stall reasons, occupancy, instruction-cache misses
 # Default: tests memcheck attention dit-full. The device copy has no .git: pass BENCH_COMMIT.
 # Each stage has its own time limit (LIMIT_<STAGE> seconds, e.g. LIMIT_TESTS=400).
 set -uo pipefail
@@ -108,6 +112,22 @@ export CXX=${TORCH_CFM_CXX:-g++} CC=${TORCH_CFM_CC:-gcc}
             > "$OUT/ncu_attention_${d}_sass.txt" 2>&1
           grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy" "$OUT/ncu_attention_${d}_details.txt" | head -8
           rm -f "$OUT/ncu_attention_$d.ncu-rep"  # the text exports come back (results.tgz); the report is large
+        done ;;
+      dit-block)
+        timeout "$(limit dit-block 300)" python3 bench/dit_block.py ${DIT_BLOCK_ARGS:-} --out "$OUT" > "$OUT/dit_block.log" 2>&1
+        grep -vE "^compiled" "$OUT/dit_block.log" | tail -5; cat "$OUT/dit_block.md" ;;
+      ncu-block)
+        NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+        if [ -z "$NCU" ]; then echo "no ncu on this machine"; continue; fi
+        for ph in ${NCU_PHASES:-attention fc2 norm_m block}; do
+          timeout "$(limit ncu-block 120)" "$NCU" --clock-control none -k regex:_dit_block_kernel --launch-skip 3 \
+            --launch-count 1 --set full -f -o "$OUT/ncu_block_$ph" \
+            python3 bench/dit_block.py --shapes 8,50,400 --dtypes fp16 --profile-phase "$ph" > "$OUT/ncu_block_run_$ph.txt" 2>&1
+          tail -2 "$OUT/ncu_block_run_$ph.txt"
+          "$NCU" -i "$OUT/ncu_block_$ph.ncu-rep" --page details > "$OUT/ncu_block_${ph}_details.txt" 2>&1
+          grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|No Instruction|Long Scoreboard" \
+            "$OUT/ncu_block_${ph}_details.txt" | head -10
+          rm -f "$OUT/ncu_block_$ph.ncu-rep"
         done ;;
       *) echo "unknown stage $stage" ;;
     esac

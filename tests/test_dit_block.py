@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from test_dit_body import GPU_CFG, make_inputs
-from torch_cfm.kernels.dit_block import PHASES, v7_unsupported
+from torch_cfm.kernels.dit_block import PHASES, launch_groups, phase_mask, v7_unsupported
 from torch_cfm.models import random_dit
 from torch_cfm.ops.dit_body import _empty_outputs, check_dit_body, dit_body_fused_into, stage_input
 from torch_cfm.packing import modulation_table, pack_dit
@@ -30,13 +30,14 @@ def _args(dtype, seed, device="cuda", cfg=GPU_CFG, n=N, t=T, l_len=L, valid=VALI
     return stage_input(x, mu, spks, cond, dtype), packed.body, modulation_table(packed, tt[:1]), cnn, att, vl, cl
 
 
-def _run_v7(args, persistent, bar=None, out=None):
+def _run_v7(args, persistent, bar=None, out=None, config=None):
     from torch_cfm.kernels.dit_block import body_v7
 
     x_in, w, table, cnn, att, valid, cached = args
     shapes = check_dit_body(x_in, w, table, cnn, att, valid, cached, "auto")
     out = tuple(o.fill_(float("nan")) for o in _empty_outputs(x_in, shapes)) if out is None else out
-    return body_v7(x_in, w, table, cnn, att, valid.int(), cached.int(), None, out, persistent=persistent, bar=bar)
+    return body_v7(x_in, w, table, cnn, att, valid.int(), cached.int(), None, out, persistent=persistent, bar=bar,
+                   config=config)
 
 
 def test_v7_width_rule():
@@ -45,6 +46,14 @@ def test_v7_width_rule():
     reasons = v7_unsupported(512, 8, 48, 2048)
     assert any("head_dim=48" in r for r in reasons)
     assert any("mlp=100" in r for r in v7_unsupported(512, 8, 64, 100))
+
+
+def test_launch_groups_and_phase_masks():
+    assert launch_groups(0) == [(0, len(PHASES))]
+    assert launch_groups(1) == [(0, len(PHASES))]  # phase 0 always starts a launch
+    assert launch_groups((1 << 2) | (1 << 8)) == [(0, 2), (2, 8), (8, 11)]
+    assert launch_groups((1 << 11) - 2) == [(p, p + 1) for p in range(11)]
+    assert phase_mask(0, 11) == (1 << 11) - 1 and phase_mask(2, 8) == 0b11111100 and phase_mask(5, 6) == 1 << 5
 
 
 def test_v7_rejects_unsupported_widths():
@@ -60,10 +69,11 @@ def test_v7_rejects_unsupported_widths():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gpu_v7_persistent_equals_per_phase_bitwise(dtype):
     from torch_cfm.kernels._launch import sm_count
-    from torch_cfm.kernels.dit_block import CONFIG, _phase_tiles
+    from torch_cfm.kernels.dit_block import CONFIG, _phase_tiles, launch_groups
 
     args = _args(dtype, seed=5)
-    want = _run_v7(args, persistent=False)
+    # the reference: one launch per phase of the same (whole-block) kernel, no barrier executed
+    want = _run_v7(args, persistent=True, config=dict(SPLIT_AT=(1 << len(PHASES)) - 2, SPECIALIZE=0))
     for _ in range(3):  # a racy barrier shows up as run-to-run differences
         bar = torch.zeros(2, dtype=torch.int32, device="cuda")
         got = _run_v7(args, persistent=True, bar=bar)
@@ -72,7 +82,8 @@ def test_gpu_v7_persistent_equals_per_phase_bitwise(dtype):
         tiles = _phase_tiles(N, T, L, GPU_CFG.hidden, GPU_CFG.heads, GPU_CFG.head_dim, GPU_CFG.mlp_ratio *
                              GPU_CFG.hidden, CONFIG)
         grid = min(CONFIG["CTAS"] * sm_count(torch.device("cuda")), max(tiles))
-        assert bar[0].item() == GPU_CFG.depth * (len(PHASES) - 1) * grid
+        barriers = sum(hi - lo - 1 for lo, hi in launch_groups(CONFIG["SPLIT_AT"]))
+        assert bar[0].item() == GPU_CFG.depth * barriers * grid
         for name, g, w in zip(("velocity", "cnn_cache", "att_cache"), got, want):
             assert torch.equal(g, w), name
 
@@ -105,3 +116,15 @@ def test_gpu_v7_graph_replay_equals_eager_bitwise():
         want = dit_body_fused_into(*static, "auto", _empty_outputs(static[0], check_dit_body(*static, "auto")), "v7")
         for o, w in zip(outs, want):
             assert torch.equal(o, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_at", [(1 << 11) - 2, (1 << 2) | (1 << 8)], ids=["each-phase", "three-launches"])
+def test_gpu_v7_launch_groups_equal_one_launch_bitwise(split_at):
+    """Kernels compiled with only their phases' code (one per phase, or three groups behind
+    barriers) compute what the whole-block kernel does, to the bit."""
+    args = _args(torch.float16, seed=6)
+    want = _run_v7(args, persistent=True)
+    got = _run_v7(args, persistent=True, config=dict(SPLIT_AT=split_at))
+    for name, g, w in zip(("velocity", "cnn_cache", "att_cache"), got, want):
+        assert torch.equal(g, w), name

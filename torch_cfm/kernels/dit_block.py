@@ -65,7 +65,12 @@ BLOCK_KV = 64
 #   phases that share the old-frame copy; num_warps; num_stages: Triton's software pipelining
 #   depth; CTAS: persistent programs per SM (G = CTAS x #SM); optional maxnreg: a register cap
 #   (Triton's launch option) so that CTAS programs fit one SM's 64K registers.
-CONFIG = dict(BM=64, BQ=32, ROWS=4, CF=64, COPY_LO=1, COPY_HI=11, num_warps=4, num_stages=3, CTAS=2)
+#   SPLIT_AT: a bitmask of the phases that start a new launch (0: the whole block in one launch;
+#   2046: one launch per phase); SPECIALIZE: a launch's kernel holds only its phases' code (0: every
+#   launch runs the whole-block kernel, the tests' reference for the barrier).
+CONFIG = dict(BM=64, BQ=32, ROWS=4, CF=64, COPY_LO=1, COPY_HI=11, num_warps=4, num_stages=3, CTAS=2, SPLIT_AT=0,
+              SPECIALIZE=1)
+ALL_PHASES = (1 << 11) - 1
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 227 * 1024
 PERSISTENT = True   # CUDA: one launch per block with grid barriers (False: one launch per phase)
@@ -202,7 +207,9 @@ def _taps_phase(pid, G, hist_ptr, w_ptr, z_ptr, MH, C, BM: tl.constexpr, BN: tl.
         _store_tile(z_ptr, 3 * C, acc, m0, n0, MH, 3 * C, BM, BN)
 
 
-@triton.jit
+# bar_base and the phase range change between the launches of one step: not specialised, so a step
+# compiles one kernel, not one per (block, phase) value pattern
+@triton.jit(do_not_specialize=["bar_base", "ph_lo", "ph_hi"])
 def _dit_block_kernel(
     # activations: a / h / hist* / z / f as in v1; q, o (M, H*D); y (SPLIT, M, C) float32 partials
     a_ptr, h_ptr, q_ptr, o_ptr, y_ptr, hist1_ptr, hist2_ptr, z_ptr, f_ptr,
@@ -223,6 +230,7 @@ def _dit_block_kernel(
     CF: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, S_PROJ: tl.constexpr, S_FC2: tl.constexpr,
     HAS_CNN: tl.constexpr, HAS_OLD: tl.constexpr, SYNC: tl.constexpr, DOT_PRECISION: tl.constexpr,
     COPY_LO: tl.constexpr, COPY_HI: tl.constexpr, MAX_SPIN_: tl.constexpr,
+    PHASE_MASK: tl.constexpr,   # bit p set: phase p's code is compiled in (launches run only those phases)
 ):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -235,72 +243,83 @@ def _dit_block_kernel(
     n_copy = NR * H * n_cf
     for phase in range(ph_lo, ph_hi):
         n_work = n_norm
-        if phase == 0:  # packed QKV, one head per tile
-            n_work = n_mt * (3 * INNER // D)
-            for tile in range(pid, n_work, G):
-                m0 = (tile // (3 * INNER // D)) * BM
-                n0 = (tile % (3 * INNER // D)) * D
-                acc = _gemm_tile(a_ptr, C, qkv_w, C, m0, n0, 0, C, M, 3 * INNER, BM, D, BK, DOT_PRECISION)
-                acc += tl.load(qkv_b + n0 + tl.arange(0, D)).to(tl.float32)[None, :]
-                offs_m = m0 + tl.arange(0, BM)
-                _qkv_head_epilogue(acc, offs_m, offs_m < M, n0, T, H, eps_qk, qn_w, qn_b, kn_w, kn_b, q_ptr,
-                                   new_ptr, s_new_n, s_new_h, s_new_f, s_new_e, valid_ptr, D)
-        elif phase == 1:  # attention
-            n_qt = tl.cdiv(T, BQ)
-            n_work = NR * H * n_qt
-            for tile in range(pid, n_work, G):
-                nh = tile // n_qt
-                n = (nh // H).to(tl.int64)
-                tn = tl.load(valid_ptr + n)
-                kl = tn + tl.load(cached_ptr + n)
-                _attention_tile(q_ptr, o_ptr, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,
-                                old_ptr, s_old_n, s_old_h, s_old_f, s_old_e, n, nh % H,
-                                (tile % n_qt) * BQ, tn, kl, T, INNER, qk_scale, D, BQ, BKV, HAS_OLD, DOT_PRECISION)
-        elif phase == 2:  # proj: split-K into float32 partials
-            n_work = n_mt * (C // D) * S_PROJ
-            _splitk_phase(pid, G, o_ptr, proj_w, y_ptr, M, C, INNER, S_PROJ, BM, D, BK, DOT_PRECISION)
-        elif phase == 9:  # fc2: split-K into float32 partials
-            n_work = n_mt * (C // D) * S_FC2
-            _splitk_phase(pid, G, f_ptr, fc2_w, y_ptr, M, C, MLP, S_FC2, BM, D, BK, DOT_PRECISION)
-        elif phase == 4:  # conv-1 taps GEMM over the history
-            n_work = tl.cdiv(MH, BM) * (3 * C // D)
-            _taps_phase(pid, G, hist1_ptr, c1_w, z_ptr, MH, C, BM, D, BK, DOT_PRECISION)
-        elif phase == 6:  # conv-2 taps GEMM
-            n_work = tl.cdiv(MH, BM) * (3 * C // D)
-            _taps_phase(pid, G, hist2_ptr, c2_w, z_ptr, MH, C, BM, D, BK, DOT_PRECISION)
-        elif phase == 8:  # fc1 + GELU
-            n_nt = MLP // D
-            n_work = n_mt * n_nt
-            for tile in range(pid, n_work, G):
-                m0 = (tile // n_nt) * BM
-                n0 = (tile % n_nt) * D
-                acc = _gemm_tile(a_ptr, C, fc1_w, C, m0, n0, 0, C, M, MLP, BM, D, BK, DOT_PRECISION)
-                acc += tl.load(fc1_b + n0 + tl.arange(0, D)).to(tl.float32)[None, :]
-                _store_tile(f_ptr, MLP, _gelu_tanh(acc), m0, n0, M, MLP, BM, D)
-        elif phase == 3:  # proj + bias, residual + gate_a, LN, modulation (c) -> conv-1 history
-            for tile in range(pid, n_norm, G):
-                _rownorm_rows(tile * ROWS, y_ptr, C, M * C, proj_b, h_ptr, tab_ptr, stride_tab, gate_a, shift_c,
-                              scale_c, h_ptr, h_ptr, hist1_ptr, T + 2, 2, cnn_ptr, s_cnn_n, s_cnn_c, s_cnn_j, 0,
-                              h_ptr, h_ptr, 0, 0, 0, 0, valid_ptr, M, T, C, eps_block,
-                              False, True, True, True, True, 0, True, HAS_CNN, False, S_PROJ, ROWS, BLOCK_C, False)
-        elif phase == 5:  # conv-1 tap sum + bias, affine LN, Mish -> conv-2 history; conv-1 cache
-            for tile in range(pid, n_norm, G):
-                _rownorm_rows(tile * ROWS, z_ptr, 3 * C, 0, c1_b, h_ptr, tab_ptr, stride_tab, 0, 0, 0, cn_w, cn_b,
-                              hist2_ptr, T + 2, 2, cnn_ptr, s_cnn_n, s_cnn_c, s_cnn_j, C,
-                              hist1_ptr, ncnn_ptr, s_ncnn_n, s_ncnn_c, s_ncnn_j, 0, valid_ptr, M, T, C, eps_conv,
-                              True, True, False, False, False, 1, True, HAS_CNN, True, 1, ROWS, BLOCK_C, False)
-        elif phase == 7:  # conv-2 tap sum + bias, residual + gate_c, LN, modulation (m); conv-2 cache
-            for tile in range(pid, n_norm, G):
-                _rownorm_rows(tile * ROWS, z_ptr, 3 * C, 0, c2_b, h_ptr, tab_ptr, stride_tab, gate_c, shift_m,
-                              scale_m, h_ptr, h_ptr, a_ptr, T, 0, h_ptr, 0, 0, 0, 0,
-                              hist2_ptr, ncnn_ptr, s_ncnn_n, s_ncnn_c, s_ncnn_j, C, valid_ptr, M, T, C, eps_block,
-                              True, True, True, True, True, 0, False, False, True, 1, ROWS, BLOCK_C, False)
-        else:  # phase 10: fc2 + bias, residual + gate_m, LN, next block's modulation (a)
-            for tile in range(pid, n_norm, G):
-                _rownorm_rows(tile * ROWS, y_ptr, C, M * C, fc2_b, h_ptr, tab_ptr, stride_tab, gate_m, shift_n,
-                              scale_n, h_ptr, h_ptr, a_ptr, T, 0, h_ptr, 0, 0, 0, 0,
-                              h_ptr, h_ptr, 0, 0, 0, 0, valid_ptr, M, T, C, eps_block,
-                              False, True, True, True, True, 0, False, False, False, S_FC2, ROWS, BLOCK_C, False)
+        if (PHASE_MASK >> 0) & 1:
+            if phase == 0:  # packed QKV, one head per tile
+                n_work = n_mt * (3 * INNER // D)
+                for tile in range(pid, n_work, G):
+                    m0 = (tile // (3 * INNER // D)) * BM
+                    n0 = (tile % (3 * INNER // D)) * D
+                    acc = _gemm_tile(a_ptr, C, qkv_w, C, m0, n0, 0, C, M, 3 * INNER, BM, D, BK, DOT_PRECISION)
+                    acc += tl.load(qkv_b + n0 + tl.arange(0, D)).to(tl.float32)[None, :]
+                    offs_m = m0 + tl.arange(0, BM)
+                    _qkv_head_epilogue(acc, offs_m, offs_m < M, n0, T, H, eps_qk, qn_w, qn_b, kn_w, kn_b, q_ptr,
+                                       new_ptr, s_new_n, s_new_h, s_new_f, s_new_e, valid_ptr, D)
+        if (PHASE_MASK >> 1) & 1:
+            if phase == 1:  # attention
+                n_qt = tl.cdiv(T, BQ)
+                n_work = NR * H * n_qt
+                for tile in range(pid, n_work, G):
+                    nh = tile // n_qt
+                    n = (nh // H).to(tl.int64)
+                    tn = tl.load(valid_ptr + n)
+                    kl = tn + tl.load(cached_ptr + n)
+                    _attention_tile(q_ptr, o_ptr, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,
+                                    old_ptr, s_old_n, s_old_h, s_old_f, s_old_e, n, nh % H,
+                                    (tile % n_qt) * BQ, tn, kl, T, INNER, qk_scale, D, BQ, BKV, HAS_OLD, DOT_PRECISION)
+        if (PHASE_MASK >> 2) & 1:
+            if phase == 2:  # proj: split-K into float32 partials
+                n_work = n_mt * (C // D) * S_PROJ
+                _splitk_phase(pid, G, o_ptr, proj_w, y_ptr, M, C, INNER, S_PROJ, BM, D, BK, DOT_PRECISION)
+        if (PHASE_MASK >> 3) & 1:
+            if phase == 3:  # proj + bias, residual + gate_a, LN, modulation (c) -> conv-1 history
+                for tile in range(pid, n_norm, G):
+                    _rownorm_rows(tile * ROWS, y_ptr, C, M * C, proj_b, h_ptr, tab_ptr, stride_tab, gate_a, shift_c,
+                                  scale_c, h_ptr, h_ptr, hist1_ptr, T + 2, 2, cnn_ptr, s_cnn_n, s_cnn_c, s_cnn_j, 0,
+                                  h_ptr, h_ptr, 0, 0, 0, 0, valid_ptr, M, T, C, eps_block,
+                                  False, True, True, True, True, 0, True, HAS_CNN, False, S_PROJ, ROWS, BLOCK_C, False)
+        if (PHASE_MASK >> 4) & 1:
+            if phase == 4:  # conv-1 taps GEMM over the history
+                n_work = tl.cdiv(MH, BM) * (3 * C // D)
+                _taps_phase(pid, G, hist1_ptr, c1_w, z_ptr, MH, C, BM, D, BK, DOT_PRECISION)
+        if (PHASE_MASK >> 5) & 1:
+            if phase == 5:  # conv-1 tap sum + bias, affine LN, Mish -> conv-2 history; conv-1 cache
+                for tile in range(pid, n_norm, G):
+                    _rownorm_rows(tile * ROWS, z_ptr, 3 * C, 0, c1_b, h_ptr, tab_ptr, stride_tab, 0, 0, 0, cn_w, cn_b,
+                                  hist2_ptr, T + 2, 2, cnn_ptr, s_cnn_n, s_cnn_c, s_cnn_j, C,
+                                  hist1_ptr, ncnn_ptr, s_ncnn_n, s_ncnn_c, s_ncnn_j, 0, valid_ptr, M, T, C, eps_conv,
+                                  True, True, False, False, False, 1, True, HAS_CNN, True, 1, ROWS, BLOCK_C, False)
+        if (PHASE_MASK >> 6) & 1:
+            if phase == 6:  # conv-2 taps GEMM
+                n_work = tl.cdiv(MH, BM) * (3 * C // D)
+                _taps_phase(pid, G, hist2_ptr, c2_w, z_ptr, MH, C, BM, D, BK, DOT_PRECISION)
+        if (PHASE_MASK >> 7) & 1:
+            if phase == 7:  # conv-2 tap sum + bias, residual + gate_c, LN, modulation (m); conv-2 cache
+                for tile in range(pid, n_norm, G):
+                    _rownorm_rows(tile * ROWS, z_ptr, 3 * C, 0, c2_b, h_ptr, tab_ptr, stride_tab, gate_c, shift_m,
+                                  scale_m, h_ptr, h_ptr, a_ptr, T, 0, h_ptr, 0, 0, 0, 0,
+                                  hist2_ptr, ncnn_ptr, s_ncnn_n, s_ncnn_c, s_ncnn_j, C, valid_ptr, M, T, C, eps_block,
+                                  True, True, True, True, True, 0, False, False, True, 1, ROWS, BLOCK_C, False)
+        if (PHASE_MASK >> 8) & 1:
+            if phase == 8:  # fc1 + GELU
+                n_nt = MLP // D
+                n_work = n_mt * n_nt
+                for tile in range(pid, n_work, G):
+                    m0 = (tile // n_nt) * BM
+                    n0 = (tile % n_nt) * D
+                    acc = _gemm_tile(a_ptr, C, fc1_w, C, m0, n0, 0, C, M, MLP, BM, D, BK, DOT_PRECISION)
+                    acc += tl.load(fc1_b + n0 + tl.arange(0, D)).to(tl.float32)[None, :]
+                    _store_tile(f_ptr, MLP, _gelu_tanh(acc), m0, n0, M, MLP, BM, D)
+        if (PHASE_MASK >> 9) & 1:
+            if phase == 9:  # fc2: split-K into float32 partials
+                n_work = n_mt * (C // D) * S_FC2
+                _splitk_phase(pid, G, f_ptr, fc2_w, y_ptr, M, C, MLP, S_FC2, BM, D, BK, DOT_PRECISION)
+        if (PHASE_MASK >> 10) & 1:
+            if phase == 10:  # fc2 + bias, residual + gate_m, LN, next block's modulation (a)
+                for tile in range(pid, n_norm, G):
+                    _rownorm_rows(tile * ROWS, y_ptr, C, M * C, fc2_b, h_ptr, tab_ptr, stride_tab, gate_m, shift_n,
+                                  scale_n, h_ptr, h_ptr, a_ptr, T, 0, h_ptr, 0, 0, 0, 0,
+                                  h_ptr, h_ptr, 0, 0, 0, 0, valid_ptr, M, T, C, eps_block,
+                                  False, True, True, True, True, 0, False, False, False, S_FC2, ROWS, BLOCK_C, False)
         # old frames of the new cache: an even share of the copy tiles in each phase of
         # [COPY_LO, COPY_HI), taken by the programs after this phase's last work tile
         if (phase >= COPY_LO) & (phase < COPY_HI):
@@ -336,6 +355,17 @@ def _phase_tiles(n_rows: int, t_len: int, l_len: int, c: int, heads: int, head_d
     return work
 
 
+def launch_groups(split_at: int) -> list[tuple[int, int]]:
+    """The phase ranges [lo, hi) of one block's launches: a launch starts at phase 0 and at every
+    phase p > 0 whose bit is set in ``split_at``."""
+    starts = [0] + [p for p in range(1, len(PHASES)) if (split_at >> p) & 1]
+    return list(zip(starts, starts[1:] + [len(PHASES)]))
+
+
+def phase_mask(lo: int, hi: int) -> int:
+    return ((1 << hi) - 1) & ~((1 << lo) - 1)
+
+
 def v7_unsupported(c: int, heads: int, head_dim: int, mlp: int) -> list[str]:
     """Why the v7 body cannot run these widths (empty: it can). Its GEMM tiles are one head wide
     and walk K in steps of 64 (16 for narrow test models)."""
@@ -355,9 +385,10 @@ def v7_unsupported(c: int, heads: int, head_dim: int, mlp: int) -> list[str]:
 class BlockPlan:
     """The launches of one v7 body call: its buffers, grids and per-block kernel arguments.
 
-    ``launch(i, grid, lo, hi)`` runs phases [lo, hi) of block i on ``grid`` programs (returns
-    Triton's compiled kernel); ``blocks(i)`` runs block i the configured way (persistent or one
-    launch per phase). The bench (``bench/dit_block.py``) times phases through ``launch``.
+    ``block(i)`` runs block i as the config says: one launch per group of phases
+    (:func:`launch_groups`; a group of several phases runs on the persistent grid behind grid
+    barriers, a single phase on one program per tile), or one launch per phase off CUDA.
+    ``launch(i, grid, lo, hi, ...)`` runs any phase range (the bench, ``bench/dit_block.py``).
     """
 
     def __init__(self, x_in, weights, table, cnn_cache, att_cache, valid, cached, precision, out, *,
@@ -372,7 +403,15 @@ class BlockPlan:
         cd, dev = x_in.dtype, x_in.device
         l_len = 0 if att_cache is None else att_cache.shape[3]
         self.device, self.depth, self.c = dev, depth, c
-        self.persistent = (PERSISTENT if persistent is None else persistent) and dev.type == "cuda"
+        cfg = dict(CONFIG, **(config or {}))
+        if not (0 <= cfg["COPY_LO"] < cfg["COPY_HI"] <= len(PHASES)) or cfg["num_warps"] > 8:
+            raise ValueError(f"dit_block: bad launch config {cfg}")
+        self.ctas = cfg.pop("CTAS")
+        split_at = cfg.pop("SPLIT_AT")
+        self.specialize = bool(cfg.pop("SPECIALIZE"))
+        persistent = (PERSISTENT if persistent is None else persistent) and dev.type == "cuda"
+        self.groups = launch_groups(split_at if persistent else ALL_PHASES)
+        self.barriers_per_block = sum(hi - lo - 1 for lo, hi in self.groups)
         self.h = torch.empty((m, c), dtype=torch.float32, device=dev)
         self.a = torch.empty((m, c), dtype=cd, device=dev)
         bufs = (self.a, self.h, torch.empty((m, inner), dtype=cd, device=dev),  # q
@@ -382,17 +421,13 @@ class BlockPlan:
                 torch.empty((mh, 3 * c), dtype=cd, device=dev),  # conv taps
                 torch.empty((m, mlp), dtype=cd, device=dev))  # MLP hidden
         self.bar = torch.zeros(2, dtype=torch.int32, device=dev) if bar is None else bar
-        cfg = dict(CONFIG, **(config or {}))
-        if not (0 <= cfg["COPY_LO"] < cfg["COPY_HI"] <= len(PHASES)) or cfg["num_warps"] > 8:
-            raise ValueError(f"dit_block: bad launch config {cfg}")
-        self.ctas = cfg.pop("CTAS")
         self.tiles = _phase_tiles(n_rows, t_len, l_len, c, heads, head_dim, mlp, cfg)
         self.grid = min(self.ctas * sm_count(dev), max(self.tiles))
-        self._checked = False
+        self._fits: set = set()
         stride_tab = 0 if table.shape[0] == 1 else table.stride(0)
         self.consts = dict(cfg, D=head_dim, BK=min(64, head_dim), BKV=BLOCK_KV, BLOCK_C=triton.next_power_of_2(c),
                            S_PROJ=SPLIT_PROJ, S_FC2=SPLIT_FC2, HAS_CNN=cnn_cache is not None, HAS_OLD=l_len > 0,
-                           SYNC=self.persistent, DOT_PRECISION=_dot_precision(cd, precision), MAX_SPIN_=MAX_SPIN)
+                           DOT_PRECISION=_dot_precision(cd, precision), MAX_SPIN_=MAX_SPIN)
         self._args = []
         for i in range(depth):
             nxt = (i + 1, SHIFT_A, SCALE_A) if i + 1 < depth else (depth, 0, 1)
@@ -402,53 +437,64 @@ class BlockPlan:
             cnn_i = cnn_cache[i] if cnn_cache is not None else new_cnn[i]
             old_i = att_cache[i] if l_len > 0 else new_att[i]
             new_i, ncnn_i = new_att[i], new_cnn[i]
-            self._args.append([
-                *bufs, *weights[2 + PER_BLOCK * i: 2 + PER_BLOCK * (i + 1)], table, stride_tab, *mods,
-                cnn_i, cnn_i.stride(0), cnn_i.stride(1), cnn_i.stride(2),
-                ncnn_i, ncnn_i.stride(0), ncnn_i.stride(1), ncnn_i.stride(2),
-                old_i, *old_i.stride(), new_i, *new_i.stride(), valid, cached,
-                self.bar, i * (len(PHASES) - 1), n_rows, t_len, l_len, c, heads, mlp,
-                1.4426950408889634 / head_dim ** 0.5, BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS])
+            self._args.append((
+                [*bufs, *weights[2 + PER_BLOCK * i: 2 + PER_BLOCK * (i + 1)], table, stride_tab, *mods,
+                 cnn_i, cnn_i.stride(0), cnn_i.stride(1), cnn_i.stride(2),
+                 ncnn_i, ncnn_i.stride(0), ncnn_i.stride(1), ncnn_i.stride(2),
+                 old_i, *old_i.stride(), new_i, *new_i.stride(), valid, cached, self.bar],
+                [n_rows, t_len, l_len, c, heads, mlp, 1.4426950408889634 / head_dim ** 0.5, BLOCK_LN_EPS,
+                 CONV_LN_EPS, QK_NORM_EPS]))
 
-    def launch(self, i: int, grid: int, lo: int, hi: int):
-        if self.persistent and not self._checked:
-            self._check_fits()
+    def launch(self, i: int, grid: int, lo: int, hi: int, *, bar_base: int = 0, mask: Optional[int] = None,
+               sync: Optional[bool] = None):
+        """Phases [lo, hi) of block i on ``grid`` programs. ``mask``: the phases compiled into the
+        kernel (default: exactly [lo, hi)); ``sync``: grid barriers between the phases (default:
+        when there are several; then ``grid`` must be the persistent grid)."""
+        mask = phase_mask(lo, hi) if mask is None else mask
+        sync = hi - lo > 1 if sync is None else sync
+        head, tail = self._args[i]
+        consts = dict(self.consts, PHASE_MASK=mask, SYNC=sync)
+        if sync and mask not in self._fits:
+            self._check_fits(grid, consts)
+            self._fits.add(mask)
         with on_device(self.device):
-            return _dit_block_kernel[(grid,)](*self._args[i], lo, hi, **self.consts)
-
-    def _check_fits(self) -> None:
-        """All G programs of a persistent launch must be resident at once (else the barrier
-        would wait on programs that cannot start): compile first, then check CTAS per SM."""
-        k = _dit_block_kernel.warmup(*self._args[0], 0, len(PHASES), grid=(self.grid,), **self.consts)
-        if not hasattr(k, "n_regs"):
-            k._init_handles()  # Triton loads the binary (and learns its register count) lazily
-        warps = self.consts["num_warps"]
-        regs = -(-max(k.n_regs, 1) * 32 // 256) * 256 * warps  # allocated per warp in units of 256
-        shared = k.metadata.shared
-        if self.ctas * regs > REGISTERS_PER_SM or self.ctas * shared > SHARED_PER_SM:
-            raise ValueError(f"dit_block: {self.ctas} programs per SM do not fit ({k.n_regs} registers x "
-                             f"{warps} warps, {shared} B shared each); lower CTAS or set maxnreg")
-        self._checked = True
+            return _dit_block_kernel[(grid,)](*head, bar_base, *tail, lo, hi, **consts)
 
     def block(self, i: int) -> None:
-        if self.persistent:
-            self.launch(i, self.grid, 0, len(PHASES))
-        else:
-            for p, tiles in enumerate(self.tiles):
-                self.launch(i, tiles, p, p + 1)
+        base = i * self.barriers_per_block
+        for lo, hi in self.groups:
+            self.launch(i, self.grid if hi - lo > 1 else self.tiles[lo], lo, hi, bar_base=base,
+                        mask=None if self.specialize else ALL_PHASES)
+            base += hi - lo - 1
+
+    def _check_fits(self, grid: int, consts: dict) -> None:
+        """All programs of a launch with barriers must be resident at once (else a barrier would
+        wait on programs that cannot start): compile first, then check the programs per SM."""
+        head, tail = self._args[0]
+        k = _dit_block_kernel.warmup(*head, 0, *tail, 0, len(PHASES), grid=(grid,), **consts)
+        if not hasattr(k, "n_regs"):
+            k._init_handles()  # Triton loads the binary (and learns its register count) lazily
+        per_sm = -(-grid // sm_count(self.device))
+        warps = consts["num_warps"]
+        regs = -(-max(k.n_regs, 1) * 32 // 256) * 256 * warps  # allocated per warp in units of 256
+        shared = k.metadata.shared
+        if per_sm * regs > REGISTERS_PER_SM or per_sm * shared > SHARED_PER_SM:
+            raise ValueError(f"dit_block: {per_sm} programs per SM do not fit ({k.n_regs} registers x "
+                             f"{warps} warps, {shared} B shared each); lower CTAS or set maxnreg")
 
 
 def body_v7(x_in, weights, table, cnn_cache, att_cache, valid, cached, precision, out, *,
-            persistent: Optional[bool] = None, bar: Optional[torch.Tensor] = None):
+            persistent: Optional[bool] = None, bar: Optional[torch.Tensor] = None, config: Optional[dict] = None):
     """The "v7" body: in_proj + boundary row-norm, one persistent launch per block
     (:func:`_dit_block_kernel`), final layer. Arguments as
     :func:`torch_cfm.kernels.dit_body.dit_body_triton`; ``persistent`` None = :data:`PERSISTENT`
     on CUDA (the interpreter always launches phase by phase). ``bar``: the barrier counter
-    (int32 (2,), zero; tests read it back), else a fresh one."""
+    (int32 (2,), zero; tests read it back), else a fresh one. ``config``: overrides of
+    :data:`CONFIG`."""
     vel = out[0]
     n_rows, _, t_len, depth, c = _body_sizes(x_in, weights)[:5]
     plan = BlockPlan(x_in, weights, table, cnn_cache, att_cache, valid, cached, precision, out,
-                     persistent=persistent, bar=bar)
+                     persistent=persistent, bar=bar, config=config)
     y0 = torch.matmul(x_in.transpose(1, 2), weights[0].t()).view(n_rows * t_len, c)
     rownorm(y0, plan.h, plan.a, valid, bias=weights[1], has_res=False, table=table,
             shift=_mod_off(0, SHIFT_A, c), scale=_mod_off(0, SCALE_A, c), n_rows=n_rows, t_len=t_len)
