@@ -48,6 +48,14 @@ def test_v7_width_rule():
     assert any("mlp=100" in r for r in v7_unsupported(512, 8, 64, 100))
 
 
+def test_split_factors_take_whole_k_steps():
+    from torch_cfm.kernels.dit_block import SPLIT_FC2, SPLIT_PROJ, split_factors
+
+    assert split_factors(512, 2048, 64) == (SPLIT_PROJ, SPLIT_FC2)
+    assert split_factors(32, 128, 32) == (1, 4)  # one K step of proj cannot be split
+    assert split_factors(96, 192, 32) == (1, 3)
+
+
 def test_launch_groups_and_phase_masks():
     assert launch_groups(0) == [(0, len(PHASES))]
     assert launch_groups(1) == [(0, len(PHASES))]  # phase 0 always starts a launch

@@ -29,15 +29,18 @@ its tiles are shared out over phases COPY_LO..COPY_HI-1 to the programs that a p
 The row-norm phases are :func:`torch_cfm.kernels.dit_body._rownorm_rows` (v1's boundary
 kernel) and the QKV epilogue is v2's, so v7 computes the same math as v1 with Triton GEMMs.
 
-Two launch modes with the same tile code:
+Launches (:class:`BlockPlan`): by default a block is one persistent launch of G = CTAS x #SM
+programs (CTAS = 2). Every program must be resident at once, else a barrier would wait on
+programs that cannot start: the compiled kernel's registers and shared memory are checked
+against CTAS programs per SM before the first launch. A bounded spin turns a broken barrier into
+a wrong result plus a raised flag (``bar[1]``), never a hang. ``SPLIT_AT`` cuts a block into
+groups of phases; a one-phase launch runs one program per tile without a barrier, in a kernel
+compiled with only that phase's code (``PHASE_MASK``). Off CUDA (the Triton interpreter) every
+phase is its own launch.
 
-* persistent (``SYNC``; CUDA): G ≤ #SM programs, every phase of the block in one launch. The
-  barrier needs every program resident at once: G is at most one program per SM, and one
-  program always fits an SM (<= 8 warps: registers <= 255 x 256; shared memory beyond an
-  SM's is a compile error). A bounded spin makes a broken barrier
-  a wrong result plus a raised flag (``bar[1]``), never a hang.
-* one launch per phase (no barrier): the Triton interpreter, and a debugging reference on the
-  GPU (the persistent result must equal it bitwise).
+Measured (bench/NOTES.md, session 9): within the SPEC §6 oracle and bitwise reproducible, but
+81 µs per block at (8, 50, 400) fp16 against ≈ 58 µs for v1 — each phase costs about what its own
+launch would — so :func:`~torch_cfm.kernels.dit_body.choose_variant` never picks it.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from .dit_body import (CONV_HISTORY, _body_sizes, _dot_precision, _gelu_tanh, _m
 PHASES = ("qkv", "attention", "proj", "norm_a", "conv1", "norm_c1", "conv2", "norm_c2", "fc1", "fc2", "norm_m")
 MAX_SPIN = 1 << 22  # barrier polls before a program gives up (≈ seconds): a hang becomes a flag
 SPLIT_PROJ = 2      # split-K factors of the two GEMMs whose consumer (a row-norm) sums partials
-SPLIT_FC2 = 4
+SPLIT_FC2 = 4       # (at most: narrower models take the largest that divides K into BK steps)
 BLOCK_KV = 64
 # Launch configuration (bench/dit_block.py --configs overrides any key):
 #   BM: GEMM tile rows (tile columns = D, one head); BQ: attention queries per tile; ROWS: token
@@ -337,6 +340,15 @@ def _dit_block_kernel(
                 _grid_sync(bar_ptr, (bar_base + phase - ph_lo + 1) * G, MAX_SPIN_)
 
 
+def split_factors(inner: int, mlp: int, block_k: int) -> tuple[int, int]:
+    """Split-K factors of proj (K = H*D) and fc2 (K = mlp): the largest <= SPLIT_PROJ / SPLIT_FC2
+    whose K slices are whole BK steps."""
+    def largest(k, want):
+        return next(s for s in range(want, 0, -1) if k % (s * block_k) == 0)
+
+    return largest(inner, SPLIT_PROJ), largest(mlp, SPLIT_FC2)
+
+
 def _phase_tiles(n_rows: int, t_len: int, l_len: int, c: int, heads: int, head_dim: int, mlp: int,
                  cfg: dict) -> list[int]:
     """Tiles of each phase incl. its share of the copy tiles (the kernel derives the same counts;
@@ -345,9 +357,10 @@ def _phase_tiles(n_rows: int, t_len: int, l_len: int, c: int, heads: int, head_d
     inner = heads * head_dim
     mt, mht = triton.cdiv(m, cfg["BM"]), triton.cdiv(mh, cfg["BM"])
     norm = triton.cdiv(m, cfg["ROWS"])
+    s_proj, s_fc2 = split_factors(inner, mlp, min(64, head_dim))
     work = [mt * 3 * inner // head_dim, n_rows * heads * triton.cdiv(t_len, cfg["BQ"]),
-            mt * (c // head_dim) * SPLIT_PROJ, norm, mht * 3 * c // head_dim, norm, mht * 3 * c // head_dim, norm,
-            mt * mlp // head_dim, mt * (c // head_dim) * SPLIT_FC2, norm]
+            mt * (c // head_dim) * s_proj, norm, mht * 3 * c // head_dim, norm, mht * 3 * c // head_dim, norm,
+            mt * mlp // head_dim, mt * (c // head_dim) * s_fc2, norm]
     n_copy = n_rows * heads * triton.cdiv(t_len + l_len, cfg["CF"])
     lo, hi = cfg["COPY_LO"], cfg["COPY_HI"]
     for p in range(lo, hi):
@@ -368,7 +381,7 @@ def phase_mask(lo: int, hi: int) -> int:
 
 def v7_unsupported(c: int, heads: int, head_dim: int, mlp: int) -> list[str]:
     """Why the v7 body cannot run these widths (empty: it can). Its GEMM tiles are one head wide
-    and walk K in steps of 64 (16 for narrow test models)."""
+    and walk K in steps of min(64, head_dim)."""
     reasons = []
     if head_dim not in (16, 32, 64, 128):
         reasons.append(f"head_dim={head_dim} not in (16, 32, 64, 128)")
@@ -376,9 +389,6 @@ def v7_unsupported(c: int, heads: int, head_dim: int, mlp: int) -> list[str]:
     for name, k in (("hidden", c), ("heads*head_dim", heads * head_dim), ("mlp", mlp)):
         if k % head_dim or k % bk:
             reasons.append(f"{name}={k} is not a multiple of head_dim={head_dim}")
-    for name, k, s in (("heads*head_dim", heads * head_dim, SPLIT_PROJ), ("mlp", mlp, SPLIT_FC2)):
-        if k % (s * bk):
-            reasons.append(f"{name}={k} is not a multiple of its split-K slices ({s} x {bk})")
     return reasons
 
 
@@ -412,11 +422,12 @@ class BlockPlan:
         persistent = (PERSISTENT if persistent is None else persistent) and dev.type == "cuda"
         self.groups = launch_groups(split_at if persistent else ALL_PHASES)
         self.barriers_per_block = sum(hi - lo - 1 for lo, hi in self.groups)
+        s_proj, s_fc2 = split_factors(inner, mlp, min(64, head_dim))
         self.h = torch.empty((m, c), dtype=torch.float32, device=dev)
         self.a = torch.empty((m, c), dtype=cd, device=dev)
         bufs = (self.a, self.h, torch.empty((m, inner), dtype=cd, device=dev),  # q
                 torch.empty((m, inner), dtype=cd, device=dev),  # attention output
-                torch.empty((max(SPLIT_PROJ, SPLIT_FC2), m, c), dtype=torch.float32, device=dev),  # split-K partials
+                torch.empty((max(s_proj, s_fc2), m, c), dtype=torch.float32, device=dev),  # split-K partials
                 torch.empty((mh, c), dtype=cd, device=dev), torch.empty((mh, c), dtype=cd, device=dev),  # histories
                 torch.empty((mh, 3 * c), dtype=cd, device=dev),  # conv taps
                 torch.empty((m, mlp), dtype=cd, device=dev))  # MLP hidden
@@ -426,7 +437,7 @@ class BlockPlan:
         self._fits: set = set()
         stride_tab = 0 if table.shape[0] == 1 else table.stride(0)
         self.consts = dict(cfg, D=head_dim, BK=min(64, head_dim), BKV=BLOCK_KV, BLOCK_C=triton.next_power_of_2(c),
-                           S_PROJ=SPLIT_PROJ, S_FC2=SPLIT_FC2, HAS_CNN=cnn_cache is not None, HAS_OLD=l_len > 0,
+                           S_PROJ=s_proj, S_FC2=s_fc2, HAS_CNN=cnn_cache is not None, HAS_OLD=l_len > 0,
                            DOT_PRECISION=_dot_precision(cd, precision), MAX_SPIN_=MAX_SPIN)
         self._args = []
         for i in range(depth):
