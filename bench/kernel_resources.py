@@ -140,17 +140,20 @@ def dit_attention_rows(arch: int, n_rows: int = 8, t_len: int = 50, l_len: int =
     return rows
 
 
-def dit_block_rows(arch: int, n_rows: int = 8, t_len: int = 50, l_len: int = 400) -> list[str]:
+def dit_block_rows(arch: int, n_rows: int = 8, t_len: int = 50, l_len: int = 400,
+                   flow_only: bool = False) -> list[str]:
     """The v7 block kernel at its default launch config (``dit_block.CONFIG``): the whole-block
-    kernel, then each phase compiled alone (``PHASE_MASK``), with the cubin size (instruction-cache
-    pressure: every phase's code is cold when the phase starts)."""
+    kernel with grid barriers and with FLOW counters, then (unless ``flow_only``) each phase compiled
+    alone (``PHASE_MASK``), with the cubin size (instruction-cache pressure: every phase's code is
+    cold when the phase starts)."""
     from torch_cfm.kernels.dit_block import ALL_PHASES, BLOCK_KV, CONFIG, MAX_SPIN, PHASES, SPLIT_FC2, SPLIT_PROJ
     from torch_cfm.kernels.dit_block import _dit_block_kernel as kernel
 
     c, heads, d, mlp = 512, 8, 64, 2048
     h16, f32, i32 = "*fp16", "*fp32", "*i32"
     args = dict(a_ptr=h16, h_ptr=f32, q_ptr=h16, o_ptr=h16, y_ptr=f32, hist1_ptr=h16, hist2_ptr=h16, z_ptr=h16,
-                f_ptr=h16, tab_ptr=f32, stride_tab=0, cnn_ptr=h16, s_cnn_n=4 * c, s_cnn_c=2, s_cnn_j=1,
+                f_ptr=h16, y2_ptr=f32, z2_ptr=h16, dep_ptr=i32, blk=0, tab_ptr=f32, stride_tab=0,
+                cnn_ptr=h16, s_cnn_n=4 * c, s_cnn_c=2, s_cnn_j=1,
                 ncnn_ptr=h16, s_ncnn_n=4 * c, s_ncnn_c=2, s_ncnn_j=1,
                 old_ptr=h16, s_old_n=heads * l_len * 2 * d, s_old_h=l_len * 2 * d, s_old_f=2 * d, s_old_e=1,
                 new_ptr=h16, s_new_n=heads * (t_len + l_len) * 2 * d, s_new_h=(t_len + l_len) * 2 * d,
@@ -163,13 +166,16 @@ def dit_block_rows(arch: int, n_rows: int = 8, t_len: int = 50, l_len: int = 400
     for j, name in enumerate(("gate_a", "shift_c", "scale_c", "gate_c", "shift_m", "scale_m", "gate_m", "shift_n",
                               "scale_n")):
         args[name] = 512 * (j + 2)
-    cfg = {k: v for k, v in CONFIG.items() if k not in ("CTAS", "SPLIT_AT", "SPECIALIZE")}
+    cfg = {k: v for k, v in CONFIG.items() if k not in ("CTAS", "SPLIT_AT", "SPECIALIZE", "FLOW", "G_MAX")}
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     const = dict(cfg, D=d, BK=64, BKV=BLOCK_KV, BLOCK_C=c, S_PROJ=SPLIT_PROJ, S_FC2=SPLIT_FC2, HAS_CNN=True,
                  HAS_OLD=True, DOT_PRECISION="tf32", MAX_SPIN_=MAX_SPIN)
     rows = []
-    for name, mask in [("block", ALL_PHASES)] + [(ph, 1 << p) for p, ph in enumerate(PHASES)]:
-        compiled = compile_like_launch(kernel, args, dict(const, PHASE_MASK=mask, SYNC=mask == ALL_PHASES), warps,
+    variants = [("block", ALL_PHASES, True, False), ("block FLOW", ALL_PHASES, False, True)]
+    if not flow_only:
+        variants += [(ph, 1 << p, False, False) for p, ph in enumerate(PHASES)]
+    for name, mask, sync, flow in variants:
+        compiled = compile_like_launch(kernel, args, dict(const, PHASE_MASK=mask, SYNC=sync, FLOW=flow), warps,
                                        stages, arch)
         rows.append(f"dit_block (v7) {n_rows},{t_len},{l_len} fp16 {name}: " + describe(compiled)
                     + f" cubin={len(compiled.asm['cubin'])}B")
@@ -185,8 +191,8 @@ def main(argv=None) -> int:
     import triton
 
     print(f"triton {triton.__version__}, target sm_{args.arch}")
-    groups = dict(attention=lambda: attention_rows(args.arch, args.sms), dit_attention=lambda: dit_attention_rows(args.arch),
-                  dit_block=lambda: dit_block_rows(args.arch))
+    groups = dict(attention=lambda: attention_rows(args.arch, args.sms),
+                  dit_attention=lambda: dit_attention_rows(args.arch), dit_block=lambda: dit_block_rows(args.arch))
     for name, rows in groups.items():
         if args.only in (None, name):
             for line in rows():

@@ -8,11 +8,17 @@ the spin guard never trips), CUDA-graph replay, and the width rule.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from test_dit_body import GPU_CFG, make_inputs
-from torch_cfm.kernels.dit_block import PHASES, launch_groups, phase_mask, v7_unsupported
+from torch_cfm.kernels.dit_block import PHASES, _seq_tiles, launch_groups, phase_mask, v7_unsupported
 from torch_cfm.models import random_dit
 from torch_cfm.ops.dit_body import _empty_outputs, check_dit_body, dit_body_fused_into, stage_input
 from torch_cfm.packing import modulation_table, pack_dit
@@ -30,14 +36,14 @@ def _args(dtype, seed, device="cuda", cfg=GPU_CFG, n=N, t=T, l_len=L, valid=VALI
     return stage_input(x, mu, spks, cond, dtype), packed.body, modulation_table(packed, tt[:1]), cnn, att, vl, cl
 
 
-def _run_v7(args, persistent, bar=None, out=None, config=None):
+def _run_v7(args, persistent, bar=None, out=None, config=None, plans=None):
     from torch_cfm.kernels.dit_block import body_v7
 
     x_in, w, table, cnn, att, valid, cached = args
     shapes = check_dit_body(x_in, w, table, cnn, att, valid, cached, "auto")
     out = tuple(o.fill_(float("nan")) for o in _empty_outputs(x_in, shapes)) if out is None else out
     return body_v7(x_in, w, table, cnn, att, valid.int(), cached.int(), None, out, persistent=persistent, bar=bar,
-                   config=config)
+                   config=config, plans=plans)
 
 
 def test_v7_width_rule():
@@ -62,6 +68,121 @@ def test_launch_groups_and_phase_masks():
     assert launch_groups((1 << 2) | (1 << 8)) == [(0, 2), (2, 8), (8, 11)]
     assert launch_groups((1 << 11) - 2) == [(p, p + 1) for p in range(11)]
     assert phase_mask(0, 11) == (1 << 11) - 1 and phase_mask(2, 8) == 0b11111100 and phase_mask(5, 6) == 1 << 5
+
+
+def _expected_flow_counts(n, t, c, heads, d, mlp, cfg, depth):
+    """Tiles of each phase touching each sequence, counted by enumerating the tiles' row ranges
+    (independent of the kernel's closed form); phase 10 signals nothing."""
+    from torch_cfm.kernels.dit_block import PHASES, split_factors
+
+    bm, rows, bq = cfg["BM"], cfg["ROWS"], cfg["BQ"]
+    s_proj, s_fc2 = split_factors(heads * d, mlp, min(64, d))
+    counts = torch.zeros((len(PHASES), n), dtype=torch.int64)
+
+    def add(phase, r0, r1, tp, times):
+        for seq in range(r0 // tp, min((r1 - 1) // tp, n - 1) + 1):
+            counts[phase, seq] += times
+
+    m, mh = n * t, n * (t + 2)
+    for m0 in range(0, m, bm):
+        add(0, m0, m0 + bm, t, 3 * heads)
+        add(2, m0, m0 + bm, t, (c // d) * s_proj)
+        add(8, m0, m0 + bm, t, mlp // d)
+        add(9, m0, m0 + bm, t, (c // d) * s_fc2)
+    for m0 in range(0, mh, bm):
+        add(4, m0, m0 + bm, t + 2, 3 * c // d)
+        add(6, m0, m0 + bm, t + 2, 3 * c // d)
+    for r0 in range(0, m, rows):
+        for phase in (3, 5, 7):
+            add(phase, r0, r0 + rows, t, 1)
+    for seq in range(n):
+        counts[1, seq] += heads * -(-t // bq)
+    return counts * depth
+
+
+def _one_program_child(out_path):
+    """TRITON_INTERPRET=1: v7 with its synchronised paths on a one-program grid (grid barriers,
+    then FLOW counters) against one launch per phase."""
+    from test_dit_body import TINY
+    from torch_cfm.kernels.dit_block import CONFIG
+
+    res = {}
+    for name, t, valid, cached in (("ragged", 7, [7, 3, 0], [5, 2, 4]), ("two_tiles", 40, [40, 17, 33], [9, 3, 0])):
+        args = _args(torch.float32, seed=3, device="cpu", cfg=TINY, n=3, t=t, l_len=9, valid=valid, cached=cached)
+        res[name, "split"] = _run_v7(args, persistent=False)
+        for mode in ("barrier", "flow"):
+            plans: list = []
+            cfg = dict(G_MAX=1, MAX_SPIN_=64, FLOW=int(mode == "flow"))
+            res[name, mode] = _run_v7(args, persistent=True, config=cfg, plans=plans)
+            res[name, mode, "bar"] = plans[0].bar.clone()
+            res[name, mode, "deps"] = plans[0].deps.clone()
+        res[name, "expected"] = _expected_flow_counts(3, t, TINY.hidden, TINY.heads, TINY.head_dim,
+                                                      TINY.mlp_ratio * TINY.hidden, CONFIG, TINY.depth)
+    for n, t in ((3, 7), (3, 40), (8, 50)):  # the wait targets' closed form, shipped widths included
+        c, heads, d, mlp = (TINY.hidden, TINY.heads, TINY.head_dim, TINY.mlp_ratio * TINY.hidden) if n == 3 \
+            else (512, 8, 64, 2048)
+        res["seq_tiles", n, t] = _seq_tiles_table(n, t, c, heads, d, mlp, CONFIG)
+        res["seq_tiles_expected", n, t] = _expected_flow_counts(n, t, c, heads, d, mlp, CONFIG, 1)
+    torch.save(res, out_path)
+
+
+@triton.jit
+def _seq_tiles_kernel(out_ptr, NR, T, H, C, MLP, D: tl.constexpr, BM: tl.constexpr, BQ: tl.constexpr,
+                      ROWS: tl.constexpr, S_PROJ: tl.constexpr, S_FC2: tl.constexpr):
+    p = tl.program_id(0)
+    for seq in range(NR):
+        tl.store(out_ptr + p * NR + seq, _seq_tiles(p, seq, T, H, C, MLP, D, BM, BQ, ROWS, S_PROJ, S_FC2))
+
+
+def _seq_tiles_table(n, t, c, heads, d, mlp, cfg):
+    """The kernel's ``_seq_tiles`` for every (phase, sequence), run by the interpreter."""
+    from torch_cfm.kernels.dit_block import split_factors
+
+    s_proj, s_fc2 = split_factors(heads * d, mlp, min(64, d))
+    out = torch.zeros((len(PHASES), n), dtype=torch.int32)
+    _seq_tiles_kernel[(len(PHASES) - 1,)](out, n, t, heads, c, mlp, D=d, BM=cfg["BM"], BQ=cfg["BQ"], ROWS=cfg["ROWS"],
+                                          S_PROJ=s_proj, S_FC2=s_fc2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_program(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("v7_one") / "out.pt")
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", f"import test_dit_block as t; t._one_program_child({out!r})"],
+                          cwd=here, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("case", ["ragged", "two_tiles"])
+@pytest.mark.parametrize("mode", ["barrier", "flow"])
+def test_v7_synchronised_paths_on_one_program_interpreter(one_program, case, mode):
+    """The persistent loop's bookkeeping on CPU: one program runs every tile, so a wait that is
+    never satisfied shows as a raised spin flag, and the counters must end exactly where the
+    tiles put them (barriers: 10 per block; FLOW: tiles per (phase, sequence), counted
+    independently). Results equal one launch per phase, bitwise."""
+    from test_dit_body import TINY
+
+    for name, g, w in zip(("velocity", "cnn_cache", "att_cache"), one_program[case, mode], one_program[case, "split"]):
+        assert torch.equal(g, w), name
+    bar, deps = one_program[case, mode, "bar"], one_program[case, mode, "deps"]
+    assert bar[1].item() == 0, "a wait gave up"
+    if mode == "barrier":
+        assert bar[0].item() == TINY.depth * (len(PHASES) - 1)
+    else:
+        assert bar[0].item() == 0
+        assert torch.equal(deps.long(), one_program[case, "expected"])
+
+
+@pytest.mark.parametrize("n,t", [(3, 7), (3, 40), (8, 50)])
+def test_v7_flow_wait_targets_count_every_tile_interpreter(one_program, n, t):
+    """FLOW's wait targets (``_seq_tiles``, a closed form) equal the tiles enumerated per sequence:
+    a smaller target would let a tile start before its inputs exist (phase 10 signals nothing and
+    is never waited on)."""
+    got = one_program["seq_tiles", n, t].long()[:-1]
+    assert torch.equal(got, one_program["seq_tiles_expected", n, t][:-1])
 
 
 def test_v7_rejects_unsupported_widths():
@@ -127,12 +248,25 @@ def test_gpu_v7_graph_replay_equals_eager_bitwise():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split_at", [(1 << 11) - 2, (1 << 2) | (1 << 8)], ids=["each-phase", "three-launches"])
-def test_gpu_v7_launch_groups_equal_one_launch_bitwise(split_at):
-    """Kernels compiled with only their phases' code (one per phase, or three groups behind
-    barriers) compute what the whole-block kernel does, to the bit."""
+@pytest.mark.parametrize("config", [dict(SPLIT_AT=(1 << 11) - 2), dict(SPLIT_AT=(1 << 2) | (1 << 8)), dict(FLOW=1),
+                                    dict(FLOW=1, SPLIT_AT=(1 << 2) | (1 << 8))],
+                         ids=["each-phase", "three-launches", "flow", "flow-three-launches"])
+def test_gpu_v7_launch_configs_equal_one_launch_bitwise(config):
+    """Kernels compiled with only their phases' code (one per phase, or three groups), and FLOW's
+    per-sequence waits instead of grid barriers, compute what the whole-block kernel does, to the
+    bit; no wait gives up and FLOW's counters end at the tiles counted per sequence."""
+    from torch_cfm.kernels.dit_block import CONFIG
+
     args = _args(torch.float16, seed=6)
     want = _run_v7(args, persistent=True)
-    got = _run_v7(args, persistent=True, config=dict(SPLIT_AT=split_at))
-    for name, g, w in zip(("velocity", "cnn_cache", "att_cache"), got, want):
-        assert torch.equal(g, w), name
+    for _ in range(3 if config.get("FLOW") else 1):  # a racy wait shows up as run-to-run differences
+        plans: list = []
+        got = _run_v7(args, persistent=True, config=config, plans=plans)
+        torch.cuda.synchronize()
+        assert plans[0].bar[1].item() == 0, "a wait gave up"
+        for name, g, w in zip(("velocity", "cnn_cache", "att_cache"), got, want):
+            assert torch.equal(g, w), name
+        if config.get("FLOW") and "SPLIT_AT" not in config:
+            expected = _expected_flow_counts(N, T, GPU_CFG.hidden, GPU_CFG.heads, GPU_CFG.head_dim,
+                                             GPU_CFG.mlp_ratio * GPU_CFG.hidden, CONFIG, GPU_CFG.depth)
+            assert torch.equal(plans[0].deps.cpu().long(), expected)

@@ -71,8 +71,12 @@ BLOCK_KV = 64
 #   SPLIT_AT: a bitmask of the phases that start a new launch (0: the whole block in one launch;
 #   2046: one launch per phase); SPECIALIZE: a launch's kernel holds only its phases' code (0: every
 #   launch runs the whole-block kernel, the tests' reference for the barrier).
+#   FLOW: a launch's phases wait on per-(phase, sequence) counters of finished tiles instead of
+#   grid barriers, so phases overlap across sequences (not yet run on a GPU).
+#   G_MAX: a cap on the persistent grid (0: none; 1 lets the interpreter run the synchronised
+#   paths: one program never waits on another); MAX_SPIN_: polls before a wait gives up.
 CONFIG = dict(BM=64, BQ=32, ROWS=4, CF=64, COPY_LO=1, COPY_HI=11, num_warps=4, num_stages=3, CTAS=2, SPLIT_AT=0,
-              SPECIALIZE=1)
+              SPECIALIZE=1, FLOW=0, G_MAX=0, MAX_SPIN_=MAX_SPIN)
 ALL_PHASES = (1 << 11) - 1
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 227 * 1024
@@ -91,6 +95,66 @@ def _grid_sync(bar_ptr, target, MAX_SPIN_: tl.constexpr):
         spins += 1
     if spins >= MAX_SPIN_:
         tl.atomic_add(bar_ptr + 1, 1, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _seq_tiles(phase, n, T, H, C, MLP, D: tl.constexpr, BM: tl.constexpr, BQ: tl.constexpr, ROWS: tl.constexpr,
+               S_PROJ: tl.constexpr, S_FC2: tl.constexpr):
+    """How many tiles of ``phase`` touch sequence n (rows [n*Tp, (n+1)*Tp) of the phase's row
+    space: Tp = T + 2 for the conv GEMMs, T otherwise): the FLOW count of (phase, n) per block."""
+    tp = T
+    per = 1
+    size = ROWS
+    if phase == 0:
+        per = 3 * H
+        size = BM
+    if phase == 2:
+        per = (C // D) * S_PROJ
+        size = BM
+    if phase == 4:
+        per = 3 * C // D
+        size = BM
+        tp = T + 2
+    if phase == 6:
+        per = 3 * C // D
+        size = BM
+        tp = T + 2
+    if phase == 8:
+        per = MLP // D
+        size = BM
+    if phase == 9:
+        per = (C // D) * S_FC2
+        size = BM
+    count = per * (((n + 1) * tp - 1) // size - (n * tp) // size + 1)
+    if phase == 1:
+        count = H * tl.cdiv(T, BQ)
+    return count
+
+
+@triton.jit
+def _flow_signal(dep_ptr, phase, r0, r1, TP, NR):
+    """This tile of ``phase`` (rows [r0, r1) of a row space with TP rows per sequence) is done:
+    count it for every sequence it touches (release: its stores first)."""
+    tl.debug_barrier()
+    for n in range(r0 // TP, tl.minimum((r1 - 1) // TP, NR - 1) + 1):
+        tl.atomic_add(dep_ptr + phase * NR + n, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _flow_wait(dep_ptr, flag_ptr, prod, r0, r1, TP, NR, blk, T, H, C, MLP, D: tl.constexpr, BM: tl.constexpr,
+               BQ: tl.constexpr, ROWS: tl.constexpr, S_PROJ: tl.constexpr, S_FC2: tl.constexpr,
+               MAX_SPIN_: tl.constexpr):
+    """Wait until every tile of phase ``prod`` of this body call's blocks 0..blk touching the
+    sequences of rows [r0, r1) (TP rows per sequence) is done (acquire: their stores visible)."""
+    for n in range(r0 // TP, tl.minimum((r1 - 1) // TP, NR - 1) + 1):
+        target = (blk + 1) * _seq_tiles(prod, n, T, H, C, MLP, D, BM, BQ, ROWS, S_PROJ, S_FC2)
+        spins = 0
+        cnt_ptr = dep_ptr + prod * NR + n
+        while (tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu") < target) & (spins < MAX_SPIN_):
+            spins += 1
+        if spins >= MAX_SPIN_:
+            tl.atomic_add(flag_ptr, 1, sem="relaxed", scope="gpu")
     tl.debug_barrier()
 
 
@@ -184,8 +248,12 @@ def _old_frames_tile(old_ptr, s_old_n, s_old_h, s_old_f, s_old_e, new_ptr, s_new
 
 @triton.jit
 def _splitk_phase(pid, G, a_ptr, w_ptr, y_ptr, M, NOUT, K, S: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """y[s] (M, NOUT) float32 = a[:, ks] @ w[:, ks]^T over the s-th of S equal K slices."""
+                  BK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  dep_ptr, flag_ptr, blk, me, ph_lo, NR, T, H, MLP, BQ: tl.constexpr, ROWS: tl.constexpr,
+                  S_PROJ: tl.constexpr, S_FC2: tl.constexpr, FLOW: tl.constexpr, MAX_SPIN_: tl.constexpr):
+    """y[s] (M, NOUT) float32 = a[:, ks] @ w[:, ks]^T over the s-th of S equal K slices
+    (phase ``me``; FLOW: each tile waits for phase me - 1 on its rows' sequences, unless that ran
+    in an earlier launch, ``me == ph_lo``)."""
     n_mt = tl.cdiv(M, BM)
     n_nt = NOUT // BN
     ks = K // S
@@ -194,28 +262,44 @@ def _splitk_phase(pid, G, a_ptr, w_ptr, y_ptr, M, NOUT, K, S: tl.constexpr, BM: 
         r = tile % (n_mt * n_nt)
         m0 = (r // n_nt) * BM
         n0 = (r % n_nt) * BN
+        if FLOW:
+            if me > ph_lo:
+                _flow_wait(dep_ptr, flag_ptr, me - 1, m0, m0 + BM, T, NR, blk, T, H, NOUT, MLP, BN, BM, BQ, ROWS,
+                           S_PROJ, S_FC2, MAX_SPIN_)
         acc = _gemm_tile(a_ptr, K, w_ptr, K, m0, n0, s * ks, s * ks + ks, M, NOUT, BM, BN, BK, DOT_PRECISION)
         _store_tile(y_ptr + s * M * NOUT, NOUT, acc, m0, n0, M, NOUT, BM, BN)
+        if FLOW:
+            _flow_signal(dep_ptr, me, m0, m0 + BM, T, NR)
 
 
 @triton.jit
 def _taps_phase(pid, G, hist_ptr, w_ptr, z_ptr, MH, C, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
-    """z (N*(T+2), 3C) = history (N*(T+2), C) @ stacked taps (3C, C)^T (the tap sum is downstream)."""
+                DOT_PRECISION: tl.constexpr,
+                dep_ptr, flag_ptr, blk, me, ph_lo, NR, T, H, MLP, BQ: tl.constexpr, ROWS: tl.constexpr,
+                S_PROJ: tl.constexpr, S_FC2: tl.constexpr, FLOW: tl.constexpr, MAX_SPIN_: tl.constexpr):
+    """z (N*(T+2), 3C) = history (N*(T+2), C) @ stacked taps (3C, C)^T (the tap sum is downstream;
+    phase ``me``; FLOW: as :func:`_splitk_phase`, rows in the history's T + 2 per sequence)."""
     n_nt = 3 * C // BN
     for tile in range(pid, tl.cdiv(MH, BM) * n_nt, G):
         m0 = (tile // n_nt) * BM
         n0 = (tile % n_nt) * BN
+        if FLOW:
+            if me > ph_lo:
+                _flow_wait(dep_ptr, flag_ptr, me - 1, m0, m0 + BM, T + 2, NR, blk, T, H, C, MLP, BN, BM, BQ, ROWS,
+                           S_PROJ, S_FC2, MAX_SPIN_)
         acc = _gemm_tile(hist_ptr, C, w_ptr, C, m0, n0, 0, C, MH, 3 * C, BM, BN, BK, DOT_PRECISION)
         _store_tile(z_ptr, 3 * C, acc, m0, n0, MH, 3 * C, BM, BN)
+        if FLOW:
+            _flow_signal(dep_ptr, me, m0, m0 + BM, T + 2, NR)
 
 
 # bar_base and the phase range change between the launches of one step: not specialised, so a step
 # compiles one kernel, not one per (block, phase) value pattern
-@triton.jit(do_not_specialize=["bar_base", "ph_lo", "ph_hi"])
+@triton.jit(do_not_specialize=["bar_base", "blk", "ph_lo", "ph_hi"])
 def _dit_block_kernel(
-    # activations: a / h / hist* / z / f as in v1; q, o (M, H*D); y (SPLIT, M, C) float32 partials
-    a_ptr, h_ptr, q_ptr, o_ptr, y_ptr, hist1_ptr, hist2_ptr, z_ptr, f_ptr,
+    # activations: a / h / hist* / f as in v1; q, o (M, H*D); y, y2 (SPLIT, M, C) float32 partials of
+    # proj and fc2; z, z2 (N*(T+2), 3C) conv-1 and conv-2 taps (separate: no reuse hazards under FLOW)
+    a_ptr, h_ptr, q_ptr, o_ptr, y_ptr, y2_ptr, hist1_ptr, hist2_ptr, z_ptr, z2_ptr, f_ptr,
     # this block's packed weights (torch_cfm.packing)
     qkv_w, qkv_b, qn_w, qn_b, kn_w, kn_b, proj_w, proj_b, c1_w, c1_b, cn_w, cn_b, c2_w, c2_b,
     fc1_w, fc1_b, fc2_w, fc2_b,
@@ -227,6 +311,8 @@ def _dit_block_kernel(
     new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,  # new attention cache (N, H, T+L, 2D)
     valid_ptr, cached_ptr,      # (N,) int32 clamped T_n, L_n
     bar_ptr, bar_base,          # barrier counter (int32 [2], zero at the body call's start); barriers before
+    dep_ptr, blk,               # FLOW: (11, N) int32 tiles done per (phase, sequence), zero at the call's start;
+                                # this block's index in the call
     NR, T, L, C, H, MLP, qk_scale, eps_block, eps_conv, eps_qk,
     ph_lo, ph_hi,               # phases [ph_lo, ph_hi) of this launch
     D: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BQ: tl.constexpr, BKV: tl.constexpr,
@@ -234,6 +320,7 @@ def _dit_block_kernel(
     HAS_CNN: tl.constexpr, HAS_OLD: tl.constexpr, SYNC: tl.constexpr, DOT_PRECISION: tl.constexpr,
     COPY_LO: tl.constexpr, COPY_HI: tl.constexpr, MAX_SPIN_: tl.constexpr,
     PHASE_MASK: tl.constexpr,   # bit p set: phase p's code is compiled in (launches run only those phases)
+    FLOW: tl.constexpr,         # per-sequence dependency counters instead of grid barriers (see BlockPlan)
 ):
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -257,51 +344,84 @@ def _dit_block_kernel(
                     offs_m = m0 + tl.arange(0, BM)
                     _qkv_head_epilogue(acc, offs_m, offs_m < M, n0, T, H, eps_qk, qn_w, qn_b, kn_w, kn_b, q_ptr,
                                        new_ptr, s_new_n, s_new_h, s_new_f, s_new_e, valid_ptr, D)
+                    if FLOW:
+                        _flow_signal(dep_ptr, 0, m0, m0 + BM, T, NR)
         if (PHASE_MASK >> 1) & 1:
             if phase == 1:  # attention
                 n_qt = tl.cdiv(T, BQ)
                 n_work = NR * H * n_qt
                 for tile in range(pid, n_work, G):
                     nh = tile // n_qt
-                    n = (nh // H).to(tl.int64)
+                    seq = nh // H
+                    if FLOW:
+                        if phase > ph_lo:  # (else the producer ran in an earlier launch)
+                            _flow_wait(dep_ptr, bar_ptr + 1, 0, seq * T, seq * T + 1, T,
+                                       NR, blk, T, H, C, MLP, D, BM, BQ, ROWS, S_PROJ, S_FC2, MAX_SPIN_)
+                    n = seq.to(tl.int64)
                     tn = tl.load(valid_ptr + n)
                     kl = tn + tl.load(cached_ptr + n)
                     _attention_tile(q_ptr, o_ptr, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,
                                     old_ptr, s_old_n, s_old_h, s_old_f, s_old_e, n, nh % H,
                                     (tile % n_qt) * BQ, tn, kl, T, INNER, qk_scale, D, BQ, BKV, HAS_OLD, DOT_PRECISION)
+                    if FLOW:
+                        _flow_signal(dep_ptr, 1, seq * T, seq * T + 1, T, NR)
         if (PHASE_MASK >> 2) & 1:
             if phase == 2:  # proj: split-K into float32 partials
                 n_work = n_mt * (C // D) * S_PROJ
-                _splitk_phase(pid, G, o_ptr, proj_w, y_ptr, M, C, INNER, S_PROJ, BM, D, BK, DOT_PRECISION)
+                _splitk_phase(pid, G, o_ptr, proj_w, y_ptr, M, C, INNER, S_PROJ, BM, D, BK, DOT_PRECISION,
+                              dep_ptr, bar_ptr + 1, blk, 2, ph_lo, NR, T, H, MLP, BQ, ROWS, S_PROJ, S_FC2, FLOW,
+                              MAX_SPIN_)
         if (PHASE_MASK >> 3) & 1:
             if phase == 3:  # proj + bias, residual + gate_a, LN, modulation (c) -> conv-1 history
                 for tile in range(pid, n_norm, G):
+                    if FLOW:
+                        if phase > ph_lo:  # (else the producer ran in an earlier launch)
+                            _flow_wait(dep_ptr, bar_ptr + 1, 2, tile * ROWS, tile * ROWS + ROWS, T,
+                                       NR, blk, T, H, C, MLP, D, BM, BQ, ROWS, S_PROJ, S_FC2, MAX_SPIN_)
                     _rownorm_rows(tile * ROWS, y_ptr, C, M * C, proj_b, h_ptr, tab_ptr, stride_tab, gate_a, shift_c,
                                   scale_c, h_ptr, h_ptr, hist1_ptr, T + 2, 2, cnn_ptr, s_cnn_n, s_cnn_c, s_cnn_j, 0,
                                   h_ptr, h_ptr, 0, 0, 0, 0, valid_ptr, M, T, C, eps_block,
                                   False, True, True, True, True, 0, True, HAS_CNN, False, S_PROJ, ROWS, BLOCK_C, False)
+                    if FLOW:
+                        _flow_signal(dep_ptr, 3, tile * ROWS, tile * ROWS + ROWS, T, NR)
         if (PHASE_MASK >> 4) & 1:
             if phase == 4:  # conv-1 taps GEMM over the history
                 n_work = tl.cdiv(MH, BM) * (3 * C // D)
-                _taps_phase(pid, G, hist1_ptr, c1_w, z_ptr, MH, C, BM, D, BK, DOT_PRECISION)
+                _taps_phase(pid, G, hist1_ptr, c1_w, z_ptr, MH, C, BM, D, BK, DOT_PRECISION,
+                            dep_ptr, bar_ptr + 1, blk, 4, ph_lo, NR, T, H, MLP, BQ, ROWS, S_PROJ, S_FC2, FLOW,
+                            MAX_SPIN_)
         if (PHASE_MASK >> 5) & 1:
             if phase == 5:  # conv-1 tap sum + bias, affine LN, Mish -> conv-2 history; conv-1 cache
                 for tile in range(pid, n_norm, G):
+                    if FLOW:
+                        if phase > ph_lo:  # (else the producer ran in an earlier launch)
+                            _flow_wait(dep_ptr, bar_ptr + 1, 4, tile * ROWS, tile * ROWS + ROWS, T,
+                                       NR, blk, T, H, C, MLP, D, BM, BQ, ROWS, S_PROJ, S_FC2, MAX_SPIN_)
                     _rownorm_rows(tile * ROWS, z_ptr, 3 * C, 0, c1_b, h_ptr, tab_ptr, stride_tab, 0, 0, 0, cn_w, cn_b,
                                   hist2_ptr, T + 2, 2, cnn_ptr, s_cnn_n, s_cnn_c, s_cnn_j, C,
                                   hist1_ptr, ncnn_ptr, s_ncnn_n, s_ncnn_c, s_ncnn_j, 0, valid_ptr, M, T, C, eps_conv,
                                   True, True, False, False, False, 1, True, HAS_CNN, True, 1, ROWS, BLOCK_C, False)
+                    if FLOW:
+                        _flow_signal(dep_ptr, 5, tile * ROWS, tile * ROWS + ROWS, T, NR)
         if (PHASE_MASK >> 6) & 1:
             if phase == 6:  # conv-2 taps GEMM
                 n_work = tl.cdiv(MH, BM) * (3 * C // D)
-                _taps_phase(pid, G, hist2_ptr, c2_w, z_ptr, MH, C, BM, D, BK, DOT_PRECISION)
+                _taps_phase(pid, G, hist2_ptr, c2_w, z2_ptr, MH, C, BM, D, BK, DOT_PRECISION,
+                            dep_ptr, bar_ptr + 1, blk, 6, ph_lo, NR, T, H, MLP, BQ, ROWS, S_PROJ, S_FC2, FLOW,
+                            MAX_SPIN_)
         if (PHASE_MASK >> 7) & 1:
             if phase == 7:  # conv-2 tap sum + bias, residual + gate_c, LN, modulation (m); conv-2 cache
                 for tile in range(pid, n_norm, G):
-                    _rownorm_rows(tile * ROWS, z_ptr, 3 * C, 0, c2_b, h_ptr, tab_ptr, stride_tab, gate_c, shift_m,
+                    if FLOW:
+                        if phase > ph_lo:  # (else the producer ran in an earlier launch)
+                            _flow_wait(dep_ptr, bar_ptr + 1, 6, tile * ROWS, tile * ROWS + ROWS, T,
+                                       NR, blk, T, H, C, MLP, D, BM, BQ, ROWS, S_PROJ, S_FC2, MAX_SPIN_)
+                    _rownorm_rows(tile * ROWS, z2_ptr, 3 * C, 0, c2_b, h_ptr, tab_ptr, stride_tab, gate_c, shift_m,
                                   scale_m, h_ptr, h_ptr, a_ptr, T, 0, h_ptr, 0, 0, 0, 0,
                                   hist2_ptr, ncnn_ptr, s_ncnn_n, s_ncnn_c, s_ncnn_j, C, valid_ptr, M, T, C, eps_block,
                                   True, True, True, True, True, 0, False, False, True, 1, ROWS, BLOCK_C, False)
+                    if FLOW:
+                        _flow_signal(dep_ptr, 7, tile * ROWS, tile * ROWS + ROWS, T, NR)
         if (PHASE_MASK >> 8) & 1:
             if phase == 8:  # fc1 + GELU
                 n_nt = MLP // D
@@ -309,17 +429,29 @@ def _dit_block_kernel(
                 for tile in range(pid, n_work, G):
                     m0 = (tile // n_nt) * BM
                     n0 = (tile % n_nt) * D
+                    if FLOW:
+                        if phase > ph_lo:  # (else the producer ran in an earlier launch)
+                            _flow_wait(dep_ptr, bar_ptr + 1, 7, m0, m0 + BM, T,
+                                       NR, blk, T, H, C, MLP, D, BM, BQ, ROWS, S_PROJ, S_FC2, MAX_SPIN_)
                     acc = _gemm_tile(a_ptr, C, fc1_w, C, m0, n0, 0, C, M, MLP, BM, D, BK, DOT_PRECISION)
                     acc += tl.load(fc1_b + n0 + tl.arange(0, D)).to(tl.float32)[None, :]
                     _store_tile(f_ptr, MLP, _gelu_tanh(acc), m0, n0, M, MLP, BM, D)
+                    if FLOW:
+                        _flow_signal(dep_ptr, 8, m0, m0 + BM, T, NR)
         if (PHASE_MASK >> 9) & 1:
             if phase == 9:  # fc2: split-K into float32 partials
                 n_work = n_mt * (C // D) * S_FC2
-                _splitk_phase(pid, G, f_ptr, fc2_w, y_ptr, M, C, MLP, S_FC2, BM, D, BK, DOT_PRECISION)
+                _splitk_phase(pid, G, f_ptr, fc2_w, y2_ptr, M, C, MLP, S_FC2, BM, D, BK, DOT_PRECISION,
+                              dep_ptr, bar_ptr + 1, blk, 9, ph_lo, NR, T, H, MLP, BQ, ROWS, S_PROJ, S_FC2, FLOW,
+                              MAX_SPIN_)
         if (PHASE_MASK >> 10) & 1:
             if phase == 10:  # fc2 + bias, residual + gate_m, LN, next block's modulation (a)
                 for tile in range(pid, n_norm, G):
-                    _rownorm_rows(tile * ROWS, y_ptr, C, M * C, fc2_b, h_ptr, tab_ptr, stride_tab, gate_m, shift_n,
+                    if FLOW:
+                        if phase > ph_lo:  # (else the producer ran in an earlier launch)
+                            _flow_wait(dep_ptr, bar_ptr + 1, 9, tile * ROWS, tile * ROWS + ROWS, T,
+                                       NR, blk, T, H, C, MLP, D, BM, BQ, ROWS, S_PROJ, S_FC2, MAX_SPIN_)
+                    _rownorm_rows(tile * ROWS, y2_ptr, C, M * C, fc2_b, h_ptr, tab_ptr, stride_tab, gate_m, shift_n,
                                   scale_n, h_ptr, h_ptr, a_ptr, T, 0, h_ptr, 0, 0, 0, 0,
                                   h_ptr, h_ptr, 0, 0, 0, 0, valid_ptr, M, T, C, eps_block,
                                   False, True, True, True, True, 0, False, False, False, S_FC2, ROWS, BLOCK_C, False)
@@ -419,26 +551,33 @@ class BlockPlan:
         self.ctas = cfg.pop("CTAS")
         split_at = cfg.pop("SPLIT_AT")
         self.specialize = bool(cfg.pop("SPECIALIZE"))
-        persistent = (PERSISTENT if persistent is None else persistent) and dev.type == "cuda"
+        self.flow = bool(cfg.pop("FLOW"))
+        g_max = cfg.pop("G_MAX")
+        # off CUDA (the interpreter runs programs one after another) only a one-program grid may wait
+        persistent = PERSISTENT and dev.type == "cuda" if persistent is None else persistent
+        if persistent and dev.type != "cuda" and g_max != 1:
+            raise ValueError("dit_block: a persistent launch off CUDA needs config G_MAX=1")
         self.groups = launch_groups(split_at if persistent else ALL_PHASES)
-        self.barriers_per_block = sum(hi - lo - 1 for lo, hi in self.groups)
+        self.barriers_per_block = 0 if self.flow else sum(hi - lo - 1 for lo, hi in self.groups)
         s_proj, s_fc2 = split_factors(inner, mlp, min(64, head_dim))
         self.h = torch.empty((m, c), dtype=torch.float32, device=dev)
         self.a = torch.empty((m, c), dtype=cd, device=dev)
         bufs = (self.a, self.h, torch.empty((m, inner), dtype=cd, device=dev),  # q
                 torch.empty((m, inner), dtype=cd, device=dev),  # attention output
-                torch.empty((max(s_proj, s_fc2), m, c), dtype=torch.float32, device=dev),  # split-K partials
+                torch.empty((s_proj, m, c), dtype=torch.float32, device=dev),  # proj split-K partials
+                torch.empty((s_fc2, m, c), dtype=torch.float32, device=dev),  # fc2 split-K partials
                 torch.empty((mh, c), dtype=cd, device=dev), torch.empty((mh, c), dtype=cd, device=dev),  # histories
-                torch.empty((mh, 3 * c), dtype=cd, device=dev),  # conv taps
+                torch.empty((mh, 3 * c), dtype=cd, device=dev), torch.empty((mh, 3 * c), dtype=cd, device=dev),  # taps
                 torch.empty((m, mlp), dtype=cd, device=dev))  # MLP hidden
         self.bar = torch.zeros(2, dtype=torch.int32, device=dev) if bar is None else bar
+        self.deps = torch.zeros((len(PHASES), n_rows) if self.flow else (1, 1), dtype=torch.int32, device=dev)
         self.tiles = _phase_tiles(n_rows, t_len, l_len, c, heads, head_dim, mlp, cfg)
-        self.grid = min(self.ctas * sm_count(dev), max(self.tiles))
+        self.grid = min(self.ctas * sm_count(dev), max(self.tiles), g_max or max(self.tiles))
         self._fits: set = set()
         stride_tab = 0 if table.shape[0] == 1 else table.stride(0)
         self.consts = dict(cfg, D=head_dim, BK=min(64, head_dim), BKV=BLOCK_KV, BLOCK_C=triton.next_power_of_2(c),
                            S_PROJ=s_proj, S_FC2=s_fc2, HAS_CNN=cnn_cache is not None, HAS_OLD=l_len > 0,
-                           DOT_PRECISION=_dot_precision(cd, precision), MAX_SPIN_=MAX_SPIN)
+                           DOT_PRECISION=_dot_precision(cd, precision))
         self._args = []
         for i in range(depth):
             nxt = (i + 1, SHIFT_A, SCALE_A) if i + 1 < depth else (depth, 0, 1)
@@ -453,21 +592,24 @@ class BlockPlan:
                  cnn_i, cnn_i.stride(0), cnn_i.stride(1), cnn_i.stride(2),
                  ncnn_i, ncnn_i.stride(0), ncnn_i.stride(1), ncnn_i.stride(2),
                  old_i, *old_i.stride(), new_i, *new_i.stride(), valid, cached, self.bar],
-                [n_rows, t_len, l_len, c, heads, mlp, 1.4426950408889634 / head_dim ** 0.5, BLOCK_LN_EPS,
-                 CONV_LN_EPS, QK_NORM_EPS]))
+                [self.deps, i, n_rows, t_len, l_len, c, heads, mlp, 1.4426950408889634 / head_dim ** 0.5,
+                 BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS]))
 
     def launch(self, i: int, grid: int, lo: int, hi: int, *, bar_base: int = 0, mask: Optional[int] = None,
                sync: Optional[bool] = None):
         """Phases [lo, hi) of block i on ``grid`` programs. ``mask``: the phases compiled into the
-        kernel (default: exactly [lo, hi)); ``sync``: grid barriers between the phases (default:
-        when there are several; then ``grid`` must be the persistent grid)."""
+        kernel (default: exactly [lo, hi)); ``sync``: programs wait for each other between the
+        phases — grid barriers, or the FLOW counters (default: when there are several; then
+        ``grid`` must be the persistent grid)."""
         mask = phase_mask(lo, hi) if mask is None else mask
         sync = hi - lo > 1 if sync is None else sync
         head, tail = self._args[i]
-        consts = dict(self.consts, PHASE_MASK=mask, SYNC=sync)
-        if sync and mask not in self._fits:
+        flow = sync and self.flow
+        consts = dict(self.consts, PHASE_MASK=mask, SYNC=sync and not flow, FLOW=flow)
+        key = (mask, consts["SYNC"], flow)
+        if sync and key not in self._fits and self.device.type == "cuda":
             self._check_fits(grid, consts)
-            self._fits.add(mask)
+            self._fits.add(key)
         with on_device(self.device):
             return _dit_block_kernel[(grid,)](*head, bar_base, *tail, lo, hi, **consts)
 
@@ -495,17 +637,20 @@ class BlockPlan:
 
 
 def body_v7(x_in, weights, table, cnn_cache, att_cache, valid, cached, precision, out, *,
-            persistent: Optional[bool] = None, bar: Optional[torch.Tensor] = None, config: Optional[dict] = None):
+            persistent: Optional[bool] = None, bar: Optional[torch.Tensor] = None, config: Optional[dict] = None,
+            plans: Optional[list] = None):
     """The "v7" body: in_proj + boundary row-norm, one persistent launch per block
     (:func:`_dit_block_kernel`), final layer. Arguments as
     :func:`torch_cfm.kernels.dit_body.dit_body_triton`; ``persistent`` None = :data:`PERSISTENT`
     on CUDA (the interpreter always launches phase by phase). ``bar``: the barrier counter
     (int32 (2,), zero; tests read it back), else a fresh one. ``config``: overrides of
-    :data:`CONFIG`."""
+    :data:`CONFIG`. ``plans``: the :class:`BlockPlan` is appended to it (tests)."""
     vel = out[0]
     n_rows, _, t_len, depth, c = _body_sizes(x_in, weights)[:5]
     plan = BlockPlan(x_in, weights, table, cnn_cache, att_cache, valid, cached, precision, out,
                      persistent=persistent, bar=bar, config=config)
+    if plans is not None:
+        plans.append(plan)
     y0 = torch.matmul(x_in.transpose(1, 2), weights[0].t()).view(n_rows * t_len, c)
     rownorm(y0, plan.h, plan.a, valid, bias=weights[1], has_res=False, table=table,
             shift=_mod_off(0, SHIFT_A, c), scale=_mod_off(0, SCALE_A, c), n_rows=n_rows, t_len=t_len)
