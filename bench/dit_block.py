@@ -5,8 +5,8 @@ v7 (``torch_cfm/kernels/dit_block.py``) runs one DiT block as 11 phases behind g
 This bench times, in a CUDA graph (µs per launch, p20/p50/p80), at one body shape:
 
 * ``block``: the whole block as the config launches it (``SPLIT_AT``: one persistent launch by
-  default), including a reset of the barrier counter (a graph replays the same barrier targets),
-  whose cost alone is the ``zero`` row;
+  default), including a reset of the barrier/FLOW counters (a graph replays the same wait
+  targets), whose cost alone is the ``zero`` row;
 * ``phase/<name>``: that phase alone, run by the whole-block kernel on the persistent grid;
 * ``split/<name>``: that phase alone in a kernel compiled with its code only, one program per tile;
 * ``barrier``: µs per grid barrier of G programs (a kernel doing nothing but ``--barriers`` syncs);
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
         plan = _plan(cfg, n, t, l_len, DTYPES[args.dtypes.split(",")[0]], _parse_configs(args.configs)[-1][1])
         for _ in range(5):
             if args.profile_phase == "block":
-                plan.bar.zero_()
+                plan.reset()
                 plan.block(0)
             else:  # the block kernel (every phase compiled in) running this one phase
                 p = PHASES.index(args.profile_phase)
@@ -143,12 +143,12 @@ def main(argv=None) -> int:
                 print(f"compiled {cname or 'default'}: {info}", flush=True)
                 timer = dict(calls=args.calls, repeats=args.repeats)
 
-                def block():  # the counter is zeroed per call: a graph replays the same barrier targets
-                    plan.bar.zero_()
+                def block():  # counters zeroed per call: a graph replays the same wait targets
+                    plan.reset()
                     plan.block(0)
 
                 add(pre + "block", shape, dname, time_cuda_graph(block, **timer), **info)
-                add(pre + "zero", shape, dname, time_cuda_graph(plan.bar.zero_, **timer))
+                add(pre + "zero", shape, dname, time_cuda_graph(plan.reset, **timer))
                 for p, name in enumerate(PHASES):
                     add(f"{pre}phase/{name}", shape, dname,
                         time_cuda_graph(lambda p=p: plan.launch(0, grid, p, p + 1, mask=ALL_PHASES, sync=True),

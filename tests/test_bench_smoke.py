@@ -86,3 +86,18 @@ def test_kernel_resources_compiles_for_sm90_without_a_gpu():
     assert m, line
     regs, _, smem, _ = map(int, m.groups())
     assert 0 < regs <= 255 and smem > 0, line
+
+
+def test_dit_block_bench_parses_configs_and_needs_cuda():
+    """bench/dit_block.py (GPU only): its config parser, and a clear exit without CUDA."""
+    sys.path.insert(0, BENCH)
+    try:
+        import dit_block
+    finally:
+        sys.path.remove(BENCH)
+    assert dit_block._parse_configs("w8:num_warps=8;flow:FLOW=1,CTAS=1") == [
+        ("", {}), ("w8", {"num_warps": 8}), ("flow", {"FLOW": 1, "CTAS": 1})]
+    if not __import__("torch").cuda.is_available():
+        res = subprocess.run([sys.executable, os.path.join(BENCH, "dit_block.py")], capture_output=True, text=True,
+                             timeout=300)
+        assert res.returncode == 2 and "needs a CUDA device" in res.stdout

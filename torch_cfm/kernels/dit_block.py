@@ -613,6 +613,12 @@ class BlockPlan:
         with on_device(self.device):
             return _dit_block_kernel[(grid,)](*head, bar_base, *tail, lo, hi, **consts)
 
+    def reset(self) -> None:
+        """Zero the barrier and FLOW counters (a body call starts from fresh ones; a graph that
+        replays one block's launches must reset them itself)."""
+        self.bar.zero_()
+        self.deps.zero_()
+
     def block(self, i: int) -> None:
         base = i * self.barriers_per_block
         for lo, hi in self.groups:
