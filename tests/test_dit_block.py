@@ -1,9 +1,11 @@
 """The persistent per-block body kernel (variant "v7", :mod:`torch_cfm.kernels.dit_block`).
 
 Its math against the SPEC §6 oracle runs with the other variants in ``test_dit_body.py``
-(interpreter cases and ``test_gpu_fused_within_oracle``). Here: what only v7 has — the grid
-barrier (persistent launch == one launch per phase, bitwise; the counter ends where it should and
-the spin guard never trips), CUDA-graph replay, and the width rule.
+(interpreter cases, ``test_gpu_fused_within_oracle``) and in the interpreter property suite. Here:
+what only v7 has — the synchronised launches (grid barriers; launch groups with specialised
+kernels; FLOW's per-sequence counters) against one launch per phase, bitwise, with the counters
+ending exactly where the tiles put them and no wait giving up (on the GPU; on CPU with a
+one-program grid, which the interpreter can run), CUDA-graph replay, and the width rules.
 """
 
 from __future__ import annotations
@@ -198,7 +200,7 @@ def test_v7_rejects_unsupported_widths():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gpu_v7_persistent_equals_per_phase_bitwise(dtype):
     from torch_cfm.kernels._launch import sm_count
-    from torch_cfm.kernels.dit_block import CONFIG, _phase_tiles, launch_groups
+    from torch_cfm.kernels.dit_block import CONFIG, _phase_tiles
 
     args = _args(dtype, seed=5)
     # the reference: one launch per phase of the same (whole-block) kernel, no barrier executed

@@ -103,9 +103,9 @@ def _rownorm_rows(
     HAS_GATE: tl.constexpr, NORM: tl.constexpr, HEAD: tl.constexpr, HAS_CNN: tl.constexpr,
     EMIT: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """ROWS token rows from ``row0``: the body of ``_dit_rownorm_kernel`` (see its caller's comments),
-    shared with the persistent block kernel (:mod:`torch_cfm.kernels.dit_block`), which also sums
-    SPLITS split-K partials of a plain ``y``."""
+    """One row-norm tile: ROWS token rows from ``row0`` (arguments as commented above). Launched
+    by ``_dit_rownorm_kernel`` (one tile per program) and run inside the persistent block kernel
+    (:mod:`torch_cfm.kernels.dit_block`), which also sums SPLITS split-K partials of a plain ``y``."""
     rows = row0 + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_C)
     row_ok = rows < M
