@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ._launch import on_device
+from .dit_body import _qkv_head_epilogue
 
 
 @triton.jit
@@ -192,26 +193,8 @@ def _dit_fused_gemm_kernel(
             dst = c_ptr + n[:, None] * s_c_n + t.to(tl.int64)[:, None] * s_c_t + offs_n[None, :] * s_c_col
         tl.store(dst, acc.to(c_ptr.dtype.element_ty), mask=ok2)
     elif EPI == 2:  # BLOCK_N == D: this tile is one head of q, k or v
-        inner = H * BLOCK_N
-        seg = (pid_n * BLOCK_N) // inner
-        h = ((pid_n * BLOCK_N) % inner) // BLOCK_N
-        d = tl.arange(0, BLOCK_N)
-        tn = tl.load(valid_ptr + n, mask=m_ok, other=0)
-        cur = (m_ok & (t < tn))[:, None]
-        dst = new_ptr + n[:, None] * s_new_n + h * s_new_h + t.to(tl.int64)[:, None] * s_new_f
-        if seg < 2:
-            mu = tl.sum(acc, axis=1) / BLOCK_N
-            xc = acc - mu[:, None]
-            z = xc * tl.rsqrt(tl.sum(xc * xc, axis=1) / BLOCK_N + eps_qk)[:, None]
-            if seg == 0:
-                z = z * tl.load(qn_w_ptr + d).to(tl.float32)[None, :] + tl.load(qn_b_ptr + d).to(tl.float32)[None, :]
-                q_off = offs_m.to(tl.int64)[:, None] * inner + (h * BLOCK_N + d)[None, :]
-                tl.store(c_ptr + q_off, z.to(c_ptr.dtype.element_ty), mask=m_ok[:, None])
-            else:
-                z = z * tl.load(kn_w_ptr + d).to(tl.float32)[None, :] + tl.load(kn_b_ptr + d).to(tl.float32)[None, :]
-                tl.store(dst + d[None, :] * s_new_e, z.to(new_ptr.dtype.element_ty), mask=cur)
-        else:
-            tl.store(dst + (BLOCK_N + d)[None, :] * s_new_e, acc.to(new_ptr.dtype.element_ty), mask=cur)
+        _qkv_head_epilogue(acc, offs_m, m_ok, pid_n * BLOCK_N, T, H, eps_qk, qn_w_ptr, qn_b_ptr, kn_w_ptr, kn_b_ptr,
+                           c_ptr, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e, valid_ptr, BLOCK_N)
     else:  # EPI 3 (residual) / 4 (conv-1 output): float32 rows of width C, plus partial stats
         if EPI == 3:
             if HAS_GATE:
