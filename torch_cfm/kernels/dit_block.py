@@ -80,6 +80,8 @@ CONFIG = dict(BM=64, BQ=32, ROWS=4, CF=64, COPY_LO=1, COPY_HI=11, num_warps=4, n
 ALL_PHASES = (1 << 11) - 1
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 227 * 1024
+# persistent launches already checked to be resident: (device index, dtype, grid, compile options)
+_RESIDENT: set = set()
 PERSISTENT = True   # CUDA: one launch per block with grid barriers (False: one launch per phase)
 
 
@@ -573,7 +575,6 @@ class BlockPlan:
         self.deps = torch.zeros((len(PHASES), n_rows) if self.flow else (1, 1), dtype=torch.int32, device=dev)
         self.tiles = _phase_tiles(n_rows, t_len, l_len, c, heads, head_dim, mlp, cfg)
         self.grid = min(self.ctas * sm_count(dev), max(self.tiles), g_max or max(self.tiles))
-        self._fits: set = set()
         stride_tab = 0 if table.shape[0] == 1 else table.stride(0)
         self.consts = dict(cfg, D=head_dim, BK=min(64, head_dim), BKV=BLOCK_KV, BLOCK_C=triton.next_power_of_2(c),
                            S_PROJ=s_proj, S_FC2=s_fc2, HAS_CNN=cnn_cache is not None, HAS_OLD=l_len > 0,
@@ -606,10 +607,11 @@ class BlockPlan:
         head, tail = self._args[i]
         flow = sync and self.flow
         consts = dict(self.consts, PHASE_MASK=mask, SYNC=sync and not flow, FLOW=flow)
-        key = (mask, consts["SYNC"], flow)
-        if sync and key not in self._fits and self.device.type == "cuda":
-            self._check_fits(grid, consts)
-            self._fits.add(key)
+        if sync and self.device.type == "cuda":
+            key = (self.device.index, self.a.dtype, grid, tuple(sorted(consts.items())))
+            if key not in _RESIDENT:  # once per process, not per body call
+                self._check_fits(grid, consts)
+                _RESIDENT.add(key)
         with on_device(self.device):
             return _dit_block_kernel[(grid,)](*head, bar_base, *tail, lo, hi, **consts)
 
