@@ -131,9 +131,11 @@ def dit_attention_rows(arch: int, n_rows: int = 8, t_len: int = 50, l_len: int =
                     old_ptr=ty, s_old_n=heads * l_len * 2 * d, s_old_h=l_len * 2 * d, s_old_f=2 * d, s_old_e=1,
                     new_ptr=ty, s_new_n=heads * (t_len + l_len) * 2 * d, s_new_h=(t_len + l_len) * 2 * d,
                     s_new_f=2 * d, s_new_e=1, out_ptr=ty, valid_ptr="*i32", cached_ptr="*i32",
-                    T=t_len, L=l_len, H=heads, q_tiles=-(-t_len // cfg["block_q"]), eps=1e-6, qk_scale=LOG2E / d ** 0.5)
+                    T=t_len, L=l_len, H=heads, q_tiles=-(-t_len // cfg["block_q"]),
+                    n_attn=n_rows * heads * -(-t_len // cfg["block_q"]), f_chunks=-(-(t_len + l_len) // cfg["copy_f"]),
+                    eps=1e-6, qk_scale=LOG2E / d ** 0.5)
         const = dict(HAS_OLD=True, HEAD_DIM=d, BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"],
-                     BLOCK_C=cfg["block_c"], DOT_PRECISION=dot, USE_PDL=True)
+                     BLOCK_C=cfg["block_c"], COPY_F=cfg["copy_f"], DOT_PRECISION=dot, USE_PDL=True)
         compiled = compile_like_launch(kernel, args, const, cfg["num_warps"], cfg["num_stages"], arch)
         rows.append(f"dit_attention (v5) {n_rows},{t_len},{l_len} {_TRITON_TYPES[dtype]}-{dot} {cfg}: "
                     + describe(compiled))

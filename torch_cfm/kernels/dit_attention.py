@@ -46,22 +46,10 @@ def _layer_norm_rows(x, w_ptr, b_ptr, offs_d, eps, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def _old_tile(old_base, f, tn, ln, s_old_f, s_old_e, offs_d, cdt: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Frames f of the new cache that come from the old one (old frame f - T_n), zeros elsewhere."""
-    j = f - tn
-    in_old = ((f >= tn) & (j < ln))[:, None]
-    rows = old_base + j.to(tl.int64)[:, None] * s_old_f
-    ko = tl.load(rows + offs_d[None, :] * s_old_e, mask=in_old, other=0.0).to(cdt)
-    vo = tl.load(rows + (HEAD_DIM + offs_d)[None, :] * s_old_e, mask=in_old, other=0.0).to(cdt)
-    return ko, vo
-
-
-@triton.jit
-def _store_tile(new_base, f, k, v, total, s_new_f, s_new_e, offs_d, HEAD_DIM: tl.constexpr):
+def _store_tile(new_base, f, k, v, ok, s_new_f, s_new_e, offs_d, HEAD_DIM: tl.constexpr):
     rows = new_base + f.to(tl.int64)[:, None] * s_new_f
-    ok = (f < total)[:, None]
-    tl.store(rows + offs_d[None, :] * s_new_e, k, mask=ok)
-    tl.store(rows + (HEAD_DIM + offs_d)[None, :] * s_new_e, v, mask=ok)
+    tl.store(rows + offs_d[None, :] * s_new_e, k, mask=ok[:, None])
+    tl.store(rows + (HEAD_DIM + offs_d)[None, :] * s_new_e, v, mask=ok[:, None])
 
 
 @triton.jit
@@ -78,7 +66,32 @@ def _attend_tile(q, k, v, f, length, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["T", "L", "H", "q_tiles"])
+@triton.jit
+def _copy_old_frames(old_ptr, s_old_n, s_old_h, s_old_f, s_old_e, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,
+                     valid_ptr, cached_ptr, c, f_chunks, H, T, L,
+                     HAS_OLD: tl.constexpr, HEAD_DIM: tl.constexpr, COPY_F: tl.constexpr, USE_PDL: tl.constexpr):
+    """Copy program ``c``: frames ``[chunk·COPY_F, (chunk+1)·COPY_F) ∩ [T_n, T+L)`` of one (row, head)
+    of the new cache: old frame ``f - T_n`` below ``T_n + L_n``, zeros beyond."""
+    chunk = c % f_chunks
+    nh = c // f_chunks
+    n = (nh // H).to(tl.int64)
+    h = nh % H
+    tn = tl.load(valid_ptr + n)
+    ln = tl.load(cached_ptr + n) if HAS_OLD else 0
+    pdl_prologue(USE_PDL)
+    f = chunk * COPY_F + tl.arange(0, COPY_F)
+    offs_e = tl.arange(0, 2 * HEAD_DIM)
+    mine = (f >= tn) & (f < T + L)  # frames below T_n hold current keys: the attention programs' part
+    j = f - tn
+    x = tl.zeros([COPY_F, 2 * HEAD_DIM], dtype=new_ptr.dtype.element_ty)
+    if HAS_OLD:
+        src = old_ptr + n * s_old_n + h * s_old_h + j.to(tl.int64)[:, None] * s_old_f + offs_e[None, :] * s_old_e
+        x = tl.load(src, mask=(mine & (j < ln))[:, None], other=0.0).to(new_ptr.dtype.element_ty)
+    dst = new_ptr + n * s_new_n + h * s_new_h + f.to(tl.int64)[:, None] * s_new_f + offs_e[None, :] * s_new_e
+    tl.store(dst, x, mask=mine[:, None])
+
+
+@triton.jit(do_not_specialize=["T", "L", "H", "q_tiles", "n_attn", "f_chunks"])
 def _dit_attention_cache_kernel(
     qkv_ptr, stride_qkv,        # (N*T, 3*H*D) packed q | k | v GEMM output (bias included)
     qn_w_ptr, qn_b_ptr, kn_w_ptr, kn_b_ptr,  # (D,) q/k LayerNorm affine
@@ -86,80 +99,71 @@ def _dit_attention_cache_kernel(
     new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,   # (N, H, T+L, 2D) new cache (written)
     out_ptr,                    # (N, T, H, D) contiguous attention output (written)
     valid_ptr, cached_ptr,      # (N,) int32 T_n, L_n, already clamped to [0, T] / [0, L]
-    T, L, H, q_tiles, eps, qk_scale,
+    T, L, H, q_tiles, n_attn, f_chunks, eps, qk_scale,
     HAS_OLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_C: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_C: tl.constexpr, COPY_F: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    q_tile = pid % q_tiles
-    nh = pid // q_tiles
-    n = (nh // H).to(tl.int64)
-    h = nh % H
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_k = tl.arange(0, BLOCK_K)
-    inner = H * HEAD_DIM
-    # the lengths are body inputs, not written by the QKV GEMM in front: read before the PDL wait
-    tn = tl.load(valid_ptr + n)
-    ln = tl.load(cached_ptr + n) if HAS_OLD else 0
-    pdl_prologue(USE_PDL)
-    length = tn + ln
-    total = T + L
-    cdt = new_ptr.dtype.element_ty
+    if pid >= n_attn:
+        _copy_old_frames(old_ptr, s_old_n, s_old_h, s_old_f, s_old_e, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,
+                         valid_ptr, cached_ptr, pid - n_attn, f_chunks, H, T, L, HAS_OLD, HEAD_DIM, COPY_F, USE_PDL)
+    else:
+        q_tile = pid % q_tiles
+        nh = pid // q_tiles
+        n = (nh // H).to(tl.int64)
+        h = nh % H
+        offs_d = tl.arange(0, HEAD_DIM)
+        inner = H * HEAD_DIM
+        # the lengths are body inputs, not written by the QKV GEMM in front: read before the PDL wait
+        tn = tl.load(valid_ptr + n)
+        ln = tl.load(cached_ptr + n) if HAS_OLD else 0
+        pdl_prologue(USE_PDL)
+        cdt = new_ptr.dtype.element_ty
 
-    # queries (every current frame, padding queries included, as v1): LayerNorm over D, rounded
-    # to the compute dtype as v1's query buffer is
-    tq = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    q_ok = tq < T
-    x = tl.load(qkv_ptr + (n * T + tq)[:, None] * stride_qkv + (h * HEAD_DIM + offs_d)[None, :],
-                mask=q_ok[:, None], other=0.0).to(tl.float32)
-    q = _layer_norm_rows(x, qn_w_ptr, qn_b_ptr, offs_d, eps, HEAD_DIM).to(cdt)
+        # queries (every current frame, padding queries included, as v1): LayerNorm over D, rounded
+        # to the compute dtype as v1's query buffer is
+        tq = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        q_ok = tq < T
+        x = tl.load(qkv_ptr + (n * T + tq)[:, None] * stride_qkv + (h * HEAD_DIM + offs_d)[None, :],
+                    mask=q_ok[:, None], other=0.0).to(tl.float32)
+        q = _layer_norm_rows(x, qn_w_ptr, qn_b_ptr, offs_d, eps, HEAD_DIM).to(cdt)
 
-    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
-    write_cache = q_tile == 0  # every frame of the new cache is written by exactly one program
-    new_base = new_ptr + n * s_new_n + h * s_new_h
-    old_base = old_ptr + n * s_old_n + h * s_old_h
+        m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_Q, HEAD_DIM], dtype=tl.float32)
+        write_cache = q_tile == 0  # current frames of the new cache: written by query tile 0 only
 
-    # 1. tiles of BLOCK_C frames holding current frames (f < T_n; the last may continue with old
-    #    frames). Small tiles: their k LayerNorm keeps a (BLOCK_C, D) float32 block live.
-    offs_c = tl.arange(0, BLOCK_C)
-    for k0 in range(0, tn, BLOCK_C):
-        f = k0 + offs_c
-        cur = (f < tn)[:, None]
-        krow = (n * T + f)[:, None] * stride_qkv
-        kx = tl.load(qkv_ptr + krow + (inner + h * HEAD_DIM + offs_d)[None, :], mask=cur, other=0.0)
-        k = _layer_norm_rows(kx.to(tl.float32), kn_w_ptr, kn_b_ptr, offs_d, eps, HEAD_DIM).to(cdt)
-        v = tl.load(qkv_ptr + krow + (2 * inner + h * HEAD_DIM + offs_d)[None, :], mask=cur, other=0.0).to(cdt)
-        if HAS_OLD:
-            ko, vo = _old_tile(old_base, f, tn, ln, s_old_f, s_old_e, offs_d, cdt, HEAD_DIM)
-            k = tl.where(cur, k, ko)
-            v = tl.where(cur, v, vo)
-        else:
-            k = tl.where(cur, k, tl.zeros_like(k))
-        if write_cache:
-            _store_tile(new_base, f, k, v, total, s_new_f, s_new_e, offs_d, HEAD_DIM)
-        m_i, l_i, acc = _attend_tile(q, k, v, f, length, m_i, l_i, acc, qk_scale, DOT_PRECISION)
-    # 2. tiles of old frames only, up to the row's key length
-    start = tl.cdiv(tn, BLOCK_C) * BLOCK_C
-    end = start
-    if HAS_OLD:
-        end = start + tl.cdiv(tl.maximum(length - start, 0), BLOCK_K) * BLOCK_K
-        for k0 in range(start, length, BLOCK_K):
-            f = k0 + offs_k
-            k, v = _old_tile(old_base, f, tn, ln, s_old_f, s_old_e, offs_d, cdt, HEAD_DIM)
+        # 1. the current frames f < T_n (k normalised in registers), BLOCK_C at a time: they are the
+        #    new cache's first T_n frames. Small tiles: the k LayerNorm keeps a (BLOCK_C, D) fp32 block live.
+        new_base = new_ptr + n * s_new_n + h * s_new_h
+        offs_c = tl.arange(0, BLOCK_C)
+        for k0 in range(0, tn, BLOCK_C):
+            f = k0 + offs_c
+            cur = f < tn
+            krow = (n * T + f)[:, None] * stride_qkv
+            kx = tl.load(qkv_ptr + krow + (inner + h * HEAD_DIM + offs_d)[None, :], mask=cur[:, None], other=0.0)
+            k = _layer_norm_rows(kx.to(tl.float32), kn_w_ptr, kn_b_ptr, offs_d, eps, HEAD_DIM).to(cdt)
+            v = tl.load(qkv_ptr + krow + (2 * inner + h * HEAD_DIM + offs_d)[None, :], mask=cur[:, None],
+                        other=0.0).to(cdt)
             if write_cache:
-                _store_tile(new_base, f, k, v, total, s_new_f, s_new_e, offs_d, HEAD_DIM)
-            m_i, l_i, acc = _attend_tile(q, k, v, f, length, m_i, l_i, acc, qk_scale, DOT_PRECISION)
-    # 3. the rest of the new cache: zeros
-    if write_cache:
-        zero = tl.zeros([BLOCK_K, HEAD_DIM], dtype=cdt)
-        for k0 in range(end, total, BLOCK_K):
-            _store_tile(new_base, k0 + offs_k, zero, zero, total, s_new_f, s_new_e, offs_d, HEAD_DIM)
+                _store_tile(new_base, f, k, v, cur, s_new_f, s_new_e, offs_d, HEAD_DIM)
+            m_i, l_i, acc = _attend_tile(q, k, v, f, tn, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+        # 2. the old frames j < L_n, read where they are (the old cache): key order does not matter,
+        #    and the copy into the new cache is the copy programs' work, in parallel with this walk
+        if HAS_OLD:
+            offs_k = tl.arange(0, BLOCK_K)
+            old_base = old_ptr + n * s_old_n + h * s_old_h
+            for j0 in range(0, ln, BLOCK_K):
+                j = j0 + offs_k
+                rows = old_base + j.to(tl.int64)[:, None] * s_old_f
+                ok = (j < ln)[:, None]
+                k = tl.load(rows + offs_d[None, :] * s_old_e, mask=ok, other=0.0).to(cdt)
+                v = tl.load(rows + (HEAD_DIM + offs_d)[None, :] * s_old_e, mask=ok, other=0.0).to(cdt)
+                m_i, l_i, acc = _attend_tile(q, k, v, j, ln, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no valid key: acc = 0 -> exactly 0
-    tl.store(out_ptr + ((n * T + tq) * inner + h * HEAD_DIM)[:, None] + offs_d[None, :], o.to(cdt),
-             mask=q_ok[:, None])
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no valid key: acc = 0 -> exactly 0
+        tl.store(out_ptr + ((n * T + tq) * inner + h * HEAD_DIM)[:, None] + offs_d[None, :], o.to(cdt),
+                 mask=q_ok[:, None])
 
 
 # Launch parameters by compute-dtype family, overridable for sweeps (bench/dit_step.py --sweep):
@@ -167,8 +171,8 @@ def _dit_attention_cache_kernel(
 # (64 need 254 registers); 16-frame tiles for the current frames. Not timed yet. Compiled for
 # sm_90 with Triton 3.6 (bench/kernel_resources.py): 170 / 178 registers (3xTF32: 232), no
 # spills, K/V loads pipelined (cp.async).
-LAUNCH = {"16bit": dict(block_k=64, block_c=16, num_warps=4, num_stages=3),
-          "fp32": dict(block_k=32, block_c=16, num_warps=4, num_stages=2)}
+LAUNCH = {"16bit": dict(block_k=64, block_c=16, copy_f=64, num_warps=4, num_stages=3),
+          "fp32": dict(block_k=32, block_c=16, copy_f=32, num_warps=4, num_stages=2)}
 LAUNCH_OVERRIDE: dict = {}
 
 
@@ -206,14 +210,18 @@ def attention_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], old: Opt
     if not out.is_contiguous():
         raise ValueError("attention_cache: out must be a contiguous (N, T, H, D) buffer")
     cfg = attention_tiles(new.dtype, head_dim, t_len)
-    q_tiles = max(1, triton.cdiv(t_len, cfg["block_q"]))  # T = 0 still needs the programs that copy the cache
+    q_tiles = triton.cdiv(t_len, cfg["block_q"])
+    n_attn = n_rows * heads * q_tiles
+    f_chunks = triton.cdiv(t_len + l_len, cfg["copy_f"])
     o = old if old is not None and l_len > 0 else new
     with on_device(qkv.device):
-        _dit_attention_cache_kernel[(n_rows * heads * q_tiles,)](
+        _dit_attention_cache_kernel[(n_attn + n_rows * heads * f_chunks,)](
             qkv, qkv.stride(0), *norms,
             o, o.stride(0), o.stride(1), o.stride(2), o.stride(3),
             new, new.stride(0), new.stride(1), new.stride(2), new.stride(3),
-            out, valid, cached, t_len, l_len, heads, q_tiles, QK_NORM_EPS, LOG2E / math.sqrt(head_dim),
+            out, valid, cached, t_len, l_len, heads, q_tiles, n_attn, f_chunks, QK_NORM_EPS,
+            LOG2E / math.sqrt(head_dim),
             HAS_OLD=o is not new, HEAD_DIM=head_dim, BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"],
-            BLOCK_C=cfg["block_c"], DOT_PRECISION=dot_precision, USE_PDL=pdl, num_warps=cfg["num_warps"],
+            BLOCK_C=cfg["block_c"], COPY_F=cfg["copy_f"], DOT_PRECISION=dot_precision, USE_PDL=pdl,
+            num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"], **launch_kwargs(pdl))
