@@ -264,7 +264,7 @@ SWEEP = ({"block_m": 32}, {"block_m": 64}, {"block_m": 64, "num_warps": 8}, {"bl
 
 # v5's fused attention + cache kernel (torch_cfm.kernels.dit_attention.LAUNCH_OVERRIDE); {} = its defaults
 SWEEP_V5 = ({}, {"num_warps": 8}, {"num_stages": 2}, {"block_k": 32}, {"block_c": 32}, {"block_c": 64}, {"copy_f": 32},
-            {"copy_f": 128})
+            {"copy_f": 128}, {"block_k": 64}, {"block_c": 64, "copy_f": 128})
 
 
 def _overriding(target: dict, over: dict):

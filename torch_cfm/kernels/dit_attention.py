@@ -31,6 +31,7 @@ import triton.language as tl
 
 from ..config import QK_NORM_EPS
 from ._launch import launch_kwargs, on_device, pdl_prologue
+from .cfm_attention import _cfm_attention_fwd_inner
 
 LOG2E = 1.4426950408889634
 
@@ -148,18 +149,23 @@ def _dit_attention_cache_kernel(
             if write_cache:
                 _store_tile(new_base, f, k, v, cur, s_new_f, s_new_e, offs_d, HEAD_DIM)
             m_i, l_i, acc = _attend_tile(q, k, v, f, tn, m_i, l_i, acc, qk_scale, DOT_PRECISION)
-        # 2. the old frames j < L_n, read where they are (the old cache): key order does not matter,
-        #    and the copy into the new cache is the copy programs' work, in parallel with this walk
+        # 2. the old frames j < L_n, read where they are (the old cache; key order does not matter),
+        #    with cfm_attention's tile step: whole tiles unmasked, then at most one masked tail tile.
+        #    The copy into the new cache is the copy programs' work, in parallel with this walk.
         if HAS_OLD:
             offs_k = tl.arange(0, BLOCK_K)
             old_base = old_ptr + n * s_old_n + h * s_old_h
-            for j0 in range(0, ln, BLOCK_K):
-                j = j0 + offs_k
-                rows = old_base + j.to(tl.int64)[:, None] * s_old_f
-                ok = (j < ln)[:, None]
-                k = tl.load(rows + offs_d[None, :] * s_old_e, mask=ok, other=0.0).to(cdt)
-                v = tl.load(rows + (HEAD_DIM + offs_d)[None, :] * s_old_e, mask=ok, other=0.0).to(cdt)
-                m_i, l_i, acc = _attend_tile(q, k, v, j, ln, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+            j_mid = (ln // BLOCK_K) * BLOCK_K
+            for j0 in range(0, j_mid, BLOCK_K):
+                m_i, l_i, acc = _cfm_attention_fwd_inner(
+                    q, q, q, q, m_i, l_i, acc, j0, ln, old_base, old_base + HEAD_DIM * s_old_e, old_base, tq, q_ok,
+                    offs_d, offs_k, s_old_f, s_old_e, s_old_f, s_old_e, 0, 0, qk_scale, 0.0,
+                    False, False, DOT_PRECISION, 1)
+            for j0 in range(j_mid, ln, BLOCK_K):
+                m_i, l_i, acc = _cfm_attention_fwd_inner(
+                    q, q, q, q, m_i, l_i, acc, j0, ln, old_base, old_base + HEAD_DIM * s_old_e, old_base, tq, q_ok,
+                    offs_d, offs_k, s_old_f, s_old_e, s_old_f, s_old_e, 0, 0, qk_scale, 0.0,
+                    False, True, DOT_PRECISION, 1)
 
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no valid key: acc = 0 -> exactly 0
         tl.store(out_ptr + ((n * T + tq) * inner + h * HEAD_DIM)[:, None] + offs_d[None, :], o.to(cdt),
