@@ -25,7 +25,8 @@
 #   ncu-attention  Nsight Compute (full set, SASS source counters) of the attention kernel at
 #                  (8,50,450) fp16 and fp32-tf32 (bench/profile_attention.py), when ncu exists
 #   dit-block      bench/dit_block.py: the v7 block kernel phase by phase, and the grid barrier
-#                  (DIT_BLOCK_ARGS, e.g. '--shapes 8,50,400 --no-split --configs "ctas1:CTAS=1"')
+#                  (DIT_BLOCK_ARGS, e.g. '--shapes 8,50,400 --no-split --configs ctas1:CTAS=1;each:SPLIT_AT=2046':
+#                  the *_ARGS variables are split on spaces, not parsed by a shell: no quotes inside)
 #   ncu-block      Nsight Compute of single v7 phases at (8,50,400) fp16 (NCU_PHASES, default
 #                  "attention fc2 norm_m block"): stall reasons, occupancy, instruction-cache misses
 # Default: tests memcheck attention dit-full. The device copy has no .git: pass BENCH_COMMIT.

@@ -3,21 +3,24 @@
 Variant v1 runs two kernels per block between the QKV GEMM and the proj GEMM: ``_dit_qk_cache_kernel``
 (q/k LayerNorm over D, the new (N, H, T+L, 2D) cache written whole: current frames, then the
 old ones, then zeros) and ``cfm_attention`` over that new cache. ``_dit_attention_cache_kernel``
-does both in one pass: program = (row, head, query tile); it normalises its queries in registers,
-then walks the new cache's frames f = 0 .. T+L in key tiles, building each tile from its sources
-(f < T_n: the QKV GEMM output, k normalised; T_n <= f < T_n + L_n: old frame f - T_n; beyond:
-zeros), writes the tile into the new cache (query tile 0 only: every frame is written exactly once)
-and, for f < T_n + L_n, feeds it to the online softmax (FP32 statistics, ``exp2`` with the
-log2(e)/sqrt(D) scale folded in, as in :mod:`torch_cfm.kernels.cfm_attention`). A row with no
-valid key gets exactly 0.
+does both in one launch with two kinds of program:
 
-Removes per block one launch and one full read of the new cache (the attention read it back from
-memory in v1). The old frames' tiles still stream through shared memory (``cp.async``, as in
-``cfm_attention``) and are also read into registers for the copy; the current frames' tiles are
-built in registers (LayerNorm), 16 frames at a time. Same math and rounding points as v1 (q and k
-rounded to the compute dtype before the dots, the cache stores what the dots read), so it is
+* attention programs, one per (row, head, query tile): normalise their queries in registers, walk
+  the current frames f < T_n (k normalised in registers, ``BLOCK_C`` frames at a time; query tile 0
+  also writes them into the new cache), then the old frames j < L_n where they are, in the old
+  cache, with ``cfm_attention``'s tile step (key order does not matter to the math). FP32
+  statistics, ``exp2`` with the log2(e)/sqrt(D) scale folded in; a row with no valid key gets
+  exactly 0.
+* copy programs, one per (row, head, ``COPY_F`` frames of the new cache): frames T_n <= f < T + L
+  get old frame f - T_n below T_n + L_n and zeros beyond. They depend on nothing the attention
+  programs compute, so the copy runs beside the key walks.
+
+Every frame of the new cache is written exactly once. Same math and rounding points as v1 (q and
+k rounded to the compute dtype before the dots, the cache stores what the dots read), so it is
 checked against the same SPEC §6 oracle. ``choose_variant`` picks it for 16-bit bodies of
-N >= 32 rows, where it measured 4-9 % faster per step than v1 (bench/NOTES.md, session 6).
+N >= 32 rows. Measured on an H200 (bench/NOTES.md, sessions 6 and 10): per block at (8,50,400)
+fp16 12.0 µs against v1's 6.1 + 7.3 µs; at (32,50,400) 23 µs against 17.7 + 12.1, where both
+are bound by the new cache's ~55 MB of copy traffic.
 """
 
 from __future__ import annotations
@@ -173,10 +176,11 @@ def _dit_attention_cache_kernel(
 
 
 # Launch parameters by compute-dtype family, overridable for sweeps (bench/dit_step.py --sweep):
-# 16-bit: cfm_attention's measured tiles (64-key steps, 4 warps, 3 stages); fp32: 32-key steps
-# (64 need 254 registers); 16-frame tiles for the current frames. Not timed yet. Compiled for
-# sm_90 with Triton 3.6 (bench/kernel_resources.py): 170 / 178 registers (3xTF32: 232), no
-# spills, K/V loads pipelined (cp.async).
+# 16-bit: cfm_attention's tiles (64-key steps, 4 warps, 3 stages); fp32: 32-key steps; 16-frame
+# tiles for the current frames; copy programs of 64 (16-bit) / 32 (fp32) frames. Session 10's
+# sweep (results/dit_step_s10_v5.md) moved no step by more than capture-to-capture noise except
+# fp32 block_k 64 at N = 32 (-5 %; v5 is not chosen for fp32 bodies). Compiled for sm_90 with
+# Triton 3.6: 151 registers (fp32: 173, 3xTF32: 242), no spills (results/kernel_resources_dit_attention_s10.txt).
 LAUNCH = {"16bit": dict(block_k=64, block_c=16, copy_f=64, num_warps=4, num_stages=3),
           "fp32": dict(block_k=32, block_c=16, copy_f=32, num_warps=4, num_stages=2)}
 LAUNCH_OVERRIDE: dict = {}
