@@ -11,7 +11,6 @@ one-program grid, which the interpreter can run), CUDA-graph replay, and the wid
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shards import run_shards
 from test_dit_body import GPU_CFG, make_inputs
 from torch_cfm.kernels.dit_block import PHASES, _seq_tiles, launch_groups, phase_mask, v7_unsupported
 from torch_cfm.models import random_dit
@@ -102,14 +102,15 @@ def _expected_flow_counts(n, t, c, heads, d, mlp, cfg, depth):
     return counts * depth
 
 
-def _one_program_child(out_path):
+def _one_program_child(out_path, shard=0, shards=1):
     """TRITON_INTERPRET=1: v7 with its synchronised paths on a one-program grid (grid barriers,
-    then FLOW counters) against one launch per phase."""
+    then FLOW counters) against one launch per phase; shard ``shard`` of ``shards``."""
     from test_dit_body import TINY
     from torch_cfm.kernels.dit_block import CONFIG
 
     res = {}
-    for name, t, valid, cached in (("ragged", 7, [7, 3, 0], [5, 2, 4]), ("two_tiles", 40, [40, 17, 33], [9, 3, 0])):
+    chunks = (("ragged", 7, [7, 3, 0], [5, 2, 4]), ("two_tiles", 40, [40, 17, 33], [9, 3, 0]))
+    for name, t, valid, cached in chunks[shard::shards]:
         args = _args(torch.float32, seed=3, device="cpu", cfg=TINY, n=3, t=t, l_len=9, valid=valid, cached=cached)
         res[name, "split"] = _run_v7(args, persistent=False)
         for mode in ("barrier", "flow"):
@@ -120,7 +121,7 @@ def _one_program_child(out_path):
             res[name, mode, "deps"] = plans[0].deps.clone()
         res[name, "expected"] = _expected_flow_counts(3, t, TINY.hidden, TINY.heads, TINY.head_dim,
                                                       TINY.mlp_ratio * TINY.hidden, CONFIG, TINY.depth)
-    for n, t in ((3, 7), (3, 40), (8, 50)):  # the wait targets' closed form, shipped widths included
+    for n, t in ((3, 7), (3, 40), (8, 50)) if shard == 0 else ():  # the wait targets' closed form, shipped widths too
         c, heads, d, mlp = (TINY.hidden, TINY.heads, TINY.head_dim, TINY.mlp_ratio * TINY.hidden) if n == 3 \
             else (512, 8, 64, 2048)
         res["seq_tiles", n, t] = _seq_tiles_table(n, t, c, heads, d, mlp, CONFIG)
@@ -149,13 +150,17 @@ def _seq_tiles_table(n, t, c, heads, d, mlp, cfg):
 
 @pytest.fixture(scope="module")
 def one_program(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("v7_one") / "out.pt")
+    tmp = tmp_path_factory.mktemp("v7_one")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, "-c", f"import test_dit_block as t; t._one_program_child({out!r})"],
-                          cwd=here, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out)
+    procs = run_shards(lambda i, k: [sys.executable, "-c", "import test_dit_block as t; "
+                                     f"t._one_program_child({str(tmp / f'out{i}.pt')!r}, {i}, {k})"],
+                       env=env, cwd=here, timeout=600)
+    res = {}
+    for i, proc in enumerate(procs):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        res.update(torch.load(tmp / f"out{i}.pt"))
+    return res
 
 
 @pytest.mark.parametrize("case", ["ragged", "two_tiles"])

@@ -18,7 +18,6 @@ import copy
 import functools
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -26,6 +25,7 @@ import torch
 
 import dit_oracle as O
 from oracle import IEEE_REL_BOUND, assert_within_oracle, err_rel_fro
+from shards import run_shards
 from torch_cfm.config import DiTConfig
 from torch_cfm.models import random_dit
 from torch_cfm.ops.dit_body import check_dit_body, dit_body, dit_forward_chunk_fused, stage_input
@@ -328,11 +328,11 @@ def _interp_args(case):
     return model, x_in, packed.body, table, cnn, att, valid, cached
 
 
-def _child(out_path: str) -> None:
+def _child(out_path: str, shard: int = 0, shards: int = 1) -> None:
     from torch_cfm.ops.dit_body import _empty_outputs, dit_body_fused_into
 
     results = {}
-    for case in INTERP_CASES:
+    for case in INTERP_CASES[shard::shards]:
         _, x_in, w, table, cnn, att, valid, cached = _interp_args(case)
         s = check_dit_body(x_in, w, table, cnn, att, valid, cached, "ieee")
         out = tuple(o.fill_(float("nan")) for o in _empty_outputs(x_in, s))  # poisoned
@@ -343,12 +343,15 @@ def _child(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def interp_results(tmp_path_factory):
-    out_path = str(tmp_path_factory.mktemp("dit_interp") / "out.pt")
+    tmp = tmp_path_factory.mktemp("dit_interp")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", out_path], env=env, cwd=_HERE,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out_path)
+    procs = run_shards(lambda i, k: [sys.executable, os.path.abspath(__file__), "--child", str(tmp / f"out{i}.pt"),
+                                     str(i), str(k)], env=env, cwd=_HERE, timeout=300)
+    results = {}
+    for i, proc in enumerate(procs):
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.update(torch.load(tmp / f"out{i}.pt"))
+    return results
 
 
 @pytest.mark.parametrize("case", INTERP_CASES, ids=[c["name"] for c in INTERP_CASES])
@@ -487,4 +490,4 @@ def test_choose_variant_v5_for_wide_16bit_bodies_only(monkeypatch):
 if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--child":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run the child with TRITON_INTERPRET=1")
-    _child(sys.argv[2])
+    _child(sys.argv[2], *(int(a) for a in sys.argv[3:5]))

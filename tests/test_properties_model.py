@@ -39,6 +39,7 @@ from hypothesis import strategies as st
 
 import strategies as S
 from oracle import IEEE_REL_BOUND, assert_within_oracle, err_rel_fro
+from shards import run_shards
 
 O = pytest.importorskip("dit_oracle")
 dit = pytest.importorskip("torch_cfm.models.dit")
@@ -533,7 +534,7 @@ def _triton_body(model, a: dict, variant: str):
     return out
 
 
-def interpreter_main(examples: int) -> None:
+def interpreter_main(examples: int, shard: int = 0, shards: int = 1) -> None:
     """Entry point of the child process: oracle, empty rows, non-finite containment and padded
     rows on every Triton body variant, run by the interpreter (fp32 and fp16: the interpreter's
     bf16 dot is wrong, SPEC §8; depth-1 tiny configs)."""
@@ -555,7 +556,7 @@ def interpreter_main(examples: int) -> None:
                lambda spec, path, data: check_nonfinite_in_one_row_stays_there("cpu", spec, path, data)),
               ("padded_rows", specs,
                lambda spec, path, data: check_padded_rows_change_no_other_row("cpu", spec, path, data)))
-    for variant in VARIANTS:
+    for variant in VARIANTS[shard::shards]:
         for name, strategy, check in checks:
             @settings(max_examples=examples, deadline=None, derandomize=True, database=None)
             @given(spec=strategy, data=st.data())
@@ -571,15 +572,15 @@ def interpreter_main(examples: int) -> None:
 def test_triton_body_properties_in_interpreter():
     """CI coverage of the fused body's Triton driver (every variant) on CPU."""
     import os
-    import subprocess
     import sys
 
     pytest.importorskip("triton")
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    code = "import test_properties_model as t; t.interpreter_main(6)"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    for name, count in re.findall(r"interpreter-case (\w+) (\d+)", proc.stdout):
-        S.CASES[f"{name}[triton-interpreter]"] += int(count)
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    procs = run_shards(lambda i, k: [sys.executable, "-c",
+                                     f"import test_properties_model as t; t.interpreter_main(6, {i}, {k})"],
+                       env=env, cwd=here, timeout=900)
+    for proc in procs:
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+        for name, count in re.findall(r"interpreter-case (\w+) (\d+)", proc.stdout):
+            S.CASES[f"{name}[triton-interpreter]"] += int(count)

@@ -159,6 +159,8 @@ def _dit_attention_cache_kernel(
             offs_k = tl.arange(0, BLOCK_K)
             old_base = old_ptr + n * s_old_n + h * s_old_h
             j_mid = (ln // BLOCK_K) * BLOCK_K
+            # arguments: q whole (QK_SLABS = 1), k/v = the halves of the old cache rows, no mask
+            # (HAS_MASK = False: m_base and its strides unused), then MASK_KEYS off / on
             for j0 in range(0, j_mid, BLOCK_K):
                 m_i, l_i, acc = _cfm_attention_fwd_inner(
                     q, q, q, q, m_i, l_i, acc, j0, ln, old_base, old_base + HEAD_DIM * s_old_e, old_base, tq, q_ok,
