@@ -38,7 +38,9 @@ set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 STAGES=("$@"); [ ${#STAGES[@]} -eq 0 ] && STAGES=(tests memcheck attention dit-full)
-PYTEST="python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 12 -rfE --tb=short --durations=30"
+# xdist workers: one per core of the GPU box (16; 12 until session 10, not yet run with 16). Most of the
+# GPU tests' time is Triton compiling on the host (≈ 20 s per attention variant test, session 10)
+PYTEST="python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n ${PYTEST_WORKERS:-16} -rfE --tb=short --durations=30"
 GPU_TESTS=${GPU_TESTS:-"tests/test_cfm_attention_contract.py tests/test_failures.py tests/test_compile_rules.py tests/test_aoti.py
   tests/test_cfm_attention_triton.py tests/test_cfm_attention_graphs.py tests/test_cfm_attention_numerics.py
   tests/test_dit_body.py tests/test_dit_body_graphs.py tests/test_graphs.py"}
