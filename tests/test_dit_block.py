@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from shards import run_shards
+from strategies import capture_cuda_graph
 from test_dit_body import GPU_CFG, make_inputs
 from torch_cfm.kernels.dit_block import PHASES, _seq_tiles, launch_groups, phase_mask, v7_unsupported
 from torch_cfm.models import random_dit
@@ -232,14 +233,7 @@ def test_gpu_v7_graph_replay_equals_eager_bitwise():
     def call():
         return dit_body_fused_into(*static, "auto", _empty_outputs(static[0], check_dit_body(*static, "auto")), "v7")
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = call()
+    graph, outs = capture_cuda_graph(call)
     new = _args(torch.float16, seed=9)
     for i, (dst, src) in enumerate(zip(static, new)):
         if i != 1 and isinstance(dst, torch.Tensor):
