@@ -59,9 +59,40 @@ class BuildCheckedExtension(BuildExtension):
                          "(TORCH_CFM_ALLOW_STATIC_LIBSTDCXX=1 skips this check).")
 
 
+def _cuda_extension():
+    """The optional torch_cfm._C_cuda (hand-written CUDA kernels, csrc/cuda/), or None with a reason.
+
+    Built only where torch has CUDA and nvcc exists; elsewhere (CI, CPU wheels) the package runs
+    the Triton kernels, and ``torch_cfm.explain()`` says the CUDA kernel is not built and why.
+    ``TORCH_CFM_BUILD_CUDA=0`` skips it, ``=1`` makes a missing toolkit an install error."""
+    wanted = os.environ.get("TORCH_CFM_BUILD_CUDA", "auto").strip().lower()
+    if wanted in ("0", "off", "false", "no"):
+        return None, "TORCH_CFM_BUILD_CUDA=0"
+    from torch.utils.cpp_extension import CUDA_HOME, CUDAExtension
+
+    if torch.version.cuda is None:
+        why = f"torch {torch.__version__} has no CUDA"
+    elif CUDA_HOME is None or not os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        why = "nvcc not found (set CUDA_HOME)"
+    else:
+        cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")) + glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
+        return CUDAExtension(
+            "torch_cfm._C_cuda",
+            cuda_sources,
+            extra_compile_args={"cxx": ["-O2"], "nvcc": ["-O3", "-std=c++17"]},
+            py_limited_api=False,
+        ), ""
+    if wanted in ("1", "on", "true", "yes"):
+        sys.exit(f"torch_cfm: TORCH_CFM_BUILD_CUDA=1 but the CUDA extension cannot be built: {why}")
+    print(f"torch_cfm: skipping the optional CUDA extension ({why}); the Triton kernels serve CUDA", file=sys.stderr)
+    return None, why
+
+
 here = os.path.dirname(os.path.abspath(__file__))
 sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
 debug = os.environ.get("DEBUG", "0") == "1"
+
+cuda_extension, _ = _cuda_extension()
 
 setup(
     name="torch_cfm",
@@ -82,7 +113,7 @@ setup(
             extra_compile_args={"cxx": ["-O0" if debug else "-O2"]},
             py_limited_api=False,
         )
-    ],
+    ] + ([cuda_extension] if cuda_extension is not None else []),
     cmdclass={"build_ext": BuildCheckedExtension},
     install_requires=["torch>=2.11", "numpy"],
     extras_require={"test": ["pytest", "hypothesis", "triton>=3.4; platform_system == 'Linux'"]},

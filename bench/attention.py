@@ -38,6 +38,7 @@ from _harness import (dry_run_timer, env_info, fmt_us, make_row, markdown_table,
                       rel_err, time_cuda_graph, time_eager, upsert_rows)
 
 import torch_cfm  # noqa: E402
+from torch_cfm import policy  # noqa: E402
 from torch_cfm.config import ATTENTION_BENCH_SHAPES  # noqa: E402
 from torch_cfm.reference.cfm_attention import cfm_attention_reference  # noqa: E402
 
@@ -49,7 +50,7 @@ DTYPES: dict[str, tuple[torch.dtype, Optional[str]]] = {
     "fp32-tf32": (torch.float32, "tf32"),
     "fp32-ieee": (torch.float32, "ieee"),
 }
-PROVIDERS = ("torch_cfm", "sdpa_default_mask", "sdpa_efficient_mask", "sdpa_cudnn_mask",
+PROVIDERS = ("torch_cfm", "torch_cfm_triton", "sdpa_default_mask", "sdpa_efficient_mask", "sdpa_cudnn_mask",
              "flex_compiled_blockmask", "sdpa_flash_NOMASK_lowerbound")
 QUICK_SHAPES = ((8, 50, 450), (32, 50, 450))
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -117,6 +118,9 @@ def provider_fns(name: str, inp: dict, precision: Optional[str]) -> list[tuple[s
             ("kv_cache_view", lambda: torch_cfm.cfm_attention(qv, kv, vv, key_lengths=lengths, precision=prec),
              contextlib.nullcontext),
         ]
+    if name == "torch_cfm_triton":  # the op forced onto its Triton kernel (TORCH_CFM_ATTENTION_KERNEL=triton)
+        return [("", lambda: torch_cfm.cfm_attention(q, k, v, key_lengths=lengths, precision=prec),
+                 lambda: _env(policy.ENV_ATTENTION_KERNEL, "triton"))]
     if name == "sdpa_default_mask":
         return [("", lambda: sdpa(q, k, v, attn_mask=mask4), contextlib.nullcontext)]
     if name == "sdpa_efficient_mask":
@@ -128,6 +132,19 @@ def provider_fns(name: str, inp: dict, precision: Optional[str]) -> list[tuple[s
     if name == "flex_compiled_blockmask":
         return [("", _flex(inp), contextlib.nullcontext)]
     raise ValueError(f"unknown provider {name!r}")
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 @contextlib.contextmanager
@@ -231,6 +248,7 @@ def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
 def run_sweep(shapes, dtypes, args, env) -> list[dict]:
     from dataclasses import replace
 
+    from torch_cfm.kernels import cfm_attention_cuda as cuda_kernel
     from torch_cfm.kernels.cfm_attention import choose_config, cfm_attention_triton
     from torch_cfm.kernels._launch import sm_count
 
@@ -252,8 +270,18 @@ def run_sweep(shapes, dtypes, args, env) -> list[dict]:
                     candidates.append(replace(cfg, splits=splits))
             if chosen not in candidates:
                 candidates.append(chosen)
-            for cfg in candidates:
-                fn = (lambda cfg=cfg: cfm_attention_triton(q, k, v, lengths, None, None, precision, out, config=cfg))
+            cuda_candidates = []
+            if precision != "ieee":  # the CUDA kernel's configs (csrc/cuda/), where it is built
+                cuda_candidates = list(cuda_kernel.instantiated_configs("fp32" if dtype == torch.float32 else "16bit"))
+                if cuda_kernel.not_supported_reasons(q, k, v, precision):
+                    cuda_candidates = []
+            cuda_chosen = cuda_kernel.choose_config(dtype, n * HEADS, q_len, k_len, sm_count(q.device))
+            for cfg in candidates + cuda_candidates:
+                if isinstance(cfg, cuda_kernel.CudaAttentionConfig):
+                    fn = (lambda cfg=cfg: cuda_kernel.cfm_attention_cuda(q, k, v, lengths, None, None, out, cfg))
+                else:
+                    fn = (lambda cfg=cfg: cfm_attention_triton(q, k, v, lengths, None, None, precision, out,
+                                                               config=cfg))
                 row = make_row(env, op=OP, provider="torch_cfm", variant="sweep:" + cfg.name,
                                shape=shape_dict(n, q_len, k_len), dtype=str(dtype).replace("torch.", ""),
                                precision=precision, timing="cuda_graph")
@@ -270,15 +298,18 @@ def run_sweep(shapes, dtypes, args, env) -> list[dict]:
                     results.append((row["us_p50"], cfg, row["rel_err"]))
             results.sort(key=lambda t: t[0])
             chosen_us = next((us for us, c, _ in results if c == chosen), float("nan"))
+            cuda_us = next((us for us, c, _ in results if c == cuda_chosen), float("nan"))
             best = ", ".join(f"{c.name}={us:.2f}" for us, c, _ in results[:4])
             bad = [c.name for _, c, e in results if not (e is not None and e < 5e-2)]
-            line = (f"{n:>2},{q_len:>3},{k_len:>3} {dname:<9} heuristic {chosen.name}={chosen_us:.2f}  best: {best}"
+            cuda_part = f" cuda rule {cuda_chosen.name}={cuda_us:.2f}" if cuda_chosen in cuda_candidates else ""
+            line = (f"{n:>2},{q_len:>3},{k_len:>3} {dname:<9} heuristic {chosen.name}={chosen_us:.2f}{cuda_part}"
+                    f"  best: {best}"
                     + (f"  BAD rel_err: {bad}" if bad else ""))
             print(line, flush=True)
             summary.append(line)
             del inp
             # saved as it goes: a run cut short by its time limit still leaves its numbers
-            upsert_rows(os.path.join(args.out, "attention_sweep.json"), rows[-len(candidates):])
+            upsert_rows(os.path.join(args.out, "attention_sweep.json"), rows[-len(candidates + cuda_candidates):])
             with open(os.path.join(args.out, "attention_sweep.txt"), "w") as f:
                 f.write("\n".join(summary) + "\n")
     return rows

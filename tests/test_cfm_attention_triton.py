@@ -340,12 +340,13 @@ def _gpu_inputs(n, h, q_len, k_len, d, dtype, *, seed=0, mask=False, pool=0, len
     return dict(q=q, k=cache[..., :d], v=cache[..., d:], key_lengths=lengths, mask=m, kv_rows=rows_t)
 
 
-def _gpu_check(a, dtype, precision, config=None):
+def _gpu_check(a, dtype, precision, config=None, launch=None):
+    """Run ``launch`` (default the Triton launcher) into a NaN-poisoned out, check the SPEC §6 oracle."""
     from torch_cfm.kernels.cfm_attention import cfm_attention_triton
 
     n, h, q_len, d = a["q"].shape
     out = torch.full((n, q_len, h, d), float("nan"), device="cuda", dtype=dtype).transpose(1, 2)
-    cfm_attention_triton(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], a["kv_rows"], precision, out,
+    (launch or cfm_attention_triton)(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], a["kv_rows"], precision, out,
                          config=config)
     torch.cuda.synchronize()
     cpu = {k: (v.cpu() if v is not None else None) for k, v in a.items()}

@@ -49,6 +49,10 @@ def machine_report(device: Optional[torch.device] = None) -> str:
     lines.append(f"  pdl:        {'allowed' if policy.pdl_allowed(device) else 'off'} (SM90+, "
                  f"{policy.ENV_PDL}={os.environ.get(policy.ENV_PDL, '<unset>')}; attention grids of one wave, "
                  "fp32 body row-norm kernels)")
+    from .kernels import cfm_attention_cuda
+
+    lines.append(f"  attention:  {policy.ENV_ATTENTION_KERNEL}={os.environ.get(policy.ENV_ATTENTION_KERNEL, '<unset>')}; "
+                 f"CUDA kernel {cfm_attention_cuda.build_status()}")
     lines.append("ops:")
     for dtype in _DTYPES:
         d = policy.decide(device, dtype)

@@ -24,6 +24,8 @@ from .config import ATTENTION_DTYPES, MIN_CAPABILITY
 ENV_FUSED = "TORCH_CFM_FUSED"
 ENV_TF32 = "TORCH_CFM_TF32"
 ENV_PDL = "TORCH_CFM_PDL"
+ENV_ATTENTION_KERNEL = "TORCH_CFM_ATTENTION_KERNEL"
+ATTENTION_KERNEL_CHOICES = ("auto", "triton", "cuda")
 PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol (programmatic dependent launch) is SM90+
 
 _TRUE = {"1", "true", "on", "yes"}
@@ -116,6 +118,22 @@ def pdl_allowed(device: torch.device, env: Optional[Mapping[str, str]] = None,
     if capability is None:
         capability = device_capability(device)
     return device.type == "cuda" and capability is not None and tuple(capability) >= PDL_MIN_CAPABILITY
+
+
+def attention_kernel_choice(env: Optional[Mapping[str, str]] = None) -> str:
+    """Which SM80+ kernel ``cfm_attention`` may use, from env ``TORCH_CFM_ATTENTION_KERNEL``.
+
+    "auto" (default): the hand-written CUDA kernel (optional build, ``torch_cfm._C_cuda``) where it
+    covers the call and its tile rule picks it, Triton otherwise; "triton": always Triton; "cuda":
+    the CUDA kernel, and a ValueError with its reasons where it does not cover the call. A launch
+    detail under the decision's ``attention_kernel == "triton"`` (the SM80+ family), read at call
+    (or capture / trace) time like the TF32 setting."""
+    env = os.environ if env is None else env
+    raw = env.get(ENV_ATTENTION_KERNEL, "").strip().lower() or "auto"
+    if raw not in ATTENTION_KERNEL_CHOICES:
+        raise ValueError(f"{ENV_ATTENTION_KERNEL} must be one of {ATTENTION_KERNEL_CHOICES}, "
+                         f"got {env.get(ENV_ATTENTION_KERNEL)!r}")
+    return raw
 
 
 def decide(

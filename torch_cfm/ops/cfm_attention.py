@@ -5,7 +5,9 @@ AOTInductor packages can run the op without Python. This module adds, to that sc
 
 * the fake (meta) kernel, validating like eager and returning the real kernel's layout;
 * an autocast rule on AutocastCUDA / AutocastCPU that follows the ambient autocast dtype;
-* the CUDA kernel: Triton on NVIDIA SM80+, SDPA below (see :func:`torch_cfm.policy.decide`).
+* the CUDA kernel: on NVIDIA SM80+ the hand-written CUDA kernel (optional build, ``csrc/cuda/``)
+  where it covers the call and its tile rule picks it, Triton otherwise; SDPA below SM80 (see
+  :func:`torch_cfm.policy.decide` and :func:`torch_cfm.policy.attention_kernel_choice`).
 """
 
 from __future__ import annotations
@@ -125,10 +127,25 @@ def _cfm_attention_cuda(q, k, v, key_lengths=None, mask=None, kv_rows=None, prec
     decision = policy.decide(q.device, q.dtype)
     if decision.attention_kernel != "triton":
         return cfm_attention_sdpa(q, k, v, key_lengths, mask, kv_rows, out)
+    precision = policy.resolve_precision(q.dtype, precision)
+    choice = policy.attention_kernel_choice()
+    if choice != "triton":
+        from ..kernels import cfm_attention_cuda as cuda_kernel
+        from ..kernels._launch import sm_count
+
+        reasons = cuda_kernel.not_supported_reasons(q, k, v, precision)
+        config = None
+        if not reasons:
+            config = (cuda_kernel.default_config(q.dtype) if choice == "cuda" else cuda_kernel.choose_config(
+                q.dtype, q.shape[0] * q.shape[1], q.shape[2], k.shape[2], sm_count(q.device)))
+        if config is not None:
+            return cuda_kernel.cfm_attention_cuda(q, k, v, key_lengths, mask, kv_rows, out, config)
+        if choice == "cuda":
+            raise ValueError(f"cfm_attention: {policy.ENV_ATTENTION_KERNEL}=cuda, but the CUDA kernel does not "
+                             f"cover this call: {'; '.join(reasons)}")
     from ..kernels.cfm_attention import cfm_attention_triton
 
-    return cfm_attention_triton(q, k, v, key_lengths, mask, kv_rows,
-                                policy.resolve_precision(q.dtype, precision), out)
+    return cfm_attention_triton(q, k, v, key_lengths, mask, kv_rows, precision, out)
 
 
 _lib.impl("cfm_attention", _cfm_attention_cuda, "CUDA")

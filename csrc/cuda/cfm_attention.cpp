@@ -1,0 +1,98 @@
+// torch binding of the hand-written cfm_attention CUDA kernel (csrc/cuda/cfm_attention_kernel.cuh),
+// built as the optional extension torch_cfm._C_cuda where torch has CUDA and nvcc exists (setup.py).
+// torch_cfm/kernels/cfm_attention_cuda.py decides when the kernel applies and calls
+// `cfm_attention_fwd` from the CUDA kernel of torch_cfm::cfm_attention, with validated inputs.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cfm_attention_params.h"
+
+namespace torch_cfm {
+namespace cuda_attention {
+
+// Writes cfm_attention(q, k, v, ...) into `out` (N, H, Q, D) with tile config (block_k, q_groups,
+// key_splits, buffers). Raises ValueError for inputs outside the kernel's coverage or a config that
+// is not instantiated; the Python side checks both first, so these are the last line only.
+void cfm_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const c10::optional<at::Tensor>& key_lengths, const c10::optional<at::Tensor>& mask,
+                       const c10::optional<at::Tensor>& kv_rows, at::Tensor& out, int64_t block_k,
+                       int64_t q_groups, int64_t key_splits, int64_t buffers) {
+  TORCH_CHECK_VALUE(q.is_cuda() && q.dim() == 4 && q.size(3) == 64,
+                    "cfm_attention (CUDA kernel): needs CUDA inputs with D = 64");
+  TORCH_CHECK_VALUE(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && out.stride(3) == 1,
+                    "cfm_attention (CUDA kernel): needs unit stride along D");
+  const c10::cuda::CUDAGuard guard(q.device());
+  Params p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.out = out.data_ptr();
+  p.key_lengths = key_lengths.has_value() ? key_lengths->data_ptr<int32_t>() : nullptr;
+  p.mask = mask.has_value() ? static_cast<const uint8_t*>(mask->data_ptr()) : nullptr;
+  p.kv_rows = kv_rows.has_value() ? kv_rows->data_ptr<int32_t>() : nullptr;
+  p.q_sn = q.stride(0), p.q_sh = q.stride(1), p.q_sq = q.stride(2);
+  p.k_sn = k.stride(0), p.k_sh = k.stride(1), p.k_sk = k.stride(2);
+  p.v_sn = v.stride(0), p.v_sh = v.stride(1), p.v_sk = v.stride(2);
+  if (mask.has_value()) p.m_sn = mask->stride(0), p.m_sq = mask->stride(1), p.m_sk = mask->stride(2);
+  p.o_sn = out.stride(0), p.o_sh = out.stride(1), p.o_sq = out.stride(2);
+  p.n_heads = static_cast<int>(q.size(1));
+  p.q_len = static_cast<int>(q.size(2));
+  p.k_len = static_cast<int>(k.size(2));
+  p.n_pool = static_cast<int>(k.size(0));
+  p.q_tiles = static_cast<int>((q.size(2) + 16 * q_groups - 1) / (16 * q_groups));
+  p.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(q.size(3))));
+  const int64_t rows_heads = q.size(0) * q.size(1);
+  if (rows_heads == 0 || p.q_len == 0) return;
+  const int blocks = static_cast<int>(rows_heads * p.q_tiles);
+  const int bk = static_cast<int>(block_k), wq = static_cast<int>(q_groups);
+  const int wk = static_cast<int>(key_splits), nbuf = static_cast<int>(buffers);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
+  bool launched = false;
+  switch (q.scalar_type()) {
+    case at::kHalf:
+      launched = launch_f16(p, blocks, bk, wq, wk, nbuf, stream);
+      break;
+    case at::kBFloat16:
+      launched = launch_bf16(p, blocks, bk, wq, wk, nbuf, stream);
+      break;
+    case at::kFloat:
+      launched = launch_f32(p, blocks, bk, wq, wk, nbuf, stream);
+      break;
+    default:
+      break;
+  }
+  TORCH_CHECK_VALUE(launched, "cfm_attention (CUDA kernel): no instantiation for dtype ", q.scalar_type(),
+                    " and (block_k, q_groups, key_splits, buffers) = (", block_k, ", ", q_groups, ", ", key_splits,
+                    ", ", buffers, ")");
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The instantiated configs as (family, block_k, q_groups, key_splits, buffers); family "16bit" | "fp32".
+std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, int64_t>> configs() {
+  std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, int64_t>> all;
+#define TORCH_CFM_LIST16(BK, WQ, WK, NBUF) all.emplace_back("16bit", BK, WQ, WK, NBUF);
+#define TORCH_CFM_LIST32(BK, WQ, WK, NBUF) all.emplace_back("fp32", BK, WQ, WK, NBUF);
+  TORCH_CFM_CONFIGS_16(TORCH_CFM_LIST16)
+  TORCH_CFM_CONFIGS_32(TORCH_CFM_LIST32)
+#undef TORCH_CFM_LIST16
+#undef TORCH_CFM_LIST32
+  return all;
+}
+
+}  // namespace cuda_attention
+}  // namespace torch_cfm
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "torch_cfm CUDA kernels (optional build, csrc/cuda/)";
+  m.def("cfm_attention_fwd", &torch_cfm::cuda_attention::cfm_attention_fwd,
+        "cfm_attention into a preallocated out (D = 64, validated inputs)");
+  m.def("configs", &torch_cfm::cuda_attention::configs,
+        "instantiated (family, block_k, q_groups, key_splits, buffers)");
+}

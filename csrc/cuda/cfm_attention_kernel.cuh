@@ -1,0 +1,407 @@
+// cfm_attention forward as a hand-written CUDA kernel (mma.sync, SM80+), for the shapes where the
+// Triton kernel is latency-bound: one CTA per (row, head, query tile) whose warps split the key
+// walk among themselves and merge (m, l, O) through shared memory, so the serial chain per warp is
+// 1-2 key tiles instead of the row's whole key range (bench/NOTES_attention.md, session 11).
+//
+// Layout of one CTA: WQ query groups of 16 queries × WK key splits = WQ·WK warps. Key tiles of BK
+// keys are dealt round-robin to the splits: round r holds tiles r·WK … r·WK + WK − 1, and all
+// threads load a round with cp.async (NBUF rounds in flight). Each warp runs FlashAttention-2's
+// online softmax over its tiles, then the splits merge: one max per row, rescale, sum.
+//
+// Semantics are SPEC §4 (the Triton kernel's): keys >= key_lengths[n] (clamped to [0, K]) are never
+// read (cp.async zero-fills them, so NaN padding cannot leak), masked keys get probability 0, and
+// a query with no valid key gets exactly 0 (exponents are taken against 0 instead of -inf).
+//
+// Requirements checked by the launcher: D == head_dim template, unit stride along D, 16-byte
+// aligned base pointers and strides for q/k/v/out. No torch headers here, so the kernel compiles
+// standalone with nvcc (register checks: nvcc -Xptxas -v).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "cfm_attention_params.h"
+
+namespace torch_cfm {
+namespace cuda_attention {
+
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy; src_bytes = 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// Per-dtype pieces: the m16n8kK MMA, the P conversion and the output store.
+template <typename T>
+struct Mma;
+
+template <>
+struct Mma<__half> {
+  static constexpr int K = 16;
+  __device__ __forceinline__ static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+template <>
+struct Mma<__nv_bfloat16> {
+  static constexpr int K = 16;
+  __device__ __forceinline__ static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+template <>
+struct Mma<float> {
+  static constexpr int K = 8;
+  __device__ __forceinline__ static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ void store4(T* dst, float a, float b, float c, float d);
+template <>
+__device__ __forceinline__ void store4<__half>(__half* dst, float a, float b, float c, float d) {
+  __half2 lo = __floats2half2_rn(a, b), hi = __floats2half2_rn(c, d);
+  uint2 u = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+  *reinterpret_cast<uint2*>(dst) = u;
+}
+template <>
+__device__ __forceinline__ void store4<__nv_bfloat16>(__nv_bfloat16* dst, float a, float b, float c, float d) {
+  __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
+  uint2 u = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+  *reinterpret_cast<uint2*>(dst) = u;
+}
+template <>
+__device__ __forceinline__ void store4<float>(float* dst, float a, float b, float c, float d) {
+  *reinterpret_cast<float4*>(dst) = make_float4(a, b, c, d);
+}
+
+// Shared-memory geometry of one instantiation. Rows are padded by 16 bytes: with that, ldmatrix
+// (16-bit) and the TF32 scalar fragment loads hit 8 / 32 distinct banks per instruction.
+template <typename T, int D, int BK, int WQ, int WK, int NBUF>
+struct Geometry {
+  static constexpr int kPad = 16 / sizeof(T);
+  static constexpr int kRow = D + kPad;  // elements per shared row
+  static constexpr int kQRows = WQ * 16;
+  static constexpr int kThreads = WQ * WK * 32;
+  static constexpr int kQBytes = kQRows * kRow * sizeof(T);
+  static constexpr int kTileBytes = BK * kRow * sizeof(T);  // one K or V tile
+  static constexpr int kKVBytes = NBUF * WK * 2 * kTileBytes;
+  static constexpr int kRedRow = D + 4;  // fp32 partial O rows in the merge
+  static constexpr int kRedBytes = WK * kQRows * kRedRow * 4;
+  static constexpr int kMainBytes = kKVBytes > kRedBytes ? kKVBytes : kRedBytes;
+  static constexpr int kStatBytes = WK * kQRows * 2 * 4;  // (m, l) per split and query
+  static constexpr int kSmemBytes = kQBytes + kMainBytes + kStatBytes;
+};
+
+template <typename T, int D, int BK, int WQ, int WK, int NBUF>
+__global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(const Params p) {
+  using G = Geometry<T, D, BK, WQ, WK, NBUF>;
+  static_assert(BK % 16 == 0 && D % 16 == 0, "tiles are whole MMA steps");
+  constexpr int kChunk = 16 / sizeof(T);  // elements per 16-byte copy
+  constexpr int kMmaK = Mma<T>::K;
+  constexpr bool kTf32 = sizeof(T) == 4;
+
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* q_s = reinterpret_cast<T*>(smem);
+  T* kv_s = reinterpret_cast<T*>(smem + G::kQBytes);
+  float* red_s = reinterpret_cast<float*>(smem + G::kQBytes);
+  float* stat_s = reinterpret_cast<float*>(smem + G::kQBytes + G::kMainBytes);
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  const int wq = warp % WQ, split = warp / WQ;
+  const int g = lane / 4, t = lane % 4;
+
+  const int q_tile = blockIdx.x % p.q_tiles;
+  const int row_head = blockIdx.x / p.q_tiles;
+  const int n = row_head / p.n_heads, h = row_head % p.n_heads;
+  const int q0 = q_tile * G::kQRows;
+
+  int len = p.k_len;
+  if (p.key_lengths != nullptr) len = min(max(p.key_lengths[n], 0), p.k_len);
+  int kv_row = n;
+  if (p.kv_rows != nullptr) kv_row = min(max(p.kv_rows[n], 0), p.n_pool - 1);
+
+  const T* q_base = static_cast<const T*>(p.q) + n * p.q_sn + h * p.q_sh;
+  const T* k_base = static_cast<const T*>(p.k) + kv_row * p.k_sn + h * p.k_sh;
+  const T* v_base = static_cast<const T*>(p.v) + kv_row * p.v_sn + h * p.v_sh;
+
+  // Q tile: queries past Q are zero-filled (their results are never stored).
+  for (int c = tid; c < G::kQRows * (D / kChunk); c += G::kThreads) {
+    const int r = c / (D / kChunk), col = (c % (D / kChunk)) * kChunk;
+    const bool ok = q0 + r < p.q_len;
+    cp_async16(q_s + r * G::kRow + col, ok ? q_base + (q0 + r) * p.q_sq + col : q_base, ok ? 16 : 0);
+  }
+
+  const int tiles = (len + BK - 1) / BK;
+  const int rounds = (tiles + WK - 1) / WK;
+
+  auto load_round = [&](int round, int buf) {
+    T* dst = kv_s + buf * (WK * 2 * BK * G::kRow);
+    constexpr int kPerTile = BK * (D / kChunk);
+    for (int c = tid; c < WK * 2 * kPerTile; c += G::kThreads) {
+      const int slot = c / (2 * kPerTile);  // key split of the round
+      const int rem = c % (2 * kPerTile);
+      const int is_v = rem / kPerTile;
+      const int r = (rem % kPerTile) / (D / kChunk), col = (rem % (D / kChunk)) * kChunk;
+      const int key = (round * WK + slot) * BK + r;
+      const bool ok = key < len;
+      const T* src = is_v ? v_base + key * p.v_sk + col : k_base + key * p.k_sk + col;
+      cp_async16(dst + ((slot * 2 + is_v) * BK + r) * G::kRow + col, ok ? src : k_base, ok ? 16 : 0);
+    }
+  };
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+  const int qi0 = q0 + wq * 16 + g, qi1 = qi0 + 8;  // this thread's two query rows
+  const uint8_t* mask0 = nullptr;
+  const uint8_t* mask1 = nullptr;
+  if (p.mask != nullptr) {
+    mask0 = p.mask + n * p.m_sn + min(qi0, p.q_len - 1) * p.m_sq;
+    mask1 = p.mask + n * p.m_sn + min(qi1, p.q_len - 1) * p.m_sq;
+  }
+
+  if (rounds > 0) load_round(0, 0);
+  cp_async_commit();
+
+  for (int round = 0; round < rounds; ++round) {
+    if (NBUF == 2 && round + 1 < rounds) {
+      load_round(round + 1, (round + 1) % 2);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    const int key0 = (round * WK + split) * BK;
+    if (key0 < len) {
+      const T* k_s = kv_s + (round % NBUF) * (WK * 2 * BK * G::kRow) + (split * 2) * BK * G::kRow;
+      const T* v_s = k_s + BK * G::kRow;
+      const T* qw_s = q_s + wq * 16 * G::kRow;
+
+      // S = Q Kᵀ for 16 queries × BK keys.
+      float s[BK / 8][4];
+#pragma unroll
+      for (int j = 0; j < BK / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / kMmaK; ++kk) {
+        uint32_t a[4];
+        if constexpr (kTf32) {
+          const float* qf = reinterpret_cast<const float*>(qw_s);
+          a[0] = to_tf32(qf[g * G::kRow + kk * 8 + t]);
+          a[1] = to_tf32(qf[(g + 8) * G::kRow + kk * 8 + t]);
+          a[2] = to_tf32(qf[g * G::kRow + kk * 8 + t + 4]);
+          a[3] = to_tf32(qf[(g + 8) * G::kRow + kk * 8 + t + 4]);
+#pragma unroll
+          for (int j = 0; j < BK / 8; ++j) {
+            const float* kf = reinterpret_cast<const float*>(k_s) + (j * 8 + g) * G::kRow + kk * 8 + t;
+            Mma<T>::run(s[j], a, to_tf32(kf[0]), to_tf32(kf[4]));
+          }
+        } else {
+          ldmatrix_x4(a, qw_s + (lane % 16) * G::kRow + kk * 16 + (lane / 16) * 8);
+#pragma unroll
+          for (int j = 0; j < BK / 8; j += 2) {
+            uint32_t b[4];
+            ldmatrix_x4(b, k_s + (j * 8 + (lane / 16) * 8 + lane % 8) * G::kRow + kk * 16 + ((lane / 8) % 2) * 8);
+            Mma<T>::run(s[j], a, b[0], b[1]);
+            Mma<T>::run(s[j + 1], a, b[2], b[3]);
+          }
+        }
+      }
+
+      // Scale, mask, online softmax over the two rows this thread holds.
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < BK / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + j * 8 + 2 * t + (e & 1);
+          bool ok = key < len;
+          if (mask0 != nullptr && ok) ok = (e < 2 ? mask0 : mask1)[key * p.m_sk] != 0;
+          s[j][e] = ok ? s[j][e] * p.scale_log2 : -INFINITY;
+        }
+        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+      }
+#pragma unroll
+      for (int off = 1; off < 4; off *= 2) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+      }
+      const float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);
+      const float ref0 = new0 == -INFINITY ? 0.f : new0, ref1 = new1 == -INFINITY ? 0.f : new1;
+      const float alpha0 = fast_exp2(m0 - ref0), alpha1 = fast_exp2(m1 - ref1);
+      m0 = new0;
+      m1 = new1;
+      float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+      for (int j = 0; j < BK / 8; ++j) {
+        s[j][0] = fast_exp2(s[j][0] - ref0);
+        s[j][1] = fast_exp2(s[j][1] - ref0);
+        s[j][2] = fast_exp2(s[j][2] - ref1);
+        s[j][3] = fast_exp2(s[j][3] - ref1);
+        sum0 += s[j][0] + s[j][1];
+        sum1 += s[j][2] + s[j][3];
+      }
+      l0 = l0 * alpha0 + sum0;
+      l1 = l1 * alpha1 + sum1;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        o[i][0] *= alpha0;
+        o[i][1] *= alpha0;
+        o[i][2] *= alpha1;
+        o[i][3] *= alpha1;
+      }
+
+      // O += P V.
+      if constexpr (kTf32) {
+        // The S accumulator gives thread (g, t) keys 2t and 2t+1 of each 8-key tile; read them as
+        // the A fragment's columns t and t+4 and take V's rows in the same order.
+#pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+          const uint32_t a[4] = {to_tf32(s[j][0]), to_tf32(s[j][2]), to_tf32(s[j][1]), to_tf32(s[j][3])};
+          const float* vf = reinterpret_cast<const float*>(v_s) + (j * 8 + 2 * t) * G::kRow + g;
+#pragma unroll
+          for (int i = 0; i < D / 8; ++i) Mma<T>::run(o[i], a, to_tf32(vf[i * 8]), to_tf32(vf[G::kRow + i * 8]));
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < BK / 16; ++j) {
+          const uint32_t a[4] = {Mma<T>::pack(s[2 * j][0], s[2 * j][1]), Mma<T>::pack(s[2 * j][2], s[2 * j][3]),
+                                 Mma<T>::pack(s[2 * j + 1][0], s[2 * j + 1][1]),
+                                 Mma<T>::pack(s[2 * j + 1][2], s[2 * j + 1][3])};
+#pragma unroll
+          for (int i = 0; i < D / 8; i += 2) {
+            uint32_t b[4];
+            ldmatrix_x4_trans(b, v_s + (j * 16 + ((lane / 8) % 2) * 8 + lane % 8) * G::kRow + i * 8 + (lane / 16) * 8);
+            Mma<T>::run(o[i], a, b[0], b[1]);
+            Mma<T>::run(o[i + 1], a, b[2], b[3]);
+          }
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with this buffer before it is refilled
+    if (NBUF == 1 && round + 1 < rounds) {
+      load_round(round + 1, 0);
+      cp_async_commit();
+    }
+  }
+  cp_async_wait<0>();  // the Q tile's group when there was no round
+
+  // Merge the WK splits: (m, l) per split and query, then rescaled partial O summed in order.
+#pragma unroll
+  for (int off = 1; off < 4; off *= 2) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  const int row0 = wq * 16 + g, row1 = row0 + 8;
+  if (t == 0) {
+    stat_s[(split * G::kQRows + row0) * 2 + 0] = m0;
+    stat_s[(split * G::kQRows + row0) * 2 + 1] = l0;
+    stat_s[(split * G::kQRows + row1) * 2 + 0] = m1;
+    stat_s[(split * G::kQRows + row1) * 2 + 1] = l1;
+  }
+  __syncthreads();
+  float big0 = -INFINITY, big1 = -INFINITY;
+#pragma unroll
+  for (int s2 = 0; s2 < WK; ++s2) {
+    big0 = fmaxf(big0, stat_s[(s2 * G::kQRows + row0) * 2]);
+    big1 = fmaxf(big1, stat_s[(s2 * G::kQRows + row1) * 2]);
+  }
+  const float ref0 = big0 == -INFINITY ? 0.f : big0, ref1 = big1 == -INFINITY ? 0.f : big1;
+  float total0 = 0.f, total1 = 0.f;
+#pragma unroll
+  for (int s2 = 0; s2 < WK; ++s2) {
+    total0 += stat_s[(s2 * G::kQRows + row0) * 2 + 1] * fast_exp2(stat_s[(s2 * G::kQRows + row0) * 2] - ref0);
+    total1 += stat_s[(s2 * G::kQRows + row1) * 2 + 1] * fast_exp2(stat_s[(s2 * G::kQRows + row1) * 2] - ref1);
+  }
+  const float f0 = total0 > 0.f ? fast_exp2(m0 - ref0) / total0 : 0.f;
+  const float f1 = total1 > 0.f ? fast_exp2(m1 - ref1) / total1 : 0.f;
+  float* red = red_s + split * G::kQRows * G::kRedRow;
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    *reinterpret_cast<float2*>(red + row0 * G::kRedRow + i * 8 + 2 * t) = make_float2(o[i][0] * f0, o[i][1] * f0);
+    *reinterpret_cast<float2*>(red + row1 * G::kRedRow + i * 8 + 2 * t) = make_float2(o[i][2] * f1, o[i][3] * f1);
+  }
+  __syncthreads();
+
+  T* out_base = static_cast<T*>(p.out) + n * p.o_sn + h * p.o_sh;
+  for (int c = tid; c < G::kQRows * (D / 4); c += G::kThreads) {
+    const int r = c / (D / 4), col = (c % (D / 4)) * 4;
+    if (q0 + r >= p.q_len) continue;
+    float4 acc = *reinterpret_cast<const float4*>(red_s + r * G::kRedRow + col);
+#pragma unroll
+    for (int s2 = 1; s2 < WK; ++s2) {
+      const float4 x = *reinterpret_cast<const float4*>(red_s + (s2 * G::kQRows + r) * G::kRedRow + col);
+      acc.x += x.x;
+      acc.y += x.y;
+      acc.z += x.z;
+      acc.w += x.w;
+    }
+    store4<T>(out_base + (q0 + r) * p.o_sq + col, acc.x, acc.y, acc.z, acc.w);
+  }
+}
+
+}  // namespace cuda_attention
+}  // namespace torch_cfm

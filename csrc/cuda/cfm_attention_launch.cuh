@@ -1,0 +1,27 @@
+// One launch function per dtype over the instantiated configs; included by cfm_attention_{f16,bf16,f32}.cu.
+#pragma once
+
+#include "cfm_attention_kernel.cuh"
+
+namespace torch_cfm {
+namespace cuda_attention {
+
+template <typename T, int D, int BK, int WQ, int WK, int NBUF>
+void launch_config(const Params& p, int blocks, cudaStream_t stream) {
+  using G = Geometry<T, D, BK, WQ, WK, NBUF>;
+  auto kernel = cfm_attention_fwd_kernel<T, D, BK, WQ, WK, NBUF>;
+  // Above 48 KB of dynamic shared memory needs an opt-in per kernel (host-side attribute, no sync).
+  static const cudaError_t attribute =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
+  (void)attribute;  // a failure here surfaces as the launch error the caller checks
+  kernel<<<blocks, G::kThreads, G::kSmemBytes, stream>>>(p);
+}
+
+}  // namespace cuda_attention
+}  // namespace torch_cfm
+
+#define TORCH_CFM_LAUNCH_CASE(BK, WQ, WK, NBUF)                      \
+  if (bk == BK && wq == WQ && wk == WK && nbuf == NBUF) {            \
+    launch_config<T, 64, BK, WQ, WK, NBUF>(p, blocks, stream);       \
+    return true;                                                     \
+  }

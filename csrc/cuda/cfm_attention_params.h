@@ -1,0 +1,52 @@
+// Host/device interface of the cfm_attention CUDA kernel: the launch parameters, the instantiated tile
+// configs and one launch function per dtype (defined in cfm_attention_{f16,bf16,f32}.cu so the three
+// compile in parallel). Plain C++: the torch binding (cfm_attention.cpp) includes it without nvcc.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+
+namespace torch_cfm {
+namespace cuda_attention {
+
+struct Params {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  const int32_t* key_lengths;  // nullptr: every key of k is valid
+  const uint8_t* mask;         // nullptr: no mask; else bool (N, Q, K) viewed as bytes
+  const int32_t* kv_rows;      // nullptr: k/v row n serves query row n
+  int64_t q_sn, q_sh, q_sq;    // element strides (stride along D is 1)
+  int64_t k_sn, k_sh, k_sk;
+  int64_t v_sn, v_sh, v_sk;
+  int64_t m_sn, m_sq, m_sk;
+  int64_t o_sn, o_sh, o_sq;
+  int n_heads, q_len, k_len, n_pool, q_tiles;
+  float scale_log2;  // log2(e) / sqrt(D)
+};
+
+// Instantiated tile configs (BK keys per tile, WQ 16-query groups, WK key splits, NBUF buffered
+// rounds), D = 64. 16-bit: 512-thread configs use 32-key tiles (64-key ones spill at 128 registers).
+#define TORCH_CFM_CONFIGS_16(X) \
+  X(32, 4, 4, 2)                \
+  X(32, 2, 8, 2)                \
+  X(32, 2, 8, 1)                \
+  X(64, 2, 4, 2)                \
+  X(64, 4, 2, 2)                \
+  X(64, 1, 8, 1)
+#define TORCH_CFM_CONFIGS_32(X) \
+  X(16, 4, 4, 2)                \
+  X(16, 2, 8, 2)                \
+  X(32, 4, 4, 2)                \
+  X(32, 2, 8, 1)                \
+  X(32, 2, 4, 2)                \
+  X(32, 4, 2, 2)
+
+// Launch over `blocks` CTAs on `stream`; false when (bk, wq, wk, nbuf) is not instantiated.
+bool launch_f16(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, cudaStream_t stream);
+bool launch_bf16(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, cudaStream_t stream);
+bool launch_f32(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, cudaStream_t stream);
+
+}  // namespace cuda_attention
+}  // namespace torch_cfm

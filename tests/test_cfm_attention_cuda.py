@@ -1,0 +1,175 @@
+"""The hand-written CUDA kernel of cfm_attention (csrc/cuda/, torch_cfm.kernels.cfm_attention_cuda).
+
+GPU cases (gpu marker; skipped where torch_cfm._C_cuda is not built): every instantiated tile
+config × fp16/bf16/fp32-TF32 against the SPEC §6 oracle with ragged lengths (0, 1, tile edges, K),
+masks, pool rows, the interleaved cache halves, NaN padding and Q at query-tile edges; graph
+replay == eager bitwise; no host sync; the op's dispatch under TORCH_CFM_ATTENTION_KERNEL.
+CPU cases: the env choice and the coverage reasons.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oracle import TF32_REL_BOUND, err_rel_fro, naive_attention64
+from strategies import capture_cuda_graph
+from test_cfm_attention_triton import _gpu_check, _gpu_inputs
+from torch_cfm import policy
+from torch_cfm.kernels import cfm_attention_cuda as cuda_kernel
+
+_DTYPES = [(torch.float16, None), (torch.bfloat16, None), (torch.float32, "tf32")]
+_DTYPE_IDS = ["f16", "bf16", "f32-tf32"]
+
+
+def _built() -> bool:
+    return cuda_kernel.build_status().startswith("built")
+
+
+needs_kernel = pytest.mark.skipif(not (torch.cuda.is_available() and _built()),
+                                  reason="needs CUDA and the optional torch_cfm._C_cuda build")
+
+
+def _configs(dtype):
+    fam = "fp32" if dtype == torch.float32 else "16bit"
+    return cuda_kernel.instantiated_configs(fam)
+
+
+def _launch(config):
+    def run(q, k, v, key_lengths, mask, kv_rows, precision, out, config=None):
+        return cuda_kernel.cfm_attention_cuda(q, k, v, key_lengths, mask, kv_rows, out, run.config)
+
+    run.config = config
+    return run
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+
+
+def test_attention_kernel_choice_reads_env() -> None:
+    assert policy.attention_kernel_choice({}) == "auto"
+    assert policy.attention_kernel_choice({policy.ENV_ATTENTION_KERNEL: " Triton "}) == "triton"
+    assert policy.attention_kernel_choice({policy.ENV_ATTENTION_KERNEL: "cuda"}) == "cuda"
+    with pytest.raises(ValueError, match=policy.ENV_ATTENTION_KERNEL):
+        policy.attention_kernel_choice({policy.ENV_ATTENTION_KERNEL: "cutlass"})
+
+
+def test_not_supported_reasons_name_each_gap() -> None:
+    q = torch.randn(2, 2, 5, 32)
+    reasons = cuda_kernel.not_supported_reasons(q, q, q, "ieee")
+    text = "; ".join(reasons)
+    assert "needs a CUDA device" in text and "D = 32" in text and "'tf32'" in text
+    misaligned = torch.randn(2, 2, 5, 65)[..., 1:]  # unit stride, rows of 65 floats: not 16-byte aligned
+    assert any("16-byte" in r for r in cuda_kernel.not_supported_reasons(misaligned, q, q, None))
+    strided = torch.randn(2, 2, 5, 128)[..., ::2]
+    assert any("unit stride" in r for r in cuda_kernel.not_supported_reasons(strided, q, q, None))
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize("dtype,precision", _DTYPES, ids=_DTYPE_IDS)
+@pytest.mark.parametrize("shape", [(3, 2, 37, 300), (8, 8, 50, 450), (2, 2, 1, 70), (2, 3, 64, 129),
+                                   (2, 2, 65, 33), (4, 2, 100, 2100)], ids=lambda s: "x".join(map(str, s)))
+def test_gpu_every_config_matches_oracle(dtype, precision, shape) -> None:
+    n, h, q_len, k_len = shape
+    for i, config in enumerate(_configs(dtype)):
+        a = _gpu_inputs(n, h, q_len, k_len, 64, dtype, mask=(i % 2 == 0), pool=(n + 2 if i % 3 == 0 else 0),
+                        seed=i + k_len)
+        _gpu_check(a, dtype, precision, launch=_launch(config))
+
+
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize("dtype,precision", _DTYPES, ids=_DTYPE_IDS)
+def test_gpu_edge_lengths_and_nan_padding(dtype, precision) -> None:
+    """Lengths at every tile edge, out of range, and NaN in every frame past a row's length."""
+    lengths = [0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 200, -3, 500]
+    n, k_len = len(lengths), 200
+    for config in _configs(dtype):
+        a = _gpu_inputs(n, 2, 21, k_len, 64, dtype, seed=config.block_k)
+        a["key_lengths"] = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        cache = a["k"]._base if a["k"]._base is not None else None
+        assert cache is not None
+        for row, length in enumerate(lengths):
+            cache[row, :, max(min(length, k_len), 0):] = float("nan")
+        n_, h, q_len, d = a["q"].shape
+        out = torch.full((n_, q_len, h, d), float("nan"), device="cuda", dtype=dtype).transpose(1, 2)
+        cuda_kernel.cfm_attention_cuda(a["q"], a["k"], a["v"], a["key_lengths"], None, None, out, config)
+        torch.cuda.synchronize()
+        cpu = {key: (val.cpu() if val is not None else None) for key, val in a.items()}
+        ref64 = naive_attention64(cpu["q"], cpu["k"].nan_to_num(), cpu["v"].nan_to_num(), cpu["key_lengths"])
+        res = out.cpu()
+        assert torch.isfinite(res).all(), config
+        assert (res[0] == 0).all(), "a row with key length 0 must be exactly 0"
+        bound = TF32_REL_BOUND if dtype == torch.float32 else 2e-2
+        assert err_rel_fro(res, ref64) <= bound, (config, err_rel_fro(res, ref64))
+
+
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize("dtype,precision", _DTYPES, ids=_DTYPE_IDS)
+def test_gpu_graph_replay_matches_eager(dtype, precision) -> None:
+    a = _gpu_inputs(8, 8, 50, 450, 64, dtype, mask=True)
+    config = cuda_kernel.default_config(dtype)
+    out = torch.empty(8, 50, 8, 64, device="cuda", dtype=dtype).transpose(1, 2)
+
+    def call():
+        return cuda_kernel.cfm_attention_cuda(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], None, out, config)
+
+    graph, _ = capture_cuda_graph(call)
+    b = _gpu_inputs(8, 8, 50, 450, 64, dtype, mask=True, seed=7)
+    for name in ("q", "k", "v", "key_lengths", "mask"):
+        a[name].copy_(b[name])
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = torch.empty_like(out)
+    cuda_kernel.cfm_attention_cuda(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], None, fresh, config)
+    assert torch.equal(out, fresh)
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_gpu_no_host_sync() -> None:
+    a = _gpu_inputs(8, 8, 50, 450, 64, torch.float16, mask=True, pool=9)
+    out = torch.empty(8, 50, 8, 64, device="cuda", dtype=torch.float16).transpose(1, 2)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for config in _configs(torch.float16):
+            cuda_kernel.cfm_attention_cuda(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], a["kv_rows"], out,
+                                           config)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_gpu_op_dispatch_follows_env(monkeypatch) -> None:
+    """The op runs the CUDA kernel under "auto" where its rule picks it, Triton under "triton",
+    and "cuda" on an uncovered call (D = 32) raises ValueError with the reason."""
+    from torch_cfm.kernels.cfm_attention import cfm_attention_triton
+
+    a = _gpu_inputs(8, 8, 50, 450, 64, torch.float16)
+    args = (a["q"], a["k"], a["v"])
+    kw = dict(key_lengths=a["key_lengths"])
+    monkeypatch.setenv(policy.ENV_ATTENTION_KERNEL, "auto")
+    got = torch.ops.torch_cfm.cfm_attention(*args, **kw)
+    config = cuda_kernel.choose_config(torch.float16, 64, 50, 450, 132)
+    want = torch.empty_like(got)
+    if config is not None:
+        cuda_kernel.cfm_attention_cuda(*args, a["key_lengths"], None, None, want, config)
+    else:
+        cfm_attention_triton(*args, a["key_lengths"], None, None, None, want)
+    assert torch.equal(got, want)
+    monkeypatch.setenv(policy.ENV_ATTENTION_KERNEL, "triton")
+    got = torch.ops.torch_cfm.cfm_attention(*args, **kw)
+    cfm_attention_triton(*args, a["key_lengths"], None, None, None, want)
+    assert torch.equal(got, want)
+    monkeypatch.setenv(policy.ENV_ATTENTION_KERNEL, "cuda")
+    b = _gpu_inputs(2, 2, 10, 40, 32, torch.float16)
+    with pytest.raises(ValueError, match="D = 32"):
+        torch.ops.torch_cfm.cfm_attention(b["q"], b["k"], b["v"])

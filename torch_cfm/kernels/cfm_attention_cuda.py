@@ -1,0 +1,169 @@
+"""The hand-written CUDA kernel of ``cfm_attention`` (``csrc/cuda/``), where it is built and applies.
+
+The Triton kernel (:mod:`torch_cfm.kernels.cfm_attention`) runs one program per (row, head, query
+tile) that walks the row's keys serially; at SPEC §7's small shapes that walk is the time
+(bench/NOTES_attention.md). The CUDA kernel gives each (row, head, query tile) a CTA of up to 16
+warps that split the key walk and merge (m, l, O) in shared memory, with mma.sync tensor-core dots
+(fp16/bf16 m16n8k16, TF32 m16n8k8).
+
+It is an optional build (``torch_cfm._C_cuda``: torch with CUDA and nvcc, see setup.py) and covers
+D = 64, fp16/bf16/fp32-TF32, unit stride along D and 16-byte aligned rows; everything else, fp32
+"ieee" included, stays on Triton. :func:`not_supported_reasons` says why a call is not covered,
+:func:`choose_config` which tile config runs (None: Triton is faster there).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+HEAD_DIM = 64
+MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 f16/bf16 and m16n8k8 tf32, cp.async, ldmatrix
+
+
+@dataclass(frozen=True)
+class CudaAttentionConfig:
+    """One instantiated tile config of the CUDA kernel (csrc/cuda/cfm_attention_params.h).
+
+    Attributes:
+        block_k: keys per tile.
+        q_groups: 16-query groups per CTA (the CTA covers 16 · q_groups queries).
+        key_splits: warps per query group, each walking every key_splits-th tile.
+        buffers: rounds of key_splits tiles in flight (1 or 2).
+    """
+
+    block_k: int
+    q_groups: int
+    key_splits: int
+    buffers: int
+
+    @property
+    def name(self) -> str:
+        return f"cuda_k{self.block_k}_q{16 * self.q_groups}_w{self.key_splits}_b{self.buffers}"
+
+
+@functools.lru_cache(maxsize=1)
+def _extension():
+    """(module, None) when torch_cfm._C_cuda imports, else (None, why)."""
+    try:
+        from .. import _C_cuda  # type: ignore[attr-defined]
+    except ImportError as exc:
+        return None, f"torch_cfm._C_cuda not built ({exc}); setup.py builds it where torch has CUDA and nvcc exists"
+    return _C_cuda, None
+
+
+def build_status() -> str:
+    """One line for explain(): whether the CUDA kernel is built, and its configs."""
+    module, why = _extension()
+    if module is None:
+        return f"not built: {why}"
+    return f"built, {len(module.configs())} tile configs (D = {HEAD_DIM})"
+
+
+@functools.lru_cache(maxsize=None)
+def instantiated_configs(family: str) -> tuple[CudaAttentionConfig, ...]:
+    """The configs compiled into the extension for "16bit" or "fp32" (empty when not built)."""
+    module, _ = _extension()
+    if module is None:
+        return ()
+    return tuple(CudaAttentionConfig(bk, wq, wk, nb) for fam, bk, wq, wk, nb in module.configs() if fam == family)
+
+
+def _family(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "16bit"
+
+
+def _aligned(t: torch.Tensor, name: str) -> Optional[str]:
+    size = t.element_size()
+    if t.stride(-1) != 1:
+        return f"{name} needs unit stride along D, got stride {t.stride(-1)}"
+    if t.data_ptr() % 16 or any((s * size) % 16 for s in t.stride()[:-1]):
+        return f"{name} rows must be 16-byte aligned (data_ptr and strides), got strides {tuple(t.stride())}"
+    return None
+
+
+def not_supported_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: Optional[str]) -> list[str]:
+    """Why the CUDA kernel cannot run this (validated) call; empty when it can.
+
+    Args:
+        q, k, v: the op's inputs (already checked by ``ops._checks.check_cfm_attention``).
+        precision: resolved precision, "tf32" | "ieee" for float32, None for 16-bit.
+    """
+    reasons = []
+    _, why = _extension()
+    if why is not None:
+        reasons.append(why)
+    if q.device.type != "cuda":
+        reasons.append(f"needs a CUDA device, found {q.device.type}")
+    elif torch.version.hip is not None:
+        reasons.append("needs NVIDIA CUDA, found HIP/ROCm")
+    else:
+        cap = torch.cuda.get_device_capability(q.device)
+        if cap < MIN_CAPABILITY:
+            reasons.append(f"needs SM{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]}+, found SM{cap[0]}{cap[1]}")
+    if q.shape[-1] != HEAD_DIM:
+        reasons.append(f"covers D = {HEAD_DIM} only, got D = {q.shape[-1]}")
+    if q.dtype == torch.float32 and precision != "tf32":
+        reasons.append(f"float32 needs precision 'tf32' (3xTF32 'ieee' is Triton's), got {precision!r}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        reasons.append(f"dtype {q.dtype} not covered")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        why = _aligned(t, name)
+        if why is not None:
+            reasons.append(why)
+    return reasons
+
+
+def default_config(dtype: torch.dtype) -> Optional[CudaAttentionConfig]:
+    """The config used when the CUDA kernel is forced (env ``TORCH_CFM_ATTENTION_KERNEL=cuda``):
+    32 queries per CTA, 8 key splits. None when not built."""
+    fam = _family(dtype)
+    want = CudaAttentionConfig(32, 2, 8, 2) if fam == "16bit" else CudaAttentionConfig(16, 2, 8, 2)
+    return want if want in instantiated_configs(fam) else None
+
+
+def choose_config(dtype: torch.dtype, rows_heads: int, q_len: int, k_len: int,
+                  n_sm: int) -> Optional[CudaAttentionConfig]:
+    """The tile config for a call, or None where the Triton kernel is expected to be faster.
+
+    Rule (first version, before any GPU sweep): :func:`default_config` everywhere.
+    """
+    return default_config(dtype)
+
+
+def cfm_attention_cuda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_lengths: Optional[torch.Tensor],
+    mask: Optional[torch.Tensor],
+    kv_rows: Optional[torch.Tensor],
+    out: torch.Tensor,
+    config: CudaAttentionConfig,
+) -> torch.Tensor:
+    """Launch the CUDA kernel into a preallocated ``out``; same contract as
+    :func:`torch_cfm.kernels.cfm_attention.cfm_attention_triton` for the calls
+    :func:`not_supported_reasons` accepts.
+
+    Args:
+        q: (N, H, Q, 64) float16 | bfloat16 | float32 (TF32 dots), unit stride along D, 16-byte rows.
+        k, v: (N, H, K, 64), or (R, H, K, 64) pools with kv_rows; q's dtype and alignment rules.
+        key_lengths, kv_rows: optional (N,) int32; mask: optional bool (N, Q, K), any strides.
+        out: (N, H, Q, 64) in q.dtype with unit stride along D; every element is written.
+        config: an instantiated :class:`CudaAttentionConfig`.
+    Returns:
+        ``out``. No host sync, no allocation (graph-capturable), launched on the current stream.
+    """
+    module, why = _extension()
+    if module is None:
+        raise RuntimeError(f"cfm_attention CUDA kernel unavailable: {why}")
+    if key_lengths is not None and key_lengths.stride(0) != 1:
+        key_lengths = key_lengths.contiguous()
+    if kv_rows is not None and kv_rows.stride(0) != 1:
+        kv_rows = kv_rows.contiguous()
+    module.cfm_attention_fwd(q, k, v, key_lengths, mask, kv_rows, out,
+                             config.block_k, config.q_groups, config.key_splits, config.buffers)
+    return out
