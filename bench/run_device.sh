@@ -23,6 +23,8 @@
 #                  reference graph in the same run (~3 min of compilation)
 #   dit-gemm       bench/dit_gemm.py: each GEMM role of a block alone, v3's fused Triton GEMM vs cuBLAS
 #                  (DIT_GEMM_ARGS, e.g. "--tiles 64,4,4;128,8,3")
+#   cuda-ablation  bench/cuda_attention_ablation.py: the CUDA attention kernel's configs, whole and with
+#                  loads / dots switched off (CUDA_ABLATION_ARGS)
 #   graph-launch   bench/graph_launch.py: host µs of the solve graphs' launch and of CFMServer.solve_chunk
 #                  (GRAPH_LAUNCH_ARGS, e.g. "--plain-graphs")
 #   ncu-attention  Nsight Compute (full set, SASS source counters) of the attention kernel at
@@ -103,6 +105,9 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16
           --variants none --providers torch_cfm,reference_graph,torch_compile_graph --out "$OUT" \
           > "$OUT/dit_compile.log" 2>&1
         grep -E "^dit_step" "$OUT/dit_compile.log" ;;
+      cuda-ablation)  # the CUDA attention kernel with its loads / dots switched off (CUDA_ABLATION_ARGS)
+        timeout "$(limit cuda-ablation 150)" python3 bench/cuda_attention_ablation.py ${CUDA_ABLATION_ARGS:-} --out "$OUT" \
+          > "$OUT/cuda_ablation.log" 2>&1; cat "$OUT/cuda_ablation.log" | tail -40 ;;
       graph-launch)  # host cost of the solve graphs' launch and of CFMServer.solve_chunk
         timeout "$(limit graph-launch 150)" python3 bench/graph_launch.py --out "$OUT" ${GRAPH_LAUNCH_ARGS:-} \
           > "$OUT/graph_launch.log" 2>&1
@@ -110,10 +115,10 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16
       ncu-attention)
         NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
         if [ -z "$NCU" ]; then echo "no ncu on this machine"; continue; fi
-        for d in fp16 fp32-tf32; do
-          timeout "$(limit ncu-attention 120)" "$NCU" --clock-control none -k regex:_cfm_attention_fwd --launch-skip 3 --launch-count 1 \
+        for d in ${NCU_DTYPES:-fp16 fp32-tf32}; do  # NCU_PROFILE_ARGS e.g. "--cuda-config 32,2,8,2" (CUDA kernel)
+          timeout "$(limit ncu-attention 120)" "$NCU" --clock-control none -k regex:cfm_attention_fwd --launch-skip 3 --launch-count 1 \
             --set full --import-source yes -f -o "$OUT/ncu_attention_$d" \
-            python3 bench/profile_attention.py --shape 8,50,450 --dtype $d > "$OUT/ncu_run_$d.txt" 2>&1
+            python3 bench/profile_attention.py --shape 8,50,450 --dtype $d ${NCU_PROFILE_ARGS:-} > "$OUT/ncu_run_$d.txt" 2>&1
           tail -3 "$OUT/ncu_run_$d.txt"
           "$NCU" -i "$OUT/ncu_attention_$d.ncu-rep" --page details > "$OUT/ncu_attention_${d}_details.txt" 2>&1
           "$NCU" -i "$OUT/ncu_attention_$d.ncu-rep" --page source --csv --print-source sass \

@@ -23,7 +23,7 @@ namespace cuda_attention {
 void cfm_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const c10::optional<at::Tensor>& key_lengths, const c10::optional<at::Tensor>& mask,
                        const c10::optional<at::Tensor>& kv_rows, at::Tensor& out, int64_t block_k,
-                       int64_t q_groups, int64_t key_splits, int64_t buffers) {
+                       int64_t q_groups, int64_t key_splits, int64_t buffers, int64_t ablate) {
   TORCH_CHECK_VALUE(q.is_cuda() && q.dim() == 4 && q.size(3) == 64,
                     "cfm_attention (CUDA kernel): needs CUDA inputs with D = 64");
   TORCH_CHECK_VALUE(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && out.stride(3) == 1,
@@ -47,6 +47,7 @@ void cfm_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   p.k_len = static_cast<int>(k.size(2));
   p.n_pool = static_cast<int>(k.size(0));
   p.q_tiles = static_cast<int>((q.size(2) + 16 * q_groups - 1) / (16 * q_groups));
+  p.ablate = static_cast<int>(ablate);
   p.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(q.size(3))));
   const int64_t rows_heads = q.size(0) * q.size(1);
   if (rows_heads == 0 || p.q_len == 0) return;
@@ -92,7 +93,10 @@ std::vector<std::tuple<std::string, int64_t, int64_t, int64_t, int64_t>> configs
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_cfm CUDA kernels (optional build, csrc/cuda/)";
   m.def("cfm_attention_fwd", &torch_cfm::cuda_attention::cfm_attention_fwd,
-        "cfm_attention into a preallocated out (D = 64, validated inputs)");
+        "cfm_attention into a preallocated out (D = 64, validated inputs)", pybind11::arg("q"), pybind11::arg("k"),
+        pybind11::arg("v"), pybind11::arg("key_lengths"), pybind11::arg("mask"), pybind11::arg("kv_rows"),
+        pybind11::arg("out"), pybind11::arg("block_k"), pybind11::arg("q_groups"), pybind11::arg("key_splits"),
+        pybind11::arg("buffers"), pybind11::arg("ablate") = 0);
   m.def("configs", &torch_cfm::cuda_attention::configs,
         "instantiated (family, block_k, q_groups, key_splits, buffers)");
 }

@@ -194,6 +194,7 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   const int rounds = (tiles + WK - 1) / WK;
 
   auto load_round = [&](int round, int buf) {
+    if (p.ablate & 2) return;
     T* dst = kv_s + buf * (WK * 2 * BK * G::kRow);
     constexpr int kPerTile = BK * (D / kChunk);
     for (int c = tid; c < WK * 2 * kPerTile; c += G::kThreads) {
@@ -235,7 +236,7 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
     __syncthreads();
 
     const int key0 = (round * WK + split) * BK;
-    if (key0 < len) {
+    if (key0 < len && !(p.ablate & 1)) {
       const T* k_s = kv_s + (round % NBUF) * (WK * 2 * BK * G::kRow) + (split * 2) * BK * G::kRow;
       const T* v_s = k_s + BK * G::kRow;
       const T* qw_s = q_s + wq * 16 * G::kRow;

@@ -24,6 +24,8 @@ struct Params {
   int64_t o_sn, o_sh, o_sq;
   int n_heads, q_len, k_len, n_pool, q_tiles;
   float scale_log2;  // log2(e) / sqrt(D)
+  int ablate;        // bench-only ablation (bench/cuda_attention_ablation.py): 1 skips the dots and
+                     // softmax, 2 skips the K/V loads, 3 both; 0 in every real call
 };
 
 // Instantiated tile configs (BK keys per tile, WQ 16-query groups, WK key splits, NBUF buffered

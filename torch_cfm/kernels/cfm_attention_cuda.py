@@ -143,6 +143,7 @@ def cfm_attention_cuda(
     kv_rows: Optional[torch.Tensor],
     out: torch.Tensor,
     config: CudaAttentionConfig,
+    ablate: int = 0,
 ) -> torch.Tensor:
     """Launch the CUDA kernel into a preallocated ``out``; same contract as
     :func:`torch_cfm.kernels.cfm_attention.cfm_attention_triton` for the calls
@@ -154,6 +155,7 @@ def cfm_attention_cuda(
         key_lengths, kv_rows: optional (N,) int32; mask: optional bool (N, Q, K), any strides.
         out: (N, H, Q, 64) in q.dtype with unit stride along D; every element is written.
         config: an instantiated :class:`CudaAttentionConfig`.
+        ablate: bench only (wrong results): 1 skips the dots and softmax, 2 the K/V loads, 3 both.
     Returns:
         ``out``. No host sync, no allocation (graph-capturable), launched on the current stream.
     """
@@ -165,5 +167,5 @@ def cfm_attention_cuda(
     if kv_rows is not None and kv_rows.stride(0) != 1:
         kv_rows = kv_rows.contiguous()
     module.cfm_attention_fwd(q, k, v, key_lengths, mask, kv_rows, out,
-                             config.block_k, config.q_groups, config.key_splits, config.buffers)
+                             config.block_k, config.q_groups, config.key_splits, config.buffers, ablate)
     return out

@@ -1,0 +1,64 @@
+"""Where the CUDA attention kernel's time goes: each config timed whole and with parts switched off.
+
+ablate = 0 full kernel; 1 without the dots and softmax; 2 without the K/V loads; 3 without both
+(prologue, Q load, merge, store). Plus the floor of one small kernel per call in the same graph
+(``out.zero_()``). µs per call inside a CUDA graph of 20 calls (bench/_harness.py), bench inputs
+(ragged lengths, seed 0). Results of ablated runs are wrong by design; only the time is kept.
+
+    python3 bench/cuda_attention_ablation.py --out "$OUT"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import env_info, time_cuda_graph  # noqa: E402
+from attention import DTYPES, HEAD_DIM, HEADS, make_inputs  # noqa: E402
+
+from torch_cfm.kernels import cfm_attention_cuda as cuda_kernel  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="2,50,450;8,50,450;32,50,450")
+    ap.add_argument("--dtypes", default="fp16,fp32-tf32")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args(argv)
+    env = env_info()
+    rows = []
+    for shape in args.shapes.split(";"):
+        n, q_len, k_len = (int(x) for x in shape.split(","))
+        for dname in args.dtypes.split(","):
+            dtype, precision = DTYPES[dname]
+            inp = make_inputs(n, q_len, k_len, dtype)
+            q, k, v, lengths = inp["q"], inp["k"], inp["v"], inp["lengths"]
+            out = torch.empty(n, q_len, HEADS, HEAD_DIM, device="cuda", dtype=dtype).transpose(1, 2)
+            floor = time_cuda_graph(lambda: out.zero_(), repeats=args.repeats)["us_p50"]
+            fam = "fp32" if dtype == torch.float32 else "16bit"
+            for cfg in cuda_kernel.instantiated_configs(fam):
+                times = []
+                for ablate in range(4):
+                    fn = (lambda cfg=cfg, ablate=ablate:
+                          cuda_kernel.cfm_attention_cuda(q, k, v, lengths, None, None, out, cfg, ablate))
+                    fn()
+                    times.append(time_cuda_graph(fn, repeats=args.repeats)["us_p50"])
+                row = dict(shape=shape, dtype=dname, config=cfg.name, full=times[0], no_compute=times[1],
+                           no_loads=times[2], neither=times[3], zero_kernel=floor, gpu=env.get("gpu"),
+                           commit=env.get("commit"))
+                rows.append(row)
+                print(f"{shape:>10} {dname:<9} {cfg.name:<22} full {times[0]:6.2f}  no-compute {times[1]:6.2f}  "
+                      f"no-loads {times[2]:6.2f}  neither {times[3]:6.2f}  (zero_ kernel {floor:.2f})", flush=True)
+            with open(os.path.join(args.out, "cuda_attention_ablation.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
