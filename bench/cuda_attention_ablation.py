@@ -46,7 +46,7 @@ def main(argv=None) -> int:
                 times = []
                 for ablate in range(4):
                     fn = (lambda cfg=cfg, ablate=ablate:
-                          cuda_kernel.cfm_attention_cuda(q, k, v, lengths, None, None, out, cfg, ablate))
+                          cuda_kernel.cfm_attention_cuda(q, k, v, lengths, None, None, out, cfg, ablate=ablate))
                     fn()
                     times.append(time_cuda_graph(fn, repeats=args.repeats)["us_p50"])
                 row = dict(shape=shape, dtype=dname, config=cfg.name, full=times[0], no_compute=times[1],

@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oracle import TF32_REL_BOUND, err_rel_fro, naive_attention64
+from oracle import TF32_REL_BOUND, assert_within_oracle, err_rel_fro
 from strategies import capture_cuda_graph
 from test_cfm_attention_triton import _gpu_check, _gpu_inputs
 from torch_cfm import policy
 from torch_cfm.kernels import cfm_attention_cuda as cuda_kernel
+from torch_cfm.reference.cfm_attention import cfm_attention_reference
 
 _DTYPES = [(torch.float16, None), (torch.bfloat16, None), (torch.float32, "tf32")]
 _DTYPE_IDS = ["f16", "bf16", "f32-tf32"]
@@ -41,6 +42,26 @@ def _launch(config):
 
     run.config = config
     return run
+
+
+def _check(a: dict, dtype: torch.dtype, config) -> None:
+    """The kernel into a NaN-poisoned out vs the SPEC §6 oracle, references computed on the GPU
+    (float64 ground truth; same-dtype reference for fp16/bf16, the TF32 bound for fp32)."""
+    n, h, q_len, d = a["q"].shape
+    out = torch.full((n, q_len, h, d), float("nan"), device="cuda", dtype=dtype).transpose(1, 2)
+    cuda_kernel.cfm_attention_cuda(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], a["kv_rows"], out, config)
+    clean = {name: (x.nan_to_num() if x is not None and x.is_floating_point() else x) for name, x in a.items()}
+    args = (clean["q"], clean["k"], clean["v"], clean["key_lengths"], clean["mask"], clean["kv_rows"])
+    ref64 = cfm_attention_reference(*(x.double() if x is not None and x.is_floating_point() else x for x in args),
+                                    compute_dtype=torch.float64).cpu()
+    res = out.cpu()
+    assert torch.isfinite(res).all(), config
+    if dtype == torch.float32:
+        assert err_rel_fro(res, ref64) <= TF32_REL_BOUND, (config, err_rel_fro(res, ref64))
+    else:
+        assert_within_oracle(res, cfm_attention_reference(*args, compute_dtype=dtype).cpu(), ref64, name=str(config))
+    empty = ref64.abs().amax(dim=-1) == 0
+    assert (res.double().abs().amax(dim=-1)[empty] == 0).all(), config
 
 
 # ---------------------------------------------------------------------------------------------- CPU
@@ -78,7 +99,16 @@ def test_gpu_every_config_matches_oracle(dtype, precision, shape) -> None:
     for i, config in enumerate(_configs(dtype)):
         a = _gpu_inputs(n, h, q_len, k_len, 64, dtype, mask=(i % 2 == 0), pool=(n + 2 if i % 3 == 0 else 0),
                         seed=i + k_len)
-        _gpu_check(a, dtype, precision, launch=_launch(config))
+        _check(a, dtype, config)
+
+
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize("dtype,precision", _DTYPES, ids=_DTYPE_IDS)
+def test_gpu_default_config_against_naive_oracle(dtype, precision) -> None:
+    """The forced config once against the loop-per-row float64 oracle of tests/oracle.py."""
+    a = _gpu_inputs(3, 2, 37, 300, 64, dtype, mask=True, pool=5)
+    _gpu_check(a, dtype, precision, launch=_launch(cuda_kernel.default_config(dtype)))
 
 
 @pytest.mark.gpu
@@ -91,21 +121,11 @@ def test_gpu_edge_lengths_and_nan_padding(dtype, precision) -> None:
     for config in _configs(dtype):
         a = _gpu_inputs(n, 2, 21, k_len, 64, dtype, seed=config.block_k)
         a["key_lengths"] = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-        cache = a["k"]._base if a["k"]._base is not None else None
+        cache = a["k"]._base
         assert cache is not None
         for row, length in enumerate(lengths):
             cache[row, :, max(min(length, k_len), 0):] = float("nan")
-        n_, h, q_len, d = a["q"].shape
-        out = torch.full((n_, q_len, h, d), float("nan"), device="cuda", dtype=dtype).transpose(1, 2)
-        cuda_kernel.cfm_attention_cuda(a["q"], a["k"], a["v"], a["key_lengths"], None, None, out, config)
-        torch.cuda.synchronize()
-        cpu = {key: (val.cpu() if val is not None else None) for key, val in a.items()}
-        ref64 = naive_attention64(cpu["q"], cpu["k"].nan_to_num(), cpu["v"].nan_to_num(), cpu["key_lengths"])
-        res = out.cpu()
-        assert torch.isfinite(res).all(), config
-        assert (res[0] == 0).all(), "a row with key length 0 must be exactly 0"
-        bound = TF32_REL_BOUND if dtype == torch.float32 else 2e-2
-        assert err_rel_fro(res, ref64) <= bound, (config, err_rel_fro(res, ref64))
+        _check(a, dtype, config)
 
 
 @pytest.mark.gpu

@@ -18,12 +18,12 @@ namespace torch_cfm {
 namespace cuda_attention {
 
 // Writes cfm_attention(q, k, v, ...) into `out` (N, H, Q, D) with tile config (block_k, q_groups,
-// key_splits, buffers). Raises ValueError for inputs outside the kernel's coverage or a config that
+// key_splits, buffers), as a programmatic dependent launch when `pdl` (SM90+). Raises ValueError for inputs outside the kernel's coverage or a config that
 // is not instantiated; the Python side checks both first, so these are the last line only.
 void cfm_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const c10::optional<at::Tensor>& key_lengths, const c10::optional<at::Tensor>& mask,
                        const c10::optional<at::Tensor>& kv_rows, at::Tensor& out, int64_t block_k,
-                       int64_t q_groups, int64_t key_splits, int64_t buffers, int64_t ablate) {
+                       int64_t q_groups, int64_t key_splits, int64_t buffers, bool pdl, int64_t ablate) {
   TORCH_CHECK_VALUE(q.is_cuda() && q.dim() == 4 && q.size(3) == 64,
                     "cfm_attention (CUDA kernel): needs CUDA inputs with D = 64");
   TORCH_CHECK_VALUE(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && out.stride(3) == 1,
@@ -58,13 +58,13 @@ void cfm_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   bool launched = false;
   switch (q.scalar_type()) {
     case at::kHalf:
-      launched = launch_f16(p, blocks, bk, wq, wk, nbuf, stream);
+      launched = launch_f16(p, blocks, bk, wq, wk, nbuf, pdl, stream);
       break;
     case at::kBFloat16:
-      launched = launch_bf16(p, blocks, bk, wq, wk, nbuf, stream);
+      launched = launch_bf16(p, blocks, bk, wq, wk, nbuf, pdl, stream);
       break;
     case at::kFloat:
-      launched = launch_f32(p, blocks, bk, wq, wk, nbuf, stream);
+      launched = launch_f32(p, blocks, bk, wq, wk, nbuf, pdl, stream);
       break;
     default:
       break;
@@ -96,7 +96,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "cfm_attention into a preallocated out (D = 64, validated inputs)", pybind11::arg("q"), pybind11::arg("k"),
         pybind11::arg("v"), pybind11::arg("key_lengths"), pybind11::arg("mask"), pybind11::arg("kv_rows"),
         pybind11::arg("out"), pybind11::arg("block_k"), pybind11::arg("q_groups"), pybind11::arg("key_splits"),
-        pybind11::arg("buffers"), pybind11::arg("ablate") = 0);
+        pybind11::arg("buffers"), pybind11::arg("pdl") = false, pybind11::arg("ablate") = 0);
   m.def("configs", &torch_cfm::cuda_attention::configs,
         "instantiated (family, block_k, q_groups, key_splits, buffers)");
 }

@@ -59,11 +59,9 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(smem_addr(p)));
 }
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
-}
+// An fp32 value as a TF32 mma operand: the tensor core reads the top 19 bits (round toward zero),
+// as Triton's TF32 dots do; a cvt.rna per operand cost more than the dots at these sizes.
+__device__ __forceinline__ uint32_t tf32_operand(float x) { return __float_as_uint(x); }
 
 // Per-dtype pieces: the m16n8kK MMA, the P conversion and the output store.
 template <typename T>
@@ -169,6 +167,12 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   const int wq = warp % WQ, split = warp / WQ;
   const int g = lane / 4, t = lane % 4;
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Programmatic dependent launch (a no-op unless launched with the attribute): wait for the
+  // previous kernel's writes before the first global read, and let the next kernel get scheduled.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" :::);
+#endif
   const int q_tile = blockIdx.x % p.q_tiles;
   const int row_head = blockIdx.x / p.q_tiles;
   const int n = row_head / p.n_heads, h = row_head % p.n_heads;
@@ -191,22 +195,33 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   }
 
   const int tiles = (len + BK - 1) / BK;
-  const int rounds = (tiles + WK - 1) / WK;
+  // Split `split` walks tiles split, split + WK, ...: its own pipeline of NBUF buffers, loaded by
+  // its own WQ warps and synchronised with a named barrier, so a split starts on its first tile as
+  // soon as that tile has landed instead of waiting for the whole CTA's loads.
+  const int my_tiles = split < tiles ? (tiles - split + WK - 1) / WK : 0;
+  constexpr int kSplitThreads = WQ * 32;
+  const int stid = tid - split * kSplitThreads;
+  T* split_kv = kv_s + split * (NBUF * 2 * BK * G::kRow);
 
-  auto load_round = [&](int round, int buf) {
-    if (p.ablate & 2) return;
-    T* dst = kv_s + buf * (WK * 2 * BK * G::kRow);
-    constexpr int kPerTile = BK * (D / kChunk);
-    for (int c = tid; c < WK * 2 * kPerTile; c += G::kThreads) {
-      const int slot = c / (2 * kPerTile);  // key split of the round
-      const int rem = c % (2 * kPerTile);
-      const int is_v = rem / kPerTile;
-      const int r = (rem % kPerTile) / (D / kChunk), col = (rem % (D / kChunk)) * kChunk;
-      const int key = (round * WK + slot) * BK + r;
-      const bool ok = key < len;
-      const T* src = is_v ? v_base + key * p.v_sk + col : k_base + key * p.k_sk + col;
-      cp_async16(dst + ((slot * 2 + is_v) * BK + r) * G::kRow + col, ok ? src : k_base, ok ? 16 : 0);
+  auto load_tile = [&](int i) {  // the split's i-th tile into buffer i % NBUF (always one commit group)
+    if (i < my_tiles && !(p.ablate & 2)) {
+      T* dst = split_kv + (i % NBUF) * (2 * BK * G::kRow);
+      const int key_base = (i * WK + split) * BK;
+      constexpr int kPerTile = BK * (D / kChunk);
+#pragma unroll
+      for (int c = stid; c < 2 * kPerTile; c += kSplitThreads) {
+        const int is_v = c / kPerTile;
+        const int r = (c % kPerTile) / (D / kChunk), col = (c % (D / kChunk)) * kChunk;
+        const int key = key_base + r;
+        const bool ok = key < len;
+        const T* src = is_v ? v_base + key * p.v_sk + col : k_base + key * p.k_sk + col;
+        cp_async16(dst + (is_v * BK + r) * G::kRow + col, ok ? src : k_base, ok ? 16 : 0);
+      }
     }
+    cp_async_commit();
+  };
+  auto split_barrier = [&]() {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(1 + split), "n"(kSplitThreads) : "memory");
   };
 
   float o[D / 8][4];
@@ -222,22 +237,19 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
     mask1 = p.mask + n * p.m_sn + min(qi1, p.q_len - 1) * p.m_sq;
   }
 
-  if (rounds > 0) load_round(0, 0);
-  cp_async_commit();
+  cp_async_commit();  // the Q tile's group
+#pragma unroll
+  for (int i = 0; i < NBUF; ++i) load_tile(i);
+  cp_async_wait<NBUF>();  // this thread's Q copies; every thread's after the barrier
+  __syncthreads();
 
-  for (int round = 0; round < rounds; ++round) {
-    if (NBUF == 2 && round + 1 < rounds) {
-      load_round(round + 1, (round + 1) % 2);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();
+  for (int it = 0; it < my_tiles; ++it) {
+    cp_async_wait<NBUF - 1>();
+    split_barrier();  // tile `it` of every thread of the split has landed
 
-    const int key0 = (round * WK + split) * BK;
-    if (key0 < len && !(p.ablate & 1)) {
-      const T* k_s = kv_s + (round % NBUF) * (WK * 2 * BK * G::kRow) + (split * 2) * BK * G::kRow;
+    const int key0 = (it * WK + split) * BK;
+    if (!(p.ablate & 1)) {
+      const T* k_s = split_kv + (it % NBUF) * (2 * BK * G::kRow);
       const T* v_s = k_s + BK * G::kRow;
       const T* qw_s = q_s + wq * 16 * G::kRow;
 
@@ -250,14 +262,14 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
         uint32_t a[4];
         if constexpr (kTf32) {
           const float* qf = reinterpret_cast<const float*>(qw_s);
-          a[0] = to_tf32(qf[g * G::kRow + kk * 8 + t]);
-          a[1] = to_tf32(qf[(g + 8) * G::kRow + kk * 8 + t]);
-          a[2] = to_tf32(qf[g * G::kRow + kk * 8 + t + 4]);
-          a[3] = to_tf32(qf[(g + 8) * G::kRow + kk * 8 + t + 4]);
+          a[0] = tf32_operand(qf[g * G::kRow + kk * 8 + t]);
+          a[1] = tf32_operand(qf[(g + 8) * G::kRow + kk * 8 + t]);
+          a[2] = tf32_operand(qf[g * G::kRow + kk * 8 + t + 4]);
+          a[3] = tf32_operand(qf[(g + 8) * G::kRow + kk * 8 + t + 4]);
 #pragma unroll
           for (int j = 0; j < BK / 8; ++j) {
             const float* kf = reinterpret_cast<const float*>(k_s) + (j * 8 + g) * G::kRow + kk * 8 + t;
-            Mma<T>::run(s[j], a, to_tf32(kf[0]), to_tf32(kf[4]));
+            Mma<T>::run(s[j], a, tf32_operand(kf[0]), tf32_operand(kf[4]));
           }
         } else {
           ldmatrix_x4(a, qw_s + (lane % 16) * G::kRow + kk * 16 + (lane / 16) * 8);
@@ -271,17 +283,23 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
         }
       }
 
-      // Scale, mask, online softmax over the two rows this thread holds.
+      // Mask (tiles past the row's length or under a mask only), online softmax over the two rows
+      // this thread holds. Scores stay unscaled until the exponent: p = 2^(s·scale − m), one FFMA.
+      if (mask0 != nullptr || key0 + BK > len) {
+#pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = key0 + j * 8 + 2 * t + (e & 1);
+            bool ok = key < len;
+            if (mask0 != nullptr && ok) ok = (e < 2 ? mask0 : mask1)[key * p.m_sk] != 0;
+            s[j][e] = ok ? s[j][e] : -INFINITY;
+          }
+        }
+      }
       float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
       for (int j = 0; j < BK / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key0 + j * 8 + 2 * t + (e & 1);
-          bool ok = key < len;
-          if (mask0 != nullptr && ok) ok = (e < 2 ? mask0 : mask1)[key * p.m_sk] != 0;
-          s[j][e] = ok ? s[j][e] * p.scale_log2 : -INFINITY;
-        }
         mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
         mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
       }
@@ -290,7 +308,7 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
         mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
         mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
       }
-      const float new0 = fmaxf(m0, mx0), new1 = fmaxf(m1, mx1);
+      const float new0 = fmaxf(m0, mx0 * p.scale_log2), new1 = fmaxf(m1, mx1 * p.scale_log2);
       const float ref0 = new0 == -INFINITY ? 0.f : new0, ref1 = new1 == -INFINITY ? 0.f : new1;
       const float alpha0 = fast_exp2(m0 - ref0), alpha1 = fast_exp2(m1 - ref1);
       m0 = new0;
@@ -298,10 +316,10 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
       float sum0 = 0.f, sum1 = 0.f;
 #pragma unroll
       for (int j = 0; j < BK / 8; ++j) {
-        s[j][0] = fast_exp2(s[j][0] - ref0);
-        s[j][1] = fast_exp2(s[j][1] - ref0);
-        s[j][2] = fast_exp2(s[j][2] - ref1);
-        s[j][3] = fast_exp2(s[j][3] - ref1);
+        s[j][0] = fast_exp2(fmaf(s[j][0], p.scale_log2, -ref0));
+        s[j][1] = fast_exp2(fmaf(s[j][1], p.scale_log2, -ref0));
+        s[j][2] = fast_exp2(fmaf(s[j][2], p.scale_log2, -ref1));
+        s[j][3] = fast_exp2(fmaf(s[j][3], p.scale_log2, -ref1));
         sum0 += s[j][0] + s[j][1];
         sum1 += s[j][2] + s[j][3];
       }
@@ -321,10 +339,10 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
         // the A fragment's columns t and t+4 and take V's rows in the same order.
 #pragma unroll
         for (int j = 0; j < BK / 8; ++j) {
-          const uint32_t a[4] = {to_tf32(s[j][0]), to_tf32(s[j][2]), to_tf32(s[j][1]), to_tf32(s[j][3])};
+          const uint32_t a[4] = {tf32_operand(s[j][0]), tf32_operand(s[j][2]), tf32_operand(s[j][1]), tf32_operand(s[j][3])};
           const float* vf = reinterpret_cast<const float*>(v_s) + (j * 8 + 2 * t) * G::kRow + g;
 #pragma unroll
-          for (int i = 0; i < D / 8; ++i) Mma<T>::run(o[i], a, to_tf32(vf[i * 8]), to_tf32(vf[G::kRow + i * 8]));
+          for (int i = 0; i < D / 8; ++i) Mma<T>::run(o[i], a, tf32_operand(vf[i * 8]), tf32_operand(vf[G::kRow + i * 8]));
         }
       } else {
 #pragma unroll
@@ -342,13 +360,10 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
         }
       }
     }
-    __syncthreads();  // every warp is done with this buffer before it is refilled
-    if (NBUF == 1 && round + 1 < rounds) {
-      load_round(round + 1, 0);
-      cp_async_commit();
-    }
+    split_barrier();  // the split is done with this buffer before it is refilled
+    load_tile(it + NBUF);
   }
-  cp_async_wait<0>();  // the Q tile's group when there was no round
+  cp_async_wait<0>();
 
   // Merge the WK splits: (m, l) per split and query, then rescaled partial O summed in order.
 #pragma unroll

@@ -7,14 +7,24 @@ namespace torch_cfm {
 namespace cuda_attention {
 
 template <typename T, int D, int BK, int WQ, int WK, int NBUF>
-void launch_config(const Params& p, int blocks, cudaStream_t stream) {
+void launch_config(const Params& p, int blocks, bool pdl, cudaStream_t stream) {
   using G = Geometry<T, D, BK, WQ, WK, NBUF>;
   auto kernel = cfm_attention_fwd_kernel<T, D, BK, WQ, WK, NBUF>;
   // Above 48 KB of dynamic shared memory needs an opt-in per kernel (host-side attribute, no sync).
   static const cudaError_t attribute =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
   (void)attribute;  // a failure here surfaces as the launch error the caller checks
-  kernel<<<blocks, G::kThreads, G::kSmemBytes, stream>>>(p);
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(G::kThreads);
+  config.dynamicSmemBytes = G::kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute attributes[1];
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attributes;
+  config.numAttrs = pdl ? 1 : 0;
+  cudaLaunchKernelEx(&config, kernel, p);  // errors surface through the caller's launch check
 }
 
 }  // namespace cuda_attention
@@ -22,6 +32,6 @@ void launch_config(const Params& p, int blocks, cudaStream_t stream) {
 
 #define TORCH_CFM_LAUNCH_CASE(BK, WQ, WK, NBUF)                      \
   if (bk == BK && wq == WQ && wk == WK && nbuf == NBUF) {            \
-    launch_config<T, 64, BK, WQ, WK, NBUF>(p, blocks, stream);       \
+    launch_config<T, 64, BK, WQ, WK, NBUF>(p, blocks, pdl, stream);       \
     return true;                                                     \
   }

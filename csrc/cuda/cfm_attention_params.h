@@ -45,10 +45,11 @@ struct Params {
   X(32, 2, 4, 2)                \
   X(32, 4, 2, 2)
 
-// Launch over `blocks` CTAs on `stream`; false when (bk, wq, wk, nbuf) is not instantiated.
-bool launch_f16(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, cudaStream_t stream);
-bool launch_bf16(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, cudaStream_t stream);
-bool launch_f32(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, cudaStream_t stream);
+// Launch over `blocks` CTAs on `stream`, with programmatic dependent launch when `pdl`; false when
+// (bk, wq, wk, nbuf) is not instantiated.
+bool launch_f16(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, bool pdl, cudaStream_t stream);
+bool launch_bf16(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, bool pdl, cudaStream_t stream);
+bool launch_f32(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, bool pdl, cudaStream_t stream);
 
 }  // namespace cuda_attention
 }  // namespace torch_cfm

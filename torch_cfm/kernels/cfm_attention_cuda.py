@@ -143,6 +143,7 @@ def cfm_attention_cuda(
     kv_rows: Optional[torch.Tensor],
     out: torch.Tensor,
     config: CudaAttentionConfig,
+    pdl: Optional[bool] = None,
     ablate: int = 0,
 ) -> torch.Tensor:
     """Launch the CUDA kernel into a preallocated ``out``; same contract as
@@ -155,6 +156,8 @@ def cfm_attention_cuda(
         key_lengths, kv_rows: optional (N,) int32; mask: optional bool (N, Q, K), any strides.
         out: (N, H, Q, 64) in q.dtype with unit stride along D; every element is written.
         config: an instantiated :class:`CudaAttentionConfig`.
+        pdl: programmatic dependent launch; None = the Triton kernel's rule (one wave of CTAs, SM90+,
+            ``TORCH_CFM_PDL`` not off).
         ablate: bench only (wrong results): 1 skips the dots and softmax, 2 the K/V loads, 3 both.
     Returns:
         ``out``. No host sync, no allocation (graph-capturable), launched on the current stream.
@@ -166,6 +169,13 @@ def cfm_attention_cuda(
         key_lengths = key_lengths.contiguous()
     if kv_rows is not None and kv_rows.stride(0) != 1:
         kv_rows = kv_rows.contiguous()
-    module.cfm_attention_fwd(q, k, v, key_lengths, mask, kv_rows, out,
-                             config.block_k, config.q_groups, config.key_splits, config.buffers, ablate)
+    if pdl is None:
+        from .. import policy
+        from ._launch import sm_count
+        from .cfm_attention import use_pdl
+
+        ctas = q.shape[0] * q.shape[1] * -(-q.shape[2] // (16 * config.q_groups))
+        pdl = policy.pdl_allowed(q.device) and use_pdl(ctas, sm_count(q.device))
+    module.cfm_attention_fwd(q, k, v, key_lengths, mask, kv_rows, out, config.block_k, config.q_groups,
+                             config.key_splits, config.buffers, pdl, ablate)
     return out
