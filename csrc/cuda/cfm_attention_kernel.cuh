@@ -188,10 +188,15 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   const T* v_base = static_cast<const T*>(p.v) + kv_row * p.v_sn + h * p.v_sh;
 
   // Q tile: queries past Q are zero-filled (their results are never stored).
-  for (int c = tid; c < G::kQRows * (D / kChunk); c += G::kThreads) {
-    const int r = c / (D / kChunk), col = (c % (D / kChunk)) * kChunk;
-    const bool ok = q0 + r < p.q_len;
-    cp_async16(q_s + r * G::kRow + col, ok ? q_base + (q0 + r) * p.q_sq + col : q_base, ok ? 16 : 0);
+  {
+    constexpr int kChunksPerRow = D / kChunk;
+    constexpr int kRowsPerPass = G::kThreads / kChunksPerRow;
+    const int r0 = tid / kChunksPerRow, col0 = (tid % kChunksPerRow) * kChunk;
+#pragma unroll
+    for (int r = r0; r < G::kQRows; r += kRowsPerPass) {
+      const bool ok = q0 + r < p.q_len;
+      cp_async16(q_s + r * G::kRow + col0, ok ? q_base + (q0 + r) * p.q_sq + col0 : q_base, ok ? 16 : 0);
+    }
   }
 
   const int tiles = (len + BK - 1) / BK;
@@ -203,19 +208,28 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   const int stid = tid - split * kSplitThreads;
   T* split_kv = kv_s + split * (NBUF * 2 * BK * G::kRow);
 
+  // Copy geometry: a split's threads cover kRowsPerPass rows of 16-byte chunks per pass, so each
+  // thread copies the same column of rows r0, r0 + kRowsPerPass, ... in every tile; its global
+  // addresses advance by constant steps (a few instructions per copy instead of index math).
+  constexpr int kChunksPerRow = D / kChunk;
+  constexpr int kRowsPerPass = kSplitThreads / kChunksPerRow;
+  static_assert(kSplitThreads % kChunksPerRow == 0 && BK % kRowsPerPass == 0, "whole copy passes per tile");
+  const int r0 = stid / kChunksPerRow, col0 = (stid % kChunksPerRow) * kChunk;
+  const int64_t k_step = kRowsPerPass * p.k_sk, v_step = kRowsPerPass * p.v_sk;
+
   auto load_tile = [&](int i) {  // the split's i-th tile into buffer i % NBUF (always one commit group)
     if (i < my_tiles && !(p.ablate & 2)) {
-      T* dst = split_kv + (i % NBUF) * (2 * BK * G::kRow);
-      const int key_base = (i * WK + split) * BK;
-      constexpr int kPerTile = BK * (D / kChunk);
+      T* dst = split_kv + (i % NBUF) * (2 * BK * G::kRow) + r0 * G::kRow + col0;
+      const int key_first = (i * WK + split) * BK + r0;
+      const T* kp = k_base + key_first * p.k_sk + col0;
+      const T* vp = v_base + key_first * p.v_sk + col0;
 #pragma unroll
-      for (int c = stid; c < 2 * kPerTile; c += kSplitThreads) {
-        const int is_v = c / kPerTile;
-        const int r = (c % kPerTile) / (D / kChunk), col = (c % (D / kChunk)) * kChunk;
-        const int key = key_base + r;
-        const bool ok = key < len;
-        const T* src = is_v ? v_base + key * p.v_sk + col : k_base + key * p.k_sk + col;
-        cp_async16(dst + (is_v * BK + r) * G::kRow + col, ok ? src : k_base, ok ? 16 : 0);
+      for (int j = 0; j < BK / kRowsPerPass; ++j) {
+        const bool ok = key_first + j * kRowsPerPass < len;
+        cp_async16(dst + j * kRowsPerPass * G::kRow, ok ? kp : k_base, ok ? 16 : 0);
+        cp_async16(dst + (BK + j * kRowsPerPass) * G::kRow, ok ? vp : v_base, ok ? 16 : 0);
+        kp += k_step;
+        vp += v_step;
       }
     }
     cp_async_commit();
@@ -285,15 +299,32 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
 
       // Mask (tiles past the row's length or under a mask only), online softmax over the two rows
       // this thread holds. Scores stay unscaled until the exponent: p = 2^(s·scale − m), one FFMA.
-      if (mask0 != nullptr || key0 + BK > len) {
+      if (mask0 != nullptr) {
+        // Every mask byte of the tile is loaded before any is used (independent loads, one round
+        // trip); keys past the length read a clamped, valid address and are dropped by `ok`.
+        uint8_t keep[BK / 8][4];
 #pragma unroll
         for (int j = 0; j < BK / 8; ++j) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int key = key0 + j * 8 + 2 * t + (e & 1);
-            bool ok = key < len;
-            if (mask0 != nullptr && ok) ok = (e < 2 ? mask0 : mask1)[key * p.m_sk] != 0;
+            const int key = min(key0 + j * 8 + 2 * t + (e & 1), p.k_len - 1);
+            keep[j][e] = __ldg((e < 2 ? mask0 : mask1) + key * p.m_sk);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const bool ok = key0 + j * 8 + 2 * t + (e & 1) < len && keep[j][e] != 0;
             s[j][e] = ok ? s[j][e] : -INFINITY;
+          }
+        }
+      } else if (key0 + BK > len) {
+#pragma unroll
+        for (int j = 0; j < BK / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (key0 + j * 8 + 2 * t + (e & 1) >= len) s[j][e] = -INFINITY;
           }
         }
       }
