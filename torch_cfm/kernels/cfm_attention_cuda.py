@@ -101,9 +101,11 @@ def not_supported_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre
     elif torch.version.hip is not None:
         reasons.append("needs NVIDIA CUDA, found HIP/ROCm")
     else:
-        cap = torch.cuda.get_device_capability(q.device)
-        if cap < MIN_CAPABILITY:
-            reasons.append(f"needs SM{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]}+, found SM{cap[0]}{cap[1]}")
+        from .. import policy
+
+        cap = policy.device_capability(q.device)  # cached: this runs on every eager call
+        if cap is None or cap < MIN_CAPABILITY:
+            reasons.append(f"needs SM{MIN_CAPABILITY[0]}{MIN_CAPABILITY[1]}+, found {f'SM{cap[0]}{cap[1]}' if cap else 'none'}")
     if q.shape[-1] != HEAD_DIM:
         reasons.append(f"covers D = {HEAD_DIM} only, got D = {q.shape[-1]}")
     if q.dtype == torch.float32 and precision != "tf32":
@@ -117,21 +119,41 @@ def not_supported_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre
     return reasons
 
 
-def default_config(dtype: torch.dtype) -> Optional[CudaAttentionConfig]:
-    """The config used when the CUDA kernel is forced (env ``TORCH_CFM_ATTENTION_KERNEL=cuda``):
-    32 queries per CTA, 8 key splits. None when not built."""
-    fam = _family(dtype)
-    want = CudaAttentionConfig(32, 2, 8, 2) if fam == "16bit" else CudaAttentionConfig(16, 2, 8, 2)
-    return want if want in instantiated_configs(fam) else None
+def default_config(dtype: torch.dtype) -> CudaAttentionConfig:
+    """The config used where :func:`choose_config` has no rule but the CUDA kernel is forced (env
+    ``TORCH_CFM_ATTENTION_KERNEL=cuda``): 32 queries per CTA, 4 key splits (the fastest fp16 and
+    TF32 configs at (8, 50, 450), session 11 sweep)."""
+    return CudaAttentionConfig(64, 2, 4, 2) if _family(dtype) == "16bit" else CudaAttentionConfig(32, 2, 4, 2)
 
 
 def choose_config(dtype: torch.dtype, rows_heads: int, q_len: int, k_len: int,
                   n_sm: int) -> Optional[CudaAttentionConfig]:
-    """The tile config for a call, or None where the Triton kernel is expected to be faster.
+    """The CUDA kernel's tile config for a call, or None where the Triton kernel is as fast or faster.
 
-    Rule (first version, before any GPU sweep): :func:`default_config` everywhere.
+    The rule covers only what the session 11 sweep measured on the H200 (H = 8, D = 64, ragged
+    lengths; bench/NOTES_attention.md, run 13), Q <= 64 and K <= 1024:
+
+    * fp16/bf16: one CTA of 16 queries and 8 key splits of 64 keys per (row, head, 16 queries)
+      when that grid is one wave and K <= 512 (every split walks at most one tile): (2, 50, 450)
+      4.6 µs vs Triton's 5.5. Larger grids stay on Triton ((8, 50, 450): 6.2 vs 6.3-6.4 µs).
+    * fp32 (TF32): 32 queries × 4 splits of 32 keys when that grid fills between half and one
+      wave ((8, 50, 450): 9.1 µs vs 11.3); 64 queries × 2 splits beyond one wave ((32, 50, 450):
+      24.1 vs 25.4). Fewer CTAs stay on Triton's split-K ((2, 50, 450): 7.1 vs 7.7).
+
+    A pure rule (no device or build query): the caller checks :func:`not_supported_reasons`.
     """
-    return default_config(dtype)
+    if q_len > 64 or k_len > 1024:
+        return None
+    if dtype == torch.float32:
+        ctas_q32 = rows_heads * -(-q_len // 32)
+        if n_sm // 2 < ctas_q32 <= n_sm:
+            return CudaAttentionConfig(32, 2, 4, 2)
+        if rows_heads * -(-q_len // 64) > n_sm:
+            return CudaAttentionConfig(32, 4, 2, 2)
+        return None
+    if rows_heads * -(-q_len // 16) <= n_sm and k_len <= 512:
+        return CudaAttentionConfig(64, 1, 8, 1)
+    return None
 
 
 def cfm_attention_cuda(

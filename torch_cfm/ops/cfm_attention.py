@@ -136,8 +136,10 @@ def _cfm_attention_cuda(q, k, v, key_lengths=None, mask=None, kv_rows=None, prec
         reasons = cuda_kernel.not_supported_reasons(q, k, v, precision)
         config = None
         if not reasons:
-            config = (cuda_kernel.default_config(q.dtype) if choice == "cuda" else cuda_kernel.choose_config(
-                q.dtype, q.shape[0] * q.shape[1], q.shape[2], k.shape[2], sm_count(q.device)))
+            config = cuda_kernel.choose_config(q.dtype, q.shape[0] * q.shape[1], q.shape[2], k.shape[2],
+                                               sm_count(q.device))
+            if config is None and choice == "cuda":
+                config = cuda_kernel.default_config(q.dtype)
         if config is not None:
             return cuda_kernel.cfm_attention_cuda(q, k, v, key_lengths, mask, kv_rows, out, config)
         if choice == "cuda":
