@@ -88,13 +88,14 @@ def test_not_supported_reasons_name_each_gap() -> None:
 
 def test_choose_config_rule() -> None:
     """The measured regimes of the rule (H200, 132 SMs) and its limits."""
-    rule = cuda_kernel.choose_config
-    assert rule(torch.float16, 16, 50, 450, 132) == cuda_kernel.CudaAttentionConfig(64, 1, 8, 1)
-    assert rule(torch.bfloat16, 16, 50, 450, 132) == cuda_kernel.CudaAttentionConfig(64, 1, 8, 1)
-    assert rule(torch.float16, 64, 50, 450, 132) is None  # 256 CTAs: Triton
-    assert rule(torch.float16, 16, 50, 600, 132) is None  # a split would walk 2 tiles
-    assert rule(torch.float32, 64, 50, 450, 132) == cuda_kernel.CudaAttentionConfig(32, 2, 4, 2)
-    assert rule(torch.float32, 256, 50, 450, 132) == cuda_kernel.CudaAttentionConfig(32, 4, 2, 2)
+    rule, C = cuda_kernel.choose_config, cuda_kernel.CudaAttentionConfig
+    assert rule(torch.float16, 16, 50, 450, 132) == C(64, 1, 8, 1)
+    assert rule(torch.bfloat16, 16, 50, 450, 132) == C(64, 1, 8, 1)
+    assert rule(torch.float16, 64, 50, 450, 132) == C(64, 4, 2, 2, 2)  # 2-CTA clusters, one wave
+    assert rule(torch.float16, 256, 50, 450, 132) is None  # beyond one wave: Triton
+    assert rule(torch.float16, 16, 50, 600, 132) == C(64, 4, 2, 2, 2)  # a 16-query split would walk 2 tiles
+    assert rule(torch.float32, 64, 50, 450, 132) == C(32, 4, 2, 2, 2)
+    assert rule(torch.float32, 256, 50, 450, 132) == C(32, 4, 2, 2)
     assert rule(torch.float32, 16, 50, 450, 132) is None  # few CTAs: Triton's split-K
     assert rule(torch.float16, 16, 100, 450, 132) is None and rule(torch.float32, 64, 50, 2000, 132) is None
 
@@ -187,13 +188,13 @@ def test_gpu_op_dispatch_follows_env(monkeypatch) -> None:
     from torch_cfm.kernels._launch import sm_count
     from torch_cfm.kernels.cfm_attention import cfm_attention_triton
 
-    for n in (2, 8):  # (2, 50, 450) fp16 is the CUDA kernel's by the rule, (8, 50, 450) Triton's
+    for n in (2, 32):  # (2, 50, 450) fp16 is the CUDA kernel's by the rule, (32, 50, 450) Triton's
         a = _gpu_inputs(n, 8, 50, 450, 64, torch.float16, seed=n)
         args = (a["q"], a["k"], a["v"])
         monkeypatch.setenv(policy.ENV_ATTENTION_KERNEL, "auto")
         got = torch.ops.torch_cfm.cfm_attention(*args, key_lengths=a["key_lengths"])
         config = cuda_kernel.choose_config(torch.float16, n * 8, 50, 450, sm_count(a["q"].device))
-        assert (config is not None) == (n == 2)
+        assert (config is not None) == (n == 2)  # on a GPU of 64-255 SMs
         want = torch.empty_like(got)
         if config is not None:
             cuda_kernel.cfm_attention_cuda(*args, a["key_lengths"], None, None, want, config)

@@ -17,6 +17,7 @@
 // standalone with nvcc (register checks: nvcc -Xptxas -v).
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -132,7 +133,7 @@ __device__ __forceinline__ void store4<float>(float* dst, float a, float b, floa
 
 // Shared-memory geometry of one instantiation. Rows are padded by 16 bytes: with that, ldmatrix
 // (16-bit) and the TF32 scalar fragment loads hit 8 / 32 distinct banks per instruction.
-template <typename T, int D, int BK, int WQ, int WK, int NBUF>
+template <typename T, int D, int BK, int WQ, int WK, int NBUF, int C>
 struct Geometry {
   static constexpr int kPad = 16 / sizeof(T);
   static constexpr int kRow = D + kPad;  // elements per shared row
@@ -145,12 +146,14 @@ struct Geometry {
   static constexpr int kRedBytes = WK * kQRows * kRedRow * 4;
   static constexpr int kMainBytes = kKVBytes > kRedBytes ? kKVBytes : kRedBytes;
   static constexpr int kStatBytes = WK * kQRows * 2 * 4;  // (m, l) per split and query
-  static constexpr int kSmemBytes = kQBytes + kMainBytes + kStatBytes;
+  static constexpr int kCtaStatBytes = C > 1 ? kQRows * 2 * 4 : 0;  // the CTA's (max, sum) per query
+  static constexpr int kSmemBytes = kQBytes + kMainBytes + kStatBytes + kCtaStatBytes;
 };
 
-template <typename T, int D, int BK, int WQ, int WK, int NBUF>
+template <typename T, int D, int BK, int WQ, int WK, int NBUF, int C>
 __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(const Params p) {
-  using G = Geometry<T, D, BK, WQ, WK, NBUF>;
+  using G = Geometry<T, D, BK, WQ, WK, NBUF, C>;
+  static_assert(C == 1 || C == 2 || C == 4, "cluster of 1, 2 or 4 CTAs");
   static_assert(BK % 16 == 0 && D % 16 == 0, "tiles are whole MMA steps");
   constexpr int kChunk = 16 / sizeof(T);  // elements per 16-byte copy
   constexpr int kMmaK = Mma<T>::K;
@@ -161,6 +164,7 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   T* kv_s = reinterpret_cast<T*>(smem + G::kQBytes);
   float* red_s = reinterpret_cast<float*>(smem + G::kQBytes);
   float* stat_s = reinterpret_cast<float*>(smem + G::kQBytes + G::kMainBytes);
+  float* cta_stat_s = reinterpret_cast<float*>(smem + G::kQBytes + G::kMainBytes + G::kStatBytes);
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
@@ -173,8 +177,12 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" :::);
 #endif
-  const int q_tile = blockIdx.x % p.q_tiles;
-  const int row_head = blockIdx.x / p.q_tiles;
+  // C > 1: a cluster of C CTAs shares one (row, head, query tile) and deals the key tiles over
+  // all C · WK splits; the CTAs merge through distributed shared memory at the end (SM90).
+  const int rank = C > 1 ? static_cast<int>(blockIdx.x % C) : 0;
+  const int work = C > 1 ? static_cast<int>(blockIdx.x / C) : static_cast<int>(blockIdx.x);
+  const int q_tile = work % p.q_tiles;
+  const int row_head = work / p.q_tiles;
   const int n = row_head / p.n_heads, h = row_head % p.n_heads;
   const int q0 = q_tile * G::kQRows;
 
@@ -203,7 +211,9 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   // Split `split` walks tiles split, split + WK, ...: its own pipeline of NBUF buffers, loaded by
   // its own WQ warps and synchronised with a named barrier, so a split starts on its first tile as
   // soon as that tile has landed instead of waiting for the whole CTA's loads.
-  const int my_tiles = split < tiles ? (tiles - split + WK - 1) / WK : 0;
+  constexpr int kSplits = C * WK;  // key splits of the whole cluster
+  const int gsplit = rank * WK + split;
+  const int my_tiles = gsplit < tiles ? (tiles - gsplit + kSplits - 1) / kSplits : 0;
   constexpr int kSplitThreads = WQ * 32;
   const int stid = tid - split * kSplitThreads;
   T* split_kv = kv_s + split * (NBUF * 2 * BK * G::kRow);
@@ -220,7 +230,7 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   auto load_tile = [&](int i) {  // the split's i-th tile into buffer i % NBUF (always one commit group)
     if (i < my_tiles && !(p.ablate & 2)) {
       T* dst = split_kv + (i % NBUF) * (2 * BK * G::kRow) + r0 * G::kRow + col0;
-      const int key_first = (i * WK + split) * BK + r0;
+      const int key_first = (i * kSplits + gsplit) * BK + r0;
       const T* kp = k_base + key_first * p.k_sk + col0;
       const T* vp = v_base + key_first * p.v_sk + col0;
 #pragma unroll
@@ -261,7 +271,7 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
     cp_async_wait<NBUF - 1>();
     split_barrier();  // tile `it` of every thread of the split has landed
 
-    const int key0 = (it * WK + split) * BK;
+    const int key0 = (it * kSplits + gsplit) * BK;
     if (!(p.ablate & 1)) {
       const T* k_s = split_kv + (it % NBUF) * (2 * BK * G::kRow);
       const T* v_s = k_s + BK * G::kRow;
@@ -423,8 +433,16 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
     total0 += stat_s[(s2 * G::kQRows + row0) * 2 + 1] * fast_exp2(stat_s[(s2 * G::kQRows + row0) * 2] - ref0);
     total1 += stat_s[(s2 * G::kQRows + row1) * 2 + 1] * fast_exp2(stat_s[(s2 * G::kQRows + row1) * 2] - ref1);
   }
-  const float f0 = total0 > 0.f ? fast_exp2(m0 - ref0) / total0 : 0.f;
-  const float f1 = total1 > 0.f ? fast_exp2(m1 - ref1) / total1 : 0.f;
+  // C == 1: normalise here. C > 1: keep the CTA's partial relative to its own max; the cluster
+  // merge below rescales and normalises.
+  const float f0 = C > 1 ? fast_exp2(m0 - ref0) : (total0 > 0.f ? fast_exp2(m0 - ref0) / total0 : 0.f);
+  const float f1 = C > 1 ? fast_exp2(m1 - ref1) : (total1 > 0.f ? fast_exp2(m1 - ref1) / total1 : 0.f);
+  if (C > 1 && split == 0 && t == 0) {
+    cta_stat_s[row0 * 2] = big0;  // -inf when the CTA saw no valid key for this query
+    cta_stat_s[row0 * 2 + 1] = total0;
+    cta_stat_s[row1 * 2] = big1;
+    cta_stat_s[row1 * 2 + 1] = total1;
+  }
   float* red = red_s + split * G::kQRows * G::kRedRow;
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) {
@@ -434,19 +452,77 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   __syncthreads();
 
   T* out_base = static_cast<T*>(p.out) + n * p.o_sn + h * p.o_sh;
-  for (int c = tid; c < G::kQRows * (D / 4); c += G::kThreads) {
-    const int r = c / (D / 4), col = (c % (D / 4)) * 4;
-    if (q0 + r >= p.q_len) continue;
-    float4 acc = *reinterpret_cast<const float4*>(red_s + r * G::kRedRow + col);
+  if constexpr (C == 1) {
+    for (int c = tid; c < G::kQRows * (D / 4); c += G::kThreads) {
+      const int r = c / (D / 4), col = (c % (D / 4)) * 4;
+      if (q0 + r >= p.q_len) continue;
+      float4 acc = *reinterpret_cast<const float4*>(red_s + r * G::kRedRow + col);
 #pragma unroll
-    for (int s2 = 1; s2 < WK; ++s2) {
-      const float4 x = *reinterpret_cast<const float4*>(red_s + (s2 * G::kQRows + r) * G::kRedRow + col);
-      acc.x += x.x;
-      acc.y += x.y;
-      acc.z += x.z;
-      acc.w += x.w;
+      for (int s2 = 1; s2 < WK; ++s2) {
+        const float4 x = *reinterpret_cast<const float4*>(red_s + (s2 * G::kQRows + r) * G::kRedRow + col);
+        acc.x += x.x;
+        acc.y += x.y;
+        acc.z += x.z;
+        acc.w += x.w;
+      }
+      store4<T>(out_base + (q0 + r) * p.o_sq + col, acc.x, acc.y, acc.z, acc.w);
     }
-    store4<T>(out_base + (q0 + r) * p.o_sq + col, acc.x, acc.y, acc.z, acc.w);
+  } else {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // Sum the CTA's splits into split 0's rows (each element by one thread), then every CTA of the
+    // cluster finalises its share of the queries from all C partials.
+    for (int c = tid; c < G::kQRows * (D / 4); c += G::kThreads) {
+      const int r = c / (D / 4), col = (c % (D / 4)) * 4;
+      float4 acc = *reinterpret_cast<const float4*>(red_s + r * G::kRedRow + col);
+#pragma unroll
+      for (int s2 = 1; s2 < WK; ++s2) {
+        const float4 x = *reinterpret_cast<const float4*>(red_s + (s2 * G::kQRows + r) * G::kRedRow + col);
+        acc.x += x.x;
+        acc.y += x.y;
+        acc.z += x.z;
+        acc.w += x.w;
+      }
+      *reinterpret_cast<float4*>(red_s + r * G::kRedRow + col) = acc;
+    }
+    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    cluster.sync();  // release/acquire: every CTA's partials are visible to the cluster
+    constexpr int kRowsPerCta = G::kQRows / C;
+    const float* peer_red[C];
+    const float* peer_stat[C];
+#pragma unroll
+    for (int cr = 0; cr < C; ++cr) {
+      peer_red[cr] = cluster.map_shared_rank(red_s, cr);
+      peer_stat[cr] = cluster.map_shared_rank(cta_stat_s, cr);
+    }
+    for (int c = tid; c < kRowsPerCta * (D / 4); c += G::kThreads) {
+      const int r = rank * kRowsPerCta + c / (D / 4), col = (c % (D / 4)) * 4;
+      if (q0 + r >= p.q_len) continue;
+      float mx[C], big = -INFINITY;
+#pragma unroll
+      for (int cr = 0; cr < C; ++cr) {
+        mx[cr] = peer_stat[cr][r * 2];
+        big = fmaxf(big, mx[cr]);
+      }
+      const float ref = big == -INFINITY ? 0.f : big;
+      float total = 0.f;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int cr = 0; cr < C; ++cr) {
+        const float w = fast_exp2(mx[cr] - ref);  // 0 for a CTA without valid keys
+        total += peer_stat[cr][r * 2 + 1] * w;
+        const float4 x = *reinterpret_cast<const float4*>(peer_red[cr] + r * G::kRedRow + col);
+        acc.x += x.x * w;
+        acc.y += x.y * w;
+        acc.z += x.z * w;
+        acc.w += x.w * w;
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      store4<T>(out_base + (q0 + r) * p.o_sq + col, acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    }
+    cluster.sync();  // no CTA leaves while a peer may still read its shared memory
+#else
+    __trap();  // clusters need SM90; the launcher never instantiates C > 1 for older targets
+#endif
   }
 }
 

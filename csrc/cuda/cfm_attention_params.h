@@ -28,28 +28,33 @@ struct Params {
                      // softmax, 2 skips the K/V loads, 3 both; 0 in every real call
 };
 
-// Instantiated tile configs (BK keys per tile, WQ 16-query groups, WK key splits, NBUF buffered
-// rounds), D = 64. 16-bit: 512-thread configs use 32-key tiles (64-key ones spill at 128 registers).
+// Instantiated tile configs (BK keys per tile, WQ 16-query groups, WK key splits per CTA, NBUF tiles
+// in flight per split, C CTAs per cluster splitting the keys further; C > 1 needs SM90), D = 64.
+// 16-bit: 512-thread configs use 32-key tiles (64-key ones spill at 128 registers).
 #define TORCH_CFM_CONFIGS_16(X) \
-  X(32, 4, 4, 2)                \
-  X(32, 2, 8, 2)                \
-  X(32, 2, 8, 1)                \
-  X(64, 2, 4, 2)                \
-  X(64, 4, 2, 2)                \
-  X(64, 1, 8, 1)
+  X(32, 4, 4, 2, 1)             \
+  X(32, 2, 8, 2, 1)             \
+  X(32, 2, 8, 1, 1)             \
+  X(64, 2, 4, 2, 1)             \
+  X(64, 4, 2, 2, 1)             \
+  X(64, 1, 8, 1, 1)             \
+  X(32, 4, 4, 2, 2)             \
+  X(64, 4, 2, 2, 2)
 #define TORCH_CFM_CONFIGS_32(X) \
-  X(16, 4, 4, 2)                \
-  X(16, 2, 8, 2)                \
-  X(32, 4, 4, 2)                \
-  X(32, 2, 8, 1)                \
-  X(32, 2, 4, 2)                \
-  X(32, 4, 2, 2)
+  X(16, 4, 4, 2, 1)             \
+  X(16, 2, 8, 2, 1)             \
+  X(32, 4, 4, 2, 1)             \
+  X(32, 2, 8, 1, 1)             \
+  X(32, 2, 4, 2, 1)             \
+  X(32, 4, 2, 2, 1)             \
+  X(32, 4, 4, 2, 2)             \
+  X(32, 4, 2, 2, 2)
 
-// Launch over `blocks` CTAs on `stream`, with programmatic dependent launch when `pdl`; false when
-// (bk, wq, wk, nbuf) is not instantiated.
-bool launch_f16(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, bool pdl, cudaStream_t stream);
-bool launch_bf16(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, bool pdl, cudaStream_t stream);
-bool launch_f32(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, bool pdl, cudaStream_t stream);
+// Launch `blocks` (row, head, query tile) items, `cluster` CTAs each, on `stream`, with programmatic
+// dependent launch when `pdl`; false when (bk, wq, wk, nbuf, cluster) is not instantiated.
+bool launch_f16(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, int cluster, bool pdl, cudaStream_t stream);
+bool launch_bf16(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, int cluster, bool pdl, cudaStream_t stream);
+bool launch_f32(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, int cluster, bool pdl, cudaStream_t stream);
 
 }  // namespace cuda_attention
 }  // namespace torch_cfm

@@ -32,17 +32,22 @@ class CudaAttentionConfig:
         block_k: keys per tile.
         q_groups: 16-query groups per CTA (the CTA covers 16 · q_groups queries).
         key_splits: warps per query group, each walking every key_splits-th tile.
-        buffers: rounds of key_splits tiles in flight (1 or 2).
+        buffers: tiles in flight per split (1 or 2).
+        cluster: CTAs per (row, head, query tile), a thread-block cluster that deals the key tiles
+            over all cluster · key_splits splits and merges through distributed shared memory
+            (SM90); 1 = no cluster.
     """
 
     block_k: int
     q_groups: int
     key_splits: int
     buffers: int
+    cluster: int = 1
 
     @property
     def name(self) -> str:
-        return f"cuda_k{self.block_k}_q{16 * self.q_groups}_w{self.key_splits}_b{self.buffers}"
+        return (f"cuda_k{self.block_k}_q{16 * self.q_groups}_w{self.key_splits}_b{self.buffers}"
+                + (f"_c{self.cluster}" if self.cluster > 1 else ""))
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,7 +74,7 @@ def instantiated_configs(family: str) -> tuple[CudaAttentionConfig, ...]:
     module, _ = _extension()
     if module is None:
         return ()
-    return tuple(CudaAttentionConfig(bk, wq, wk, nb) for fam, bk, wq, wk, nb in module.configs() if fam == family)
+    return tuple(CudaAttentionConfig(bk, wq, wk, nb, c) for fam, bk, wq, wk, nb, c in module.configs() if fam == family)
 
 
 def _family(dtype: torch.dtype) -> str:
@@ -130,21 +135,28 @@ def choose_config(dtype: torch.dtype, rows_heads: int, q_len: int, k_len: int,
                   n_sm: int) -> Optional[CudaAttentionConfig]:
     """The CUDA kernel's tile config for a call, or None where the Triton kernel is as fast or faster.
 
-    The rule covers only what the session 11 sweep measured on the H200 (H = 8, D = 64, ragged
-    lengths; bench/NOTES_attention.md, run 13), Q <= 64 and K <= 1024:
+    Session 11 sweeps on the H200 (H = 8, D = 64, ragged lengths; bench/NOTES_attention.md, run 13)
+    set the rule, for Q <= 64 and K <= 1024 only:
 
-    * fp16/bf16: one CTA of 16 queries and 8 key splits of 64 keys per (row, head, 16 queries)
-      when that grid is one wave and K <= 512 (every split walks at most one tile): (2, 50, 450)
-      4.6 µs vs Triton's 5.5. Larger grids stay on Triton ((8, 50, 450): 6.2 vs 6.3-6.4 µs).
-    * fp32 (TF32): 32 queries × 4 splits of 32 keys when that grid fills between half and one
-      wave ((8, 50, 450): 9.1 µs vs 11.3); 64 queries × 2 splits beyond one wave ((32, 50, 450):
-      24.1 vs 25.4). Fewer CTAs stay on Triton's split-K ((2, 50, 450): 7.1 vs 7.7).
+    * fp16/bf16, one wave of 16-query CTAs with 8 splits of 64 keys and K <= 512 (each split walks
+      one tile): (2, 50, 450) 4.6 µs vs Triton's 5.5.
+    * fp16/bf16, one wave of 2-CTA clusters of 64 queries (the key tiles dealt over both CTAs):
+      (8, 50, 450). Without clusters every CTA loads its row's whole K/V, ≈ 2 µs per 115 KB at
+      the ≈ 27 B/clk one SM draws from L2, and lost to Triton (6.3 vs 6.2 µs); the cluster halves
+      the bytes per SM.
+    * fp32 (TF32): the same 2-CTA clusters when they fill between half and one wave; 32-query
+      CTAs with 4 splits when those do ((8, 50, 450): 9.1 µs vs Triton's 11.3); 64-query CTAs
+      with 2 splits beyond one wave ((32, 50, 450): 24.1 vs 25.4). Fewer CTAs stay on Triton's
+      split-K ((2, 50, 450): 7.1 vs 7.7).
 
     A pure rule (no device or build query): the caller checks :func:`not_supported_reasons`.
     """
     if q_len > 64 or k_len > 1024:
         return None
+    clusters_q64 = 2 * rows_heads * -(-q_len // 64)  # CTAs of the 2-CTA cluster configs
     if dtype == torch.float32:
+        if n_sm // 2 < clusters_q64 <= n_sm:
+            return CudaAttentionConfig(32, 4, 2, 2, 2)
         ctas_q32 = rows_heads * -(-q_len // 32)
         if n_sm // 2 < ctas_q32 <= n_sm:
             return CudaAttentionConfig(32, 2, 4, 2)
@@ -153,6 +165,8 @@ def choose_config(dtype: torch.dtype, rows_heads: int, q_len: int, k_len: int,
         return None
     if rows_heads * -(-q_len // 16) <= n_sm and k_len <= 512:
         return CudaAttentionConfig(64, 1, 8, 1)
+    if clusters_q64 <= n_sm:
+        return CudaAttentionConfig(64, 4, 2, 2, 2)
     return None
 
 
@@ -196,8 +210,8 @@ def cfm_attention_cuda(
         from ._launch import sm_count
         from .cfm_attention import use_pdl
 
-        ctas = q.shape[0] * q.shape[1] * -(-q.shape[2] // (16 * config.q_groups))
+        ctas = q.shape[0] * q.shape[1] * -(-q.shape[2] // (16 * config.q_groups)) * config.cluster
         pdl = policy.pdl_allowed(q.device) and use_pdl(ctas, sm_count(q.device))
     module.cfm_attention_fwd(q, k, v, key_lengths, mask, kv_rows, out, config.block_k, config.q_groups,
-                             config.key_splits, config.buffers, pdl, ablate)
+                             config.key_splits, config.buffers, config.cluster, pdl, ablate)
     return out
