@@ -153,10 +153,7 @@ def choose_config(dtype: torch.dtype, rows_heads: int, q_len: int, k_len: int,
     """
     if q_len > 64 or k_len > 1024:
         return None
-    clusters_q64 = 2 * rows_heads * -(-q_len // 64)  # CTAs of the 2-CTA cluster configs
     if dtype == torch.float32:
-        if n_sm // 2 < clusters_q64 <= n_sm:
-            return CudaAttentionConfig(32, 4, 2, 2, 2)
         ctas_q32 = rows_heads * -(-q_len // 32)
         if n_sm // 2 < ctas_q32 <= n_sm:
             return CudaAttentionConfig(32, 2, 4, 2)
@@ -165,8 +162,6 @@ def choose_config(dtype: torch.dtype, rows_heads: int, q_len: int, k_len: int,
         return None
     if rows_heads * -(-q_len // 16) <= n_sm and k_len <= 512:
         return CudaAttentionConfig(64, 1, 8, 1)
-    if clusters_q64 <= n_sm:
-        return CudaAttentionConfig(64, 4, 2, 2, 2)
     return None
 
 
