@@ -91,12 +91,12 @@ def test_choose_config_rule() -> None:
     rule, C = cuda_kernel.choose_config, cuda_kernel.CudaAttentionConfig
     assert rule(torch.float16, 16, 50, 450, 132) == C(64, 1, 8, 1)
     assert rule(torch.bfloat16, 16, 50, 450, 132) == C(64, 1, 8, 1)
-    assert rule(torch.float16, 64, 50, 450, 132) == C(64, 4, 2, 2, 2)  # 2-CTA clusters, one wave
-    assert rule(torch.float16, 256, 50, 450, 132) is None  # beyond one wave: Triton
-    assert rule(torch.float16, 16, 50, 600, 132) == C(64, 4, 2, 2, 2)  # a 16-query split would walk 2 tiles
-    assert rule(torch.float32, 64, 50, 450, 132) == C(32, 4, 2, 2, 2)
+    assert rule(torch.float16, 64, 50, 450, 132) is None  # (8, 50, 450): Triton (clusters lost, run 13)
+    assert rule(torch.float16, 16, 50, 600, 132) is None  # a split would walk 2 tiles
+    assert rule(torch.float32, 64, 50, 450, 132) == C(32, 2, 4, 2)
     assert rule(torch.float32, 256, 50, 450, 132) == C(32, 4, 2, 2)
     assert rule(torch.float32, 16, 50, 450, 132) is None  # few CTAs: Triton's split-K
+    assert rule(torch.float32, 128, 50, 450, 132) is None  # (16, 50, 450): not measured, Triton
     assert rule(torch.float16, 16, 100, 450, 132) is None and rule(torch.float32, 64, 50, 2000, 132) is None
 
 

@@ -272,7 +272,7 @@ def check_padded_rows_change_no_other_row(device, spec, dtype, data):
     small, big = S.arrange(spec, values, device, dtype), S.arrange(spec, big_values, device, dtype)
     precision = data.draw(fp32_precisions(device, dtype), label="precision")
     out_small, out_big = run(small, precision), run(big, precision)
-    if same_kernel_variant(small, big):
+    if same_kernel_variant(small, big, policy.resolve_precision(small.q.dtype, precision or "auto")):
         assert torch.equal(out_big[slots], out_small), (
             f"{spec.describe()}: rows changed by padding, max diff "
             f"{(out_big[slots].double() - out_small.double()).abs().max().item():.3e}")
@@ -299,15 +299,20 @@ def test_padded_rows_change_no_other_row_cuda(spec, dtype, data):
     check_padded_rows_change_no_other_row("cuda", spec, dtype, data)
 
 
-def same_kernel_variant(small: S.AttnCase, big: S.AttnCase) -> bool:
-    """True unless the CUDA launcher picks different tiles/splits for the two batch sizes."""
+def same_kernel_variant(small: S.AttnCase, big: S.AttnCase, precision=None) -> bool:
+    """True unless the op picks different kernels or tiles/splits for the two batch sizes (the
+    CUDA kernel's config, else the Triton launcher's)."""
     if small.q.device.type != "cuda":
         return True
     from torch_cfm.kernels._launch import sm_count
     from torch_cfm.kernels.cfm_attention import choose_config
+    from torch_cfm.ops.cfm_attention import select_cuda_kernel_config
 
     def variant(case: S.AttnCase):
         n, h, q_len, d = case.q.shape
+        cuda = select_cuda_kernel_config(case.q, case.k, case.v, precision)
+        if cuda is not None:
+            return cuda
         return choose_config(case.q.dtype, d, n * h, q_len, case.k.shape[2], sm_count(case.q.device))
 
     return variant(small) == variant(big)

@@ -128,26 +128,41 @@ def _cfm_attention_cuda(q, k, v, key_lengths=None, mask=None, kv_rows=None, prec
     if decision.attention_kernel != "triton":
         return cfm_attention_sdpa(q, k, v, key_lengths, mask, kv_rows, out)
     precision = policy.resolve_precision(q.dtype, precision)
-    choice = policy.attention_kernel_choice()
-    if choice != "triton":
-        from ..kernels import cfm_attention_cuda as cuda_kernel
-        from ..kernels._launch import sm_count
+    config = select_cuda_kernel_config(q, k, v, precision)
+    if config is not None:
+        from ..kernels.cfm_attention_cuda import cfm_attention_cuda
 
-        reasons = cuda_kernel.not_supported_reasons(q, k, v, precision)
-        config = None
-        if not reasons:
-            config = cuda_kernel.choose_config(q.dtype, q.shape[0] * q.shape[1], q.shape[2], k.shape[2],
-                                               sm_count(q.device))
-            if config is None and choice == "cuda":
-                config = cuda_kernel.default_config(q.dtype)
-        if config is not None:
-            return cuda_kernel.cfm_attention_cuda(q, k, v, key_lengths, mask, kv_rows, out, config)
-        if choice == "cuda":
-            raise ValueError(f"cfm_attention: {policy.ENV_ATTENTION_KERNEL}=cuda, but the CUDA kernel does not "
-                             f"cover this call: {'; '.join(reasons)}")
+        return cfm_attention_cuda(q, k, v, key_lengths, mask, kv_rows, out, config)
     from ..kernels.cfm_attention import cfm_attention_triton
 
     return cfm_attention_triton(q, k, v, key_lengths, mask, kv_rows, precision, out)
+
+
+def select_cuda_kernel_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, precision: Optional[str]):
+    """The SM80+ kernel choice of one validated call: a ``CudaAttentionConfig`` when the hand-written
+    CUDA kernel runs it, None when the Triton kernel does.
+
+    Follows env ``TORCH_CFM_ATTENTION_KERNEL`` (:func:`torch_cfm.policy.attention_kernel_choice`):
+    "auto" takes the CUDA kernel where it covers the call and its tile rule picks it, "triton"
+    never, "cuda" always (ValueError naming the reasons where it does not cover the call).
+    ``precision`` is the resolved one ("tf32" | "ieee" for float32, None for 16-bit).
+    """
+    choice = policy.attention_kernel_choice()
+    if choice == "triton":
+        return None
+    from ..kernels import cfm_attention_cuda as cuda_kernel
+    from ..kernels._launch import sm_count
+
+    reasons = cuda_kernel.not_supported_reasons(q, k, v, precision)
+    if reasons:
+        if choice == "cuda":
+            raise ValueError(f"cfm_attention: {policy.ENV_ATTENTION_KERNEL}=cuda, but the CUDA kernel does not "
+                             f"cover this call: {'; '.join(reasons)}")
+        return None
+    config = cuda_kernel.choose_config(q.dtype, q.shape[0] * q.shape[1], q.shape[2], k.shape[2], sm_count(q.device))
+    if config is None and choice == "cuda":
+        config = cuda_kernel.default_config(q.dtype)
+    return config
 
 
 _lib.impl("cfm_attention", _cfm_attention_cuda, "CUDA")
