@@ -1,4 +1,4 @@
-"""Exercise the Triton kernels at ragged shapes for ``compute-sanitizer --tool memcheck``.
+"""Exercise the Triton and CUDA kernels at ragged shapes for ``compute-sanitizer --tool memcheck``.
 
 Run on a CUDA machine (SM80+), from the repository root:
 
@@ -13,7 +13,7 @@ compared with the float64 oracle (SPEC §6), so the script fails (exit 1) on wro
 Covered: ``cfm_attention`` (fp16, bf16, fp32 TF32 and IEEE) with K = 0, 1, block multiples +-1
 and >= 600, Q = 1 and odd Q, lengths 0/1/K/out of range, masks (dense and stride 0), kv_rows
 pools with out-of-range rows, transposed q, interleaved caches, every tile/split variant on one
-case; every variant of the fused DiT body's Triton driver on ragged chunks with and without caches.
+case, every config of the hand-written CUDA kernel on that case (where it is built); every variant of the fused DiT body's Triton driver on ragged chunks with and without caches.
 """
 
 from __future__ import annotations
@@ -92,6 +92,31 @@ def check_attention_configs(dtype: torch.dtype, precision: str, quick: bool) -> 
                                  tf32=precision == "tf32")
 
 
+def check_cuda_attention_configs(dtype: torch.dtype, precision: str) -> int:
+    """Every instantiated config of the hand-written CUDA kernel (csrc/cuda/) on the configs case;
+    0 when the optional extension is not built or the mode is not covered (fp32 "ieee")."""
+    from torch_cfm.kernels import cfm_attention_cuda as cuda_kernel
+    from torch_cfm.ops.cfm_attention import empty_attention_out
+
+    if precision == "ieee":
+        return 0
+    spec = S.AttnSpec(3, 2, 40, 300, 64, 12, lengths=(300, 129, 0), mask_mode="expand_n",
+                      kv_interleaved=True, q_transposed=True)
+    case = S.build_attention(spec, "cuda", dtype)
+    prec = "tf32" if dtype == torch.float32 else None
+    if cuda_kernel.not_supported_reasons(case.q, case.k, case.v, prec):
+        return 0
+    ref64 = naive_attention64(case.q, case.k, case.v, case.key_lengths, case.mask)
+    same = S.attention_same_dtype(case, tf32=precision == "tf32").cpu()
+    configs = cuda_kernel.instantiated_configs("fp32" if dtype == torch.float32 else "16bit")
+    for config in configs:
+        out = empty_attention_out(case.q)
+        cuda_kernel.cfm_attention_cuda(case.q, case.k, case.v, case.key_lengths, case.mask, None, out, config)
+        torch.cuda.synchronize()
+        assert_within_oracle(out.cpu(), same, ref64, name=config.name, tf32=precision == "tf32")
+    return len(configs)
+
+
 def body_outputs(model, a: dict) -> tuple:
     cfg = model.config
     dtype = model.in_proj.weight.dtype
@@ -164,7 +189,7 @@ def main() -> int:
         print("gpu_memcheck: needs a CUDA device")
         return 2
     start = time.time()
-    counts = {"attention": 0, "attention_configs": 0, "body": 0}
+    counts = {"attention": 0, "attention_configs": 0, "cuda_attention_configs": 0, "body": 0}
     failures = []
     for dtype, precision in MODES:
         for spec in attention_specs(args.quick):
@@ -176,6 +201,10 @@ def main() -> int:
         try:
             check_attention_configs(dtype, precision, args.quick)
             counts["attention_configs"] += 1
+        except AssertionError as exc:
+            failures.append(str(exc))
+        try:
+            counts["cuda_attention_configs"] += check_cuda_attention_configs(dtype, precision)
         except AssertionError as exc:
             failures.append(str(exc))
         try:

@@ -1,20 +1,24 @@
 // cfm_attention forward as a hand-written CUDA kernel (mma.sync, SM80+), for the shapes where the
 // Triton kernel is latency-bound: one CTA per (row, head, query tile) whose warps split the key
 // walk among themselves and merge (m, l, O) through shared memory, so the serial chain per warp is
-// 1-2 key tiles instead of the row's whole key range (bench/NOTES_attention.md, session 11).
+// 1-2 key tiles instead of the row's whole key range (bench/NOTES_attention.md, run 13).
 //
 // Layout of one CTA: WQ query groups of 16 queries × WK key splits = WQ·WK warps. Key tiles of BK
-// keys are dealt round-robin to the splits: round r holds tiles r·WK … r·WK + WK − 1, and all
-// threads load a round with cp.async (NBUF rounds in flight). Each warp runs FlashAttention-2's
-// online softmax over its tiles, then the splits merge: one max per row, rescale, sum.
+// keys are dealt round-robin to the splits (split s walks tiles s, s + WK, ...). Each split's WQ
+// warps load its own tiles with cp.async (NBUF in flight) and meet at a named barrier, so a split
+// starts as soon as its first tile has landed. Each warp runs FlashAttention-2's online softmax
+// over its tiles; then the splits merge: one max per query, rescale, sum. With C > 1 a cluster of
+// C CTAs deals the tiles over all C·WK splits and merges through distributed shared memory (SM90;
+// measured slower at SPEC §7's shapes, kept instantiated and tested, not chosen).
 //
 // Semantics are SPEC §4 (the Triton kernel's): keys >= key_lengths[n] (clamped to [0, K]) are never
 // read (cp.async zero-fills them, so NaN padding cannot leak), masked keys get probability 0, and
 // a query with no valid key gets exactly 0 (exponents are taken against 0 instead of -inf).
 //
-// Requirements checked by the launcher: D == head_dim template, unit stride along D, 16-byte
-// aligned base pointers and strides for q/k/v/out. No torch headers here, so the kernel compiles
-// standalone with nvcc (register checks: nvcc -Xptxas -v).
+// Requirements checked by the Python side (kernels/cfm_attention_cuda.py::not_supported_reasons):
+// D == 64 (the instantiated head dim), unit stride along D, 16-byte aligned base pointers and
+// strides for q/k/v; out is the op's own contiguous (N, Q, H, D) buffer. No torch headers here, so
+// the kernel compiles standalone with nvcc (register checks: nvcc -Xptxas -v).
 #pragma once
 
 #include <cooperative_groups.h>
