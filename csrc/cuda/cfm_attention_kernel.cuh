@@ -69,6 +69,27 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 __device__ __forceinline__ uint32_t tf32_operand(float x) { return __float_as_uint(x); }
 
 // Per-dtype pieces: the m16n8kK MMA, the P conversion and the output store.
+
+// c += a · b for one m16n8kK tile; SUFFIX is the PTX shape and types, e.g. "m16n8k16.row.col.f32.f16.f16.f32".
+#define TORCH_CFM_MMA_SYNC(SUFFIX, c, a, b0, b1)                                                         \
+  asm volatile("mma.sync.aligned." SUFFIX " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"    \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                           \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+
+// Two fp32 values as one register of two 16-bit values (round to nearest).
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
 template <typename T>
 struct Mma;
 
@@ -76,15 +97,7 @@ template <>
 struct Mma<__half> {
   static constexpr int K = 16;
   __device__ __forceinline__ static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
+    TORCH_CFM_MMA_SYNC("m16n8k16.row.col.f32.f16.f16.f32", c, a, b0, b1);
   }
 };
 
@@ -92,15 +105,7 @@ template <>
 struct Mma<__nv_bfloat16> {
   static constexpr int K = 16;
   __device__ __forceinline__ static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
+    TORCH_CFM_MMA_SYNC("m16n8k16.row.col.f32.bf16.bf16.f32", c, a, b0, b1);
   }
 };
 
@@ -108,31 +113,19 @@ template <>
 struct Mma<float> {
   static constexpr int K = 8;
   __device__ __forceinline__ static void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    TORCH_CFM_MMA_SYNC("m16n8k8.row.col.f32.tf32.tf32.f32", c, a, b0, b1);
   }
 };
+#undef TORCH_CFM_MMA_SYNC
 
+// Four consecutive outputs (16-byte aligned for fp32, 8-byte for 16-bit).
 template <typename T>
-__device__ __forceinline__ void store4(T* dst, float a, float b, float c, float d);
-template <>
-__device__ __forceinline__ void store4<__half>(__half* dst, float a, float b, float c, float d) {
-  __half2 lo = __floats2half2_rn(a, b), hi = __floats2half2_rn(c, d);
-  uint2 u = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
-  *reinterpret_cast<uint2*>(dst) = u;
-}
-template <>
-__device__ __forceinline__ void store4<__nv_bfloat16>(__nv_bfloat16* dst, float a, float b, float c, float d) {
-  __nv_bfloat162 lo = __floats2bfloat162_rn(a, b), hi = __floats2bfloat162_rn(c, d);
-  uint2 u = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
-  *reinterpret_cast<uint2*>(dst) = u;
-}
-template <>
-__device__ __forceinline__ void store4<float>(float* dst, float a, float b, float c, float d) {
-  *reinterpret_cast<float4*>(dst) = make_float4(a, b, c, d);
+__device__ __forceinline__ void store4(T* dst, float a, float b, float c, float d) {
+  if constexpr (sizeof(T) == 4) {
+    *reinterpret_cast<float4*>(dst) = make_float4(a, b, c, d);
+  } else {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(a, b), pack2<T>(c, d));
+  }
 }
 
 // Shared-memory geometry of one instantiation. Rows are padded by 16 bytes: with that, ldmatrix
@@ -392,9 +385,9 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
       } else {
 #pragma unroll
         for (int j = 0; j < BK / 16; ++j) {
-          const uint32_t a[4] = {Mma<T>::pack(s[2 * j][0], s[2 * j][1]), Mma<T>::pack(s[2 * j][2], s[2 * j][3]),
-                                 Mma<T>::pack(s[2 * j + 1][0], s[2 * j + 1][1]),
-                                 Mma<T>::pack(s[2 * j + 1][2], s[2 * j + 1][3])};
+          const uint32_t a[4] = {pack2<T>(s[2 * j][0], s[2 * j][1]), pack2<T>(s[2 * j][2], s[2 * j][3]),
+                                 pack2<T>(s[2 * j + 1][0], s[2 * j + 1][1]),
+                                 pack2<T>(s[2 * j + 1][2], s[2 * j + 1][3])};
 #pragma unroll
           for (int i = 0; i < D / 8; i += 2) {
             uint32_t b[4];
