@@ -449,19 +449,23 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   __syncthreads();
 
   T* out_base = static_cast<T*>(p.out) + n * p.o_sn + h * p.o_sh;
+  auto sum_splits = [&](int r, int col) {  // the WK partials of query r, columns col .. col + 3, in order
+    float4 acc = *reinterpret_cast<const float4*>(red_s + r * G::kRedRow + col);
+#pragma unroll
+    for (int s2 = 1; s2 < WK; ++s2) {
+      const float4 x = *reinterpret_cast<const float4*>(red_s + (s2 * G::kQRows + r) * G::kRedRow + col);
+      acc.x += x.x;
+      acc.y += x.y;
+      acc.z += x.z;
+      acc.w += x.w;
+    }
+    return acc;
+  };
   if constexpr (C == 1) {
     for (int c = tid; c < G::kQRows * (D / 4); c += G::kThreads) {
       const int r = c / (D / 4), col = (c % (D / 4)) * 4;
       if (q0 + r >= p.q_len) continue;
-      float4 acc = *reinterpret_cast<const float4*>(red_s + r * G::kRedRow + col);
-#pragma unroll
-      for (int s2 = 1; s2 < WK; ++s2) {
-        const float4 x = *reinterpret_cast<const float4*>(red_s + (s2 * G::kQRows + r) * G::kRedRow + col);
-        acc.x += x.x;
-        acc.y += x.y;
-        acc.z += x.z;
-        acc.w += x.w;
-      }
+      const float4 acc = sum_splits(r, col);
       store4<T>(out_base + (q0 + r) * p.o_sq + col, acc.x, acc.y, acc.z, acc.w);
     }
   } else {
@@ -470,16 +474,7 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
     // cluster finalises its share of the queries from all C partials.
     for (int c = tid; c < G::kQRows * (D / 4); c += G::kThreads) {
       const int r = c / (D / 4), col = (c % (D / 4)) * 4;
-      float4 acc = *reinterpret_cast<const float4*>(red_s + r * G::kRedRow + col);
-#pragma unroll
-      for (int s2 = 1; s2 < WK; ++s2) {
-        const float4 x = *reinterpret_cast<const float4*>(red_s + (s2 * G::kQRows + r) * G::kRedRow + col);
-        acc.x += x.x;
-        acc.y += x.y;
-        acc.z += x.z;
-        acc.w += x.w;
-      }
-      *reinterpret_cast<float4*>(red_s + r * G::kRedRow + col) = acc;
+      *reinterpret_cast<float4*>(red_s + r * G::kRedRow + col) = sum_splits(r, col);
     }
     cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
     cluster.sync();  // release/acquire: every CTA's partials are visible to the cluster
