@@ -13,7 +13,9 @@ the Triton version of the GPU box for numbers that match it, e.g. on the CPU box
     PYTHONPATH=/tmp/tri36 python3 bench/kernel_resources.py            # sm_90 (H100/H200)
 
 One line per kernel configuration: the attention kernel as ``choose_config`` picks it for the
-SPEC §7 shapes, and the body's v5 attention + cache kernel at its launch parameters. Not a
+SPEC §7 shapes, and the body's v5 attention + cache kernel at its launch parameters; with
+``--only cuda_attention``, every instantiation of the hand-written CUDA attention kernel
+(``csrc/cuda/``, compiled with the local ``nvcc``; no Triton needed). Not a
 benchmark (nothing runs): spills predict slowness, their absence does not predict speed.
 """
 
@@ -184,17 +186,55 @@ def dit_block_rows(arch: int, n_rows: int = 8, t_len: int = 50, l_len: int = 400
     return rows
 
 
+def cuda_attention_rows(arch: int) -> list[str]:
+    """Registers and spills of every instantiation of the hand-written CUDA attention kernel
+    (csrc/cuda/), compiled with the local ``nvcc`` for sm_``arch`` (``a`` suffix from 90 on)."""
+    import re
+    import shutil
+    import tempfile
+
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not os.path.exists(nvcc):
+        return ["cuda_attention: no nvcc on this machine"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    target = f"{arch}a" if arch >= 90 else str(arch)
+    rows = []
+    for name in ("f16", "bf16", "f32"):
+        source = os.path.join(root, "csrc", "cuda", f"cfm_attention_{name}.cu")
+        with tempfile.TemporaryDirectory() as tmp:
+            res = subprocess.run([nvcc, "-std=c++17", "-O3", f"-gencode=arch=compute_{target},code=sm_{target}",
+                                  "-Xptxas", "-v", "-c", source, "-o", os.path.join(tmp, "k.o")],
+                                 capture_output=True, text=True)
+        if res.returncode:
+            rows.append(f"cuda_attention {name}: nvcc failed: {res.stderr.strip().splitlines()[-1]}")
+            continue
+        kernel = None
+        for line in res.stderr.splitlines():
+            found = re.search(r"cfm_attention_fwd_kernel.*?Li(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)EE", line)
+            if found and "Compiling entry" in line:
+                d, bk, wq, wk, nb, c = (int(x) for x in found.groups())
+                kernel = f"d{d}_k{bk}_q{16 * wq}_w{wk}_b{nb}" + (f"_c{c}" if c > 1 else "")
+            elif kernel and "spill" in line:
+                spills = line.strip()
+            elif kernel and "Used" in line:
+                regs = re.search(r"Used (\d+) registers", line).group(1)
+                rows.append(f"cuda_attention {name:<4} {kernel:<24} {regs:>3} registers, {spills}")
+                kernel = None
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     ap.add_argument("--sms", type=int, default=132, help="SM count the heuristics assume")
-    ap.add_argument("--only", default=None, choices=("attention", "dit_attention", "dit_block"))
+    ap.add_argument("--only", default=None, choices=("attention", "dit_attention", "dit_block", "cuda_attention"))
     args = ap.parse_args(argv)
     import triton
 
     print(f"triton {triton.__version__}, target sm_{args.arch}")
     groups = dict(attention=lambda: attention_rows(args.arch, args.sms),
-                  dit_attention=lambda: dit_attention_rows(args.arch), dit_block=lambda: dit_block_rows(args.arch))
+                  dit_attention=lambda: dit_attention_rows(args.arch), dit_block=lambda: dit_block_rows(args.arch),
+                  cuda_attention=lambda: cuda_attention_rows(args.arch))
     for name, rows in groups.items():
         if args.only in (None, name):
             for line in rows():
