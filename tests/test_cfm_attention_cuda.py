@@ -86,6 +86,20 @@ def test_not_supported_reasons_name_each_gap() -> None:
     assert any("unit stride" in r for r in cuda_kernel.not_supported_reasons(strided, q, q, None))
 
 
+def test_select_cuda_kernel_config_follows_env(monkeypatch) -> None:
+    """The op's kernel choice: None (Triton) under "triton" and wherever the kernel does not cover
+    the call under "auto"; a ValueError with the reasons under "cuda"."""
+    from torch_cfm.ops.cfm_attention import select_cuda_kernel_config
+
+    q = torch.randn(2, 2, 5, 64)
+    for choice in ("triton", "auto"):
+        monkeypatch.setenv(policy.ENV_ATTENTION_KERNEL, choice)
+        assert select_cuda_kernel_config(q, q, q, None) is None
+    monkeypatch.setenv(policy.ENV_ATTENTION_KERNEL, "cuda")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_cuda_kernel_config(q, q, q, None)
+
+
 def test_choose_config_rule() -> None:
     """The measured regimes of the rule (H200, 132 SMs) and its limits."""
     rule, C = cuda_kernel.choose_config, cuda_kernel.CudaAttentionConfig
