@@ -1,19 +1,28 @@
 // One launch function per dtype over the instantiated configs; included by cfm_attention_{f16,bf16,f32}.cu.
 #pragma once
 
+#include <atomic>
+
 #include "cfm_attention_kernel.cuh"
 
 namespace torch_cfm {
 namespace cuda_attention {
 
+constexpr int kMaxDevices = 64;  // devices whose attribute is remembered; beyond, set on every launch
+
 template <typename T, int D, int BK, int WQ, int WK, int NBUF, int C>
 void launch_config(const Params& p, int blocks, bool pdl, cudaStream_t stream) {
   using G = Geometry<T, D, BK, WQ, WK, NBUF, C>;
   auto kernel = cfm_attention_fwd_kernel<T, D, BK, WQ, WK, NBUF, C>;
-  // Above 48 KB of dynamic shared memory needs an opt-in per kernel (host-side attribute, no sync).
-  static const cudaError_t attribute =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
-  (void)attribute;  // a failure here surfaces as the launch error the caller checks
+  // Above 48 KB of dynamic shared memory needs an opt-in per kernel and per device (a host-side
+  // attribute, no sync); the caller's device guard makes the current device the launch's.
+  static std::atomic<bool> attribute_set[kMaxDevices];
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device >= kMaxDevices || !attribute_set[device].exchange(true)) {
+    // a failure here surfaces as the launch error the caller checks
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(blocks * C);  // C CTAs (one cluster) per (row, head, query tile)
   config.blockDim = dim3(G::kThreads);

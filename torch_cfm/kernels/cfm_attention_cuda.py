@@ -20,8 +20,9 @@ from typing import Optional
 
 import torch
 
+from ..config import MIN_CAPABILITY  # SM80: mma.sync m16n8k16 f16/bf16 and m16n8k8 tf32, cp.async, ldmatrix
+
 HEAD_DIM = 64
-MIN_CAPABILITY = (8, 0)  # mma.sync m16n8k16 f16/bf16 and m16n8k8 tf32, cp.async, ldmatrix
 
 
 @dataclass(frozen=True)
