@@ -147,10 +147,13 @@ struct Geometry {
   static constexpr int kSmemBytes = kQBytes + kMainBytes + kStatBytes + kCtaStatBytes;
 };
 
-template <typename T, int D, int BK, int WQ, int WK, int NBUF, int C>
+// KVG = 2 commits each tile's K and V as two cp.async groups, K first, so a split's score dot and
+// softmax run while its V tile is still landing; KVG = 1 waits for both at once.
+template <typename T, int D, int BK, int WQ, int WK, int NBUF, int C, int KVG>
 __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(const Params p) {
   using G = Geometry<T, D, BK, WQ, WK, NBUF, C>;
   static_assert(C == 1 || C == 2 || C == 4, "cluster of 1, 2 or 4 CTAs");
+  static_assert(KVG == 1 || KVG == 2, "K and V in one or two copy groups per tile");
   static_assert(BK % 16 == 0 && D % 16 == 0, "tiles are whole MMA steps");
   constexpr int kChunk = 16 / sizeof(T);  // elements per 16-byte copy
   constexpr int kMmaK = Mma<T>::K;
@@ -224,21 +227,22 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   const int r0 = stid / kChunksPerRow, col0 = (stid % kChunksPerRow) * kChunk;
   const int64_t k_step = kRowsPerPass * p.k_sk, v_step = kRowsPerPass * p.v_sk;
 
-  auto load_tile = [&](int i) {  // the split's i-th tile into buffer i % NBUF (always one commit group)
-    if (i < my_tiles && !(p.ablate & 2)) {
-      T* dst = split_kv + (i % NBUF) * (2 * BK * G::kRow) + r0 * G::kRow + col0;
-      const int key_first = (i * kSplits + gsplit) * BK + r0;
-      const T* kp = k_base + key_first * p.k_sk + col0;
-      const T* vp = v_base + key_first * p.v_sk + col0;
+  auto load_tile = [&](int i) {  // the split's i-th tile into buffer i % NBUF (always KVG commit groups)
+    const bool live = i < my_tiles && !(p.ablate & 2);
+    T* dst = split_kv + (i % NBUF) * (2 * BK * G::kRow) + r0 * G::kRow + col0;
+    const int key_first = (i * kSplits + gsplit) * BK + r0;
+    auto copy_rows = [&](T* d, const T* base, int64_t stride, int64_t step) {
+      const T* src = base + key_first * stride + col0;
 #pragma unroll
       for (int j = 0; j < BK / kRowsPerPass; ++j) {
         const bool ok = key_first + j * kRowsPerPass < len;
-        cp_async16(dst + j * kRowsPerPass * G::kRow, ok ? kp : k_base, ok ? 16 : 0);
-        cp_async16(dst + (BK + j * kRowsPerPass) * G::kRow, ok ? vp : v_base, ok ? 16 : 0);
-        kp += k_step;
-        vp += v_step;
+        cp_async16(d + j * kRowsPerPass * G::kRow, ok ? src : base, ok ? 16 : 0);
+        src += step;
       }
-    }
+    };
+    if (live) copy_rows(dst, k_base, p.k_sk, k_step);
+    if constexpr (KVG == 2) cp_async_commit();
+    if (live) copy_rows(dst + BK * G::kRow, v_base, p.v_sk, v_step);
     cp_async_commit();
   };
   auto split_barrier = [&]() {
@@ -261,21 +265,22 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   cp_async_commit();  // the Q tile's group
 #pragma unroll
   for (int i = 0; i < NBUF; ++i) load_tile(i);
-  cp_async_wait<NBUF>();  // this thread's Q copies; every thread's after the barrier
+  cp_async_wait<NBUF * KVG>();  // this thread's Q copies; every thread's after the barrier
   __syncthreads();
 
+  const bool compute = !(p.ablate & 1);
   for (int it = 0; it < my_tiles; ++it) {
-    cp_async_wait<NBUF - 1>();
-    split_barrier();  // tile `it` of every thread of the split has landed
+    cp_async_wait<NBUF * KVG - 1>();
+    split_barrier();  // tile `it`'s K (KVG = 2) or K and V (KVG = 1) of every thread of the split have landed
 
     const int key0 = (it * kSplits + gsplit) * BK;
-    if (!(p.ablate & 1)) {
-      const T* k_s = split_kv + (it % NBUF) * (2 * BK * G::kRow);
-      const T* v_s = k_s + BK * G::kRow;
+    const T* k_s = split_kv + (it % NBUF) * (2 * BK * G::kRow);
+    const T* v_s = k_s + BK * G::kRow;
+    float s[BK / 8][4];
+    if (compute) {
       const T* qw_s = q_s + wq * 16 * G::kRow;
 
       // S = Q Kᵀ for 16 queries × BK keys.
-      float s[BK / 8][4];
 #pragma unroll
       for (int j = 0; j < BK / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
@@ -370,7 +375,12 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
         o[i][2] *= alpha1;
         o[i][3] *= alpha1;
       }
-
+    }
+    if constexpr (KVG == 2) {
+      cp_async_wait<2 * NBUF - 2>();
+      split_barrier();  // tile `it`'s V has landed
+    }
+    if (compute) {
       // O += P V.
       if constexpr (kTf32) {
         // The S accumulator gives thread (g, t) keys 2t and 2t+1 of each 8-key tile; read them as

@@ -37,6 +37,8 @@ class CudaAttentionConfig:
         cluster: CTAs per (row, head, query tile), a thread-block cluster that deals the key tiles
             over all cluster · key_splits splits and merges through distributed shared memory
             (SM90); 1 = no cluster.
+        kv_groups: cp.async groups per tile: 2 lands K before V, so the score dot and softmax run
+            while V is still landing; 1 waits for both.
     """
 
     block_k: int
@@ -44,11 +46,13 @@ class CudaAttentionConfig:
     key_splits: int
     buffers: int
     cluster: int = 1
+    kv_groups: int = 1
 
     @property
     def name(self) -> str:
         return (f"cuda_k{self.block_k}_q{16 * self.q_groups}_w{self.key_splits}_b{self.buffers}"
-                + (f"_c{self.cluster}" if self.cluster > 1 else ""))
+                + (f"_c{self.cluster}" if self.cluster > 1 else "")
+                + (f"_kv{self.kv_groups}" if self.kv_groups > 1 else ""))
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,7 +79,7 @@ def instantiated_configs(family: str) -> tuple[CudaAttentionConfig, ...]:
     module, _ = _extension()
     if module is None:
         return ()
-    return tuple(CudaAttentionConfig(bk, wq, wk, nb, c) for fam, bk, wq, wk, nb, c in module.configs() if fam == family)
+    return tuple(CudaAttentionConfig(*fields) for fam, *fields in module.configs() if fam == family)
 
 
 def _family(dtype: torch.dtype) -> str:
@@ -209,5 +213,5 @@ def cfm_attention_cuda(
         ctas = q.shape[0] * q.shape[1] * -(-q.shape[2] // (16 * config.q_groups)) * config.cluster
         pdl = policy.pdl_allowed(q.device) and use_pdl(ctas, sm_count(q.device))
     module.cfm_attention_fwd(q, k, v, key_lengths, mask, kv_rows, out, config.block_k, config.q_groups,
-                             config.key_splits, config.buffers, config.cluster, pdl, ablate)
+                             config.key_splits, config.buffers, config.cluster, config.kv_groups, pdl, ablate)
     return out
