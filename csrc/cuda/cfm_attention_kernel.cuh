@@ -41,6 +41,13 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_b
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(src_bytes));
 }
+// A global int32 load that the compiler keeps in program order with the other volatile asm (the
+// cp.async copies): issued after the copies before it, so their round trips overlap.
+__device__ __forceinline__ int load_volatile(const int32_t* p) {
+  int v;
+  asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(v) : "l"(p));
+  return v;
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -186,8 +193,6 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   const int n = row_head / p.n_heads, h = row_head % p.n_heads;
   const int q0 = q_tile * G::kQRows;
 
-  int len = p.k_len;
-  if (p.key_lengths != nullptr) len = min(max(p.key_lengths[n], 0), p.k_len);
   int kv_row = n;
   if (p.kv_rows != nullptr) kv_row = min(max(p.kv_rows[n], 0), p.n_pool - 1);
 
@@ -207,13 +212,12 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
     }
   }
 
-  const int tiles = (len + BK - 1) / BK;
   // Split `split` walks tiles split, split + WK, ...: its own pipeline of NBUF buffers, loaded by
   // its own WQ warps and synchronised with a named barrier, so a split starts on its first tile as
   // soon as that tile has landed instead of waiting for the whole CTA's loads.
   constexpr int kSplits = C * WK;  // key splits of the whole cluster
   const int gsplit = rank * WK + split;
-  const int my_tiles = gsplit < tiles ? (tiles - gsplit + kSplits - 1) / kSplits : 0;
+  int len = p.k_len, my_tiles = 0;  // set from key_lengths once the first copies are issued
   constexpr int kSplitThreads = WQ * 32;
   const int stid = tid - split * kSplitThreads;
   T* split_kv = kv_s + split * (NBUF * 2 * BK * G::kRow);
@@ -227,22 +231,25 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   const int r0 = stid / kChunksPerRow, col0 = (stid % kChunksPerRow) * kChunk;
   const int64_t k_step = kRowsPerPass * p.k_sk, v_step = kRowsPerPass * p.v_sk;
 
-  auto load_tile = [&](int i) {  // the split's i-th tile into buffer i % NBUF (always KVG commit groups)
-    const bool live = i < my_tiles && !(p.ablate & 2);
-    T* dst = split_kv + (i % NBUF) * (2 * BK * G::kRow) + r0 * G::kRow + col0;
+  // The split's i-th tile's K or V rows into buffer i % NBUF: rows at or past `bound` are zero-filled.
+  auto copy_rows = [&](int i, bool is_v, int bound) {
     const int key_first = (i * kSplits + gsplit) * BK + r0;
-    auto copy_rows = [&](T* d, const T* base, int64_t stride, int64_t step) {
-      const T* src = base + key_first * stride + col0;
+    const T* base = is_v ? v_base : k_base;
+    const T* src = base + key_first * (is_v ? p.v_sk : p.k_sk) + col0;
+    const int64_t step = is_v ? v_step : k_step;
+    T* dst = split_kv + (i % NBUF) * (2 * BK * G::kRow) + (is_v ? BK : 0) * G::kRow + r0 * G::kRow + col0;
 #pragma unroll
-      for (int j = 0; j < BK / kRowsPerPass; ++j) {
-        const bool ok = key_first + j * kRowsPerPass < len;
-        cp_async16(d + j * kRowsPerPass * G::kRow, ok ? src : base, ok ? 16 : 0);
-        src += step;
-      }
-    };
-    if (live) copy_rows(dst, k_base, p.k_sk, k_step);
+    for (int j = 0; j < BK / kRowsPerPass; ++j) {
+      const bool ok = key_first + j * kRowsPerPass < bound;
+      cp_async16(dst + j * kRowsPerPass * G::kRow, ok ? src : base, ok ? 16 : 0);
+      src += step;
+    }
+  };
+  auto load_tile = [&](int i) {  // the split's i-th tile (always KVG commit groups)
+    const bool live = i < my_tiles && !(p.ablate & 2);
+    if (live) copy_rows(i, false, len);
     if constexpr (KVG == 2) cp_async_commit();
-    if (live) copy_rows(dst + BK * G::kRow, v_base, p.v_sk, v_step);
+    if (live) copy_rows(i, true, len);
     cp_async_commit();
   };
   auto split_barrier = [&]() {
@@ -263,8 +270,26 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   }
 
   cp_async_commit();  // the Q tile's group
+  if constexpr (KVG == 2) {
+    // The first tile's K does not wait for key_lengths: every row < K is in the tensor, and the
+    // scores of keys >= len are set to -inf before any use (NaN padding included).
+    if ((gsplit * BK < p.k_len) && !(p.ablate & 2)) copy_rows(0, false, p.k_len);
+    cp_async_commit();
+  }
+  // key_lengths is read only now (a volatile load stays behind the copies above), so its round
+  // trip overlaps theirs instead of delaying them.
+  if (p.key_lengths != nullptr) len = min(max(load_volatile(p.key_lengths + n), 0), p.k_len);
+  const int tiles = (len + BK - 1) / BK;
+  my_tiles = gsplit < tiles ? (tiles - gsplit + kSplits - 1) / kSplits : 0;
+  if constexpr (KVG == 2) {
+    // V's rows past len must be zeros (0 · NaN would reach O), so V waits for len.
+    if (0 < my_tiles && !(p.ablate & 2)) copy_rows(0, true, len);
+    cp_async_commit();
+  } else {
+    load_tile(0);
+  }
 #pragma unroll
-  for (int i = 0; i < NBUF; ++i) load_tile(i);
+  for (int i = 1; i < NBUF; ++i) load_tile(i);
   cp_async_wait<NBUF * KVG>();  // this thread's Q copies; every thread's after the barrier
   __syncthreads();
 

@@ -45,7 +45,8 @@ struct Params {
   X(128, 2, 4, 1, 1, 1)         \
   X(64, 2, 4, 2, 1, 2)          \
   X(64, 1, 8, 1, 1, 2)          \
-  X(128, 2, 4, 1, 1, 2)
+  X(128, 2, 4, 1, 1, 2)         \
+  X(128, 2, 2, 2, 1, 2)
 #define TORCH_CFM_CONFIGS_32(X) \
   X(16, 4, 4, 2, 1, 1)          \
   X(16, 2, 8, 2, 1, 1)          \
@@ -57,7 +58,8 @@ struct Params {
   X(32, 4, 2, 2, 2, 1)          \
   X(64, 2, 4, 1, 1, 1)          \
   X(32, 2, 4, 2, 1, 2)          \
-  X(64, 2, 4, 1, 1, 2)
+  X(64, 2, 4, 1, 1, 2)          \
+  X(64, 2, 2, 2, 1, 2)
 
 // Launch `blocks` (row, head, query tile) items, `cluster` CTAs each, on `stream`, with programmatic
 // dependent launch when `pdl`; false when (bk, wq, wk, nbuf, cluster, kv_groups) is not instantiated.
