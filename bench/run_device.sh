@@ -55,7 +55,7 @@ summary() { tail -3 "$1"; grep -E "^(FAILED|ERROR) " "$1" | head -40; }
 # now refuses such a build). Use the system compiler, the one torch was built with (GCC 13).
 export CXX=${TORCH_CFM_CXX:-g++} CC=${TORCH_CFM_CC:-gcc}
 # The optional CUDA extension (csrc/cuda/) for the H200 only, its sources compiled in parallel.
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
 {
   echo "== build"; date -u; $CXX --version | head -1
   # pip's editable install re-runs pip with build isolation under setuptools 81 (no network there):

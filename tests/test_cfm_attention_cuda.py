@@ -32,8 +32,10 @@ needs_kernel = pytest.mark.skipif(not (torch.cuda.is_available() and _built()),
 
 
 def _configs(dtype):
+    """The instantiated configs this GPU runs (cluster configs need SM90)."""
     fam = "fp32" if dtype == torch.float32 else "16bit"
-    return cuda_kernel.instantiated_configs(fam)
+    sm90 = cuda_kernel.cluster_capable(torch.device("cuda"))
+    return tuple(c for c in cuda_kernel.instantiated_configs(fam) if c.cluster == 1 or sm90)
 
 
 def _launch(config):
@@ -160,22 +162,24 @@ def test_gpu_edge_lengths_and_nan_padding(dtype, precision) -> None:
 @needs_kernel
 @pytest.mark.parametrize("dtype,precision", _DTYPES, ids=_DTYPE_IDS)
 def test_gpu_graph_replay_matches_eager(dtype, precision) -> None:
-    a = _gpu_inputs(8, 8, 50, 450, 64, dtype, mask=True)
-    config = cuda_kernel.default_config(dtype)
-    out = torch.empty(8, 50, 8, 64, device="cuda", dtype=dtype).transpose(1, 2)
+    """The forced config and every cluster config: replay after new inputs and lengths == a fresh call, bitwise."""
+    for config in [cuda_kernel.default_config(dtype)] + [c for c in _configs(dtype) if c.cluster > 1]:
+        a = _gpu_inputs(8, 8, 50, 450, 64, dtype, mask=True)
+        out = torch.empty(8, 50, 8, 64, device="cuda", dtype=dtype).transpose(1, 2)
 
-    def call():
-        return cuda_kernel.cfm_attention_cuda(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], None, out, config)
+        def call(a=a, out=out, config=config):
+            return cuda_kernel.cfm_attention_cuda(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], None, out,
+                                                  config)
 
-    graph, _ = capture_cuda_graph(call)
-    b = _gpu_inputs(8, 8, 50, 450, 64, dtype, mask=True, seed=7)
-    for name in ("q", "k", "v", "key_lengths", "mask"):
-        a[name].copy_(b[name])
-    graph.replay()
-    torch.cuda.synchronize()
-    fresh = torch.empty_like(out)
-    cuda_kernel.cfm_attention_cuda(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], None, fresh, config)
-    assert torch.equal(out, fresh)
+        graph, _ = capture_cuda_graph(call)
+        b = _gpu_inputs(8, 8, 50, 450, 64, dtype, mask=True, seed=7)
+        for name in ("q", "k", "v", "key_lengths", "mask"):
+            a[name].copy_(b[name])
+        graph.replay()
+        torch.cuda.synchronize()
+        fresh = torch.empty_like(out)
+        cuda_kernel.cfm_attention_cuda(a["q"], a["k"], a["v"], a["key_lengths"], a["mask"], None, fresh, config)
+        assert torch.equal(out, fresh), config
 
 
 @pytest.mark.gpu

@@ -53,7 +53,9 @@ void cfm_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   p.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(q.size(3))));
   const int64_t rows_heads = q.size(0) * q.size(1);
   if (rows_heads == 0 || p.q_len == 0) return;
-  const int blocks = static_cast<int>(rows_heads * p.q_tiles);
+  // cluster > 1: one cluster per (row, head, group of `cluster` query tiles); launch_* launches
+  // blocks · cluster CTAs.
+  const int blocks = static_cast<int>(rows_heads * ((p.q_tiles + cluster - 1) / cluster));
   const int bk = static_cast<int>(block_k), wq = static_cast<int>(q_groups);
   const int wk = static_cast<int>(key_splits), nbuf = static_cast<int>(buffers), kvg = static_cast<int>(kv_groups);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();

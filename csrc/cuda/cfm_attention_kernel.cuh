@@ -7,13 +7,19 @@
 // keys are dealt round-robin to the splits (split s walks tiles s, s + WK, ...). Each split's WQ
 // warps load its own tiles with cp.async (NBUF in flight) and meet at a named barrier, so a split
 // starts as soon as its first tile has landed. Each warp runs FlashAttention-2's online softmax
-// over its tiles; then the splits merge: one max per query, rescale, sum. With C > 1 a cluster of
-// C CTAs deals the tiles over all C·WK splits and merges through distributed shared memory (SM90;
-// measured slower at SPEC §7's shapes, kept instantiated and tested, not chosen).
+// over its tiles; then the splits merge: one max per query, rescale, sum.
+//
+// C > 1 (SM90): a cluster of C CTAs holds C consecutive query tiles of one (row, head), which read
+// the same keys. Each K/V row is fetched from L2 once, by one CTA, as a bulk copy multicast into
+// every CTA of the cluster (cp.async.bulk .multicast::cluster, completion on an mbarrier per tile):
+// L2 reads drop C-fold. At SPEC §7's small shapes every SM's copies together are bound by L2's total
+// read rate (bench/NOTES_attention.md, run 14). A cluster walks its tiles in rounds of NBUF tiles per
+// split, with a cluster barrier between rounds (one round at K <= WK·BK·NBUF).
 //
 // Semantics are SPEC §4 (the Triton kernel's): keys >= key_lengths[n] (clamped to [0, K]) are never
-// read (cp.async zero-fills them, so NaN padding cannot leak), masked keys get probability 0, and
-// a query with no valid key gets exactly 0 (exponents are taken against 0 instead of -inf).
+// read (cp.async zero-fills them; the bulk-copy path skips them and zeroes V's rows, K's are masked,
+// so NaN padding cannot leak), masked keys get probability 0, and a query with no valid key gets
+// exactly 0 (exponents are taken against 0 instead of -inf).
 //
 // Requirements checked by the Python side (kernels/cfm_attention_cuda.py::not_supported_reasons):
 // D == 64 (the instantiated head dim), unit stride along D, 16-byte aligned base pointers and
@@ -21,7 +27,6 @@
 // the kernel compiles standalone with nvcc (register checks: nvcc -Xptxas -v).
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -41,12 +46,22 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_b
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
                "r"(src_bytes));
 }
-// A global int32 load that the compiler keeps in program order with the other volatile asm (the
-// cp.async copies): issued after the copies before it, so their round trips overlap.
-__device__ __forceinline__ int load_volatile(const int32_t* p) {
-  int v;
-  asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(v) : "l"(p));
+// *p when p is not null, else `fallback`, without a branch (a branch would end the basic block
+// and pull the value's first use, and its wait, in front of the copies issued after it).
+__device__ __forceinline__ int load_or(const int32_t* p, int offset, int fallback) {
+  int v = fallback;
+  asm volatile(
+      "{\n .reg .pred has;\n setp.ne.u64 has, %1, 0;\n @has ld.global.nc.b32 %0, [%2];\n}\n"
+      : "+r"(v)
+      : "l"(p), "l"(reinterpret_cast<uintptr_t>(p) + 4 * static_cast<int64_t>(offset)));
   return v;
+}
+// min(max(x, 0), hi) as volatile asm, so the compiler keeps it (and the wait for x) in program
+// order behind the copies issued before it.
+__device__ __forceinline__ int clamp_in_order(int x, int hi) {
+  int y;
+  asm volatile("{\n max.s32 %0, %1, 0;\n min.s32 %0, %0, %2;\n}\n" : "=r"(y) : "r"(x), "r"(hi));
+  return y;
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -135,6 +150,51 @@ __device__ __forceinline__ void store4(T* dst, float a, float b, float c, float 
   }
 }
 
+// mbarrier and bulk-copy primitives of the C > 1 path (SM90 PTX). Older targets compile them as
+// traps: the C > 1 instantiations exist there but the Python side never launches them (clusters
+// need SM90).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define TORCH_CFM_SM90_ONLY(...) __trap()
+#else
+#define TORCH_CFM_SM90_ONLY(...) __VA_ARGS__
+#endif
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
+  TORCH_CFM_SM90_ONLY(asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory"));
+}
+__device__ __forceinline__ void mbarrier_expect_tx(uint32_t bar, uint32_t bytes) {
+  TORCH_CFM_SM90_ONLY(
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory"));
+}
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  TORCH_CFM_SM90_ONLY(asm volatile(
+      "{\n .reg .pred done;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " @!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory"));
+}
+// `bytes` from global `src` to shared offset `dst` of every CTA in `cta_mask`, each completing on
+// the mbarrier at offset `bar` of its own shared memory.
+__device__ __forceinline__ void bulk_copy_multicast(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
+                                                    uint16_t cta_mask) {
+  TORCH_CFM_SM90_ONLY(asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1], %2, [%3], "
+      "%4;\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "h"(cta_mask)
+      : "memory"));
+}
+__device__ __forceinline__ void fence_mbarrier_init() {
+  TORCH_CFM_SM90_ONLY(asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"));
+}
+// Orders this thread's generic-proxy shared-memory writes before later bulk copies (async proxy).
+__device__ __forceinline__ void fence_proxy_async() {
+  TORCH_CFM_SM90_ONLY(asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"));
+}
+__device__ __forceinline__ void cluster_sync_all() {
+  TORCH_CFM_SM90_ONLY(
+      asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory"));
+}
+#undef TORCH_CFM_SM90_ONLY
+
 // Shared-memory geometry of one instantiation. Rows are padded by 16 bytes: with that, ldmatrix
 // (16-bit) and the TF32 scalar fragment loads hit 8 / 32 distinct banks per instruction.
 template <typename T, int D, int BK, int WQ, int WK, int NBUF, int C>
@@ -150,17 +210,18 @@ struct Geometry {
   static constexpr int kRedBytes = WK * kQRows * kRedRow * 4;
   static constexpr int kMainBytes = kKVBytes > kRedBytes ? kKVBytes : kRedBytes;
   static constexpr int kStatBytes = WK * kQRows * 2 * 4;  // (m, l) per split and query
-  static constexpr int kCtaStatBytes = C > 1 ? kQRows * 2 * 4 : 0;  // the CTA's (max, sum) per query
-  static constexpr int kSmemBytes = kQBytes + kMainBytes + kStatBytes + kCtaStatBytes;
+  static constexpr int kBarBytes = C > 1 ? WK * NBUF * 2 * 8 : 0;  // an mbarrier per (split, buffer, K|V)
+  static constexpr int kSmemBytes = kQBytes + kMainBytes + kStatBytes + kBarBytes;
 };
 
-// KVG = 2 commits each tile's K and V as two cp.async groups, K first, so a split's score dot and
-// softmax run while its V tile is still landing; KVG = 1 waits for both at once.
+// KVG = 2 waits for each tile's K before its V (two cp.async groups, or two mbarriers), so a split's
+// score dot and softmax run while its V tile is still landing; KVG = 1 waits for both at once.
 template <typename T, int D, int BK, int WQ, int WK, int NBUF, int C, int KVG>
 __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(const Params p) {
   using G = Geometry<T, D, BK, WQ, WK, NBUF, C>;
   static_assert(C == 1 || C == 2 || C == 4, "cluster of 1, 2 or 4 CTAs");
   static_assert(KVG == 1 || KVG == 2, "K and V in one or two copy groups per tile");
+  static_assert(C == 1 || KVG == 2, "the multicast path waits for K and V separately");
   static_assert(BK % 16 == 0 && D % 16 == 0, "tiles are whole MMA steps");
   constexpr int kChunk = 16 / sizeof(T);  // elements per 16-byte copy
   constexpr int kMmaK = Mma<T>::K;
@@ -171,28 +232,39 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   T* kv_s = reinterpret_cast<T*>(smem + G::kQBytes);
   float* red_s = reinterpret_cast<float*>(smem + G::kQBytes);
   float* stat_s = reinterpret_cast<float*>(smem + G::kQBytes + G::kMainBytes);
-  float* cta_stat_s = reinterpret_cast<float*>(smem + G::kQBytes + G::kMainBytes + G::kStatBytes);
+  const uint32_t bar_s = smem_addr(smem + G::kQBytes + G::kMainBytes + G::kStatBytes);
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
   const int wq = warp % WQ, split = warp / WQ;
   const int g = lane / 4, t = lane % 4;
 
+  if constexpr (C > 1) {
+    // Every CTA's mbarriers exist before any CTA of the cluster multicasts into them.
+    if (tid < WK * NBUF * 2) mbarrier_init(bar_s + 8 * tid, 1);
+    fence_mbarrier_init();
+    cluster_sync_all();
+  }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Programmatic dependent launch (a no-op unless launched with the attribute): wait for the
   // previous kernel's writes before the first global read, and let the next kernel get scheduled.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" :::);
 #endif
-  // C > 1: a cluster of C CTAs shares one (row, head, query tile) and deals the key tiles over
-  // all C · WK splits; the CTAs merge through distributed shared memory at the end (SM90).
+  // C > 1: the cluster's CTA `rank` takes query tile C · (cluster's tile group) + rank; a tile past
+  // the last holds no queries (it loads and stores nothing of its own, and still takes its share
+  // of the copies).
   const int rank = C > 1 ? static_cast<int>(blockIdx.x % C) : 0;
   const int work = C > 1 ? static_cast<int>(blockIdx.x / C) : static_cast<int>(blockIdx.x);
-  const int q_tile = work % p.q_tiles;
-  const int row_head = work / p.q_tiles;
+  const int tile_groups = (p.q_tiles + C - 1) / C;
+  const int q_tile = (work % tile_groups) * C + rank;
+  const int row_head = work / tile_groups;
   const int n = row_head / p.n_heads, h = row_head % p.n_heads;
   const int q0 = q_tile * G::kQRows;
 
+  // key_lengths[n] is loaded first and its value used only after the Q copies are issued, so its
+  // round trip overlaps theirs.
+  const int len_loaded = load_or(p.key_lengths, n, p.k_len);
   int kv_row = n;
   if (p.kv_rows != nullptr) kv_row = min(max(p.kv_rows[n], 0), p.n_pool - 1);
 
@@ -211,46 +283,79 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
       cp_async16(q_s + r * G::kRow + col0, ok ? q_base + (q0 + r) * p.q_sq + col0 : q_base, ok ? 16 : 0);
     }
   }
+  cp_async_commit();  // the Q tile's group
 
+  const int len = clamp_in_order(len_loaded, p.k_len);
+  const int tiles = (len + BK - 1) / BK;
   // Split `split` walks tiles split, split + WK, ...: its own pipeline of NBUF buffers, loaded by
-  // its own WQ warps and synchronised with a named barrier, so a split starts on its first tile as
-  // soon as that tile has landed instead of waiting for the whole CTA's loads.
-  constexpr int kSplits = C * WK;  // key splits of the whole cluster
-  const int gsplit = rank * WK + split;
-  int len = p.k_len, my_tiles = 0;  // set from key_lengths once the first copies are issued
+  // its own WQ warps and synchronised with a named barrier (C = 1) or its buffers' mbarriers
+  // (C > 1), so a split starts on its first tile as soon as that tile has landed.
+  const int my_tiles = split < tiles ? (tiles - split + WK - 1) / WK : 0;
   constexpr int kSplitThreads = WQ * 32;
   const int stid = tid - split * kSplitThreads;
   T* split_kv = kv_s + split * (NBUF * 2 * BK * G::kRow);
 
-  // Copy geometry: a split's threads cover kRowsPerPass rows of 16-byte chunks per pass, so each
-  // thread copies the same column of rows r0, r0 + kRowsPerPass, ... in every tile; its global
+  // Copy geometry (C = 1): a split's threads cover kRowsPerPass rows of 16-byte chunks per pass, so
+  // each thread copies the same column of rows r0, r0 + kRowsPerPass, ... in every tile; its global
   // addresses advance by constant steps (a few instructions per copy instead of index math).
   constexpr int kChunksPerRow = D / kChunk;
   constexpr int kRowsPerPass = kSplitThreads / kChunksPerRow;
   static_assert(kSplitThreads % kChunksPerRow == 0 && BK % kRowsPerPass == 0, "whole copy passes per tile");
   const int r0 = stid / kChunksPerRow, col0 = (stid % kChunksPerRow) * kChunk;
-  const int64_t k_step = kRowsPerPass * p.k_sk, v_step = kRowsPerPass * p.v_sk;
 
-  // The split's i-th tile's K or V rows into buffer i % NBUF: rows at or past `bound` are zero-filled.
-  auto copy_rows = [&](int i, bool is_v, int bound) {
-    const int key_first = (i * kSplits + gsplit) * BK + r0;
+  // The split's i-th tile's K or V rows into buffer i % NBUF: rows at or past len are zero-filled.
+  auto copy_rows = [&](int i, bool is_v) {
+    const int key_first = (i * WK + split) * BK + r0;
     const T* base = is_v ? v_base : k_base;
-    const T* src = base + key_first * (is_v ? p.v_sk : p.k_sk) + col0;
-    const int64_t step = is_v ? v_step : k_step;
+    const int64_t stride = is_v ? p.v_sk : p.k_sk;
+    const T* src = base + key_first * stride + col0;
     T* dst = split_kv + (i % NBUF) * (2 * BK * G::kRow) + (is_v ? BK : 0) * G::kRow + r0 * G::kRow + col0;
 #pragma unroll
     for (int j = 0; j < BK / kRowsPerPass; ++j) {
-      const bool ok = key_first + j * kRowsPerPass < bound;
+      const bool ok = key_first + j * kRowsPerPass < len;
       cp_async16(dst + j * kRowsPerPass * G::kRow, ok ? src : base, ok ? 16 : 0);
-      src += step;
+      src += kRowsPerPass * stride;
     }
   };
-  auto load_tile = [&](int i) {  // the split's i-th tile (always KVG commit groups)
+  auto load_tile = [&](int i) {  // C = 1: the split's i-th tile (always KVG commit groups)
     const bool live = i < my_tiles && !(p.ablate & 2);
-    if (live) copy_rows(i, false, len);
+    if (live) copy_rows(i, false);
     if constexpr (KVG == 2) cp_async_commit();
-    if (live) copy_rows(i, true, len);
+    if (live) copy_rows(i, true);
     cp_async_commit();
+  };
+  // C > 1: the split's tiles of one round (NBUF tiles per split) as multicast bulk copies, one row
+  // each; this CTA issues rows rank, rank + C, ... of each tile and zeroes V's rows past len.
+  auto issue_round = [&](int round) {
+#pragma unroll
+    for (int b = 0; b < NBUF; ++b) {
+      const int i = round * NBUF + b;
+      if (i >= my_tiles) break;
+      const int key0 = (i * WK + split) * BK;
+      const int valid = min(BK, len - key0);
+      T* k_dst = split_kv + b * (2 * BK * G::kRow);
+      T* v_dst = k_dst + BK * G::kRow;
+      const uint32_t k_bar = bar_s + 8 * ((split * NBUF + b) * 2), v_bar = k_bar + 8;
+      if (!(p.ablate & 2)) {
+        if (stid == 0) {
+          mbarrier_expect_tx(k_bar, valid * D * sizeof(T));
+          mbarrier_expect_tx(v_bar, valid * D * sizeof(T));
+        }
+        for (int r = rank + C * stid; r < valid; r += C * kSplitThreads) {
+          bulk_copy_multicast(smem_addr(k_dst + r * G::kRow), k_base + (key0 + r) * p.k_sk, D * sizeof(T), k_bar,
+                              (1u << C) - 1);
+          bulk_copy_multicast(smem_addr(v_dst + r * G::kRow), v_base + (key0 + r) * p.v_sk, D * sizeof(T), v_bar,
+                              (1u << C) - 1);
+        }
+      } else if (stid == 0) {
+        mbarrier_expect_tx(k_bar, 0);
+        mbarrier_expect_tx(v_bar, 0);
+      }
+      for (int c = stid; c < (BK - valid) * (D / kChunk); c += kSplitThreads) {
+        const int r = valid + c / (D / kChunk);
+        *reinterpret_cast<uint4*>(v_dst + r * G::kRow + (c % (D / kChunk)) * kChunk) = make_uint4(0, 0, 0, 0);
+      }
+    }
   };
   auto split_barrier = [&]() {
     asm volatile("bar.sync %0, %1;\n" ::"r"(1 + split), "n"(kSplitThreads) : "memory");
@@ -268,175 +373,187 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
     mask0 = p.mask + n * p.m_sn + min(qi0, p.q_len - 1) * p.m_sq;
     mask1 = p.mask + n * p.m_sn + min(qi1, p.q_len - 1) * p.m_sq;
   }
-
-  cp_async_commit();  // the Q tile's group
-  if constexpr (KVG == 2) {
-    // The first tile's K does not wait for key_lengths: every row < K is in the tensor, and the
-    // scores of keys >= len are set to -inf before any use (NaN padding included).
-    if ((gsplit * BK < p.k_len) && !(p.ablate & 2)) copy_rows(0, false, p.k_len);
-    cp_async_commit();
-  }
-  // key_lengths is read only now (a volatile load stays behind the copies above), so its round
-  // trip overlaps theirs instead of delaying them.
-  if (p.key_lengths != nullptr) len = min(max(load_volatile(p.key_lengths + n), 0), p.k_len);
-  const int tiles = (len + BK - 1) / BK;
-  my_tiles = gsplit < tiles ? (tiles - gsplit + kSplits - 1) / kSplits : 0;
-  if constexpr (KVG == 2) {
-    // V's rows past len must be zeros (0 · NaN would reach O), so V waits for len.
-    if (0 < my_tiles && !(p.ablate & 2)) copy_rows(0, true, len);
-    cp_async_commit();
-  } else {
-    load_tile(0);
-  }
-#pragma unroll
-  for (int i = 1; i < NBUF; ++i) load_tile(i);
-  cp_async_wait<NBUF * KVG>();  // this thread's Q copies; every thread's after the barrier
-  __syncthreads();
-
   const bool compute = !(p.ablate & 1);
-  for (int it = 0; it < my_tiles; ++it) {
-    cp_async_wait<NBUF * KVG - 1>();
-    split_barrier();  // tile `it`'s K (KVG = 2) or K and V (KVG = 1) of every thread of the split have landed
 
-    const int key0 = (it * kSplits + gsplit) * BK;
-    const T* k_s = split_kv + (it % NBUF) * (2 * BK * G::kRow);
-    const T* v_s = k_s + BK * G::kRow;
-    float s[BK / 8][4];
-    if (compute) {
-      const T* qw_s = q_s + wq * 16 * G::kRow;
-
-      // S = Q Kᵀ for 16 queries × BK keys.
+  // S = Q Kᵀ for this warp's 16 queries × the tile's BK keys from key0, masked, then the online
+  // softmax update of (m, l, O); s keeps P for the P V step.
+  auto scores_and_softmax = [&](int key0, const T* k_s, float (&s)[BK / 8][4]) {
+    const T* qw_s = q_s + wq * 16 * G::kRow;
 #pragma unroll
-      for (int j = 0; j < BK / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    for (int j = 0; j < BK / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < D / kMmaK; ++kk) {
-        uint32_t a[4];
-        if constexpr (kTf32) {
-          const float* qf = reinterpret_cast<const float*>(qw_s);
-          a[0] = tf32_operand(qf[g * G::kRow + kk * 8 + t]);
-          a[1] = tf32_operand(qf[(g + 8) * G::kRow + kk * 8 + t]);
-          a[2] = tf32_operand(qf[g * G::kRow + kk * 8 + t + 4]);
-          a[3] = tf32_operand(qf[(g + 8) * G::kRow + kk * 8 + t + 4]);
-#pragma unroll
-          for (int j = 0; j < BK / 8; ++j) {
-            const float* kf = reinterpret_cast<const float*>(k_s) + (j * 8 + g) * G::kRow + kk * 8 + t;
-            Mma<T>::run(s[j], a, tf32_operand(kf[0]), tf32_operand(kf[4]));
-          }
-        } else {
-          ldmatrix_x4(a, qw_s + (lane % 16) * G::kRow + kk * 16 + (lane / 16) * 8);
-#pragma unroll
-          for (int j = 0; j < BK / 8; j += 2) {
-            uint32_t b[4];
-            ldmatrix_x4(b, k_s + (j * 8 + (lane / 16) * 8 + lane % 8) * G::kRow + kk * 16 + ((lane / 8) % 2) * 8);
-            Mma<T>::run(s[j], a, b[0], b[1]);
-            Mma<T>::run(s[j + 1], a, b[2], b[3]);
-          }
-        }
-      }
-
-      // Mask (tiles past the row's length or under a mask only), online softmax over the two rows
-      // this thread holds. Scores stay unscaled until the exponent: p = 2^(s·scale − m), one FFMA.
-      if (mask0 != nullptr) {
-        // Every mask byte of the tile is loaded before any is used (independent loads, one round
-        // trip); keys past the length read a clamped, valid address and are dropped by `ok`.
-        uint8_t keep[BK / 8][4];
-#pragma unroll
-        for (int j = 0; j < BK / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = min(key0 + j * 8 + 2 * t + (e & 1), p.k_len - 1);
-            keep[j][e] = __ldg((e < 2 ? mask0 : mask1) + key * p.m_sk);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < BK / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const bool ok = key0 + j * 8 + 2 * t + (e & 1) < len && keep[j][e] != 0;
-            s[j][e] = ok ? s[j][e] : -INFINITY;
-          }
-        }
-      } else if (key0 + BK > len) {
-#pragma unroll
-        for (int j = 0; j < BK / 8; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if (key0 + j * 8 + 2 * t + (e & 1) >= len) s[j][e] = -INFINITY;
-          }
-        }
-      }
-      float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < BK / 8; ++j) {
-        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
-      }
-#pragma unroll
-      for (int off = 1; off < 4; off *= 2) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-      }
-      const float new0 = fmaxf(m0, mx0 * p.scale_log2), new1 = fmaxf(m1, mx1 * p.scale_log2);
-      const float ref0 = new0 == -INFINITY ? 0.f : new0, ref1 = new1 == -INFINITY ? 0.f : new1;
-      const float alpha0 = fast_exp2(m0 - ref0), alpha1 = fast_exp2(m1 - ref1);
-      m0 = new0;
-      m1 = new1;
-      float sum0 = 0.f, sum1 = 0.f;
-#pragma unroll
-      for (int j = 0; j < BK / 8; ++j) {
-        s[j][0] = fast_exp2(fmaf(s[j][0], p.scale_log2, -ref0));
-        s[j][1] = fast_exp2(fmaf(s[j][1], p.scale_log2, -ref0));
-        s[j][2] = fast_exp2(fmaf(s[j][2], p.scale_log2, -ref1));
-        s[j][3] = fast_exp2(fmaf(s[j][3], p.scale_log2, -ref1));
-        sum0 += s[j][0] + s[j][1];
-        sum1 += s[j][2] + s[j][3];
-      }
-      l0 = l0 * alpha0 + sum0;
-      l1 = l1 * alpha1 + sum1;
-#pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
-        o[i][0] *= alpha0;
-        o[i][1] *= alpha0;
-        o[i][2] *= alpha1;
-        o[i][3] *= alpha1;
-      }
-    }
-    if constexpr (KVG == 2) {
-      cp_async_wait<2 * NBUF - 2>();
-      split_barrier();  // tile `it`'s V has landed
-    }
-    if (compute) {
-      // O += P V.
+    for (int kk = 0; kk < D / kMmaK; ++kk) {
+      uint32_t a[4];
       if constexpr (kTf32) {
-        // The S accumulator gives thread (g, t) keys 2t and 2t+1 of each 8-key tile; read them as
-        // the A fragment's columns t and t+4 and take V's rows in the same order.
+        const float* qf = reinterpret_cast<const float*>(qw_s);
+        a[0] = tf32_operand(qf[g * G::kRow + kk * 8 + t]);
+        a[1] = tf32_operand(qf[(g + 8) * G::kRow + kk * 8 + t]);
+        a[2] = tf32_operand(qf[g * G::kRow + kk * 8 + t + 4]);
+        a[3] = tf32_operand(qf[(g + 8) * G::kRow + kk * 8 + t + 4]);
 #pragma unroll
         for (int j = 0; j < BK / 8; ++j) {
-          const uint32_t a[4] = {tf32_operand(s[j][0]), tf32_operand(s[j][2]), tf32_operand(s[j][1]), tf32_operand(s[j][3])};
-          const float* vf = reinterpret_cast<const float*>(v_s) + (j * 8 + 2 * t) * G::kRow + g;
-#pragma unroll
-          for (int i = 0; i < D / 8; ++i) Mma<T>::run(o[i], a, tf32_operand(vf[i * 8]), tf32_operand(vf[G::kRow + i * 8]));
+          const float* kf = reinterpret_cast<const float*>(k_s) + (j * 8 + g) * G::kRow + kk * 8 + t;
+          Mma<T>::run(s[j], a, tf32_operand(kf[0]), tf32_operand(kf[4]));
         }
       } else {
+        ldmatrix_x4(a, qw_s + (lane % 16) * G::kRow + kk * 16 + (lane / 16) * 8);
 #pragma unroll
-        for (int j = 0; j < BK / 16; ++j) {
-          const uint32_t a[4] = {pack2<T>(s[2 * j][0], s[2 * j][1]), pack2<T>(s[2 * j][2], s[2 * j][3]),
-                                 pack2<T>(s[2 * j + 1][0], s[2 * j + 1][1]),
-                                 pack2<T>(s[2 * j + 1][2], s[2 * j + 1][3])};
-#pragma unroll
-          for (int i = 0; i < D / 8; i += 2) {
-            uint32_t b[4];
-            ldmatrix_x4_trans(b, v_s + (j * 16 + ((lane / 8) % 2) * 8 + lane % 8) * G::kRow + i * 8 + (lane / 16) * 8);
-            Mma<T>::run(o[i], a, b[0], b[1]);
-            Mma<T>::run(o[i + 1], a, b[2], b[3]);
-          }
+        for (int j = 0; j < BK / 8; j += 2) {
+          uint32_t b[4];
+          ldmatrix_x4(b, k_s + (j * 8 + (lane / 16) * 8 + lane % 8) * G::kRow + kk * 16 + ((lane / 8) % 2) * 8);
+          Mma<T>::run(s[j], a, b[0], b[1]);
+          Mma<T>::run(s[j + 1], a, b[2], b[3]);
         }
       }
     }
-    split_barrier();  // the split is done with this buffer before it is refilled
-    load_tile(it + NBUF);
+
+    // Mask (tiles past the row's length or under a mask only), online softmax over the two rows
+    // this thread holds. Scores stay unscaled until the exponent: p = 2^(s·scale − m), one FFMA.
+    if (mask0 != nullptr) {
+      // Every mask byte of the tile is loaded before any is used (independent loads, one round
+      // trip); keys past the length read a clamped, valid address and are dropped by `ok`.
+      uint8_t keep[BK / 8][4];
+#pragma unroll
+      for (int j = 0; j < BK / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = min(key0 + j * 8 + 2 * t + (e & 1), p.k_len - 1);
+          keep[j][e] = __ldg((e < 2 ? mask0 : mask1) + key * p.m_sk);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < BK / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool ok = key0 + j * 8 + 2 * t + (e & 1) < len && keep[j][e] != 0;
+          s[j][e] = ok ? s[j][e] : -INFINITY;
+        }
+      }
+    } else if (key0 + BK > len) {
+      // (K rows past len may hold anything, NaN included: their scores are replaced here.)
+#pragma unroll
+      for (int j = 0; j < BK / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (key0 + j * 8 + 2 * t + (e & 1) >= len) s[j][e] = -INFINITY;
+        }
+      }
+    }
+    float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < BK / 8; ++j) {
+      mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off *= 2) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    const float new0 = fmaxf(m0, mx0 * p.scale_log2), new1 = fmaxf(m1, mx1 * p.scale_log2);
+    const float ref0 = new0 == -INFINITY ? 0.f : new0, ref1 = new1 == -INFINITY ? 0.f : new1;
+    const float alpha0 = fast_exp2(m0 - ref0), alpha1 = fast_exp2(m1 - ref1);
+    m0 = new0;
+    m1 = new1;
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < BK / 8; ++j) {
+      s[j][0] = fast_exp2(fmaf(s[j][0], p.scale_log2, -ref0));
+      s[j][1] = fast_exp2(fmaf(s[j][1], p.scale_log2, -ref0));
+      s[j][2] = fast_exp2(fmaf(s[j][2], p.scale_log2, -ref1));
+      s[j][3] = fast_exp2(fmaf(s[j][3], p.scale_log2, -ref1));
+      sum0 += s[j][0] + s[j][1];
+      sum1 += s[j][2] + s[j][3];
+    }
+    l0 = l0 * alpha0 + sum0;
+    l1 = l1 * alpha1 + sum1;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      o[i][0] *= alpha0;
+      o[i][1] *= alpha0;
+      o[i][2] *= alpha1;
+      o[i][3] *= alpha1;
+    }
+  };
+  // O += P V for the tile's BK keys (V rows past len are zeros).
+  auto add_pv = [&](const T* v_s, const float (&s)[BK / 8][4]) {
+    if constexpr (kTf32) {
+      // The S accumulator gives thread (g, t) keys 2t and 2t+1 of each 8-key tile; read them as
+      // the A fragment's columns t and t+4 and take V's rows in the same order.
+#pragma unroll
+      for (int j = 0; j < BK / 8; ++j) {
+        const uint32_t a[4] = {tf32_operand(s[j][0]), tf32_operand(s[j][2]), tf32_operand(s[j][1]), tf32_operand(s[j][3])};
+        const float* vf = reinterpret_cast<const float*>(v_s) + (j * 8 + 2 * t) * G::kRow + g;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) Mma<T>::run(o[i], a, tf32_operand(vf[i * 8]), tf32_operand(vf[G::kRow + i * 8]));
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < BK / 16; ++j) {
+        const uint32_t a[4] = {pack2<T>(s[2 * j][0], s[2 * j][1]), pack2<T>(s[2 * j][2], s[2 * j][3]),
+                               pack2<T>(s[2 * j + 1][0], s[2 * j + 1][1]), pack2<T>(s[2 * j + 1][2], s[2 * j + 1][3])};
+#pragma unroll
+        for (int i = 0; i < D / 8; i += 2) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, v_s + (j * 16 + ((lane / 8) % 2) * 8 + lane % 8) * G::kRow + i * 8 + (lane / 16) * 8);
+          Mma<T>::run(o[i], a, b[0], b[1]);
+          Mma<T>::run(o[i + 1], a, b[2], b[3]);
+        }
+      }
+    }
+  };
+
+  if constexpr (C == 1) {
+#pragma unroll
+    for (int i = 0; i < NBUF; ++i) load_tile(i);
+    cp_async_wait<NBUF * KVG>();  // this thread's Q copies; every thread's after the barrier
+    __syncthreads();
+
+    for (int it = 0; it < my_tiles; ++it) {
+      cp_async_wait<NBUF * KVG - 1>();
+      split_barrier();  // tile `it`'s K (KVG = 2) or K and V (KVG = 1) of every thread of the split have landed
+      const int key0 = (it * WK + split) * BK;
+      const T* k_s = split_kv + (it % NBUF) * (2 * BK * G::kRow);
+      float s[BK / 8][4];
+      if (compute) scores_and_softmax(key0, k_s, s);
+      if constexpr (KVG == 2) {
+        cp_async_wait<2 * NBUF - 2>();
+        split_barrier();  // tile `it`'s V has landed
+      }
+      if (compute) add_pv(k_s + BK * G::kRow, s);
+      split_barrier();  // the split is done with this buffer before it is refilled
+      load_tile(it + NBUF);
+    }
+    cp_async_wait<0>();
+  } else {
+    // Rounds of NBUF tiles per split; every CTA of the cluster runs the same rounds (one (row,
+    // head), one len). A cluster barrier separates rounds: no CTA refills a buffer a peer still reads.
+    const int rounds = (((tiles + WK - 1) / WK) + NBUF - 1) / NBUF;
+    issue_round(0);
+    cp_async_wait<0>();  // the Q tile, every thread's after the barrier
+    __syncthreads();
+    for (int round = 0; round < rounds; ++round) {
+      if (round > 0) {
+        // Generic-proxy writes (V's zeroed rows) before the next round's bulk copies overwrite them.
+        fence_proxy_async();
+        cluster_sync_all();
+        issue_round(round);
+      }
+#pragma unroll
+      for (int b = 0; b < NBUF; ++b) {
+        const int it = round * NBUF + b;
+        if (it >= my_tiles) break;
+        const uint32_t k_bar = bar_s + 8 * ((split * NBUF + b) * 2);
+        const T* k_s = split_kv + b * (2 * BK * G::kRow);
+        mbarrier_wait(k_bar, round & 1);
+        float s[BK / 8][4];
+        if (compute) scores_and_softmax((it * WK + split) * BK, k_s, s);
+        mbarrier_wait(k_bar + 8, round & 1);
+        split_barrier();  // the split's zeroed V rows are visible
+        if (compute) add_pv(k_s + BK * G::kRow, s);
+      }
+    }
   }
-  cp_async_wait<0>();
 
   // Merge the WK splits: (m, l) per split and query, then rescaled partial O summed in order.
 #pragma unroll
@@ -451,7 +568,7 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
     stat_s[(split * G::kQRows + row1) * 2 + 0] = m1;
     stat_s[(split * G::kQRows + row1) * 2 + 1] = l1;
   }
-  __syncthreads();
+  __syncthreads();  // also: every split is done with the K/V buffers that red_s overlays
   float big0 = -INFINITY, big1 = -INFINITY;
 #pragma unroll
   for (int s2 = 0; s2 < WK; ++s2) {
@@ -465,16 +582,8 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
     total0 += stat_s[(s2 * G::kQRows + row0) * 2 + 1] * fast_exp2(stat_s[(s2 * G::kQRows + row0) * 2] - ref0);
     total1 += stat_s[(s2 * G::kQRows + row1) * 2 + 1] * fast_exp2(stat_s[(s2 * G::kQRows + row1) * 2] - ref1);
   }
-  // C == 1: normalise here. C > 1: keep the CTA's partial relative to its own max; the cluster
-  // merge below rescales and normalises.
-  const float f0 = C > 1 ? fast_exp2(m0 - ref0) : (total0 > 0.f ? fast_exp2(m0 - ref0) / total0 : 0.f);
-  const float f1 = C > 1 ? fast_exp2(m1 - ref1) : (total1 > 0.f ? fast_exp2(m1 - ref1) / total1 : 0.f);
-  if (C > 1 && split == 0 && t == 0) {
-    cta_stat_s[row0 * 2] = big0;  // -inf when the CTA saw no valid key for this query
-    cta_stat_s[row0 * 2 + 1] = total0;
-    cta_stat_s[row1 * 2] = big1;
-    cta_stat_s[row1 * 2 + 1] = total1;
-  }
+  const float f0 = total0 > 0.f ? fast_exp2(m0 - ref0) / total0 : 0.f;
+  const float f1 = total1 > 0.f ? fast_exp2(m1 - ref1) / total1 : 0.f;
   float* red = red_s + split * G::kQRows * G::kRedRow;
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) {
@@ -484,7 +593,10 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   __syncthreads();
 
   T* out_base = static_cast<T*>(p.out) + n * p.o_sn + h * p.o_sh;
-  auto sum_splits = [&](int r, int col) {  // the WK partials of query r, columns col .. col + 3, in order
+  for (int c = tid; c < G::kQRows * (D / 4); c += G::kThreads) {
+    const int r = c / (D / 4), col = (c % (D / 4)) * 4;
+    if (q0 + r >= p.q_len) continue;
+    // the WK partials of query r, columns col .. col + 3, summed in order
     float4 acc = *reinterpret_cast<const float4*>(red_s + r * G::kRedRow + col);
 #pragma unroll
     for (int s2 = 1; s2 < WK; ++s2) {
@@ -494,62 +606,7 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
       acc.z += x.z;
       acc.w += x.w;
     }
-    return acc;
-  };
-  if constexpr (C == 1) {
-    for (int c = tid; c < G::kQRows * (D / 4); c += G::kThreads) {
-      const int r = c / (D / 4), col = (c % (D / 4)) * 4;
-      if (q0 + r >= p.q_len) continue;
-      const float4 acc = sum_splits(r, col);
-      store4<T>(out_base + (q0 + r) * p.o_sq + col, acc.x, acc.y, acc.z, acc.w);
-    }
-  } else {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // Sum the CTA's splits into split 0's rows (each element by one thread), then every CTA of the
-    // cluster finalises its share of the queries from all C partials.
-    for (int c = tid; c < G::kQRows * (D / 4); c += G::kThreads) {
-      const int r = c / (D / 4), col = (c % (D / 4)) * 4;
-      *reinterpret_cast<float4*>(red_s + r * G::kRedRow + col) = sum_splits(r, col);
-    }
-    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-    cluster.sync();  // release/acquire: every CTA's partials are visible to the cluster
-    constexpr int kRowsPerCta = G::kQRows / C;
-    const float* peer_red[C];
-    const float* peer_stat[C];
-#pragma unroll
-    for (int cr = 0; cr < C; ++cr) {
-      peer_red[cr] = cluster.map_shared_rank(red_s, cr);
-      peer_stat[cr] = cluster.map_shared_rank(cta_stat_s, cr);
-    }
-    for (int c = tid; c < kRowsPerCta * (D / 4); c += G::kThreads) {
-      const int r = rank * kRowsPerCta + c / (D / 4), col = (c % (D / 4)) * 4;
-      if (q0 + r >= p.q_len) continue;
-      float mx[C], big = -INFINITY;
-#pragma unroll
-      for (int cr = 0; cr < C; ++cr) {
-        mx[cr] = peer_stat[cr][r * 2];
-        big = fmaxf(big, mx[cr]);
-      }
-      const float ref = big == -INFINITY ? 0.f : big;
-      float total = 0.f;
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int cr = 0; cr < C; ++cr) {
-        const float w = fast_exp2(mx[cr] - ref);  // 0 for a CTA without valid keys
-        total += peer_stat[cr][r * 2 + 1] * w;
-        const float4 x = *reinterpret_cast<const float4*>(peer_red[cr] + r * G::kRedRow + col);
-        acc.x += x.x * w;
-        acc.y += x.y * w;
-        acc.z += x.z * w;
-        acc.w += x.w * w;
-      }
-      const float inv = total > 0.f ? 1.f / total : 0.f;
-      store4<T>(out_base + (q0 + r) * p.o_sq + col, acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-    }
-    cluster.sync();  // no CTA leaves while a peer may still read its shared memory
-#else
-    __trap();  // clusters need SM90; the launcher never instantiates C > 1 for older targets
-#endif
+    store4<T>(out_base + (q0 + r) * p.o_sq + col, acc.x, acc.y, acc.z, acc.w);
   }
 }
 

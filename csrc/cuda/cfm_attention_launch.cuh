@@ -24,7 +24,7 @@ void launch_config(const Params& p, int blocks, bool pdl, cudaStream_t stream) {
     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, G::kSmemBytes);
   }
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(blocks * C);  // C CTAs (one cluster) per (row, head, query tile)
+  config.gridDim = dim3(blocks * C);  // C CTAs (one cluster) per work item
   config.blockDim = dim3(G::kThreads);
   config.dynamicSmemBytes = G::kSmemBytes;
   config.stream = stream;

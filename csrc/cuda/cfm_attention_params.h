@@ -22,17 +22,17 @@ struct Params {
   int64_t v_sn, v_sh, v_sk;
   int64_t m_sn, m_sq, m_sk;
   int64_t o_sn, o_sh, o_sq;
-  int n_heads, q_len, k_len, n_pool, q_tiles;
+  int n_heads, q_len, k_len, n_pool, q_tiles;  // q_tiles: 16·WQ-query tiles of Q
   float scale_log2;  // log2(e) / sqrt(D)
   int ablate;        // bench-only ablation (bench/cuda_attention_ablation.py): 1 skips the dots and
                      // softmax, 2 skips the K/V loads, 3 both; 0 in every real call
 };
 
 // Instantiated tile configs (BK keys per tile, WQ 16-query groups, WK key splits per CTA, NBUF tiles
-// in flight per split, C CTAs per cluster splitting the keys further (C > 1 needs SM90), KVG copy
-// groups per tile: 2 lands K before V so the score dot overlaps V's copy), D = 64.
+// in flight per split, C consecutive query tiles per cluster sharing multicast K/V (C > 1 needs SM90),
+// KVG copy groups per tile: 2 lands K before V so the score dot overlaps V's copy), D = 64.
 // 16-bit: 512-thread configs use 32-key tiles (64-key ones spill at 128 registers). The 128-key
-// (16-bit) and 64-key (fp32) configs give each split one whole tile at K <= 512, no pipelining.
+// (16-bit) and 64-key (fp32) configs give each split one whole tile at K <= 512.
 #define TORCH_CFM_CONFIGS_16(X) \
   X(32, 4, 4, 2, 1, 1)          \
   X(32, 2, 8, 2, 1, 1)          \
@@ -40,13 +40,14 @@ struct Params {
   X(64, 2, 4, 2, 1, 1)          \
   X(64, 4, 2, 2, 1, 1)          \
   X(64, 1, 8, 1, 1, 1)          \
-  X(32, 4, 4, 2, 2, 1)          \
-  X(64, 4, 2, 2, 2, 1)          \
   X(128, 2, 4, 1, 1, 1)         \
   X(64, 2, 4, 2, 1, 2)          \
   X(64, 1, 8, 1, 1, 2)          \
   X(128, 2, 4, 1, 1, 2)         \
-  X(128, 2, 2, 2, 1, 2)
+  X(128, 2, 2, 2, 1, 2)         \
+  X(128, 2, 4, 1, 2, 2)         \
+  X(64, 2, 4, 2, 2, 2)          \
+  X(64, 1, 8, 1, 2, 2)
 #define TORCH_CFM_CONFIGS_32(X) \
   X(16, 4, 4, 2, 1, 1)          \
   X(16, 2, 8, 2, 1, 1)          \
@@ -54,15 +55,16 @@ struct Params {
   X(32, 2, 8, 1, 1, 1)          \
   X(32, 2, 4, 2, 1, 1)          \
   X(32, 4, 2, 2, 1, 1)          \
-  X(32, 4, 4, 2, 2, 1)          \
-  X(32, 4, 2, 2, 2, 1)          \
   X(64, 2, 4, 1, 1, 1)          \
   X(32, 2, 4, 2, 1, 2)          \
   X(64, 2, 4, 1, 1, 2)          \
-  X(64, 2, 2, 2, 1, 2)
+  X(64, 2, 2, 2, 1, 2)          \
+  X(64, 2, 4, 1, 2, 2)          \
+  X(32, 2, 4, 2, 2, 2)
 
-// Launch `blocks` (row, head, query tile) items, `cluster` CTAs each, on `stream`, with programmatic
-// dependent launch when `pdl`; false when (bk, wq, wk, nbuf, cluster, kv_groups) is not instantiated.
+// Launch `blocks` work items, `cluster` CTAs (one cluster: `cluster` query tiles of one (row, head))
+// each, on `stream`, with programmatic dependent launch when `pdl`; false when (bk, wq, wk, nbuf,
+// cluster, kv_groups) is not instantiated.
 bool launch_f16(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, int cluster, int kv_groups,
                bool pdl, cudaStream_t stream);
 bool launch_bf16(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, int cluster, int kv_groups,

@@ -34,9 +34,8 @@ class CudaAttentionConfig:
         q_groups: 16-query groups per CTA (the CTA covers 16 · q_groups queries).
         key_splits: warps per query group, each walking every key_splits-th tile.
         buffers: tiles in flight per split (1 or 2).
-        cluster: CTAs per (row, head, query tile), a thread-block cluster that deals the key tiles
-            over all cluster · key_splits splits and merges through distributed shared memory
-            (SM90); 1 = no cluster.
+        cluster: consecutive query tiles of one (row, head) per thread-block cluster (SM90): each
+            K/V row is read from L2 once and multicast into every CTA of the cluster; 1 = no cluster.
         kv_groups: cp.async groups per tile: 2 lands K before V, so the score dot and softmax run
             while V is still landing; 1 waits for both.
     """
@@ -80,6 +79,14 @@ def instantiated_configs(family: str) -> tuple[CudaAttentionConfig, ...]:
     if module is None:
         return ()
     return tuple(CudaAttentionConfig(*fields) for fam, *fields in module.configs() if fam == family)
+
+
+def cluster_capable(device: torch.device) -> bool:
+    """Whether configs with ``cluster > 1`` (thread-block clusters, bulk-copy multicast) run here: SM90+."""
+    from .. import policy
+
+    cap = policy.device_capability(device)
+    return cap is not None and cap >= (9, 0)
 
 
 def _family(dtype: torch.dtype) -> str:
@@ -201,6 +208,8 @@ def cfm_attention_cuda(
     module, why = _extension()
     if module is None:
         raise RuntimeError(f"cfm_attention CUDA kernel unavailable: {why}")
+    if config.cluster > 1 and not cluster_capable(q.device):
+        raise ValueError(f"config {config.name}: thread-block clusters need SM90+")
     if key_lengths is not None and key_lengths.stride(0) != 1:
         key_lengths = key_lengths.contiguous()
     if kv_rows is not None and kv_rows.stride(0) != 1:
@@ -210,7 +219,8 @@ def cfm_attention_cuda(
         from ._launch import sm_count
         from .cfm_attention import use_pdl
 
-        ctas = q.shape[0] * q.shape[1] * -(-q.shape[2] // (16 * config.q_groups)) * config.cluster
+        q_tiles = -(-q.shape[2] // (16 * config.q_groups))
+        ctas = q.shape[0] * q.shape[1] * -(-q_tiles // config.cluster) * config.cluster
         pdl = policy.pdl_allowed(q.device) and use_pdl(ctas, sm_count(q.device))
     module.cfm_attention_fwd(q, k, v, key_lengths, mask, kv_rows, out, config.block_k, config.q_groups,
                              config.key_splits, config.buffers, config.cluster, config.kv_groups, pdl, ablate)
