@@ -14,7 +14,8 @@
 #                  CPU kernel's error paths with this compiler/torch pair)
 #   props          the property suite under the hypothesis "gpu" profile, with case counts
 #   memcheck       compute-sanitizer memcheck over tests/gpu_memcheck.py (MEMCHECK_ARGS=--quick)
-#   attention      bench/attention.py: every SPEC §7 shape, dtype and peer (one run)
+#   attention      bench/attention.py: every SPEC §7 shape, dtype and peer (one run; ATTENTION_ARGS narrows
+#                  it, e.g. "--shapes 8,50,450 --dtypes fp16")
 #   sweep          bench/attention.py --sweep (kernel variants; SWEEP_ARGS adds e.g. "--shapes 8,50,450")
 #   dit            bench/dit_step.py --quick (steps + the 10-step solve, peers without torch.compile)
 #   dit-full       bench/dit_step.py (every shape/dtype, torch.compile peer included: long;
@@ -87,7 +88,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-1
         echo "memcheck exit: $?"; tail -6 "$OUT/memcheck.log" ;;
       attention)
         timeout "$(limit attention 240)" python3 bench/attention.py --dtypes fp16,fp32-tf32,bf16,fp32-ieee \
-          --repeats 20 --out "$OUT" > "$OUT/attention.log" 2>&1; tail -40 "$OUT/attention.log" ;;
+          --repeats 20 ${ATTENTION_ARGS:-} --out "$OUT" > "$OUT/attention.log" 2>&1; tail -40 "$OUT/attention.log" ;;
       sweep)
         timeout "$(limit sweep 120)" python3 bench/attention.py --sweep --sweep-repeats 20 ${SWEEP_ARGS:-} --out "$OUT" \
           > "$OUT/sweep.log" 2>&1; tail -12 "$OUT/sweep.log" ;;

@@ -105,10 +105,11 @@ def test_select_cuda_kernel_config_follows_env(monkeypatch) -> None:
 def test_choose_config_rule() -> None:
     """The measured regimes of the rule (H200, 132 SMs) and its limits."""
     rule, C = cuda_kernel.choose_config, cuda_kernel.CudaAttentionConfig
-    assert rule(torch.float16, 16, 50, 450, 132) == C(64, 1, 8, 1)
-    assert rule(torch.bfloat16, 16, 50, 450, 132) == C(64, 1, 8, 1)
-    assert rule(torch.float16, 64, 50, 450, 132) is None  # (8, 50, 450): Triton (clusters lost, run 13)
-    assert rule(torch.float16, 16, 50, 600, 132) is None  # a split would walk 2 tiles
+    assert rule(torch.float16, 16, 50, 450, 132) == C(64, 1, 8, 1, kv_groups=2)
+    assert rule(torch.bfloat16, 16, 50, 450, 132) == C(64, 1, 8, 1, kv_groups=2)
+    assert rule(torch.float16, 64, 50, 450, 132) == C(64, 2, 4, 2, kv_groups=2)  # (8, 50, 450), run 14
+    assert rule(torch.float16, 128, 50, 450, 132) is None  # (16, 50, 450): beyond one wave, Triton
+    assert rule(torch.float16, 16, 50, 600, 132) is None  # a split would walk more tiles
     assert rule(torch.float32, 64, 50, 450, 132) == C(32, 2, 4, 2)
     assert rule(torch.float32, 256, 50, 450, 132) == C(32, 4, 2, 2)
     assert rule(torch.float32, 16, 50, 450, 132) is None  # few CTAs: Triton's split-K

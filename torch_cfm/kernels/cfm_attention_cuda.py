@@ -139,27 +139,29 @@ def not_supported_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre
 def default_config(dtype: torch.dtype) -> CudaAttentionConfig:
     """The config used where :func:`choose_config` has no rule but the CUDA kernel is forced (env
     ``TORCH_CFM_ATTENTION_KERNEL=cuda``): 32 queries per CTA, 4 key splits (the fastest fp16 and
-    TF32 configs at (8, 50, 450), session 11 sweep)."""
-    return CudaAttentionConfig(64, 2, 4, 2) if _family(dtype) == "16bit" else CudaAttentionConfig(32, 2, 4, 2)
+    TF32 configs at (8, 50, 450), runs 13-14)."""
+    if _family(dtype) == "16bit":
+        return CudaAttentionConfig(64, 2, 4, 2, kv_groups=2)
+    return CudaAttentionConfig(32, 2, 4, 2)
 
 
 def choose_config(dtype: torch.dtype, rows_heads: int, q_len: int, k_len: int,
                   n_sm: int) -> Optional[CudaAttentionConfig]:
     """The CUDA kernel's tile config for a call, or None where the Triton kernel is as fast or faster.
 
-    Session 11 sweeps on the H200 (H = 8, D = 64, ragged lengths; bench/NOTES_attention.md, run 13)
-    set the rule, for Q <= 64 and K <= 1024 only:
+    Sweeps on the H200 (H = 8, D = 64, ragged lengths; bench/NOTES_attention.md, runs 13-14) set
+    the rule, for Q <= 64 and K <= 1024 only:
 
-    * fp16/bf16, one wave of 16-query CTAs with 8 splits of 64 keys and K <= 512 (each split walks
-      one tile): (2, 50, 450) 4.6 µs vs Triton's 5.5.
-    * fp16/bf16, one wave of 2-CTA clusters of 64 queries (the key tiles dealt over both CTAs):
-      (8, 50, 450). Without clusters every CTA loads its row's whole K/V, ≈ 2 µs per 115 KB at
-      the ≈ 27 B/clk one SM draws from L2, and lost to Triton (6.3 vs 6.2 µs); the cluster halves
-      the bytes per SM.
-    * fp32 (TF32): the same 2-CTA clusters when they fill between half and one wave; 32-query
-      CTAs with 4 splits when those do ((8, 50, 450): 9.1 µs vs Triton's 11.3); 64-query CTAs
-      with 2 splits beyond one wave ((32, 50, 450): 24.1 vs 25.4). Fewer CTAs stay on Triton's
-      split-K ((2, 50, 450): 7.1 vs 7.7).
+    * fp16/bf16, K <= 512: one wave of 16-query CTAs → 8 splits of one 64-key tile each, K landing
+      before V ((2, 50, 450): 4.6 µs vs Triton's 5.5); else one wave of 32-query CTAs → 4 splits of
+      two 64-key tiles ((8, 50, 450): 6.0-6.1 vs Triton's 6.1-6.3 in the same runs). Each CTA loads
+      its row's whole K/V: at (8, 50, 450) the loads and the mma.sync dots take ≈ 2 µs each.
+      Multicast clusters (each K/V row read from L2 once for two query tiles) did not make the
+      loads cheaper and added ≈ 0.5 µs of cluster set-up: not chosen (run 14).
+    * fp32 (TF32): 32-query CTAs with 4 splits when they fill between half and one wave
+      ((8, 50, 450): 9.0-9.2 µs vs Triton's 11.2-11.4); 64-query CTAs with 2 splits beyond one wave
+      ((32, 50, 450): 23.8-24.9 vs 25.6). Fewer CTAs stay on Triton's split-K ((2, 50, 450): 6.8-7.0
+      vs 7.8-8.0). K before V (kv_groups = 2) measured slower in TF32.
 
     A pure rule (no device or build query): the caller checks :func:`not_supported_reasons`.
     """
@@ -172,8 +174,12 @@ def choose_config(dtype: torch.dtype, rows_heads: int, q_len: int, k_len: int,
         if rows_heads * -(-q_len // 64) > n_sm:
             return CudaAttentionConfig(32, 4, 2, 2)
         return None
-    if rows_heads * -(-q_len // 16) <= n_sm and k_len <= 512:
-        return CudaAttentionConfig(64, 1, 8, 1)
+    if k_len > 512:
+        return None
+    if rows_heads * -(-q_len // 16) <= n_sm:
+        return CudaAttentionConfig(64, 1, 8, 1, kv_groups=2)
+    if rows_heads * -(-q_len // 32) <= n_sm:
+        return CudaAttentionConfig(64, 2, 4, 2, kv_groups=2)
     return None
 
 
