@@ -514,8 +514,9 @@ def test_autocast_output_dtype_follows_ambient_cuda(spec, in_dtype, ambient):
 
 @contextlib.contextmanager
 def spy_kernels() -> Iterator[list]:
-    """Record which CUDA implementation ``cfm_attention`` reaches: ("triton", precision) or
-    ("sdpa", None). The CPU kernel is C++: no record means it ran."""
+    """Record which CUDA implementation ``cfm_attention`` reaches: ("triton", precision),
+    ("cuda", config) for the hand-written CUDA kernel, or ("sdpa", None). The CPU kernel is C++: no
+    record means it ran."""
     op_module = importlib.import_module("torch_cfm.ops.cfm_attention")
     calls: list = []
     saved_sdpa = op_module.cfm_attention_sdpa
@@ -536,10 +537,19 @@ def spy_kernels() -> Iterator[list]:
             return saved_triton(*args, **kwargs)
 
         kernels.cfm_attention_triton = triton_spy
+    cuda_module = importlib.import_module("torch_cfm.kernels.cfm_attention_cuda")
+    saved_cuda = cuda_module.cfm_attention_cuda
+
+    def cuda_spy(*args, **kwargs):
+        calls.append(("cuda", args[7] if len(args) > 7 else kwargs.get("config")))
+        return saved_cuda(*args, **kwargs)
+
+    cuda_module.cfm_attention_cuda = cuda_spy  # the op imports it at call time
     try:
         yield calls
     finally:
         op_module.cfm_attention_sdpa = saved_sdpa
+        cuda_module.cfm_attention_cuda = saved_cuda
         if saved_triton is not None:
             kernels.cfm_attention_triton = saved_triton
 
@@ -566,6 +576,16 @@ def check_explain_reports_the_path_that_runs(device, spec, dtype, pol):
     assert torch.isfinite(out).all()
     if kernel == "reference":
         assert device == "cpu" and calls == [], f"explain says reference, ran {calls}"
+    elif calls and calls[0][0] == "cuda":
+        # "triton" is the SM80+ family: the op runs the hand-written CUDA kernel inside it exactly
+        # where its own per-call rule picks that kernel (16-bit, or fp32 with TF32).
+        from torch_cfm.ops.cfm_attention import select_cuda_kernel_config
+
+        assert kernel == "triton" and len(calls) == 1, f"explain says {kernel}, ran {calls}"
+        assert precision == ("tf32" if dtype == torch.float32 else None), f"CUDA kernel ran under {precision}"
+        with pol.applied():
+            chosen = select_cuda_kernel_config(case.q, case.k, case.v, precision)
+        assert calls[0][1] == chosen, f"ran {calls[0][1]}, the op's rule picks {chosen}"
     else:
         assert calls == [(kernel, precision)], f"explain says {kernel}/{precision}, ran {calls}"
     if dtype == torch.float32 and device == "cuda":

@@ -58,7 +58,9 @@ def machine_report(device: Optional[torch.device] = None) -> str:
         d = policy.decide(device, dtype)
         name = str(dtype).replace("torch.", "")
         prec = f" precision={d.precision}" if d.precision else ""
-        lines.append(f"  cfm_attention [{name}]: kernel={d.attention_kernel}{prec}")
+        family = " (SM80+: the CUDA kernel per call where its tile rule picks it, else Triton)" \
+            if d.attention_kernel == "triton" else ""
+        lines.append(f"  cfm_attention [{name}]: kernel={d.attention_kernel}{prec}{family}")
         lines.append(f"  dit_body      [{name}]: {'fused' if d.fused else 'reference'}"
                      + (f" [{d.source}]" if d.source != "policy" else ""))
         for reason in d.reasons:
