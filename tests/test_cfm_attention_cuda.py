@@ -32,10 +32,12 @@ needs_kernel = pytest.mark.skipif(not (torch.cuda.is_available() and _built()),
 
 
 def _configs(dtype):
-    """The instantiated configs this GPU runs (cluster configs need SM90)."""
+    """The instantiated configs this GPU runs (cluster configs need SM90; each needs its shared memory)."""
     fam = "fp32" if dtype == torch.float32 else "16bit"
-    sm90 = cuda_kernel.cluster_capable(torch.device("cuda"))
-    return tuple(c for c in cuda_kernel.instantiated_configs(fam) if c.cluster == 1 or sm90)
+    device = torch.device("cuda")
+    sm90 = cuda_kernel.cluster_capable(device)
+    return tuple(c for c in cuda_kernel.instantiated_configs(fam)
+                 if (c.cluster == 1 or sm90) and cuda_kernel.device_shared_memory_reason(c, dtype, device) is None)
 
 
 def _launch(config):
@@ -100,6 +102,44 @@ def test_select_cuda_kernel_config_follows_env(monkeypatch) -> None:
     monkeypatch.setenv(policy.ENV_ATTENTION_KERNEL, "cuda")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         select_cuda_kernel_config(q, q, q, None)
+
+
+def test_shared_memory_reason_names_need_and_limit(monkeypatch) -> None:
+    """A config whose shared memory exceeds the GPU's per-CTA limit is refused with both numbers;
+    the op's selection falls back to Triton there (select_cuda_kernel_config, GPU tests)."""
+    big, small = cuda_kernel.CudaAttentionConfig(64, 1, 8, 1), cuda_kernel.CudaAttentionConfig(32, 2, 4, 2)
+    monkeypatch.setattr(cuda_kernel, "_instantiated", lambda family: {big: 150 * 1024, small: 80 * 1024})
+    reason = cuda_kernel.shared_memory_reason(big, torch.float16, 99 * 1024)  # SM86/89
+    assert reason is not None and "150 KB" in reason and "99 KB" in reason and big.name in reason
+    assert cuda_kernel.shared_memory_reason(big, torch.float16, 227 * 1024) is None  # SM90
+    assert cuda_kernel.shared_memory_reason(small, torch.float16, 99 * 1024) is None
+    assert cuda_kernel.shared_memory_reason(big, torch.float16, None) is None  # limit unknown: launch decides
+    other = cuda_kernel.CudaAttentionConfig(16, 4, 4, 2)  # not instantiated: nothing to say
+    assert cuda_kernel.shared_memory_reason(other, torch.float16, 1024) is None
+
+
+def test_instantiated_configs_read_the_extension_listing(monkeypatch) -> None:
+    """The binding's configs() rows (family, 6 tile fields, shared-memory bytes) become configs per
+    family with their byte counts (a stand-in module: CPU builds have no extension)."""
+    rows = [("16bit", 64, 2, 4, 2, 1, 2, 153088), ("fp32", 32, 2, 4, 2, 1, 1, 148992),
+            ("16bit", 128, 2, 4, 1, 2, 2, 187000)]
+
+    class FakeExtension:
+        @staticmethod
+        def configs():
+            return rows
+
+    monkeypatch.setattr(cuda_kernel, "_extension", lambda: (FakeExtension, None))
+    cuda_kernel._instantiated.cache_clear()
+    try:
+        C = cuda_kernel.CudaAttentionConfig
+        assert cuda_kernel.instantiated_configs("16bit") == (C(64, 2, 4, 2, 1, 2), C(128, 2, 4, 1, 2, 2))
+        assert cuda_kernel.instantiated_configs("fp32") == (C(32, 2, 4, 2, 1, 1),)
+        assert cuda_kernel.build_status().startswith("built, 3 tile configs")
+        reason = cuda_kernel.shared_memory_reason(C(64, 2, 4, 2, 1, 2), torch.bfloat16, 100 * 1024)
+        assert reason is not None and "149 KB" in reason
+    finally:
+        cuda_kernel._instantiated.cache_clear()
 
 
 def test_choose_config_rule() -> None:

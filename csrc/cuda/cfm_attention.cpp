@@ -79,13 +79,15 @@ void cfm_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The instantiated configs as (family, block_k, q_groups, key_splits, buffers, cluster, kv_groups); family
-// "16bit" | "fp32".
-using ConfigTuple = std::tuple<std::string, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
+// The instantiated configs as (family, block_k, q_groups, key_splits, buffers, cluster, kv_groups,
+// shared-memory bytes per CTA); family "16bit" | "fp32".
+using ConfigTuple = std::tuple<std::string, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
 std::vector<ConfigTuple> configs() {
   std::vector<ConfigTuple> all;
-#define TORCH_CFM_LIST16(BK, WQ, WK, NBUF, C, KVG) all.emplace_back("16bit", BK, WQ, WK, NBUF, C, KVG);
-#define TORCH_CFM_LIST32(BK, WQ, WK, NBUF, C, KVG) all.emplace_back("fp32", BK, WQ, WK, NBUF, C, KVG);
+#define TORCH_CFM_LIST16(BK, WQ, WK, NBUF, C, KVG) \
+  all.emplace_back("16bit", BK, WQ, WK, NBUF, C, KVG, Geometry<2, 64, BK, WQ, WK, NBUF, C>::kSmemBytes);
+#define TORCH_CFM_LIST32(BK, WQ, WK, NBUF, C, KVG) \
+  all.emplace_back("fp32", BK, WQ, WK, NBUF, C, KVG, Geometry<4, 64, BK, WQ, WK, NBUF, C>::kSmemBytes);
   TORCH_CFM_CONFIGS_16(TORCH_CFM_LIST16)
   TORCH_CFM_CONFIGS_32(TORCH_CFM_LIST32)
 #undef TORCH_CFM_LIST16
@@ -105,5 +107,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("buffers"), pybind11::arg("cluster") = 1, pybind11::arg("kv_groups") = 1,
         pybind11::arg("pdl") = false, pybind11::arg("ablate") = 0);
   m.def("configs", &torch_cfm::cuda_attention::configs,
-        "instantiated (family, block_k, q_groups, key_splits, buffers, cluster, kv_groups)");
+        "instantiated (family, block_k, q_groups, key_splits, buffers, cluster, kv_groups, smem_bytes)");
 }

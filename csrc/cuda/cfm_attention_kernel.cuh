@@ -195,30 +195,11 @@ __device__ __forceinline__ void cluster_sync_all() {
 }
 #undef TORCH_CFM_SM90_ONLY
 
-// Shared-memory geometry of one instantiation. Rows are padded by 16 bytes: with that, ldmatrix
-// (16-bit) and the TF32 scalar fragment loads hit 8 / 32 distinct banks per instruction.
-template <typename T, int D, int BK, int WQ, int WK, int NBUF, int C>
-struct Geometry {
-  static constexpr int kPad = 16 / sizeof(T);
-  static constexpr int kRow = D + kPad;  // elements per shared row
-  static constexpr int kQRows = WQ * 16;
-  static constexpr int kThreads = WQ * WK * 32;
-  static constexpr int kQBytes = kQRows * kRow * sizeof(T);
-  static constexpr int kTileBytes = BK * kRow * sizeof(T);  // one K or V tile
-  static constexpr int kKVBytes = NBUF * WK * 2 * kTileBytes;
-  static constexpr int kRedRow = D + 4;  // fp32 partial O rows in the merge
-  static constexpr int kRedBytes = WK * kQRows * kRedRow * 4;
-  static constexpr int kMainBytes = kKVBytes > kRedBytes ? kKVBytes : kRedBytes;
-  static constexpr int kStatBytes = WK * kQRows * 2 * 4;  // (m, l) per split and query
-  static constexpr int kBarBytes = C > 1 ? WK * NBUF * 2 * 8 : 0;  // an mbarrier per (split, buffer, K|V)
-  static constexpr int kSmemBytes = kQBytes + kMainBytes + kStatBytes + kBarBytes;
-};
-
 // KVG = 2 waits for each tile's K before its V (two cp.async groups, or two mbarriers), so a split's
 // score dot and softmax run while its V tile is still landing; KVG = 1 waits for both at once.
 template <typename T, int D, int BK, int WQ, int WK, int NBUF, int C, int KVG>
 __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(const Params p) {
-  using G = Geometry<T, D, BK, WQ, WK, NBUF, C>;
+  using G = Geometry<sizeof(T), D, BK, WQ, WK, NBUF, C>;
   static_assert(C == 1 || C == 2 || C == 4, "cluster of 1, 2 or 4 CTAs");
   static_assert(KVG == 1 || KVG == 2, "K and V in one or two copy groups per tile");
   static_assert(C == 1 || KVG == 2, "the multicast path waits for K and V separately");

@@ -12,7 +12,7 @@ constexpr int kMaxDevices = 64;  // devices whose attribute is remembered; beyon
 
 template <typename T, int D, int BK, int WQ, int WK, int NBUF, int C, int KVG>
 void launch_config(const Params& p, int blocks, bool pdl, cudaStream_t stream) {
-  using G = Geometry<T, D, BK, WQ, WK, NBUF, C>;
+  using G = Geometry<sizeof(T), D, BK, WQ, WK, NBUF, C>;
   auto kernel = cfm_attention_fwd_kernel<T, D, BK, WQ, WK, NBUF, C, KVG>;
   // Above 48 KB of dynamic shared memory needs an opt-in per kernel and per device (a host-side
   // attribute, no sync); the caller's device guard makes the current device the launch's.

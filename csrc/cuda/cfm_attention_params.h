@@ -28,6 +28,26 @@ struct Params {
                      // softmax, 2 skips the K/V loads, 3 both; 0 in every real call
 };
 
+// Shared-memory geometry of one instantiation (ELEM: bytes per element). Plain C++, so the binding
+// can report each config's shared memory without nvcc. Rows are padded by 16 bytes: with that,
+// ldmatrix (16-bit) and the TF32 scalar fragment loads hit 8 / 32 distinct banks per instruction.
+template <int ELEM, int D, int BK, int WQ, int WK, int NBUF, int C>
+struct Geometry {
+  static constexpr int kPad = 16 / ELEM;
+  static constexpr int kRow = D + kPad;  // elements per shared row
+  static constexpr int kQRows = WQ * 16;
+  static constexpr int kThreads = WQ * WK * 32;
+  static constexpr int kQBytes = kQRows * kRow * ELEM;
+  static constexpr int kTileBytes = BK * kRow * ELEM;  // one K or V tile
+  static constexpr int kKVBytes = NBUF * WK * 2 * kTileBytes;
+  static constexpr int kRedRow = D + 4;  // fp32 partial O rows in the merge
+  static constexpr int kRedBytes = WK * kQRows * kRedRow * 4;
+  static constexpr int kMainBytes = kKVBytes > kRedBytes ? kKVBytes : kRedBytes;
+  static constexpr int kStatBytes = WK * kQRows * 2 * 4;  // (m, l) per split and query
+  static constexpr int kBarBytes = C > 1 ? WK * NBUF * 2 * 8 : 0;  // an mbarrier per (split, buffer, K|V)
+  static constexpr int kSmemBytes = kQBytes + kMainBytes + kStatBytes + kBarBytes;
+};
+
 // Instantiated tile configs (BK keys per tile, WQ 16-query groups, WK key splits per CTA, NBUF tiles
 // in flight per split, C consecutive query tiles per cluster sharing multicast K/V (C > 1 needs SM90),
 // KVG copy groups per tile: 2 lands K before V so the score dot overlaps V's copy), D = 64.

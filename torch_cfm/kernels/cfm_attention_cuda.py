@@ -73,12 +73,40 @@ def build_status() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def instantiated_configs(family: str) -> tuple[CudaAttentionConfig, ...]:
-    """The configs compiled into the extension for "16bit" or "fp32" (empty when not built)."""
+def _instantiated(family: str) -> dict[CudaAttentionConfig, int]:
+    """{config: shared-memory bytes per CTA} compiled into the extension for "16bit" or "fp32"."""
     module, _ = _extension()
     if module is None:
-        return ()
-    return tuple(CudaAttentionConfig(*fields) for fam, *fields in module.configs() if fam == family)
+        return {}
+    return {CudaAttentionConfig(*fields[:-1]): fields[-1] for fam, *fields in module.configs() if fam == family}
+
+
+def instantiated_configs(family: str) -> tuple[CudaAttentionConfig, ...]:
+    """The configs compiled into the extension for "16bit" or "fp32" (empty when not built)."""
+    return tuple(_instantiated(family))
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit(index: int) -> Optional[int]:
+    # Cached: asked on every eager call that picks the CUDA kernel; None where torch does not say.
+    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+
+
+def shared_memory_reason(config: CudaAttentionConfig, dtype: torch.dtype, limit: Optional[int]) -> Optional[str]:
+    """Why ``config`` cannot launch where a CTA may use at most ``limit`` bytes of shared memory
+    (None: it can, or the limit is unknown). E.g. 227 KB on SM90, 163 KB on SM80, 99 KB on SM86/89."""
+    need = _instantiated(_family(dtype)).get(config)
+    if need is None or limit is None or need <= limit:
+        return None
+    return (f"config {config.name} needs {need // 1024} KB of shared memory per CTA, "
+            f"this GPU allows {limit // 1024} KB")
+
+
+def device_shared_memory_reason(config: CudaAttentionConfig, dtype: torch.dtype,
+                                device: torch.device) -> Optional[str]:
+    """:func:`shared_memory_reason` for a CUDA ``device``'s opt-in limit."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return shared_memory_reason(config, dtype, _smem_limit(index))
 
 
 def cluster_capable(device: torch.device) -> bool:
@@ -216,6 +244,9 @@ def cfm_attention_cuda(
         raise RuntimeError(f"cfm_attention CUDA kernel unavailable: {why}")
     if config.cluster > 1 and not cluster_capable(q.device):
         raise ValueError(f"config {config.name}: thread-block clusters need SM90+")
+    too_big = device_shared_memory_reason(config, q.dtype, q.device)
+    if too_big is not None:
+        raise ValueError(too_big)
     if key_lengths is not None and key_lengths.stride(0) != 1:
         key_lengths = key_lengths.contiguous()
     if kv_rows is not None and kv_rows.stride(0) != 1:

@@ -143,8 +143,9 @@ def select_cuda_kernel_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     CUDA kernel runs it, None when the Triton kernel does.
 
     Follows env ``TORCH_CFM_ATTENTION_KERNEL`` (:func:`torch_cfm.policy.attention_kernel_choice`):
-    "auto" takes the CUDA kernel where it covers the call and its tile rule picks it, "triton"
-    never, "cuda" always (ValueError naming the reasons where it does not cover the call).
+    "auto" takes the CUDA kernel where it covers the call, its tile rule picks it and the picked
+    config's shared memory fits the GPU; "triton" never; "cuda" always (ValueError naming the
+    reasons where it does not cover the call or the config does not fit).
     ``precision`` is the resolved one ("tf32" | "ieee" for float32, None for 16-bit).
     """
     choice = policy.attention_kernel_choice()
@@ -162,6 +163,11 @@ def select_cuda_kernel_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     config = cuda_kernel.choose_config(q.dtype, q.shape[0] * q.shape[1], q.shape[2], k.shape[2], sm_count(q.device))
     if config is None and choice == "cuda":
         config = cuda_kernel.default_config(q.dtype)
+    too_big = None if config is None else cuda_kernel.device_shared_memory_reason(config, q.dtype, q.device)
+    if too_big is not None:  # e.g. the 150 KB configs on SM86/89 GPUs (99 KB per CTA)
+        if choice == "cuda":
+            raise ValueError(f"cfm_attention: {policy.ENV_ATTENTION_KERNEL}=cuda, but {too_big}")
+        return None
     return config
 
 
