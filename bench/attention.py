@@ -272,7 +272,7 @@ def run_sweep(shapes, dtypes, args, env) -> list[dict]:
                 candidates.append(chosen)
             cuda_candidates = []
             if precision != "ieee":  # the CUDA kernel's configs (csrc/cuda/), where it is built
-                cuda_candidates = list(cuda_kernel.instantiated_configs("fp32" if dtype == torch.float32 else "16bit"))
+                cuda_candidates = list(cuda_kernel.runnable_configs(dtype, q.device))
                 if cuda_kernel.not_supported_reasons(q, k, v, precision):
                     cuda_candidates = []
             cuda_chosen = cuda_kernel.choose_config(dtype, n * HEADS, q_len, k_len, sm_count(q.device))

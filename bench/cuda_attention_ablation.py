@@ -41,8 +41,7 @@ def main(argv=None) -> int:
             q, k, v, lengths = inp["q"], inp["k"], inp["v"], inp["lengths"]
             out = torch.empty(n, q_len, HEADS, HEAD_DIM, device="cuda", dtype=dtype).transpose(1, 2)
             floor = time_cuda_graph(lambda: out.zero_(), repeats=args.repeats)["us_p50"]
-            fam = "fp32" if dtype == torch.float32 else "16bit"
-            for cfg in cuda_kernel.instantiated_configs(fam):
+            for cfg in cuda_kernel.runnable_configs(dtype, q.device):
                 times = []
                 for ablate in range(4):
                     fn = (lambda cfg=cfg, ablate=ablate:

@@ -108,10 +108,7 @@ def check_cuda_attention_configs(dtype: torch.dtype, precision: str) -> int:
         return 0
     ref64 = naive_attention64(case.q, case.k, case.v, case.key_lengths, case.mask)
     same = S.attention_same_dtype(case, tf32=precision == "tf32").cpu()
-    sm90 = cuda_kernel.cluster_capable(case.q.device)
-    configs = [c for c in cuda_kernel.instantiated_configs("fp32" if dtype == torch.float32 else "16bit")
-               if (c.cluster == 1 or sm90)
-               and cuda_kernel.device_shared_memory_reason(c, dtype, case.q.device) is None]
+    configs = cuda_kernel.runnable_configs(dtype, case.q.device)
     for config in configs:
         out = empty_attention_out(case.q)
         cuda_kernel.cfm_attention_cuda(case.q, case.k, case.v, case.key_lengths, case.mask, None, out, config)

@@ -33,11 +33,7 @@ needs_kernel = pytest.mark.skipif(not (torch.cuda.is_available() and _built()),
 
 def _configs(dtype):
     """The instantiated configs this GPU runs (cluster configs need SM90; each needs its shared memory)."""
-    fam = "fp32" if dtype == torch.float32 else "16bit"
-    device = torch.device("cuda")
-    sm90 = cuda_kernel.cluster_capable(device)
-    return tuple(c for c in cuda_kernel.instantiated_configs(fam)
-                 if (c.cluster == 1 or sm90) and cuda_kernel.device_shared_memory_reason(c, dtype, device) is None)
+    return cuda_kernel.runnable_configs(dtype, torch.device("cuda"))
 
 
 def _launch(config):

@@ -86,12 +86,6 @@ def instantiated_configs(family: str) -> tuple[CudaAttentionConfig, ...]:
     return tuple(_instantiated(family))
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_limit(index: int) -> Optional[int]:
-    # Cached: asked on every eager call that picks the CUDA kernel; None where torch does not say.
-    return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
-
-
 def shared_memory_reason(config: CudaAttentionConfig, dtype: torch.dtype, limit: Optional[int]) -> Optional[str]:
     """Why ``config`` cannot launch where a CTA may use at most ``limit`` bytes of shared memory
     (None: it can, or the limit is unknown). E.g. 227 KB on SM90, 163 KB on SM80, 99 KB on SM86/89."""
@@ -102,19 +96,32 @@ def shared_memory_reason(config: CudaAttentionConfig, dtype: torch.dtype, limit:
             f"this GPU allows {limit // 1024} KB")
 
 
-def device_shared_memory_reason(config: CudaAttentionConfig, dtype: torch.dtype,
-                                device: torch.device) -> Optional[str]:
-    """:func:`shared_memory_reason` for a CUDA ``device``'s opt-in limit."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return shared_memory_reason(config, dtype, _smem_limit(index))
-
-
 def cluster_capable(device: torch.device) -> bool:
     """Whether configs with ``cluster > 1`` (thread-block clusters, bulk-copy multicast) run here: SM90+."""
     from .. import policy
 
     cap = policy.device_capability(device)
     return cap is not None and cap >= (9, 0)
+
+
+def config_device_reason(config: CudaAttentionConfig, dtype: torch.dtype, device: torch.device) -> Optional[str]:
+    """Why ``config`` cannot launch on CUDA ``device`` (clusters need SM90+; its shared memory must
+    fit the per-CTA opt-in limit); None when it can. Cached: asked on every eager call."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _config_device_reason(config, _family(dtype), index)
+
+
+@functools.lru_cache(maxsize=None)
+def _config_device_reason(config: CudaAttentionConfig, family: str, index: int) -> Optional[str]:
+    if config.cluster > 1 and not cluster_capable(torch.device("cuda", index)):
+        return f"config {config.name}: thread-block clusters need SM90+"
+    limit = getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+    return shared_memory_reason(config, torch.float32 if family == "fp32" else torch.float16, limit)
+
+
+def runnable_configs(dtype: torch.dtype, device: torch.device) -> tuple[CudaAttentionConfig, ...]:
+    """The instantiated configs for ``dtype`` that can launch on ``device`` (tests, memcheck, benches)."""
+    return tuple(c for c in instantiated_configs(_family(dtype)) if config_device_reason(c, dtype, device) is None)
 
 
 def _family(dtype: torch.dtype) -> str:
@@ -242,11 +249,9 @@ def cfm_attention_cuda(
     module, why = _extension()
     if module is None:
         raise RuntimeError(f"cfm_attention CUDA kernel unavailable: {why}")
-    if config.cluster > 1 and not cluster_capable(q.device):
-        raise ValueError(f"config {config.name}: thread-block clusters need SM90+")
-    too_big = device_shared_memory_reason(config, q.dtype, q.device)
-    if too_big is not None:
-        raise ValueError(too_big)
+    why_not = config_device_reason(config, q.dtype, q.device)
+    if why_not is not None:
+        raise ValueError(why_not)
     if key_lengths is not None and key_lengths.stride(0) != 1:
         key_lengths = key_lengths.contiguous()
     if kv_rows is not None and kv_rows.stride(0) != 1:

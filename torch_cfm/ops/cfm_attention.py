@@ -163,10 +163,10 @@ def select_cuda_kernel_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     config = cuda_kernel.choose_config(q.dtype, q.shape[0] * q.shape[1], q.shape[2], k.shape[2], sm_count(q.device))
     if config is None and choice == "cuda":
         config = cuda_kernel.default_config(q.dtype)
-    too_big = None if config is None else cuda_kernel.device_shared_memory_reason(config, q.dtype, q.device)
-    if too_big is not None:  # e.g. the 150 KB configs on SM86/89 GPUs (99 KB per CTA)
+    why_not = None if config is None else cuda_kernel.config_device_reason(config, q.dtype, q.device)
+    if why_not is not None:  # e.g. the 150 KB configs on SM86/89 GPUs (99 KB per CTA)
         if choice == "cuda":
-            raise ValueError(f"cfm_attention: {policy.ENV_ATTENTION_KERNEL}=cuda, but {too_big}")
+            raise ValueError(f"cfm_attention: {policy.ENV_ATTENTION_KERNEL}=cuda, but {why_not}")
         return None
     return config
 
