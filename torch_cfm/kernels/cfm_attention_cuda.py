@@ -38,6 +38,9 @@ class CudaAttentionConfig:
             K/V row is read from L2 once and multicast into every CTA of the cluster; 1 = no cluster.
         kv_groups: cp.async groups per tile: 2 lands K before V, so the score dot and softmax run
             while V is still landing; 1 waits for both.
+        early: 1 issues each split's first tile before key_lengths arrives (its rows up to K; the
+            keys past the row's length are masked and V's rows zeroed in shared memory), so the
+            length's round trip overlaps the first tile's copy (cluster = 1 only).
     """
 
     block_k: int
@@ -46,12 +49,14 @@ class CudaAttentionConfig:
     buffers: int
     cluster: int = 1
     kv_groups: int = 1
+    early: int = 0
 
     @property
     def name(self) -> str:
         return (f"cuda_k{self.block_k}_q{16 * self.q_groups}_w{self.key_splits}_b{self.buffers}"
                 + (f"_c{self.cluster}" if self.cluster > 1 else "")
-                + (f"_kv{self.kv_groups}" if self.kv_groups > 1 else ""))
+                + (f"_kv{self.kv_groups}" if self.kv_groups > 1 else "")
+                + ("_early" if self.early else ""))
 
 
 @functools.lru_cache(maxsize=1)
@@ -265,5 +270,6 @@ def cfm_attention_cuda(
         ctas = q.shape[0] * q.shape[1] * -(-q_tiles // config.cluster) * config.cluster
         pdl = policy.pdl_allowed(q.device) and use_pdl(ctas, sm_count(q.device))
     module.cfm_attention_fwd(q, k, v, key_lengths, mask, kv_rows, out, config.block_k, config.q_groups,
-                             config.key_splits, config.buffers, config.cluster, config.kv_groups, pdl, ablate)
+                             config.key_splits, config.buffers, config.cluster, config.kv_groups, config.early, pdl,
+                             ablate)
     return out
