@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="fp16", choices=tuple(DTYPES))
     ap.add_argument("--calls", type=int, default=6)
     ap.add_argument("--cuda-config", default=None,
-                    help="profile the CUDA kernel (csrc/cuda/) with this block_k,q_groups,key_splits,buffers[,cluster[,kv_groups[,early]]]")
+                    help="profile the CUDA kernel (csrc/cuda/) with this block_k,q_groups,key_splits,buffers[,cluster[,kv_groups]]")
     args = ap.parse_args(argv)
     n, q_len, k_len = (int(x) for x in args.shape.split(","))
     dtype, precision = DTYPES[args.dtype]

@@ -18,15 +18,14 @@ namespace torch_cfm {
 namespace cuda_attention {
 
 // Writes cfm_attention(q, k, v, ...) into `out` (N, H, Q, D) with tile config (block_k, q_groups,
-// key_splits, buffers, cluster, kv_groups, early), as a programmatic dependent launch when `pdl`
-// (SM90+).
+// key_splits, buffers, cluster, kv_groups), as a programmatic dependent launch when `pdl` (SM90+).
 // Raises ValueError for inputs outside the kernel's coverage or a config that is not instantiated;
 // the Python side checks both first, so these are the last line only.
 void cfm_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const c10::optional<at::Tensor>& key_lengths, const c10::optional<at::Tensor>& mask,
                        const c10::optional<at::Tensor>& kv_rows, at::Tensor& out, int64_t block_k,
                        int64_t q_groups, int64_t key_splits, int64_t buffers, int64_t cluster,
-                       int64_t kv_groups, int64_t early, bool pdl, int64_t ablate) {
+                       int64_t kv_groups, bool pdl, int64_t ablate) {
   TORCH_CHECK_VALUE(q.is_cuda() && q.dim() == 4 && q.size(3) == 64,
                     "cfm_attention (CUDA kernel): needs CUDA inputs with D = 64");
   TORCH_CHECK_VALUE(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && out.stride(3) == 1,
@@ -59,37 +58,36 @@ void cfm_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const int blocks = static_cast<int>(rows_heads * ((p.q_tiles + cluster - 1) / cluster));
   const int bk = static_cast<int>(block_k), wq = static_cast<int>(q_groups);
   const int wk = static_cast<int>(key_splits), nbuf = static_cast<int>(buffers), kvg = static_cast<int>(kv_groups);
-  const int early_tile = static_cast<int>(early);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(q.device().index()).stream();
   bool launched = false;
   switch (q.scalar_type()) {
     case at::kHalf:
-      launched = launch_f16(p, blocks, bk, wq, wk, nbuf, static_cast<int>(cluster), kvg, early_tile, pdl, stream);
+      launched = launch_f16(p, blocks, bk, wq, wk, nbuf, static_cast<int>(cluster), kvg, pdl, stream);
       break;
     case at::kBFloat16:
-      launched = launch_bf16(p, blocks, bk, wq, wk, nbuf, static_cast<int>(cluster), kvg, early_tile, pdl, stream);
+      launched = launch_bf16(p, blocks, bk, wq, wk, nbuf, static_cast<int>(cluster), kvg, pdl, stream);
       break;
     case at::kFloat:
-      launched = launch_f32(p, blocks, bk, wq, wk, nbuf, static_cast<int>(cluster), kvg, early_tile, pdl, stream);
+      launched = launch_f32(p, blocks, bk, wq, wk, nbuf, static_cast<int>(cluster), kvg, pdl, stream);
       break;
     default:
       break;
   }
   TORCH_CHECK_VALUE(launched, "cfm_attention (CUDA kernel): no instantiation for dtype ", q.scalar_type(),
-                    " and (block_k, q_groups, key_splits, buffers, cluster, kv_groups, early) = (", block_k,
-                    ", ", q_groups, ", ", key_splits, ", ", buffers, ", ", cluster, ", ", kv_groups, ", ", early, ")");
+                    " and (block_k, q_groups, key_splits, buffers, cluster, kv_groups) = (", block_k, ", ",
+                    q_groups, ", ", key_splits, ", ", buffers, ", ", cluster, ", ", kv_groups, ")");
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The instantiated configs as (family, block_k, q_groups, key_splits, buffers, cluster, kv_groups,
-// early, shared-memory bytes per CTA); family "16bit" | "fp32".
-using ConfigTuple = std::tuple<std::string, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
+// shared-memory bytes per CTA); family "16bit" | "fp32".
+using ConfigTuple = std::tuple<std::string, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
 std::vector<ConfigTuple> configs() {
   std::vector<ConfigTuple> all;
-#define TORCH_CFM_LIST16(BK, WQ, WK, NBUF, C, KVG, EARLY) \
-  all.emplace_back("16bit", BK, WQ, WK, NBUF, C, KVG, EARLY, Geometry<2, 64, BK, WQ, WK, NBUF, C, EARLY>::kSmemBytes);
-#define TORCH_CFM_LIST32(BK, WQ, WK, NBUF, C, KVG, EARLY) \
-  all.emplace_back("fp32", BK, WQ, WK, NBUF, C, KVG, EARLY, Geometry<4, 64, BK, WQ, WK, NBUF, C, EARLY>::kSmemBytes);
+#define TORCH_CFM_LIST16(BK, WQ, WK, NBUF, C, KVG) \
+  all.emplace_back("16bit", BK, WQ, WK, NBUF, C, KVG, Geometry<2, 64, BK, WQ, WK, NBUF, C>::kSmemBytes);
+#define TORCH_CFM_LIST32(BK, WQ, WK, NBUF, C, KVG) \
+  all.emplace_back("fp32", BK, WQ, WK, NBUF, C, KVG, Geometry<4, 64, BK, WQ, WK, NBUF, C>::kSmemBytes);
   TORCH_CFM_CONFIGS_16(TORCH_CFM_LIST16)
   TORCH_CFM_CONFIGS_32(TORCH_CFM_LIST32)
 #undef TORCH_CFM_LIST16
@@ -107,7 +105,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("v"), pybind11::arg("key_lengths"), pybind11::arg("mask"), pybind11::arg("kv_rows"),
         pybind11::arg("out"), pybind11::arg("block_k"), pybind11::arg("q_groups"), pybind11::arg("key_splits"),
         pybind11::arg("buffers"), pybind11::arg("cluster") = 1, pybind11::arg("kv_groups") = 1,
-        pybind11::arg("early") = 0, pybind11::arg("pdl") = false, pybind11::arg("ablate") = 0);
+        pybind11::arg("pdl") = false, pybind11::arg("ablate") = 0);
   m.def("configs", &torch_cfm::cuda_attention::configs,
-        "instantiated (family, block_k, q_groups, key_splits, buffers, cluster, kv_groups, early, smem_bytes)");
+        "instantiated (family, block_k, q_groups, key_splits, buffers, cluster, kv_groups, smem_bytes)");
 }

@@ -5,7 +5,7 @@ namespace torch_cfm {
 namespace cuda_attention {
 
 bool launch_bf16(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, int cluster, int kv_groups,
-               int early, bool pdl, cudaStream_t stream) {
+               bool pdl, cudaStream_t stream) {
   using T = __nv_bfloat16;
   TORCH_CFM_CONFIGS_16(TORCH_CFM_LAUNCH_CASE)
   return false;

@@ -5,7 +5,7 @@ namespace torch_cfm {
 namespace cuda_attention {
 
 bool launch_f16(const Params& p, int blocks, int bk, int wq, int wk, int nbuf, int cluster, int kv_groups,
-               int early, bool pdl, cudaStream_t stream) {
+               bool pdl, cudaStream_t stream) {
   using T = __half;
   TORCH_CFM_CONFIGS_16(TORCH_CFM_LAUNCH_CASE)
   return false;

@@ -63,10 +63,6 @@ __device__ __forceinline__ int clamp_in_order(int x, int hi) {
   asm volatile("{\n max.s32 %0, %1, 0;\n min.s32 %0, %0, %2;\n}\n" : "=r"(y) : "r"(x), "r"(hi));
   return y;
 }
-// 4-byte async copy (through L1: cp.async sizes below 16 need .ca).
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -201,16 +197,12 @@ __device__ __forceinline__ void cluster_sync_all() {
 
 // KVG = 2 waits for each tile's K before its V (two cp.async groups, or two mbarriers), so a split's
 // score dot and softmax run while its V tile is still landing; KVG = 1 waits for both at once.
-// EARLY = 1 (C = 1) issues each split's first tile before key_lengths has arrived: its rows up to K
-// are copied, the scores of keys past the row's length are masked as on any edge tile, and V's
-// rows past it are zeroed in shared memory before the P V step.
-template <typename T, int D, int BK, int WQ, int WK, int NBUF, int C, int KVG, int EARLY>
+template <typename T, int D, int BK, int WQ, int WK, int NBUF, int C, int KVG>
 __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(const Params p) {
-  using G = Geometry<sizeof(T), D, BK, WQ, WK, NBUF, C, EARLY>;
+  using G = Geometry<sizeof(T), D, BK, WQ, WK, NBUF, C>;
   static_assert(C == 1 || C == 2 || C == 4, "cluster of 1, 2 or 4 CTAs");
   static_assert(KVG == 1 || KVG == 2, "K and V in one or two copy groups per tile");
   static_assert(C == 1 || KVG == 2, "the multicast path waits for K and V separately");
-  static_assert(EARLY == 0 || (EARLY == 1 && C == 1), "an early first tile on the cp.async path only");
   static_assert(BK % 16 == 0 && D % 16 == 0, "tiles are whole MMA steps");
   constexpr int kChunk = 16 / sizeof(T);  // elements per 16-byte copy
   constexpr int kMmaK = Mma<T>::K;
@@ -222,7 +214,6 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   float* red_s = reinterpret_cast<float*>(smem + G::kQBytes + G::kRedOffset);
   float* stat_s = reinterpret_cast<float*>(smem + G::kQBytes + G::kMainBytes);
   const uint32_t bar_s = smem_addr(smem + G::kQBytes + G::kMainBytes + G::kStatBytes);
-  int* len_s = reinterpret_cast<int*>(smem + G::kQBytes + G::kMainBytes + G::kStatBytes + G::kBarBytes);
 
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32;
@@ -252,17 +243,9 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   const int n = row_head / p.n_heads, h = row_head % p.n_heads;
   const int q0 = q_tile * G::kQRows;
 
-  // key_lengths[n] is loaded first and its value used only after the Q copies (EARLY: and the first
-  // tile's) are issued, so its round trip overlaps theirs. EARLY copies it into shared memory as
-  // the oldest cp.async group: waiting for that group cannot be moved in front of the copies
-  // (ptxas hoists a plain load's first use above independent copies).
-  int len_loaded = p.k_len;
-  if constexpr (EARLY) {
-    if (p.key_lengths != nullptr) cp_async4(len_s + tid, p.key_lengths + n);
-    cp_async_commit();
-  } else {
-    len_loaded = load_or(p.key_lengths, n, p.k_len);
-  }
+  // key_lengths[n] is loaded first and its value used only after the Q copies are issued, so its
+  // round trip overlaps theirs.
+  const int len_loaded = load_or(p.key_lengths, n, p.k_len);
   int kv_row = n;
   if (p.kv_rows != nullptr) kv_row = min(max(p.kv_rows[n], 0), p.n_pool - 1);
 
@@ -283,9 +266,12 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   }
   cp_async_commit();  // the Q tile's group
 
+  const int len = clamp_in_order(len_loaded, p.k_len);
+  const int tiles = (len + BK - 1) / BK;
   // Split `split` walks tiles split, split + WK, ...: its own pipeline of NBUF buffers, loaded by
   // its own WQ warps and synchronised with a named barrier (C = 1) or its buffers' mbarriers
   // (C > 1), so a split starts on its first tile as soon as that tile has landed.
+  const int my_tiles = split < tiles ? (tiles - split + WK - 1) / WK : 0;
   constexpr int kSplitThreads = WQ * 32;
   const int stid = tid - split * kSplitThreads;
   T* split_kv = kv_s + split * (NBUF * 2 * BK * G::kRow);
@@ -298,8 +284,8 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
   static_assert(kSplitThreads % kChunksPerRow == 0 && BK % kRowsPerPass == 0, "whole copy passes per tile");
   const int r0 = stid / kChunksPerRow, col0 = (stid % kChunksPerRow) * kChunk;
 
-  // The split's i-th tile's K or V rows into buffer i % NBUF: rows at or past `bound` are zero-filled.
-  auto copy_rows = [&](int i, bool is_v, int bound) {
+  // The split's i-th tile's K or V rows into buffer i % NBUF: rows at or past len are zero-filled.
+  auto copy_rows = [&](int i, bool is_v) {
     const int key_first = (i * WK + split) * BK + r0;
     const T* base = is_v ? v_base : k_base;
     const int64_t stride = is_v ? p.v_sk : p.k_sk;
@@ -307,28 +293,16 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
     T* dst = split_kv + (i % NBUF) * (2 * BK * G::kRow) + (is_v ? BK : 0) * G::kRow + r0 * G::kRow + col0;
 #pragma unroll
     for (int j = 0; j < BK / kRowsPerPass; ++j) {
-      const bool ok = key_first + j * kRowsPerPass < bound;
+      const bool ok = key_first + j * kRowsPerPass < len;
       cp_async16(dst + j * kRowsPerPass * G::kRow, ok ? src : base, ok ? 16 : 0);
       src += kRowsPerPass * stride;
     }
   };
-  if constexpr (EARLY) {  // the first tile, rows up to K (always KVG commit groups)
-    const bool live = split * BK < p.k_len && !(p.ablate & 2);
-    if (live) copy_rows(0, false, p.k_len);
-    if constexpr (KVG == 2) cp_async_commit();
-    if (live) copy_rows(0, true, p.k_len);
-    cp_async_commit();
-    cp_async_wait<1 + KVG>();  // the key_lengths group (the oldest); Q and the first tile may be in flight
-    if (p.key_lengths != nullptr) len_loaded = len_s[tid];
-  }
-  const int len = EARLY ? min(max(len_loaded, 0), p.k_len) : clamp_in_order(len_loaded, p.k_len);
-  const int tiles = (len + BK - 1) / BK;
-  const int my_tiles = split < tiles ? (tiles - split + WK - 1) / WK : 0;
   auto load_tile = [&](int i) {  // C = 1: the split's i-th tile (always KVG commit groups)
     const bool live = i < my_tiles && !(p.ablate & 2);
-    if (live) copy_rows(i, false, len);
+    if (live) copy_rows(i, false);
     if constexpr (KVG == 2) cp_async_commit();
-    if (live) copy_rows(i, true, len);
+    if (live) copy_rows(i, true);
     cp_async_commit();
   };
   // C > 1: the split's tiles of one round (NBUF tiles per split) as multicast bulk copies, one row
@@ -489,13 +463,10 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
       // the A fragment's columns t and t+4 and take V's rows in the same order.
 #pragma unroll
       for (int j = 0; j < BK / 8; ++j) {
-        const uint32_t a[4] = {tf32_operand(s[j][0]), tf32_operand(s[j][2]), tf32_operand(s[j][1]),
-                               tf32_operand(s[j][3])};
+        const uint32_t a[4] = {tf32_operand(s[j][0]), tf32_operand(s[j][2]), tf32_operand(s[j][1]), tf32_operand(s[j][3])};
         const float* vf = reinterpret_cast<const float*>(v_s) + (j * 8 + 2 * t) * G::kRow + g;
 #pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-          Mma<T>::run(o[i], a, tf32_operand(vf[i * 8]), tf32_operand(vf[G::kRow + i * 8]));
-        }
+        for (int i = 0; i < D / 8; ++i) Mma<T>::run(o[i], a, tf32_operand(vf[i * 8]), tf32_operand(vf[G::kRow + i * 8]));
       }
     } else {
 #pragma unroll
@@ -515,7 +486,7 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
 
   if constexpr (C == 1) {
 #pragma unroll
-    for (int i = EARLY; i < NBUF; ++i) load_tile(i);
+    for (int i = 0; i < NBUF; ++i) load_tile(i);
     cp_async_wait<NBUF * KVG>();  // this thread's Q copies; every thread's after the barrier
     __syncthreads();
 
@@ -529,16 +500,6 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
       if constexpr (KVG == 2) {
         cp_async_wait<2 * NBUF - 2>();
         split_barrier();  // tile `it`'s V has landed
-      }
-      if constexpr (EARLY) {
-        if (it == 0 && key0 + BK > len) {  // V rows past len of the early tile came from memory: zero them
-          T* v_s = split_kv + BK * G::kRow;
-          for (int c = stid; c < (key0 + BK - len) * kChunksPerRow; c += kSplitThreads) {
-            const int r = len - key0 + c / kChunksPerRow;
-            *reinterpret_cast<uint4*>(v_s + r * G::kRow + (c % kChunksPerRow) * kChunk) = make_uint4(0, 0, 0, 0);
-          }
-          split_barrier();
-        }
       }
       if (compute) add_pv(k_s + BK * G::kRow, s);
       split_barrier();  // the split is done with this buffer before it is refilled

@@ -10,10 +10,10 @@ namespace cuda_attention {
 
 constexpr int kMaxDevices = 64;  // devices whose attribute is remembered; beyond, set on every launch
 
-template <typename T, int D, int BK, int WQ, int WK, int NBUF, int C, int KVG, int EARLY>
+template <typename T, int D, int BK, int WQ, int WK, int NBUF, int C, int KVG>
 void launch_config(const Params& p, int blocks, bool pdl, cudaStream_t stream) {
-  using G = Geometry<sizeof(T), D, BK, WQ, WK, NBUF, C, EARLY>;
-  auto kernel = cfm_attention_fwd_kernel<T, D, BK, WQ, WK, NBUF, C, KVG, EARLY>;
+  using G = Geometry<sizeof(T), D, BK, WQ, WK, NBUF, C>;
+  auto kernel = cfm_attention_fwd_kernel<T, D, BK, WQ, WK, NBUF, C, KVG>;
   // Above 48 KB of dynamic shared memory needs an opt-in per kernel and per device (a host-side
   // attribute, no sync); the caller's device guard makes the current device the launch's.
   static std::atomic<bool> attribute_set[kMaxDevices];
@@ -50,9 +50,8 @@ void launch_config(const Params& p, int blocks, bool pdl, cudaStream_t stream) {
 }  // namespace cuda_attention
 }  // namespace torch_cfm
 
-#define TORCH_CFM_LAUNCH_CASE(BK, WQ, WK, NBUF, C, KVG, EARLY)                                \
-  if (bk == BK && wq == WQ && wk == WK && nbuf == NBUF && cluster == C && kv_groups == KVG &&   \
-      early == EARLY) {                                                                          \
-    launch_config<T, 64, BK, WQ, WK, NBUF, C, KVG, EARLY>(p, blocks, pdl, stream);              \
-    return true;                                                                                 \
+#define TORCH_CFM_LAUNCH_CASE(BK, WQ, WK, NBUF, C, KVG)                                       \
+  if (bk == BK && wq == WQ && wk == WK && nbuf == NBUF && cluster == C && kv_groups == KVG) {  \
+    launch_config<T, 64, BK, WQ, WK, NBUF, C, KVG>(p, blocks, pdl, stream);                   \
+    return true;                                                               \
   }

@@ -38,9 +38,6 @@ class CudaAttentionConfig:
             K/V row is read from L2 once and multicast into every CTA of the cluster; 1 = no cluster.
         kv_groups: cp.async groups per tile: 2 lands K before V, so the score dot and softmax run
             while V is still landing; 1 waits for both.
-        early: 1 issues each split's first tile before key_lengths arrives (its rows up to K; the
-            keys past the row's length are masked and V's rows zeroed in shared memory), so the
-            length's round trip overlaps the first tile's copy (cluster = 1 only).
     """
 
     block_k: int
@@ -49,14 +46,12 @@ class CudaAttentionConfig:
     buffers: int
     cluster: int = 1
     kv_groups: int = 1
-    early: int = 0
 
     @property
     def name(self) -> str:
         return (f"cuda_k{self.block_k}_q{16 * self.q_groups}_w{self.key_splits}_b{self.buffers}"
                 + (f"_c{self.cluster}" if self.cluster > 1 else "")
-                + (f"_kv{self.kv_groups}" if self.kv_groups > 1 else "")
-                + ("_early" if self.early else ""))
+                + (f"_kv{self.kv_groups}" if self.kv_groups > 1 else ""))
 
 
 @functools.lru_cache(maxsize=1)
@@ -193,9 +188,10 @@ def choose_config(dtype: torch.dtype, rows_heads: int, q_len: int, k_len: int,
     the rule, for Q <= 64 and K <= 1024 only:
 
     * fp16/bf16, K <= 512: one wave of 16-query CTAs → 8 splits of one 64-key tile each, K landing
-      before V ((2, 50, 450): 4.6 µs vs Triton's 5.5); else one wave of 32-query CTAs → 4 splits of
-      two 64-key tiles ((8, 50, 450): 6.0-6.1 vs Triton's 6.1-6.3 in the same runs). Each CTA loads
-      its row's whole K/V: at (8, 50, 450) the loads and the mma.sync dots take ≈ 2 µs each.
+      before V ((2, 50, 450): 4.3-4.6 µs vs Triton's 5.5); else one wave of 32-query CTAs → 4 splits
+      of one 128-key tile each ((8, 50, 450): 5.7 vs Triton's 6.1 in the same run, session 13; two
+      64-key tiles per split 5.8). Each CTA loads its row's whole K/V: at (8, 50, 450) the loads and
+      the mma.sync dots take ≈ 2 µs each.
       Multicast clusters (each K/V row read from L2 once for two query tiles) did not make the
       loads cheaper and added ≈ 0.5 µs of cluster set-up: not chosen (run 14).
     * fp32 (TF32): 32-query CTAs with 4 splits when they fill between half and one wave
@@ -219,7 +215,7 @@ def choose_config(dtype: torch.dtype, rows_heads: int, q_len: int, k_len: int,
     if rows_heads * -(-q_len // 16) <= n_sm:
         return CudaAttentionConfig(64, 1, 8, 1, kv_groups=2)
     if rows_heads * -(-q_len // 32) <= n_sm:
-        return CudaAttentionConfig(64, 2, 4, 2, kv_groups=2)
+        return CudaAttentionConfig(128, 2, 4, 1, kv_groups=2)
     return None
 
 
@@ -270,6 +266,5 @@ def cfm_attention_cuda(
         ctas = q.shape[0] * q.shape[1] * -(-q_tiles // config.cluster) * config.cluster
         pdl = policy.pdl_allowed(q.device) and use_pdl(ctas, sm_count(q.device))
     module.cfm_attention_fwd(q, k, v, key_lengths, mask, kv_rows, out, config.block_k, config.q_groups,
-                             config.key_splits, config.buffers, config.cluster, config.kv_groups, config.early, pdl,
-                             ablate)
+                             config.key_splits, config.buffers, config.cluster, config.kv_groups, pdl, ablate)
     return out
