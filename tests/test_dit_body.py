@@ -310,6 +310,12 @@ INTERP_CASES += [dict(name=f"wide_f16_{v}", dtype=torch.float16, n=2, t=5, l_len
 # several query tiles per (row, head): only the first writes the cache, every one attends
 INTERP_CASES += [dict(name=f"qtiles_f32_{v}", dtype=torch.float32, n=2, t=40, l_len=9, valid=[40, 17],
                       cached=[9, 3], variant=v) for v in ("v1", "v5", "v7")]
+# fp32 with TF32 dots: v1's fc1 runs on the Triton GEMM with its GELU epilogue (TRITON_FC1_MAX_ROWS_TF32);
+# the interpreter's TF32 dot is an fp32 dot, so the IEEE bound still applies
+INTERP_CASES += [dict(c, name=f"{c['name']}_v1_tf32", variant="v1", precision="tf32")
+                 for c in _INTERP_BASE if c["name"] in ("ragged_f32", "nokeys_row_f32")]
+INTERP_CASES += [dict(name="wide_f32_v1_tf32", dtype=torch.float32, n=2, t=3, l_len=2, valid=[3, 2], cached=[2, 1],
+                      variant="v1", wide=True, precision="tf32")]
 
 
 def _interp_args(case):
@@ -334,9 +340,10 @@ def _child(out_path: str, shard: int = 0, shards: int = 1) -> None:
     results = {}
     for case in INTERP_CASES[shard::shards]:
         _, x_in, w, table, cnn, att, valid, cached = _interp_args(case)
-        s = check_dit_body(x_in, w, table, cnn, att, valid, cached, "ieee")
+        precision = case.get("precision", "ieee")
+        s = check_dit_body(x_in, w, table, cnn, att, valid, cached, precision)
         out = tuple(o.fill_(float("nan")) for o in _empty_outputs(x_in, s))  # poisoned
-        dit_body_fused_into(x_in, w, table, cnn, att, valid, cached, "ieee", out, case["variant"])
+        dit_body_fused_into(x_in, w, table, cnn, att, valid, cached, precision, out, case["variant"])
         results[case["name"]] = out
     torch.save(results, out_path)
 

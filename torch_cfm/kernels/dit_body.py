@@ -45,6 +45,10 @@ VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
 # (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
 V5_MIN_ROWS_16BIT = 32
+# fp32 bodies with TF32 dots run fc1 (+ GELU) on v3's Triton GEMM (A_MODE 0, EPI 1) up to this many
+# token rows N·T: at (8, 50) = 400 rows it took 9.2 µs vs cuBLASLt's TF32 GELU path 12.8
+# (bench/dit_gemm.py, session 8); at 1600 rows it lost (24.8 vs 22.3). Session 13 (bench/NOTES.md).
+TRITON_FC1_MAX_ROWS_TF32 = 512
 
 
 def choose_variant(dtype: torch.dtype, precision: Optional[str], n_rows: Optional[int] = None) -> str:
@@ -546,6 +550,22 @@ def gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, out: torch.Tensor
     return out
 
 
+def triton_fc1_gelu(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
+                    valid: torch.Tensor) -> torch.Tensor:
+    """out (M, MLP) = GELU_tanh(a (M, C) @ w (MLP, C)^T + bias) in float32 with TF32 dots, on v3's
+    Triton GEMM as a plain GEMM (A_MODE 0, EPI 1): the fp32 bodies' fc1 at small M
+    (:data:`TRITON_FC1_MAX_ROWS_TF32`). ``valid``: the body's (N,) int32 lengths (not read here)."""
+    from .dit_gemm import fused_gemm, linear_strides
+
+    m, c = a.shape
+    nout = w.shape[0]
+    # one "sequence" of m frames with row-major strides
+    fused_gemm(w=w, w_strides=linear_strides(w), bias=bias, out=out, out_strides=(m * nout, nout, 1), m=m,
+               nout=nout, k=c, t_len=max(m, 1), c=c, valid=valid, a_mode=0, epi=1, precision="tf32", a=a,
+               a_strides=(m * c, c, 1))
+    return out
+
+
 def qkv_gemm_cache(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, norms: tuple[torch.Tensor, ...],
                    q_out: torch.Tensor, new: torch.Tensor, valid: torch.Tensor, *, t_len: int, heads: int,
                    head_dim: int, precision: Optional[str] = None) -> None:
@@ -782,6 +802,8 @@ def dit_body_triton(
         # MLP
         if v2:
             gemm(a, fc1_w, fc1_b, fbuf, gelu=True, precision=precision)
+        elif cd == torch.float32 and precision == "tf32" and m <= TRITON_FC1_MAX_ROWS_TF32:
+            triton_fc1_gelu(a, fc1_w, fc1_b, fbuf, valid)
         elif dev.type == "cuda":
             # GELU (tanh) in the cuBLASLt epilogue; torch applies the same GELU after the GEMM
             # where Lt cannot take the call. (Its CPU kernel uses the erf GELU: not used there.)
