@@ -448,6 +448,31 @@ def test_gpu_fused_within_oracle(dtype, precision, variant, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision", GPU_PRECISIONS, ids=["fp16", "bf16", "fp32-tf32", "fp32-ieee"])
+def test_gpu_fused_cuda_rownorm_within_oracle(dtype, precision, monkeypatch):
+    """v1 with every row-norm boundary on the hand-written CUDA kernel (kernels/dit_rownorm_cuda.py):
+    the same SPEC §6 oracle as the Triton row-norm, and the CUDA kernel did run (in_proj's boundary,
+    then 4 per block)."""
+    import torch_cfm.kernels.dit_body as kernels
+    from torch_cfm.kernels import dit_rownorm_cuda
+
+    calls = []
+    launch = dit_rownorm_cuda.rownorm_cuda
+    monkeypatch.setattr(dit_rownorm_cuda, "rownorm_cuda", lambda *a, **k: (calls.append(1), launch(*a, **k)))
+    monkeypatch.setattr(kernels, "DEFAULT_VARIANT", "v1")
+    monkeypatch.setattr(kernels, "ROWNORM_KERNEL", "cuda")
+    fast, same, ref, valid, cached, t, l_len = _gpu_case(dtype, precision)
+    assert len(calls) == 1 + 4 * GPU_CFG.depth
+    parts = [valid_parts(*(o.cpu() for o in outs), valid, cached, t, l_len) for outs in (fast, same, ref)]
+    for k, name in enumerate(("velocity", "cnn_cache", "att_cache")):
+        f, s, r = parts[0][k], parts[1][k], parts[2][k]
+        assert torch.isfinite(f).all(), name
+        assert_within_oracle(f, s, r, name)
+        if precision == "ieee":
+            assert err_rel_fro(f, r) <= IEEE_REL_BOUND, name
+
+
+@pytest.mark.gpu
 def test_gpu_model_hook_uses_fused_body():
     dev = torch.device("cuda")
     model = random_dit(GPU_CFG, seed=30).to(device=dev, dtype=torch.float16)

@@ -49,6 +49,12 @@ V5_MIN_ROWS_16BIT = 32
 # token rows N·T: at (8, 50) = 400 rows it took 9.2 µs vs cuBLASLt's TF32 GELU path 12.8
 # (bench/dit_gemm.py, session 8); at 1600 rows it lost (24.8 vs 22.3). Session 13 (bench/NOTES.md).
 TRITON_FC1_MAX_ROWS_TF32 = 512
+# Which kernel runs the row-norm boundaries: "triton" (_dit_rownorm_kernel) or "cuda" (the
+# hand-written kernel of kernels/dit_rownorm_cuda.py where it applies: C = 512, the CUDA build).
+ROWNORM_KERNEL = "triton"
+# Bench-only A/B of the row-norm launch ("kernel", "num_warps", "rows" per program;
+# bench/dit_step.py --sweep-variants rownorm); empty in every real call.
+ROWNORM_LAUNCH_OVERRIDE: dict = {}
 
 
 def choose_variant(dtype: torch.dtype, precision: Optional[str], n_rows: Optional[int] = None) -> str:
@@ -443,12 +449,22 @@ def rownorm(
     m = n_rows * t_len
     if m == 0:
         return
+    pdl = body_pdl(h.device, "rownorm", out.dtype)
+    if ROWNORM_LAUNCH_OVERRIDE.get("kernel", ROWNORM_KERNEL) == "cuda":
+        from . import dit_rownorm_cuda
+
+        if not dit_rownorm_cuda.not_supported_reasons(y, h, out, bias=bias, table=table, ln_affine=ln_affine):
+            dit_rownorm_cuda.rownorm_cuda(
+                y, h, out, valid, n_rows=n_rows, t_len=t_len, taps=taps, bias=bias, has_res=has_res,
+                write_h=write_h, table=table, gate=gate, shift=shift, scale=scale, ln_affine=ln_affine, eps=eps,
+                out_t=out_t if out_t is not None else t_len, out_off=out_off, head=head, emit=emit, pdl=pdl)
+            return
     block_c = triton.next_power_of_2(c)
     # One 512-channel row per 4-warp program: measured on the H200 at (8, 50, 400) fp16 the 65
     # rownorm launches of a step take 206 µs this way vs 287 µs with 4 rows per program (more
     # programs in flight hide the dependent load latency; bench/NOTES.md, 2026-12-01 01:27).
-    rows = max(1, min(16, 512 // block_c))
-    warps = 4 if block_c * rows <= 2048 else 8
+    rows = ROWNORM_LAUNCH_OVERRIDE.get("rows", max(1, min(16, 512 // block_c)))
+    warps = ROWNORM_LAUNCH_OVERRIDE.get("num_warps", 4 if block_c * rows <= 2048 else 8)
     tab = table if table is not None else h
     stride_tab = 0 if table is None or table.shape[0] == 1 else table.stride(0)
     cnn, head_cbase = head if head is not None else (None, 0)
@@ -459,7 +475,6 @@ def rownorm(
         e_src, e_dst, e_cbase = h, h.view(-1, 1, 1)[:1], 0
     lnw, lnb = ln_affine if ln_affine is not None else (h, h)
     grid = (triton.cdiv(m, rows),)
-    pdl = body_pdl(h.device, "rownorm", out.dtype)
     with on_device(h.device):
         _dit_rownorm_kernel[grid](
             y, y.stride(0), bias if bias is not None else h, h, tab, stride_tab,
