@@ -301,7 +301,7 @@ SWEEP_PDL = {"none": frozenset(), "rownorm": frozenset({"rownorm", "cfg_euler"})
 
 
 # --sweep-variants rownorm: the row-norm launch (kernels.dit_body.ROWNORM_LAUNCH_OVERRIDE), on v1
-SWEEP_ROWNORM = [{}, {"kernel": "cuda"}, {"num_warps": 1}, {"num_warps": 2}]
+SWEEP_ROWNORM = [{}, {"kernel": "cuda"}, {"kernel": "cuda", "pdl": True}, {"num_warps": 1}, {"num_warps": 2}]
 
 
 def _fc1_rows_tf32(limit: int):

@@ -52,7 +52,7 @@ TRITON_FC1_MAX_ROWS_TF32 = 512
 # Which kernel runs the row-norm boundaries: "triton" (_dit_rownorm_kernel) or "cuda" (the
 # hand-written kernel of kernels/dit_rownorm_cuda.py where it applies: C = 512, the CUDA build).
 ROWNORM_KERNEL = "triton"
-# Bench-only A/B of the row-norm launch ("kernel", "num_warps", "rows" per program;
+# Bench-only A/B of the row-norm launch ("kernel", "pdl", "num_warps", "rows" per program;
 # bench/dit_step.py --sweep-variants rownorm); empty in every real call.
 ROWNORM_LAUNCH_OVERRIDE: dict = {}
 
@@ -449,7 +449,8 @@ def rownorm(
     m = n_rows * t_len
     if m == 0:
         return
-    pdl = body_pdl(h.device, "rownorm", out.dtype)
+    pdl_over = ROWNORM_LAUNCH_OVERRIDE.get("pdl")
+    pdl = body_pdl(h.device, "rownorm", out.dtype) if pdl_over is None else pdl_over and pdl_supported(h.device)
     if ROWNORM_LAUNCH_OVERRIDE.get("kernel", ROWNORM_KERNEL) == "cuda":
         from . import dit_rownorm_cuda
 
