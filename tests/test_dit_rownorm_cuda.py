@@ -128,12 +128,16 @@ def test_gpu_cuda_rownorm_matches_triton(boundary, dtype, per_row_table, monkeyp
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_rownorm_graph_replay_equals_eager(monkeypatch):
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_gpu_cuda_rownorm_graph_replay_equals_eager(pdl, monkeypatch):
+    """Captured behind the kernel that writes its input (a copy into y), replayed after that input
+    changed: equal to an eager call, bitwise. With PDL the kernel's pre-wait loads must not read y."""
     from torch_cfm.kernels import dit_body
 
     monkeypatch.setattr(dit_body, "ROWNORM_KERNEL", "cuda")
+    monkeypatch.setattr(dit_body, "ROWNORM_LAUNCH_OVERRIDE", {"pdl": pdl})
     y, h, out, valid, kw, _ = _boundary("proj", torch.float16, True, seed=3)
-    h0 = h.clone()
+    y_src, h0 = torch.randn_like(y), h.clone()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         dit_body.rownorm(y, h, out, valid, **kw)  # warm-up (module import, first launch) off the graph
@@ -141,12 +145,15 @@ def test_gpu_cuda_rownorm_graph_replay_equals_eager(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     h.copy_(h0)
     with torch.cuda.graph(graph):
+        y.copy_(y_src)
         dit_body.rownorm(y, h, out, valid, **kw)
-    y.copy_(torch.randn_like(y))
+    y_src.copy_(torch.randn_like(y))
     h.copy_(h0)
     graph.replay()
     torch.cuda.synchronize()
     got_h, got_out = h.clone(), out.clone()
+    monkeypatch.setattr(dit_body, "ROWNORM_LAUNCH_OVERRIDE", {"pdl": False})
+    y.copy_(y_src)
     h.copy_(h0)
     out.zero_()
     dit_body.rownorm(y, h, out, valid, **kw)
