@@ -1,4 +1,4 @@
-// torch binding of the DiT body's row-norm CUDA kernel (dit_rownorm.cu). The Python side
+// torch binding of the DiT body's row-norm CUDA kernel (dit_rownorm.cu; its own name: setup.py compiles both to objects named after the source). The Python side
 // (torch_cfm/kernels/dit_rownorm_cuda.py) checks shapes, dtypes and alignment and falls back to the
 // Triton kernel where this one does not apply; the checks here are the last line only.
 #include <c10/cuda/CUDAException.h>
