@@ -300,31 +300,10 @@ SWEEP_PDL = {"none": frozenset(), "rownorm": frozenset({"rownorm", "cfg_euler"})
              "all": PDL_CAPABLE_KERNELS}
 
 
-# --sweep-variants rownorm: the row-norm launch (kernels.dit_body.ROWNORM_LAUNCH_OVERRIDE), on v1
-SWEEP_ROWNORM = [{}, {"kernel": "cuda"}, {"kernel": "cuda", "pdl": True}, {"num_warps": 1}, {"num_warps": 2}]
-
-
-def _fc1_rows_tf32(limit: int):
-    """Context manager factory: fp32-tf32 bodies run fc1 on Triton up to ``limit`` token rows
-    (kernels.dit_body.TRITON_FC1_MAX_ROWS_TF32; 0 = always cuBLASLt)."""
-    @contextlib.contextmanager
-    def ctx():
-        from torch_cfm.kernels import dit_body
-
-        saved = dit_body.TRITON_FC1_MAX_ROWS_TF32
-        dit_body.TRITON_FC1_MAX_ROWS_TF32 = limit
-        try:
-            yield
-        finally:
-            dit_body.TRITON_FC1_MAX_ROWS_TF32 = saved
-    return ctx
-
-
 def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
     """Time the v3 step under each tile override of SWEEP (torch_cfm.kernels.dit_gemm.TILE_OVERRIDE),
-    the v5 step under each launch override of SWEEP_V5 (kernels.dit_attention.LAUNCH_OVERRIDE),
-    for "pdl" the v1 and v5 steps under each set of SWEEP_PDL, for "rownorm" the v1 step under each
-    row-norm launch of SWEEP_ROWNORM and for "fc1" the v1 step with fp32-tf32 fc1 on cuBLASLt or Triton.
+    the v5 step under each launch override of SWEEP_V5 (kernels.dit_attention.LAUNCH_OVERRIDE) and,
+    for "pdl", the v1 and v5 steps under each set of SWEEP_PDL.
 
     With ``--sweep-rounds R`` > 1 every plan is captured and timed R times, the plans in a new
     order each round and the graph's buffers at shifted addresses (a random-size allocation
@@ -333,7 +312,7 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
     ``round_p50s`` lists each round's median."""
     import random
 
-    from torch_cfm.kernels import dit_attention, dit_body, dit_gemm
+    from torch_cfm.kernels import dit_attention, dit_gemm
 
     rows = []
     swept = set(args.sweep_variants.split(","))
@@ -342,12 +321,6 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
         if variant in swept:
             plans += [(variant, f"sweep_{variant}_" + ("_".join(f"{k}{v}" for k, v in over.items()) or "default"),
                        _overriding(target, over)) for over in overs]
-    if "rownorm" in swept:
-        plans += [("v1", "sweep_v1_rownorm_" + ("_".join(f"{k}{v}" for k, v in over.items()) or "default"),
-                   _overriding(dit_body.ROWNORM_LAUNCH_OVERRIDE, over)) for over in SWEEP_ROWNORM]
-    if "fc1" in swept:  # fp32-tf32 only (16-bit bodies never take the Triton fc1)
-        plans += [("v1", f"sweep_v1_fc1_{name}", _fc1_rows_tf32(limit)) for name, limit in
-                  (("cublas", 0), ("triton", 1 << 30))]
     if "pdl" in swept:
         plans += [(v, f"sweep_{v}_pdl_{name}", _body_pdl_kernels(kernels)) for v in ("v1", "v5")
                   for name, kernels in SWEEP_PDL.items() if name != ("all" if v == "v1" else "rownorm_qk")]
@@ -680,8 +653,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-rounds", type=int, default=1,
                     help="captures per sweep plan, interleaved in a new order each round (A/B at the few-%% level)")
     ap.add_argument("--sweep-variants", default="v3,v5,pdl",
-                    help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL kernel sets; "
-                         "rownorm: v1's row-norm launch; fc1: v1's fp32-tf32 fc1 on cuBLASLt vs Triton)")
+                    help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL kernel sets)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="fused-body variants timed besides the default one (comma list, or 'none')")
     ap.add_argument("--calls", type=int, default=5)

@@ -1,6 +1,5 @@
 // torch binding of the hand-written cfm_attention CUDA kernel (csrc/cuda/cfm_attention_kernel.cuh),
-// part of the optional extension torch_cfm._C_cuda (module.cpp), built where torch has CUDA and nvcc
-// exists (setup.py).
+// built as the optional extension torch_cfm._C_cuda where torch has CUDA and nvcc exists (setup.py).
 // torch_cfm/kernels/cfm_attention_cuda.py decides when the kernel applies and calls
 // `cfm_attention_fwd` from the CUDA kernel of torch_cfm::cfm_attention, with validated inputs.
 #include <c10/cuda/CUDAException.h>
@@ -13,7 +12,6 @@
 #include <tuple>
 #include <vector>
 
-#include "bindings.h"
 #include "cfm_attention_params.h"
 
 namespace torch_cfm {
@@ -83,6 +81,7 @@ void cfm_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 // The instantiated configs as (family, block_k, q_groups, key_splits, buffers, cluster, kv_groups,
 // shared-memory bytes per CTA); family "16bit" | "fp32".
+using ConfigTuple = std::tuple<std::string, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
 std::vector<ConfigTuple> configs() {
   std::vector<ConfigTuple> all;
 #define TORCH_CFM_LIST16(BK, WQ, WK, NBUF, C, KVG) \
@@ -98,3 +97,15 @@ std::vector<ConfigTuple> configs() {
 
 }  // namespace cuda_attention
 }  // namespace torch_cfm
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "torch_cfm CUDA kernels (optional build, csrc/cuda/)";
+  m.def("cfm_attention_fwd", &torch_cfm::cuda_attention::cfm_attention_fwd,
+        "cfm_attention into a preallocated out (D = 64, validated inputs)", pybind11::arg("q"), pybind11::arg("k"),
+        pybind11::arg("v"), pybind11::arg("key_lengths"), pybind11::arg("mask"), pybind11::arg("kv_rows"),
+        pybind11::arg("out"), pybind11::arg("block_k"), pybind11::arg("q_groups"), pybind11::arg("key_splits"),
+        pybind11::arg("buffers"), pybind11::arg("cluster") = 1, pybind11::arg("kv_groups") = 1,
+        pybind11::arg("pdl") = false, pybind11::arg("ablate") = 0);
+  m.def("configs", &torch_cfm::cuda_attention::configs,
+        "instantiated (family, block_k, q_groups, key_splits, buffers, cluster, kv_groups, smem_bytes)");
+}

@@ -45,16 +45,6 @@ VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
 # (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
 V5_MIN_ROWS_16BIT = 32
-# fp32 bodies with TF32 dots run fc1 (+ GELU) on v3's Triton GEMM (A_MODE 0, EPI 1) up to this many
-# token rows N·T: at (8, 50) = 400 rows it took 9.2 µs vs cuBLASLt's TF32 GELU path 12.8
-# (bench/dit_gemm.py, session 8); at 1600 rows it lost (24.8 vs 22.3). Session 13 (bench/NOTES.md).
-TRITON_FC1_MAX_ROWS_TF32 = 512
-# Which kernel runs the row-norm boundaries: "triton" (_dit_rownorm_kernel) or "cuda" (the
-# hand-written kernel of kernels/dit_rownorm_cuda.py where it applies: C = 512, the CUDA build).
-ROWNORM_KERNEL = "triton"
-# Bench-only A/B of the row-norm launch ("kernel", "pdl", "num_warps", "rows" per program;
-# bench/dit_step.py --sweep-variants rownorm); empty in every real call.
-ROWNORM_LAUNCH_OVERRIDE: dict = {}
 
 
 def choose_variant(dtype: torch.dtype, precision: Optional[str], n_rows: Optional[int] = None) -> str:
@@ -449,23 +439,12 @@ def rownorm(
     m = n_rows * t_len
     if m == 0:
         return
-    pdl_over = ROWNORM_LAUNCH_OVERRIDE.get("pdl")
-    pdl = body_pdl(h.device, "rownorm", out.dtype) if pdl_over is None else pdl_over and pdl_supported(h.device)
-    if ROWNORM_LAUNCH_OVERRIDE.get("kernel", ROWNORM_KERNEL) == "cuda":
-        from . import dit_rownorm_cuda
-
-        if not dit_rownorm_cuda.not_supported_reasons(y, h, out, bias=bias, table=table, ln_affine=ln_affine):
-            dit_rownorm_cuda.rownorm_cuda(
-                y, h, out, valid, n_rows=n_rows, t_len=t_len, taps=taps, bias=bias, has_res=has_res,
-                write_h=write_h, table=table, gate=gate, shift=shift, scale=scale, ln_affine=ln_affine, eps=eps,
-                out_t=out_t if out_t is not None else t_len, out_off=out_off, head=head, emit=emit, pdl=pdl)
-            return
     block_c = triton.next_power_of_2(c)
     # One 512-channel row per 4-warp program: measured on the H200 at (8, 50, 400) fp16 the 65
     # rownorm launches of a step take 206 µs this way vs 287 µs with 4 rows per program (more
     # programs in flight hide the dependent load latency; bench/NOTES.md, 2026-12-01 01:27).
-    rows = ROWNORM_LAUNCH_OVERRIDE.get("rows", max(1, min(16, 512 // block_c)))
-    warps = ROWNORM_LAUNCH_OVERRIDE.get("num_warps", 4 if block_c * rows <= 2048 else 8)
+    rows = max(1, min(16, 512 // block_c))
+    warps = 4 if block_c * rows <= 2048 else 8
     tab = table if table is not None else h
     stride_tab = 0 if table is None or table.shape[0] == 1 else table.stride(0)
     cnn, head_cbase = head if head is not None else (None, 0)
@@ -476,6 +455,7 @@ def rownorm(
         e_src, e_dst, e_cbase = h, h.view(-1, 1, 1)[:1], 0
     lnw, lnb = ln_affine if ln_affine is not None else (h, h)
     grid = (triton.cdiv(m, rows),)
+    pdl = body_pdl(h.device, "rownorm", out.dtype)
     with on_device(h.device):
         _dit_rownorm_kernel[grid](
             y, y.stride(0), bias if bias is not None else h, h, tab, stride_tab,
@@ -563,22 +543,6 @@ def gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, out: torch.Tensor
             m, nout, k, 1, 1, 0.0,
             EPI=1 if gelu else 0, DOT_PRECISION=_dot_precision(a.dtype, precision),
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3)
-    return out
-
-
-def triton_fc1_gelu(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
-                    valid: torch.Tensor) -> torch.Tensor:
-    """out (M, MLP) = GELU_tanh(a (M, C) @ w (MLP, C)^T + bias) in float32 with TF32 dots, on v3's
-    Triton GEMM as a plain GEMM (A_MODE 0, EPI 1): the fp32 bodies' fc1 at small M
-    (:data:`TRITON_FC1_MAX_ROWS_TF32`). ``valid``: the body's (N,) int32 lengths (not read here)."""
-    from .dit_gemm import fused_gemm, linear_strides
-
-    m, c = a.shape
-    nout = w.shape[0]
-    # one "sequence" of m frames with row-major strides
-    fused_gemm(w=w, w_strides=linear_strides(w), bias=bias, out=out, out_strides=(m * nout, nout, 1), m=m,
-               nout=nout, k=c, t_len=max(m, 1), c=c, valid=valid, a_mode=0, epi=1, precision="tf32", a=a,
-               a_strides=(m * c, c, 1))
     return out
 
 
@@ -818,8 +782,6 @@ def dit_body_triton(
         # MLP
         if v2:
             gemm(a, fc1_w, fc1_b, fbuf, gelu=True, precision=precision)
-        elif cd == torch.float32 and precision == "tf32" and m <= TRITON_FC1_MAX_ROWS_TF32:
-            triton_fc1_gelu(a, fc1_w, fc1_b, fbuf, valid)
         elif dev.type == "cuda":
             # GELU (tanh) in the cuBLASLt epilogue; torch applies the same GELU after the GEMM
             # where Lt cannot take the call. (Its CPU kernel uses the erf GELU: not used there.)
