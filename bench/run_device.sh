@@ -33,6 +33,8 @@
 #   dit-block      bench/dit_block.py: the v7 block kernel phase by phase, and the grid barrier
 #                  (DIT_BLOCK_ARGS, e.g. '--shapes 8,50,400 --no-split --configs ctas1:CTAS=1;each:SPLIT_AT=2046':
 #                  the *_ARGS variables are split on spaces, not parsed by a shell: no quotes inside)
+#   sm-ingest      bench/sm_ingest.py: bytes per µs one SM takes in (ld.global / cp.async / bulk copies, L2 and
+#                  HBM, 1-132 CTAs; SM_INGEST_ARGS); JIT-builds bench/sm_ingest.cu (≈ 1 min)
 #   ncu-block      Nsight Compute of single v7 phases at (8,50,400) fp16 (NCU_PHASES, default
 #                  "attention fc2 norm_m block"): stall reasons, occupancy, instruction-cache misses
 # Default: tests memcheck attention dit-full. The device copy has no .git: pass BENCH_COMMIT.
@@ -109,6 +111,9 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-1
       cuda-ablation)  # the CUDA attention kernel with its loads / dots switched off (CUDA_ABLATION_ARGS)
         timeout "$(limit cuda-ablation 150)" python3 bench/cuda_attention_ablation.py ${CUDA_ABLATION_ARGS:-} --out "$OUT" \
           > "$OUT/cuda_ablation.log" 2>&1; cat "$OUT/cuda_ablation.log" | tail -40 ;;
+      sm-ingest)
+        timeout "$(limit sm-ingest 300)" python3 bench/sm_ingest.py ${SM_INGEST_ARGS:-} --out "$OUT" > "$OUT/sm_ingest.log" 2>&1
+        tail -40 "$OUT/sm_ingest.log" ;;
       graph-launch)  # host cost of the solve graphs' launch and of CFMServer.solve_chunk
         timeout "$(limit graph-launch 150)" python3 bench/graph_launch.py --out "$OUT" ${GRAPH_LAUNCH_ARGS:-} \
           > "$OUT/graph_launch.log" 2>&1
