@@ -300,10 +300,25 @@ SWEEP_PDL = {"none": frozenset(), "rownorm": frozenset({"rownorm", "cfg_euler"})
              "all": PDL_CAPABLE_KERNELS}
 
 
+def _v8_pdl(value):
+    """Context manager factory: kernels.dit_body.V8_PDL = ``value`` inside (v8 with / without PDL)."""
+    @contextlib.contextmanager
+    def ctx():
+        from torch_cfm.kernels import dit_body
+
+        dit_body.V8_PDL = value
+        try:
+            yield
+        finally:
+            dit_body.V8_PDL = None
+    return ctx
+
+
 def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
     """Time the v3 step under each tile override of SWEEP (torch_cfm.kernels.dit_gemm.TILE_OVERRIDE),
-    the v5 step under each launch override of SWEEP_V5 (kernels.dit_attention.LAUNCH_OVERRIDE) and,
-    for "pdl", the v1 and v5 steps under each set of SWEEP_PDL.
+    the v5 step under each launch override of SWEEP_V5 (kernels.dit_attention.LAUNCH_OVERRIDE),
+    for "pdl" the v1 and v5 steps under each set of SWEEP_PDL and, for "v8", v1 as shipped against
+    v8 (the CUDA GEMMs) with and without PDL (kernels.dit_body.V8_PDL).
 
     With ``--sweep-rounds R`` > 1 every plan is captured and timed R times, the plans in a new
     order each round and the graph's buffers at shifted addresses (a random-size allocation
@@ -324,6 +339,9 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
     if "pdl" in swept:
         plans += [(v, f"sweep_{v}_pdl_{name}", _body_pdl_kernels(kernels)) for v in ("v1", "v5")
                   for name, kernels in SWEEP_PDL.items() if name != ("all" if v == "v1" else "rownorm_qk")]
+    if "v8" in swept:
+        plans += [("v1", "sweep_v1_default", _body_pdl_kernels(None)), ("v8", "sweep_v8_pdl", _v8_pdl(None)),
+                  ("v8", "sweep_v8_nopdl", _v8_pdl(False))]
     rng = random.Random(0)
     for n, t, l_len in shapes:
         for dname in dnames:
@@ -653,7 +671,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-rounds", type=int, default=1,
                     help="captures per sweep plan, interleaved in a new order each round (A/B at the few-%% level)")
     ap.add_argument("--sweep-variants", default="v3,v5,pdl",
-                    help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL kernel sets)")
+                    help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL kernel sets; "
+                         "v8: v1 vs the CUDA GEMMs with and without PDL)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="fused-body variants timed besides the default one (comma list, or 'none')")
     ap.add_argument("--calls", type=int, default=5)
