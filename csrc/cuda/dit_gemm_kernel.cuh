@@ -30,6 +30,10 @@ namespace cuda_gemm {
 
 using namespace torch_cfm::cuda_device;
 
+// (torch builds with __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__: explicit intrinsics)
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
 __device__ __forceinline__ float gelu_tanh(float x) {
   const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
   return 0.5f * x * (1.f + tanhf(inner));
@@ -75,8 +79,8 @@ __global__ void __launch_bounds__(WM * WN * 32) dit_gemm_kernel(const GemmParams
     bias_r[j][0] = bias_r[j][1] = 0.f;
     if constexpr (EPI == kBias || EPI == kBiasGelu) {
       const T* b = static_cast<const T*>(p.bias) + n0 + wn * kWarpN + j * 8 + 2 * t;
-      bias_r[j][0] = static_cast<float>(b[0]);
-      bias_r[j][1] = static_cast<float>(b[1]);
+      bias_r[j][0] = to_float(b[0]);
+      bias_r[j][1] = to_float(b[1]);
     }
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
