@@ -70,8 +70,7 @@ void dit_gemm(const at::Tensor& a, const at::Tensor& w, const c10::optional<at::
 // The instantiated tile configs as (block_m, block_n, shared-memory bytes per CTA for 16-bit operands).
 std::vector<std::tuple<int64_t, int64_t, int64_t>> gemm_configs() {
   std::vector<std::tuple<int64_t, int64_t, int64_t>> all;
-#define TORCH_CFM_GEMM_LIST(BM, BN, KS, BK, STAGES, WM, WN) \
-  all.emplace_back(BM, BN, GemmGeometry<2, BM, BN, KS, BK, STAGES>::kSmemBytes);
+#define TORCH_CFM_GEMM_LIST(BM, BN, KS, BK, WM, WN) all.emplace_back(BM, BN, GemmGeometry<2, BM, BN, KS, BK>::kSmemBytes);
   TORCH_CFM_GEMM_CONFIGS(TORCH_CFM_GEMM_LIST)
 #undef TORCH_CFM_GEMM_LIST
   return all;

@@ -11,7 +11,8 @@
 //
 // One CTA computes a BM × BN tile over one K slice of KS columns (grid: N / BN, ⌈M / BM⌉, K / KS):
 // * the W slab (BN rows × KS) is copied once, before the wait, and stays resident;
-// * A is streamed in chunks of BK columns through STAGES cp.async buffers;
+// * A's whole K slice is copied at once after the wait, in chunks of BK columns (one cp.async group
+//   each), and the MMAs of a chunk start as soon as it has landed;
 // * WM × WN warps, each a (BM / WM) × (BN / WN) tile of m16n8k16 MMAs with ldmatrix operands;
 // * epilogue kBias / kBiasGelu: + bias (fp32), optional GELU (tanh), stored in T; kPartial: the fp32
 //   sum of this K slice stored at out + slice · o_split (the consumer adds the slices and the bias).
@@ -39,9 +40,23 @@ __device__ __forceinline__ float gelu_tanh(float x) {
   return 0.5f * x * (1.f + tanhf(inner));
 }
 
-template <typename T, int BM, int BN, int KS, int BK, int STAGES, int WM, int WN, int EPI>
+// cp.async.wait_group with a run-time count (the PTX takes an immediate): at most n groups pending.
+__device__ __forceinline__ void cp_async_wait_at_most(int n) {
+  switch (n) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    default: cp_async_wait<7>(); break;
+  }
+}
+
+template <typename T, int BM, int BN, int KS, int BK, int WM, int WN, int EPI>
 __global__ void __launch_bounds__(WM * WN * 32) dit_gemm_kernel(const GemmParams p) {
-  using G = GemmGeometry<sizeof(T), BM, BN, KS, BK, STAGES>;
+  using G = GemmGeometry<sizeof(T), BM, BN, KS, BK>;
   constexpr int kThreads = WM * WN * 32;
   constexpr int kChunk = 8;  // 16-bit elements per 16-byte copy
   constexpr int kWarpM = BM / WM, kWarpN = BN / WN;
@@ -49,9 +64,7 @@ __global__ void __launch_bounds__(WM * WN * 32) dit_gemm_kernel(const GemmParams
   constexpr int kChunks = KS / BK;
   static_assert(sizeof(T) == 2, "16-bit operands (fp16 / bf16)");
   static_assert(kWarpM % 16 == 0 && kWarpN % 16 == 0, "warp tiles of whole m16 and pairs of n8 MMA tiles");
-  static_assert(KS % BK == 0 && BK % 16 == 0, "K slice of whole chunks, chunks of whole k16 steps");
-  static_assert(STAGES >= 2 && STAGES <= kChunks + 1, "pipeline depth");
-  static_assert((BN * KS / kChunk) % kThreads == 0 && (BM * BK / kChunk) % kThreads == 0, "whole copy passes");
+  static_assert(KS % BK == 0 && BK % 16 == 0 && kChunks <= 8, "K slice of at most 8 chunks of whole k16 steps");
 
   extern __shared__ __align__(16) unsigned char smem[];
   T* w_s = reinterpret_cast<T*>(smem);
@@ -91,22 +104,24 @@ __global__ void __launch_bounds__(WM * WN * 32) dit_gemm_kernel(const GemmParams
   asm volatile("griddepcontrol.launch_dependents;\n" :::);
 #endif
 
-  const T* a_base = static_cast<const T*>(p.a) + k0;
-  auto load_a = [&](int chunk) {
-    T* dst = a_s + (chunk % STAGES) * BM * G::kARow;
+  // The whole A slice (BM rows × KS) in flight at once, one commit group per BK-column chunk: at
+  // M ≈ 400 the time is the operand bytes each SM takes in, and a deeper queue of copies is what
+  // raises that rate (bench/sm_ingest.py). Rows past M are zero-filled.
+  {
+    const T* a_base = static_cast<const T*>(p.a) + k0;
     constexpr int kPerRow = BK / kChunk;
 #pragma unroll
-    for (int c = tid; c < BM * kPerRow; c += kThreads) {
-      const int r = c / kPerRow, col = (c % kPerRow) * kChunk;
-      const bool ok = m0 + r < p.m;
-      const T* src = ok ? a_base + (m0 + r) * p.a_sm + chunk * BK + col : a_base;
-      cp_async16(dst + r * G::kARow + col, src, ok ? 16 : 0);
-    }
-  };
+    for (int chunk = 0; chunk < kChunks; ++chunk) {
+      T* dst = a_s + chunk * BM * G::kARow;
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    load_a(s);
-    cp_async_commit();
+      for (int c = tid; c < BM * kPerRow; c += kThreads) {
+        const int r = c / kPerRow, col = (c % kPerRow) * kChunk;
+        const bool ok = m0 + r < p.m;
+        const T* src = ok ? a_base + (m0 + r) * p.a_sm + chunk * BK + col : a_base;
+        cp_async16(dst + r * G::kARow + col, src, ok ? 16 : 0);
+      }
+      cp_async_commit();
+    }
   }
 
   float acc[MT][NT][4];
@@ -115,15 +130,13 @@ __global__ void __launch_bounds__(WM * WN * 32) dit_gemm_kernel(const GemmParams
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.f;
 
-  // Commit groups: W, then one per A chunk (empty past the last), so waiting until at most
-  // STAGES - 2 groups are pending means W and chunk kc have landed.
+  // Commit groups: W, then A's chunks in order; chunk kc (and W) have landed once at most
+  // kChunks - 1 - kc groups are pending. No buffer is reused, so one barrier per chunk suffices.
 #pragma unroll 1
   for (int kc = 0; kc < kChunks; ++kc) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // chunk kc visible to every warp; chunk kc - 1's buffer free again
-    if (kc + STAGES - 1 < kChunks) load_a(kc + STAGES - 1);
-    cp_async_commit();
-    const T* a_tile = a_s + (kc % STAGES) * BM * G::kARow + (wm * kWarpM) * G::kARow;
+    cp_async_wait_at_most(kChunks - 1 - kc);
+    __syncthreads();  // every thread's copies of chunk kc visible to every warp
+    const T* a_tile = a_s + kc * BM * G::kARow + (wm * kWarpM) * G::kARow;
     const T* w_tile = w_s + (wn * kWarpN) * G::kWRow + kc * BK;
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {

@@ -10,10 +10,10 @@
 namespace torch_cfm {
 namespace cuda_gemm {
 
-template <typename T, int BM, int BN, int KS, int BK, int STAGES, int WM, int WN, int EPI>
+template <typename T, int BM, int BN, int KS, int BK, int WM, int WN, int EPI>
 void launch_gemm(const GemmParams& p, bool pdl, cudaStream_t stream) {
-  using G = GemmGeometry<sizeof(T), BM, BN, KS, BK, STAGES>;
-  auto kernel = dit_gemm_kernel<T, BM, BN, KS, BK, STAGES, WM, WN, EPI>;
+  using G = GemmGeometry<sizeof(T), BM, BN, KS, BK>;
+  auto kernel = dit_gemm_kernel<T, BM, BN, KS, BK, WM, WN, EPI>;
   constexpr int kMaxDevices = 64;  // beyond: the attribute is set on every launch
   static std::atomic<bool> attribute_set[kMaxDevices];
   int device = 0;
@@ -37,15 +37,15 @@ void launch_gemm(const GemmParams& p, bool pdl, cudaStream_t stream) {
 }  // namespace cuda_gemm
 }  // namespace torch_cfm
 
-#define TORCH_CFM_GEMM_EPI_CASE(BM, BN, KS, BK, STAGES, WM, WN, EPI)                       \
+#define TORCH_CFM_GEMM_EPI_CASE(BM, BN, KS, BK, WM, WN, EPI)                       \
   if (epilogue == EPI) {                                                                  \
-    launch_gemm<T, BM, BN, KS, BK, STAGES, WM, WN, EPI>(p, pdl, stream);                  \
+    launch_gemm<T, BM, BN, KS, BK, WM, WN, EPI>(p, pdl, stream);                  \
     return true;                                                                          \
   }
-#define TORCH_CFM_GEMM_LAUNCH_CASE(BM, BN, KS, BK, STAGES, WM, WN)                        \
+#define TORCH_CFM_GEMM_LAUNCH_CASE(BM, BN, KS, BK, WM, WN)                        \
   if (block_m == BM && block_n == BN) {                                                   \
-    TORCH_CFM_GEMM_EPI_CASE(BM, BN, KS, BK, STAGES, WM, WN, kBias)                        \
-    TORCH_CFM_GEMM_EPI_CASE(BM, BN, KS, BK, STAGES, WM, WN, kBiasGelu)                    \
-    TORCH_CFM_GEMM_EPI_CASE(BM, BN, KS, BK, STAGES, WM, WN, kPartial)                     \
-    TORCH_CFM_GEMM_EPI_CASE(BM, BN, KS, BK, STAGES, WM, WN, kNone)                        \
+    TORCH_CFM_GEMM_EPI_CASE(BM, BN, KS, BK, WM, WN, kBias)                        \
+    TORCH_CFM_GEMM_EPI_CASE(BM, BN, KS, BK, WM, WN, kBiasGelu)                    \
+    TORCH_CFM_GEMM_EPI_CASE(BM, BN, KS, BK, WM, WN, kPartial)                     \
+    TORCH_CFM_GEMM_EPI_CASE(BM, BN, KS, BK, WM, WN, kNone)                        \
   }

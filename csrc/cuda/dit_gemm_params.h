@@ -22,13 +22,13 @@ struct GemmParams {
 
 // Shared-memory geometry (plain C++: the binding reports it without nvcc). Rows padded by 16 bytes
 // so that the 8 row addresses of one ldmatrix hit distinct bank groups.
-template <int ELEM, int BM, int BN, int KS, int BK, int STAGES>
+template <int ELEM, int BM, int BN, int KS, int BK>
 struct GemmGeometry {
   static constexpr int kPad = 16 / ELEM;
   static constexpr int kWRow = KS + kPad;
   static constexpr int kARow = BK + kPad;
   static constexpr int kWBytes = BN * kWRow * ELEM;
-  static constexpr int kABytes = STAGES * BM * kARow * ELEM;
+  static constexpr int kABytes = (KS / BK) * BM * kARow * ELEM;  // the whole K slice of A
   static constexpr int kSmemBytes = kWBytes + kABytes;
 };
 
@@ -36,12 +36,14 @@ struct GemmGeometry {
 // when K > 512).
 constexpr int kSliceK = 512;
 
-// (BM, BN, KS, BK, STAGES, WM, WN): rows and columns per CTA, K slice, K chunk of the A pipeline,
-// its depth, warps along M and N.
+// (BM, BN, KS, BK, WM, WN): rows and columns per CTA, K slice, K chunk of A's copies, warps along
+// M and N. One CTA per SM (160-210 KB of shared memory); at M = 400 each role's grid is 112 CTAs:
+// qkv / conv 64 × 96, proj 64 × 32, fc1 and fc2 (4 split-K slices) 64 × 128.
 #define TORCH_CFM_GEMM_CONFIGS(X) \
-  X(64, 64, 512, 64, 3, 2, 2)     \
-  X(32, 64, 512, 64, 3, 1, 4)     \
-  X(64, 32, 512, 64, 3, 4, 1)
+  X(64, 128, 512, 64, 2, 4)       \
+  X(64, 96, 512, 64, 4, 2)        \
+  X(64, 64, 512, 64, 2, 2)        \
+  X(64, 32, 512, 64, 4, 2)
 
 bool launch_gemm_f16(const GemmParams& p, int block_m, int block_n, int epilogue, bool pdl, cudaStream_t stream);
 bool launch_gemm_bf16(const GemmParams& p, int block_m, int block_n, int epilogue, bool pdl, cudaStream_t stream);

@@ -24,24 +24,46 @@ SLICE_K = 512  # K columns per CTA (csrc/cuda/dit_gemm_params.h: kSliceK)
 EPILOGUES = {"bias": 0, "bias_gelu": 1, "partial": 2, "none": 3}
 
 
+SMEM_PER_SM = 228 * 1024  # SM90; each resident CTA also reserves 1 KB
+SMEM_RESERVED_PER_CTA = 1024
+
+
 @functools.lru_cache(maxsize=1)
-def instantiated_tiles() -> tuple[tuple[int, int], ...]:
-    """(block_m, block_n) tiles compiled into the extension (empty when it is not built)."""
+def tile_table() -> tuple[tuple[int, int, int], ...]:
+    """(block_m, block_n, shared-memory bytes per CTA) compiled into the extension (empty when it is
+    not built; csrc/cuda/dit_gemm_params.h)."""
     module, _ = _extension()
     if module is None or not hasattr(module, "gemm_configs"):
         return ()
-    return tuple((bm, bn) for bm, bn, _ in module.gemm_configs())
+    return tuple(tuple(int(v) for v in cfg) for cfg in module.gemm_configs())
 
 
-def choose_tile(m: int, n: int, k_slices: int, sms: int = 132) -> tuple[int, int]:
+def instantiated_tiles() -> tuple[tuple[int, int], ...]:
+    """(block_m, block_n) tiles compiled into the extension (empty when it is not built)."""
+    return tuple((bm, bn) for bm, bn, _ in tile_table())
+
+
+def choose_tile(m: int, n: int, k_slices: int, sms: int = 132,
+                tiles: Optional[tuple[tuple[int, int, int], ...]] = None) -> tuple[int, int]:
     """The (block_m, block_n) tile for an (m, n) output with ``k_slices`` K slices.
 
-    Largest tile (64 × 64: fewest operand bytes per output) unless its grid leaves more than half of
-    the SMs idle; then 32-row tiles, which double the CTAs (at M = 400, N = 512: 56 → 104 CTAs)."""
-    ctas = -(-m // 64) * (n // 64) * k_slices
-    if ctas * 2 <= sms and n % 64 == 0:
-        return 32, 64
-    return (64, 64) if n % 64 == 0 else (64, 32)
+    Fewest waves of CTAs (CTAs per SM from each tile's shared memory), then the narrowest tile: at
+    M ≈ 400 a GEMM's time is the operand bytes each SM takes in (A's rows plus W's slab), so the
+    most CTAs that still fit in one wave spread those bytes over the most SMs. At M = 400: qkv and
+    the convs 64 × 96 (112 CTAs), proj 64 × 32 (112), fc1 and fc2 (4 K slices) 64 × 128 (112).
+    ``tiles``: (block_m, block_n, smem bytes) candidates, default :func:`tile_table`."""
+    best = None
+    for bm, bn, smem in tiles if tiles is not None else tile_table():
+        if n % bn:
+            continue
+        per_sm = max(1, SMEM_PER_SM // (smem + SMEM_RESERVED_PER_CTA))
+        ctas = -(-m // bm) * (n // bn) * k_slices
+        key = (-(-ctas // (sms * per_sm)), bm + bn)
+        if best is None or key < best[0]:
+            best = (key, (bm, bn))
+    if best is None:
+        raise ValueError(f"dit_gemm: no instantiated tile divides N = {n}")
+    return best[1]
 
 
 def not_supported_reasons(a: torch.Tensor, w: torch.Tensor, epilogue: str) -> list[str]:
@@ -62,8 +84,8 @@ def not_supported_reasons(a: torch.Tensor, w: torch.Tensor, epilogue: str) -> li
     k, n = a.shape[1], w.shape[0]
     if k % SLICE_K or (k != SLICE_K and epilogue != "partial"):
         reasons.append(f"needs K = 512 (or a multiple with the partial epilogue), got K = {k}")
-    if n % 32:
-        reasons.append(f"needs N % 32 == 0, got {n}")
+    if not any(n % bn == 0 for _, bn in instantiated_tiles() or ((0, 32),)):
+        reasons.append(f"needs N divisible by a tile width {sorted({bn for _, bn in instantiated_tiles()})}, got {n}")
     if a.stride(1) != 1 or w.stride(1) != 1 or a.stride(0) % 8 or w.stride(0) % 8:
         reasons.append("needs unit stride along K and 16-byte aligned rows")
     if a.data_ptr() % 16 or w.data_ptr() % 16:
