@@ -102,6 +102,9 @@ void dit_gemm(const at::Tensor& a, const at::Tensor& w, const c10::optional<at::
               int64_t epilogue, int64_t block_m, int64_t block_n, bool pdl);
 std::vector<std::tuple<int64_t, int64_t, int64_t>> gemm_configs();
 }  // namespace cuda_gemm
+namespace cuda_prefetch {  // l2_prefetch_binding.cpp
+void l2_prefetch(const std::vector<at::Tensor>& tensors, int64_t ctas);
+}  // namespace cuda_prefetch
 }  // namespace torch_cfm
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -120,4 +123,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("epilogue"), pybind11::arg("block_m"), pybind11::arg("block_n"), pybind11::arg("pdl") = false);
   m.def("gemm_configs", &torch_cfm::cuda_gemm::gemm_configs,
         "instantiated DiT GEMM tiles (block_m, block_n, smem_bytes for 16-bit operands)");
+  m.def("l2_prefetch", &torch_cfm::cuda_prefetch::l2_prefetch,
+        "pull the tensors' bytes into L2 on the current stream (SM90 bulk prefetch)", pybind11::arg("tensors"),
+        pybind11::arg("ctas") = 8);
 }

@@ -615,13 +615,7 @@ class _OldFramesOnSideStream:
                 cache_shift(olds[i], new[i:i + 1], valid, cached)
             return
         main = torch.cuda.current_stream(new.device)
-        key = (new.device.index, main.cuda_stream)
-        side = _SIDE_STREAMS.get(key)
-        if side is None:
-            side = torch.cuda.Stream(device=new.device)
-            if side.cuda_stream == main.cuda_stream:  # the pool wrapped onto the caller's stream
-                side = torch.cuda.Stream(device=new.device)
-            _SIDE_STREAMS[key] = side
+        side = _side_stream(main, new.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
             for i in range(depth):
@@ -637,6 +631,66 @@ class _OldFramesOnSideStream:
 
     def join(self) -> None:
         if self.side is not None:
+            self.main.wait_stream(self.side)
+
+
+def _side_stream(main: "torch.cuda.Stream", device: torch.device) -> "torch.cuda.Stream":
+    """The side stream of a caller stream (one per (device, caller stream), never the caller's own)."""
+    key = (device.index, main.cuda_stream)
+    side = _SIDE_STREAMS.get(key)
+    if side is None:
+        side = torch.cuda.Stream(device=device)
+        if side.cuda_stream == main.cuda_stream:  # the pool wrapped onto the caller's stream
+            side = torch.cuda.Stream(device=device)
+        _SIDE_STREAMS[key] = side
+    return side
+
+
+# L2 prefetch of the next block while the current one runs (csrc/cuda/l2_prefetch.cu): None / "off",
+# "weights" (the next block's 18 packed weight tensors, 9.2 MB at C = 512 in fp16) or "weights_cache"
+# (also the next block's old attention cache). The step's weights (147 MB in fp16) do not fit the
+# 50 MB L2, so without it every GEMM reads its weights from HBM.
+L2_PREFETCH: Optional[str] = None
+
+
+class _NextBlockPrefetch:
+    """Per block i, a bulk L2 prefetch of block i+1's weights (and old attention cache) on a side
+    stream forked from the caller's stream at block i's start, joined at the end of the body. It
+    produces nothing the body reads, so it changes no result, only where the next block's operands
+    come from. Off (no launches) without the CUDA extension, below SM90, on CPU, or when
+    :data:`L2_PREFETCH` is off."""
+
+    def __init__(self, weights: list[torch.Tensor], att_cache: Optional[torch.Tensor], depth: int,
+                 device: torch.device) -> None:
+        self.mode = L2_PREFETCH if L2_PREFETCH not in (None, "off") else None
+        self.module = None
+        if self.mode is None or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+            return
+        from .cfm_attention_cuda import _extension
+
+        module, _ = _extension()
+        if module is None or not hasattr(module, "l2_prefetch"):
+            return
+        self.module, self.weights, self.att, self.depth = module, weights, att_cache, depth
+        self.main = torch.cuda.current_stream(device)
+        self.side = _side_stream(self.main, device)
+        self.launched = False
+
+    def block(self, i: int) -> None:
+        """Called at the start of block i (i = -1: before in_proj): prefetch block i+1."""
+        if self.module is None or i + 1 >= self.depth:
+            return
+        nxt = [w for w in self.weights[2 + PER_BLOCK * (i + 1): 2 + PER_BLOCK * (i + 2)] if w.is_contiguous()]
+        if self.mode == "weights_cache" and self.att is not None and self.att.shape[3] > 0 and \
+                self.att[i + 1].is_contiguous():
+            nxt.append(self.att[i + 1])
+        self.side.wait_stream(self.main)
+        with torch.cuda.stream(self.side):
+            self.module.l2_prefetch(nxt, 8)
+        self.launched = True
+
+    def join(self) -> None:
+        if self.module is not None and self.launched:
             self.main.wait_stream(self.side)
 
 
@@ -783,6 +837,8 @@ def dit_body_triton(
         cache_shift(att_cache, new_att, valid, cached)
     shift = _OldFramesOnSideStream(att_cache, new_att, valid, cached) if variant == "v4" else None
 
+    prefetch = _NextBlockPrefetch(weights, att_cache, depth, dev)
+    prefetch.block(-1)
     # staged input -> in_proj (bias added in the first boundary kernel)
     y0 = torch.matmul(x_in.transpose(1, 2), weights[0].t()).view(m, c)
     rownorm(y0, h, a, valid, bias=weights[1], has_res=False, table=mod_table,
@@ -791,6 +847,7 @@ def dit_body_triton(
         (qkv_w, qkv_b, qn_w, qn_b, kn_w, kn_b, proj_w, proj_b, c1_w, c1_b, cn_w, cn_b,
          c2_w, c2_b, fc1_w, fc1_b, fc2_w, fc2_b) = weights[2 + PER_BLOCK * i: 2 + PER_BLOCK * (i + 1)]
         cnn_i = cnn_cache[i] if cnn_cache is not None else None
+        prefetch.block(i)
         # attention: packed QKV GEMM, q/k norm + cache write, attention over the new cache
         if variant == "v5":
             torch.addmm(qkv_b, a, qkv_w.t(), out=qkv)
@@ -871,6 +928,7 @@ def dit_body_triton(
                   out=vel)
     if shift is not None:
         shift.join()
+    prefetch.join()
     return vel, new_cnn, new_att
 
 
