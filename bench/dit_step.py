@@ -300,26 +300,10 @@ SWEEP_PDL = {"none": frozenset(), "rownorm": frozenset({"rownorm", "cfg_euler"})
              "all": PDL_CAPABLE_KERNELS}
 
 
-def _body_setting(name: str, value):
-    """Context manager factory: kernels.dit_body.<name> = ``value`` inside, None after (V8_PDL, L2_PREFETCH)."""
-    @contextlib.contextmanager
-    def ctx():
-        from torch_cfm.kernels import dit_body
-
-        setattr(dit_body, name, value)
-        try:
-            yield
-        finally:
-            setattr(dit_body, name, None)
-    return ctx
-
-
 def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
     """Time the v3 step under each tile override of SWEEP (torch_cfm.kernels.dit_gemm.TILE_OVERRIDE),
-    the v5 step under each launch override of SWEEP_V5 (kernels.dit_attention.LAUNCH_OVERRIDE),
-    for "pdl" the v1 and v5 steps under each set of SWEEP_PDL, for "v8" v1 as shipped against v8
-    (the CUDA GEMMs) with and without PDL (kernels.dit_body.V8_PDL) and, for "l2", v1 and v5 with
-    the next block's weights (and old cache) prefetched into L2 or not (kernels.dit_body.L2_PREFETCH).
+    the v5 step under each launch override of SWEEP_V5 (kernels.dit_attention.LAUNCH_OVERRIDE) and,
+    for "pdl", the v1 and v5 steps under each set of SWEEP_PDL.
 
     With ``--sweep-rounds R`` > 1 every plan is captured and timed R times, the plans in a new
     order each round and the graph's buffers at shifted addresses (a random-size allocation
@@ -340,13 +324,6 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
     if "pdl" in swept:
         plans += [(v, f"sweep_{v}_pdl_{name}", _body_pdl_kernels(kernels)) for v in ("v1", "v5")
                   for name, kernels in SWEEP_PDL.items() if name != ("all" if v == "v1" else "rownorm_qk")]
-    if "v8" in swept:
-        plans += [("v1", "sweep_v1_default", _body_pdl_kernels(None)),
-                  ("v8", "sweep_v8_pdl", _body_setting("V8_PDL", None)),
-                  ("v8", "sweep_v8_nopdl", _body_setting("V8_PDL", False))]
-    if "l2" in swept:  # the next block's weights (and old cache) prefetched into L2 on a side stream
-        plans += [(v, f"sweep_{v}_l2_{mode}", _body_setting("L2_PREFETCH", mode)) for v in ("v1", "v5")
-                  for mode in ("off", "weights", "weights_cache")]
     rng = random.Random(0)
     for n, t, l_len in shapes:
         for dname in dnames:
@@ -676,9 +653,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-rounds", type=int, default=1,
                     help="captures per sweep plan, interleaved in a new order each round (A/B at the few-%% level)")
     ap.add_argument("--sweep-variants", default="v3,v5,pdl",
-                    help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL kernel sets; "
-                         "v8: v1 vs the CUDA GEMMs with and without PDL; l2: v1 and v5 with the next block "
-                         "prefetched into L2)")
+                    help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL kernel sets)")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help="fused-body variants timed besides the default one (comma list, or 'none')")
     ap.add_argument("--calls", type=int, default=5)

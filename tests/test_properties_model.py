@@ -540,7 +540,7 @@ def interpreter_main(examples: int, shard: int = 0, shards: int = 1) -> None:
     bf16 dot is wrong, SPEC §8; depth-1 tiny configs)."""
     from hypothesis import settings
 
-    from torch_cfm.kernels.dit_body import CUDA_ONLY_VARIANTS, VARIANTS
+    from torch_cfm.kernels.dit_body import VARIANTS
 
     global compute_modes
 
@@ -556,7 +556,7 @@ def interpreter_main(examples: int, shard: int = 0, shards: int = 1) -> None:
                lambda spec, path, data: check_nonfinite_in_one_row_stays_there("cpu", spec, path, data)),
               ("padded_rows", specs,
                lambda spec, path, data: check_padded_rows_change_no_other_row("cpu", spec, path, data)))
-    for variant in tuple(v for v in VARIANTS if v not in CUDA_ONLY_VARIANTS)[shard::shards]:
+    for variant in VARIANTS[shard::shards]:
         for name, strategy, check in checks:
             @settings(max_examples=examples, deadline=None, derandomize=True, database=None)
             @given(spec=strategy, data=st.data())

@@ -96,15 +96,6 @@ std::vector<ConfigTuple> configs() {
 }
 
 }  // namespace cuda_attention
-
-namespace cuda_gemm {  // dit_gemm.cpp
-void dit_gemm(const at::Tensor& a, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& out,
-              int64_t epilogue, int64_t block_m, int64_t block_n, bool pdl);
-std::vector<std::tuple<int64_t, int64_t, int64_t>> gemm_configs();
-}  // namespace cuda_gemm
-namespace cuda_prefetch {  // l2_prefetch_binding.cpp
-void l2_prefetch(const std::vector<at::Tensor>& tensors, int64_t ctas);
-}  // namespace cuda_prefetch
 }  // namespace torch_cfm
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -117,13 +108,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("pdl") = false, pybind11::arg("ablate") = 0);
   m.def("configs", &torch_cfm::cuda_attention::configs,
         "instantiated (family, block_k, q_groups, key_splits, buffers, cluster, kv_groups, smem_bytes)");
-  m.def("dit_gemm", &torch_cfm::cuda_gemm::dit_gemm,
-        "out = a · wᵀ with epilogue 0 bias, 1 bias + GELU (tanh), 2 fp32 split-K partials, 3 none",
-        pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("out"),
-        pybind11::arg("epilogue"), pybind11::arg("block_m"), pybind11::arg("block_n"), pybind11::arg("pdl") = false);
-  m.def("gemm_configs", &torch_cfm::cuda_gemm::gemm_configs,
-        "instantiated DiT GEMM tiles (block_m, block_n, smem_bytes for 16-bit operands)");
-  m.def("l2_prefetch", &torch_cfm::cuda_prefetch::l2_prefetch,
-        "pull the tensors' bytes into L2 on the current stream (SM90 bulk prefetch)", pybind11::arg("tensors"),
-        pybind11::arg("ctas") = 8);
 }

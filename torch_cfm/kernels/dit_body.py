@@ -35,8 +35,7 @@ from .cfm_attention import AttentionConfig
 from .dit_attention import attention_cache
 
 CONV_HISTORY = 2  # causal conv k=3: 2 cached frames in front of the chunk
-VARIANTS = ("v1", "v2", "v3", "v4", "v5", "v7", "v8")
-CUDA_ONLY_VARIANTS = ("v8",)  # the same code as v1 without a CUDA device (property runs skip them there)
+VARIANTS = ("v1", "v2", "v3", "v4", "v5", "v7")
 DEFAULT_VARIANT = None  # None: per dtype/precision from VARIANT_BY_PRECISION (set from bench/NOTES.md)
 # Measured on the H200 (bench/NOTES.md, sessions 2-3, (8, 50, 400) fp16 per step): v1 1.123 ms (0.982 with
 # one row per rownorm program), v2 1.165, v3 3.98, v4 1.039 vs v1 1.041 (no gain).
@@ -46,10 +45,6 @@ VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
 # (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
 V5_MIN_ROWS_16BIT = 32
-# v8 (v1 with the block's GEMMs on the hand-written CUDA GEMM, kernels/dit_gemm_cuda.py): whether its
-# GEMMs and its own Triton kernels launch with PDL. None = wherever PDL is supported (SM90); the
-# step bench's sweep sets it to compare the same kernels with and without PDL.
-V8_PDL: Optional[bool] = None
 
 
 def choose_variant(dtype: torch.dtype, precision: Optional[str], n_rows: Optional[int] = None) -> str:
@@ -194,17 +189,17 @@ def _dit_rownorm_kernel(
     y_ptr, stride_y, bias_ptr, h_ptr, tab_ptr, stride_tab, gate_off, shift_off, scale_off, lnw_ptr, lnb_ptr,
     out_ptr, out_t, out_off, cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j, head_cbase,
     emit_src_ptr, emit_ptr, stride_emit_n, stride_emit_c, stride_emit_j, emit_cbase, valid_ptr,
-    M, T, C, eps, split_stride,
+    M, T, C, eps,
     TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_GATE: tl.constexpr, NORM: tl.constexpr, HEAD: tl.constexpr, HAS_CNN: tl.constexpr,
-    EMIT: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
+    EMIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One block boundary, ROWS token rows per program (arguments: :func:`_rownorm_rows`)."""
     _rownorm_rows(
-        tl.program_id(0) * ROWS, y_ptr, stride_y, split_stride, bias_ptr, h_ptr, tab_ptr, stride_tab, gate_off, shift_off,
+        tl.program_id(0) * ROWS, y_ptr, stride_y, 0, bias_ptr, h_ptr, tab_ptr, stride_tab, gate_off, shift_off,
         scale_off, lnw_ptr, lnb_ptr, out_ptr, out_t, out_off, cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j,
         head_cbase, emit_src_ptr, emit_ptr, stride_emit_n, stride_emit_c, stride_emit_j, emit_cbase, valid_ptr,
-        M, T, C, eps, TAPS, HAS_BIAS, HAS_RES, WRITE_H, HAS_GATE, NORM, HEAD, HAS_CNN, EMIT, SPLITS, ROWS, BLOCK_C,
+        M, T, C, eps, TAPS, HAS_BIAS, HAS_RES, WRITE_H, HAS_GATE, NORM, HEAD, HAS_CNN, EMIT, 1, ROWS, BLOCK_C,
         USE_PDL)
 
 
@@ -436,12 +431,10 @@ def rownorm(
     out_t: Optional[int] = None, out_off: int = 0,
     head: Optional[tuple[Optional[torch.Tensor], int]] = None,
     emit: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None,
-    splits: int = 1, pdl: Optional[bool] = None,
 ) -> None:
     """Launch ``_dit_rownorm_kernel`` (see its comments). ``gate``/``shift``/``scale`` are element
     offsets into a table row; ``head`` = (old conv cache (N, 2C, 2) or None, channel base);
-    ``emit`` = (history (N*(T+2), C), new conv cache (N, 2C, 2), channel base). ``splits`` > 1:
-    ``y`` is float32 (splits, M, C) split-K partials, summed here. ``pdl``: None = :func:`body_pdl`."""
+    ``emit`` = (history (N*(T+2), C), new conv cache (N, 2C, 2), channel base)."""
     c = h.shape[1]
     m = n_rows * t_len
     if m == 0:
@@ -462,31 +455,28 @@ def rownorm(
         e_src, e_dst, e_cbase = h, h.view(-1, 1, 1)[:1], 0
     lnw, lnb = ln_affine if ln_affine is not None else (h, h)
     grid = (triton.cdiv(m, rows),)
-    pdl = body_pdl(h.device, "rownorm", out.dtype) if pdl is None else pdl
-    split_stride = y.stride(0) if splits > 1 else 0
-    y_rows = y[0] if splits > 1 else y
+    pdl = body_pdl(h.device, "rownorm", out.dtype)
     with on_device(h.device):
         _dit_rownorm_kernel[grid](
-            y, y_rows.stride(0), bias if bias is not None else h, h, tab, stride_tab,
+            y, y.stride(0), bias if bias is not None else h, h, tab, stride_tab,
             gate or 0, shift, scale, lnw, lnb, out, out_t if out_t is not None else t_len, out_off,
             cnn_t, cnn_t.stride(0) if cnn is not None else 0, cnn_t.stride(1) if cnn is not None else 0,
             cnn_t.stride(2) if cnn is not None else 0, head_cbase,
             e_src, e_dst, e_dst.stride(0), e_dst.stride(1), e_dst.stride(2), e_cbase,
-            valid, m, t_len, c, eps, split_stride,
+            valid, m, t_len, c, eps,
             TAPS=taps, HAS_BIAS=bias is not None, HAS_RES=has_res, WRITE_H=write_h,
             HAS_GATE=gate is not None, NORM=0 if ln_affine is None else 1, HEAD=head is not None,
-            HAS_CNN=cnn is not None, EMIT=emit is not None, SPLITS=splits, ROWS=rows, BLOCK_C=block_c, USE_PDL=pdl,
+            HAS_CNN=cnn is not None, EMIT=emit is not None, ROWS=rows, BLOCK_C=block_c, USE_PDL=pdl,
             num_warps=warps, **launch_kwargs(pdl))
 
 
 def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Tensor,
              old: Optional[torch.Tensor], new: torch.Tensor, valid: torch.Tensor, cached: torch.Tensor,
-             *, n_rows: int, t_len: int, heads: int, head_dim: int, current_only: bool = False,
-             pdl: Optional[bool] = None) -> None:
+             *, n_rows: int, t_len: int, heads: int, head_dim: int, current_only: bool = False) -> None:
     """Launch ``_dit_qk_cache_kernel``: q/k LayerNorm + the new (N, H, T+L, 2D) cache of one block.
 
     ``current_only``: write the T_n current frames of each row and nothing else (``old`` must be
-    None); frames [T_n, T+L) are then written by :func:`cache_shift`. ``pdl``: None = :func:`body_pdl`."""
+    None); frames [T_n, T+L) are then written by :func:`cache_shift`."""
     if current_only and old is not None:
         raise ValueError("qk_cache: current_only takes old=None (cache_shift writes the old frames)")
     l_len = 0 if old is None else old.shape[2]
@@ -496,7 +486,7 @@ def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Te
     block_f = 32 if head_dim <= 64 else 16
     o = old if old is not None else new
     grid = (n_rows * heads, triton.cdiv(total, block_f))
-    pdl = body_pdl(qkv.device, "qk_cache", qkv.dtype) if pdl is None else pdl
+    pdl = body_pdl(qkv.device, "qk_cache", qkv.dtype)
     with on_device(qkv.device):
         _dit_qk_cache_kernel[grid](
             qkv, qkv.stride(0), *norms, q_out,
@@ -615,7 +605,13 @@ class _OldFramesOnSideStream:
                 cache_shift(olds[i], new[i:i + 1], valid, cached)
             return
         main = torch.cuda.current_stream(new.device)
-        side = _side_stream(main, new.device)
+        key = (new.device.index, main.cuda_stream)
+        side = _SIDE_STREAMS.get(key)
+        if side is None:
+            side = torch.cuda.Stream(device=new.device)
+            if side.cuda_stream == main.cuda_stream:  # the pool wrapped onto the caller's stream
+                side = torch.cuda.Stream(device=new.device)
+            _SIDE_STREAMS[key] = side
         side.wait_stream(main)
         with torch.cuda.stream(side):
             for i in range(depth):
@@ -634,103 +630,9 @@ class _OldFramesOnSideStream:
             self.main.wait_stream(self.side)
 
 
-def _side_stream(main: "torch.cuda.Stream", device: torch.device) -> "torch.cuda.Stream":
-    """The side stream of a caller stream (one per (device, caller stream), never the caller's own)."""
-    key = (device.index, main.cuda_stream)
-    side = _SIDE_STREAMS.get(key)
-    if side is None:
-        side = torch.cuda.Stream(device=device)
-        if side.cuda_stream == main.cuda_stream:  # the pool wrapped onto the caller's stream
-            side = torch.cuda.Stream(device=device)
-        _SIDE_STREAMS[key] = side
-    return side
-
-
-# L2 prefetch of the next block while the current one runs (csrc/cuda/l2_prefetch.cu): None / "off",
-# "weights" (the next block's 18 packed weight tensors, 9.2 MB at C = 512 in fp16) or "weights_cache"
-# (also the next block's old attention cache). The step's weights (147 MB in fp16) do not fit the
-# 50 MB L2, so without it every GEMM reads its weights from HBM.
-L2_PREFETCH: Optional[str] = None
-
-
-class _NextBlockPrefetch:
-    """Per block i, a bulk L2 prefetch of block i+1's weights (and old attention cache) on a side
-    stream forked from the caller's stream at block i's start, joined at the end of the body. It
-    produces nothing the body reads, so it changes no result, only where the next block's operands
-    come from. Off (no launches) without the CUDA extension, below SM90, on CPU, or when
-    :data:`L2_PREFETCH` is off."""
-
-    def __init__(self, weights: list[torch.Tensor], att_cache: Optional[torch.Tensor], depth: int,
-                 device: torch.device) -> None:
-        self.mode = L2_PREFETCH if L2_PREFETCH not in (None, "off") else None
-        self.module = None
-        if self.mode is None or device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
-            return
-        from .cfm_attention_cuda import _extension
-
-        module, _ = _extension()
-        if module is None or not hasattr(module, "l2_prefetch"):
-            return
-        self.module, self.weights, self.att, self.depth = module, weights, att_cache, depth
-        self.main = torch.cuda.current_stream(device)
-        self.side = _side_stream(self.main, device)
-        self.launched = False
-
-    def block(self, i: int) -> None:
-        """Called at the start of block i (i = -1: before in_proj): prefetch block i+1."""
-        if self.module is None or i + 1 >= self.depth:
-            return
-        nxt = [w for w in self.weights[2 + PER_BLOCK * (i + 1): 2 + PER_BLOCK * (i + 2)] if w.is_contiguous()]
-        if self.mode == "weights_cache" and self.att is not None and self.att.shape[3] > 0 and \
-                self.att[i + 1].is_contiguous():
-            nxt.append(self.att[i + 1])
-        self.side.wait_stream(self.main)
-        with torch.cuda.stream(self.side):
-            self.module.l2_prefetch(nxt, 8)
-        self.launched = True
-
-    def join(self) -> None:
-        if self.module is not None and self.launched:
-            self.main.wait_stream(self.side)
-
-
 # --------------------------------------------------------------------------------------------
 # the body driver
 # --------------------------------------------------------------------------------------------
-
-class _V8Linear:
-    """v8's linear layers: the CUDA GEMM (:mod:`.dit_gemm_cuda`) wherever it covers the call, else
-    the cuBLAS call v1 makes; the GEMMs and the body's own kernels launch with PDL per :data:`V8_PDL`.
-
-    The CUDA GEMM copies its weight slab before its PDL wait, so its CTAs take in only the
-    activations once the kernel in front of them is done; the Triton kernels between the GEMMs then
-    launch with PDL too, so that each releases the next GEMM early (``_launch.pdl_prologue``)."""
-
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        from . import dit_gemm_cuda
-
-        self.gemm = dit_gemm_cuda
-        self.cuda_ok = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and \
-            bool(dit_gemm_cuda.instantiated_tiles())
-        self.pdl = (pdl_supported(device) if V8_PDL is None else V8_PDL) and self.cuda_ok
-
-    def covers(self, a: torch.Tensor, w: torch.Tensor, epilogue: str) -> bool:
-        return self.cuda_ok and not self.gemm.not_supported_reasons(a, w, epilogue)
-
-    def __call__(self, a: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], out: torch.Tensor,
-                 epilogue: str) -> None:
-        """``out = epilogue(a · wᵀ + b)`` for epilogue "bias", "bias_gelu" or "none"."""
-        if self.covers(a, w, epilogue):
-            self.gemm.dit_gemm(a, w, b, out, epilogue=epilogue, pdl=self.pdl)
-        elif epilogue == "none":
-            torch.mm(a, w.t(), out=out)
-        elif epilogue == "bias_gelu" and a.device.type == "cuda":
-            torch._addmm_activation(b, a, w.t(), use_gelu=True, out=out)
-        else:
-            torch.addmm(b, a, w.t(), out=out)
-            if epilogue == "bias_gelu":
-                torch.ops.aten.gelu_(out, approximate="tanh")
-
 
 def _body_sizes(x_in: torch.Tensor, weights: list[torch.Tensor]) -> tuple[int, ...]:
     """(N, Cin, T, depth, C, H, D, H*D, MLP hidden) of one body call, from the staged input and the
@@ -795,10 +697,6 @@ def dit_body_triton(
       (:mod:`torch_cfm.kernels.dit_attention`): 11 kernels per block.
     * "v7": one persistent launch per block, its 11 phases separated by grid barriers
       (:mod:`torch_cfm.kernels.dit_block`); in_proj and the final layer as v1.
-    * "v8": v1 with the block's six GEMMs on the hand-written CUDA GEMM (fp16/bf16 at K = 512, fc2
-      as 4 split-K fp32 partials summed by the row-norm after it), every kernel of the block a
-      programmatic dependent launch (:class:`_V8Linear`); 12 kernels per block. Elsewhere (fp32,
-      CPU, other widths) its GEMMs are v1's.
     """
     variant = variant or choose_variant(x_in.dtype, precision, x_in.shape[0])
     if variant not in VARIANTS:
@@ -828,26 +726,18 @@ def dit_body_triton(
     fbuf = torch.empty((m, mlp), dtype=cd, device=dev)
     common = dict(n_rows=n_rows, t_len=t_len)
     v2 = variant == "v2"
-    lin = _V8Linear(dev, cd) if variant == "v8" else None
-    own_pdl = lin.pdl if lin is not None else None  # v8: the body's Triton kernels with PDL too
-    parts = None  # v8: fc2's split-K partials, float32 (MLP / 512, M, C)
-    if lin is not None and lin.cuda_ok and mlp % lin.gemm.SLICE_K == 0:
-        parts = torch.empty((mlp // lin.gemm.SLICE_K, m, c), dtype=torch.float32, device=dev)
     if v2:
         cache_shift(att_cache, new_att, valid, cached)
     shift = _OldFramesOnSideStream(att_cache, new_att, valid, cached) if variant == "v4" else None
 
-    prefetch = _NextBlockPrefetch(weights, att_cache, depth, dev)
-    prefetch.block(-1)
     # staged input -> in_proj (bias added in the first boundary kernel)
     y0 = torch.matmul(x_in.transpose(1, 2), weights[0].t()).view(m, c)
     rownorm(y0, h, a, valid, bias=weights[1], has_res=False, table=mod_table,
-            shift=_mod_off(0, SHIFT_A, c), scale=_mod_off(0, SCALE_A, c), pdl=own_pdl, **common)
+            shift=_mod_off(0, SHIFT_A, c), scale=_mod_off(0, SCALE_A, c), **common)
     for i in range(depth):
         (qkv_w, qkv_b, qn_w, qn_b, kn_w, kn_b, proj_w, proj_b, c1_w, c1_b, cn_w, cn_b,
          c2_w, c2_b, fc1_w, fc1_b, fc2_w, fc2_b) = weights[2 + PER_BLOCK * i: 2 + PER_BLOCK * (i + 1)]
         cnn_i = cnn_cache[i] if cnn_cache is not None else None
-        prefetch.block(i)
         # attention: packed QKV GEMM, q/k norm + cache write, attention over the new cache
         if variant == "v5":
             torch.addmm(qkv_b, a, qkv_w.t(), out=qkv)
@@ -865,47 +755,33 @@ def dit_body_triton(
                      heads=heads, head_dim=head_dim, current_only=True, **common)
             shift.wait(i)
         else:
-            if lin is not None:
-                lin(a, qkv_w, qkv_b, qkv, "bias")
-            else:
-                torch.addmm(qkv_b, a, qkv_w.t(), out=qkv)
+            torch.addmm(qkv_b, a, qkv_w.t(), out=qkv)
             old = att_cache[i] if att_cache is not None and att_cache.shape[3] > 0 else None
             qk_cache(qkv, (qn_w, qn_b, kn_w, kn_b), qbuf, old, new_att[i], valid, cached,
-                     heads=heads, head_dim=head_dim, pdl=own_pdl, **common)
+                     heads=heads, head_dim=head_dim, **common)
         if variant != "v5":
             kv = new_att[i]
             o = torch.ops.torch_cfm.cfm_attention.default(
                 qbuf.permute(0, 2, 1, 3), kv[..., :head_dim], kv[..., head_dim:], key_lengths, None, None,
                 att_precision)
-            if lin is not None:
-                lin(o.transpose(1, 2).reshape(m, inner), proj_w, proj_b, y, "bias")
-            else:
-                torch.addmm(proj_b, o.transpose(1, 2).reshape(m, inner), proj_w.t(), out=y)
+            torch.addmm(proj_b, o.transpose(1, 2).reshape(m, inner), proj_w.t(), out=y)
         # residual + gate_a, LN, modulation (c) -> conv-1 history (frames 0,1 from the conv cache)
         rownorm(y, h, hist1, valid, table=mod_table, gate=_mod_off(i, GATE_A, c),
                 shift=_mod_off(i, SHIFT_C, c), scale=_mod_off(i, SCALE_C, c),
-                out_t=t_len + CONV_HISTORY, out_off=CONV_HISTORY, head=(cnn_i, 0), pdl=own_pdl, **common)
-        if lin is not None:
-            lin(hist1, c1_w, None, z, "none")
-        else:
-            torch.mm(hist1, c1_w.t(), out=z)
+                out_t=t_len + CONV_HISTORY, out_off=CONV_HISTORY, head=(cnn_i, 0), **common)
+        torch.mm(hist1, c1_w.t(), out=z)
         # conv-1 tap sum + bias, affine LN, Mish -> conv-2 history; emit conv-1 cache
         rownorm(z, h, hist2, valid, taps=True, bias=c1_b, has_res=False, write_h=False,
                 ln_affine=(cn_w, cn_b), eps=CONV_LN_EPS, out_t=t_len + CONV_HISTORY, out_off=CONV_HISTORY,
-                head=(cnn_i, c), emit=(hist1, new_cnn[i], 0), pdl=own_pdl, **common)
-        if lin is not None:
-            lin(hist2, c2_w, None, z, "none")
-        else:
-            torch.mm(hist2, c2_w.t(), out=z)
+                head=(cnn_i, c), emit=(hist1, new_cnn[i], 0), **common)
+        torch.mm(hist2, c2_w.t(), out=z)
         # conv-2 tap sum + bias, residual + gate_c, LN, modulation (m); emit conv-2 cache
         rownorm(z, h, a, valid, taps=True, bias=c2_b, table=mod_table, gate=_mod_off(i, GATE_C, c),
                 shift=_mod_off(i, SHIFT_M, c), scale=_mod_off(i, SCALE_M, c),
-                emit=(hist2, new_cnn[i], c), pdl=own_pdl, **common)
+                emit=(hist2, new_cnn[i], c), **common)
         # MLP
         if v2:
             gemm(a, fc1_w, fc1_b, fbuf, gelu=True, precision=precision)
-        elif lin is not None:
-            lin(a, fc1_w, fc1_b, fbuf, "bias_gelu")
         elif dev.type == "cuda":
             # GELU (tanh) in the cuBLASLt epilogue; torch applies the same GELU after the GEMM
             # where Lt cannot take the call. (Its CPU kernel uses the erf GELU: not used there.)
@@ -913,22 +789,15 @@ def dit_body_triton(
         else:
             torch.addmm(fc1_b, a, fc1_w.t(), out=fbuf)
             torch.ops.aten.gelu_(fbuf, approximate="tanh")
+        torch.addmm(fc2_b, fbuf, fc2_w.t(), out=y)
         nxt = (i + 1, SHIFT_A, SCALE_A) if i + 1 < depth else (depth, 0, 1)
-        tail = dict(table=mod_table, gate=_mod_off(i, GATE_M, c), shift=_mod_off(nxt[0], nxt[1], c),
-                    scale=_mod_off(nxt[0], nxt[2], c), pdl=own_pdl, **common)
-        if parts is not None and lin.covers(fbuf, fc2_w, "partial"):
-            # fc2 as split-K fp32 partials (K = 2048: 4 slices); the row-norm adds them and the bias
-            lin.gemm.dit_gemm(fbuf, fc2_w, None, parts, epilogue="partial", pdl=lin.pdl)
-            rownorm(parts, h, a, valid, bias=fc2_b, splits=parts.shape[0], **tail)
-        else:
-            torch.addmm(fc2_b, fbuf, fc2_w.t(), out=y)
-            rownorm(y, h, a, valid, **tail)
+        rownorm(y, h, a, valid, table=mod_table, gate=_mod_off(i, GATE_M, c),
+                shift=_mod_off(nxt[0], nxt[1], c), scale=_mod_off(nxt[0], nxt[2], c), **common)
     out_w, out_b = weights[-2], weights[-1]
     torch.baddbmm(out_b[None, :, None], out_w.expand(n_rows, -1, -1), a.view(n_rows, t_len, c).transpose(1, 2),
                   out=vel)
     if shift is not None:
         shift.join()
-    prefetch.join()
     return vel, new_cnn, new_att
 
 
