@@ -183,6 +183,18 @@ def step_providers(model, model_dtype, inp, dname, precision, variants=VARIANTS)
     default = choose_variant(dtype, precision, x_in.shape[0])
     fns += [("torch_cfm", "", fused())]
     fns += [("torch_cfm", v, fused(v)) for v in VARIANTS if v != default and v in variants]
+    if "arena" in variants:  # the in-place cache arena (the runner's form): the old keys are not copied
+        from torch_cfm.models.cache import reverse_keys
+        from torch_cfm.ops.dit_body import dit_body_arena_into
+
+        n_rows, t_len = x_in.shape[0], x_in.shape[2]
+        l_len = 0 if inp["att"] is None else inp["att"].shape[3]
+        arena = outs[2].new_zeros(outs[2].shape[:3] + (l_len + t_len, outs[2].shape[4]))
+        full = torch.full((n_rows,), l_len, dtype=torch.int32, device=x_in.device)
+        if l_len:
+            arena[..., :l_len, :] = reverse_keys(inp["att"], full)
+        fns += [("torch_cfm", "arena", lambda: dit_body_arena_into(x_in, packed.body, table, inp["cnn"], arena, None,
+                                                                   full, precision, outs[:2])[0])]
     def compiled():
         step = torch.compile(lambda *a: model.forward_chunk(*a), backend="torch_cfm")  # rules decide
         args = (inp["x"], inp["mu"], inp["t"], inp["spks"], inp["cond"], inp["cnn"], inp["att"])
@@ -432,8 +444,9 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dic
         mu2, spks2, cond2, x0d, cnnd, attd = rows2(dtype)
         common = dict(op="cfm_solve_chunk", shape=shape, dtype=dname.split("-")[0], precision=precision,
                       floor_us=round(fl, 2))
-        default = choose_variant(dtype, precision, 2 * b)
-        runner_variants = [default] + [v for v in VARIANTS if v != default and v in args.variants]
+        # None: the runner's default, the in-place cache arena (v1's kernels); a name: the functional
+        # form with that kernel variant (the per-step copy of the old keys), for the A/B
+        runner_variants = [None] + [v for v in VARIANTS if v in args.variants]
         for variant in runner_variants if "torch_cfm" in args.provider_set else []:
             rows.append(_row(env, **solve_fused_row(model, dtype, precision, variant, b, t, l_len, n_steps,
                                                          (mu2, spks2, cond2, x0d, cnnd, attd), mel64, common, args)))
@@ -550,7 +563,7 @@ def solve_fused_row(model, dtype, precision, variant, b, t, l_len, n_steps, tens
     mu2, spks2, cond2, x0d, cnnd, attd = tensors
     runner = CFMGraphRunner(model, dtype=dtype, device=DEVICE, n_timesteps=n_steps, precision=precision,
                             batch_buckets=(b,), chunk_buckets=(t,), cache_buckets=(l_len,), variant=variant)
-    row = dict(common, provider="torch_cfm", variant="" if variant == choose_variant(dtype, precision, 2 * b) else variant,
+    row = dict(common, provider="torch_cfm", variant="" if variant is None else f"functional_{variant}",
                timing="cuda_graph")
     try:
         with torch.no_grad():
@@ -654,8 +667,9 @@ def main(argv=None) -> int:
                     help="captures per sweep plan, interleaved in a new order each round (A/B at the few-%% level)")
     ap.add_argument("--sweep-variants", default="v3,v5,pdl",
                     help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL kernel sets)")
-    ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help="fused-body variants timed besides the default one (comma list, or 'none')")
+    ap.add_argument("--variants", default=",".join(VARIANTS + ("arena",)),
+                    help="fused-body variants timed besides the default one (comma list, or 'none'); 'arena': "
+                         "the step on the in-place cache arena")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--profile-server", action="store_true",

@@ -311,6 +311,12 @@ INTERP_CASES += [dict(name=f"wide_f16_{v}", dtype=torch.float16, n=2, t=5, l_len
 INTERP_CASES += [dict(name=f"qtiles_f32_{v}", dtype=torch.float32, n=2, t=40, l_len=9, valid=[40, 17],
                       cached=[9, 3], variant=v) for v in ("v1", "v5", "v7")]
 
+# the in-place arena (dit_body_arena_into): the same oracle on its output turned back to SPEC layout
+INTERP_CASES += [dict(c, name=f"{c['name']}_arena", variant="v1", arena=True)
+                 for c in _INTERP_BASE if c["name"] in ("ragged_f32", "nocache_f32", "ragged_f16", "nokeys_row_f32")]
+INTERP_CASES += [dict(name="wide_f16_arena", dtype=torch.float16, n=2, t=5, l_len=70, valid=[5, 1], cached=[70, 33],
+                      variant="v1", wide=True, arena=True)]
+
 
 def _interp_args(case):
     config = WIDE if case.get("wide") else TINY
@@ -328,6 +334,23 @@ def _interp_args(case):
     return model, x_in, packed.body, table, cnn, att, valid, cached
 
 
+def _run_arena(x_in, w, table, cnn, att, valid, cached, out, case):
+    """The in-place arena form: old keys reversed into a poisoned arena of T + L frames, the body
+    appends, the result turned back to the newest-first layout (zeros past each row's length)."""
+    from torch_cfm.models.cache import reverse_keys
+    from torch_cfm.ops.dit_body import dit_body_arena_into
+
+    vel, cnn_out, att_out = out
+    n, t, l_len = case["n"], case["t"], case["l_len"]
+    cl = torch.zeros(n, dtype=torch.int32) if cached is None else cached
+    vl = torch.full((n,), t, dtype=torch.int32) if valid is None else valid
+    arena = torch.full(att_out.shape[:3] + (t + l_len, att_out.shape[4]), float("nan"), dtype=att_out.dtype)
+    if att is not None and l_len:
+        arena[..., :l_len, :] = reverse_keys(att, cl)
+    dit_body_arena_into(x_in, w, table, cnn, arena, vl, cl, "ieee", (vel, cnn_out))
+    return vel, cnn_out, reverse_keys(arena, vl + cl)  # padding frames (still NaN) come back as zeros
+
+
 def _child(out_path: str, shard: int = 0, shards: int = 1) -> None:
     from torch_cfm.ops.dit_body import _empty_outputs, dit_body_fused_into
 
@@ -336,6 +359,9 @@ def _child(out_path: str, shard: int = 0, shards: int = 1) -> None:
         _, x_in, w, table, cnn, att, valid, cached = _interp_args(case)
         s = check_dit_body(x_in, w, table, cnn, att, valid, cached, "ieee")
         out = tuple(o.fill_(float("nan")) for o in _empty_outputs(x_in, s))  # poisoned
+        if case.get("arena"):
+            results[case["name"]] = _run_arena(x_in, w, table, cnn, att, valid, cached, out, case)
+            continue
         dit_body_fused_into(x_in, w, table, cnn, att, valid, cached, "ieee", out, case["variant"])
         results[case["name"]] = out
     torch.save(results, out_path)

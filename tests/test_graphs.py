@@ -46,7 +46,8 @@ def test_buckets_and_lru_eviction():
     assert runner.bucket_for(2, 8, 0) == (2, 8, 0)
     assert runner.bucket_for(5, 8, 0) is None and runner.bucket_for(1, 17, 0) is None
     e1 = runner.entry((1, 8, 0))
-    assert e1.bufs.att_out.shape == (2, 2, 2, 4, 8, 32) and e1.bufs.staged.shape == (2, 320, 8)
+    assert e1.bufs.att.shape == (2, 2, 2, 4, 8, 32) and e1.bufs.staged.shape == (2, 320, 8)  # in place: L + T frames
+    assert e1.bufs.att_in is None and e1.bufs.att_out is None
     assert e1.bufs.arena_bytes() == 4 * (2 * 2 * 2 * 4 * 8 * 32 + 2 * (2 * 2 * 2 * 128 * 2))
     runner.entry((2, 8, 0))
     runner.entry((1, 8, 0))  # touch: (2, 8, 0) is now the least recently used
@@ -63,6 +64,9 @@ RUNNER_CASES = [
          buckets=dict(batch_buckets=(4,), chunk_buckets=(8,), cache_buckets=(6,))),
     dict(name="exact_nocache", b=1, t=5, l_len=0, valid=None, cached=None,
          buckets=dict(batch_buckets=(1,), chunk_buckets=(5,), cache_buckets=(0,))),
+    # the functional form (att_in -> att_out, an explicit kernel variant) next to the in-place default
+    dict(name="bucketed_ragged_functional", b=2, t=6, l_len=4, valid=[6, 3], cached=[4, 2],
+         buckets=dict(batch_buckets=(4,), chunk_buckets=(8,), cache_buckets=(6,), variant="v1")),
 ]
 
 
@@ -139,20 +143,22 @@ def _gpu_runner(dtype, **kw):
 
 def _fill(bufs, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    for t in (bufs.staged, bufs.x0, bufs.att_in, bufs.cnn_in):
+    for t in (bufs.staged, bufs.x0, bufs.att if bufs.in_place else bufs.att_in, bufs.cnn_in):
         t.copy_(torch.randn(t.shape, generator=g, device="cuda", dtype=torch.float32))
-    rows = bufs.valid.shape[0]
-    bufs.valid.copy_(torch.randint(0, bufs.staged.shape[2] + 1, (rows,), generator=g, device="cuda", dtype=torch.int32))
-    bufs.cached.copy_(torch.randint(0, bufs.att_in.shape[4] + 1, (rows,), generator=g, device="cuda", dtype=torch.int32))
+    rows, t_len = bufs.valid.shape[0], bufs.staged.shape[2]
+    cache_len = bufs.att.shape[4] - t_len if bufs.in_place else bufs.att_in.shape[4]
+    bufs.valid.copy_(torch.randint(0, t_len + 1, (rows,), generator=g, device="cuda", dtype=torch.int32))
+    bufs.cached.copy_(torch.randint(0, cache_len + 1, (rows,), generator=g, device="cuda", dtype=torch.int32))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,variant", [(torch.float16, "v1"), (torch.bfloat16, "v1"), (torch.float32, "v1"),
+@pytest.mark.parametrize("dtype,variant", [(torch.float16, None), (torch.bfloat16, None), (torch.float32, None),
+                                           (torch.float16, "v1"), (torch.bfloat16, "v1"), (torch.float32, "v1"),
                                            (torch.float16, "v2"), (torch.float16, "v3"), (torch.float32, "v3"),
                                            (torch.float16, "v4"), (torch.float32, "v4"), (torch.float16, "v5"),
                                            (torch.float32, "v5")],
-                         ids=["fp16-v1", "bf16-v1", "fp32-v1", "fp16-v2", "fp16-v3", "fp32-v3", "fp16-v4", "fp32-v4",
-                              "fp16-v5", "fp32-v5"])
+                         ids=["fp16-inplace", "bf16-inplace", "fp32-inplace", "fp16-v1", "bf16-v1", "fp32-v1", "fp16-v2",
+                              "fp16-v3", "fp32-v3", "fp16-v4", "fp32-v4", "fp16-v5", "fp32-v5"])
 def test_gpu_replay_equals_eager_bitwise(dtype, variant):
     _, runner = _gpu_runner(dtype, variant=variant)
     ent = runner.entry((4, 50, 64))
@@ -160,18 +166,29 @@ def test_gpu_replay_equals_eager_bitwise(dtype, variant):
     runner.run(ent)  # captures, replays
     assert ent.graph is not None, runner.events
     _fill(ent.bufs, 1)
-    snapshot = {k: v.clone() for k, v in vars(ent.bufs).items()}
+    snapshot = {k: v.clone() for k, v in vars(ent.bufs).items() if v is not None}
+    # poison the outputs (the in-place arena holds its inputs too: only what lies past each row's old keys)
     for t in (ent.bufs.att_out, ent.bufs.cnn_out, ent.bufs.mel):
-        t.fill_(float("nan"))
+        if t is not None:
+            t.fill_(float("nan"))
+    if ent.bufs.in_place:
+        frames = torch.arange(ent.bufs.att.shape[4], device="cuda")
+        past = (frames[None, :] >= ent.bufs.cached[:, None].long()).view(1, 1, -1, 1, frames.numel(), 1)
+        ent.bufs.att.masked_fill_(past, float("nan"))
     runner.run(ent)
-    replayed = {k: v.clone() for k, v in vars(ent.bufs).items()}
+    replayed = {k: v.clone() for k, v in vars(ent.bufs).items() if v is not None}
     runner.run(ent)  # idempotent: a second replay gives the same outputs
     assert torch.equal(replayed["mel"], ent.bufs.mel)
     for k, v in snapshot.items():
         getattr(ent.bufs, k).copy_(v)
     runner.run_eager(ent.bufs)
     torch.cuda.synchronize()
-    for k in ("mel", "x", "att_out", "cnn_out"):
+    att_key = "att" if ent.bufs.in_place else "att_out"
+    if ent.bufs.in_place:  # frames past a row's T_r + L_r are never written: compare the rest
+        written = (frames[None, :] < (ent.bufs.cached + ent.bufs.valid)[:, None].long()).view(1, 1, -1, 1, frames.numel(), 1)
+        replayed["att"] = torch.where(written, replayed["att"], 0)
+        ent.bufs.att.copy_(torch.where(written, ent.bufs.att, 0))
+    for k in ("mel", "x", att_key, "cnn_out"):
         assert torch.equal(replayed[k], getattr(ent.bufs, k)), k
     assert torch.isfinite(replayed["mel"].float()).all()
 

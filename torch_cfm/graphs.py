@@ -12,11 +12,20 @@ Contract (what a server needs):
 * :class:`SolveBuffers` — the static arena of one bucket: ``staged`` (2B, Cin, T) compute dtype
   (mu | spks | cond already written for the cond half, zeros for the uncond half; the x part is
   written by the solve), ``x0`` (B, 80, T) float32 initial noise (read only; the Euler state
-  ``x`` is re-initialised from it by every solve, so a solve is idempotent), ``att_in``
-  (n, depth, 2B, H, L, 2D) / ``cnn_in`` (n, depth, 2B, 2C, 2) caches of the previous chunk,
-  ``valid`` / ``cached`` (2B,) int32 lengths, and the outputs ``att_out`` (n, depth, 2B, H, T+L,
-  2D), ``cnn_out``, ``mel`` (B, 80, T). A server may keep its request state directly in these
-  buffers (zero copy) or let :meth:`CFMGraphRunner.solve` copy in and out.
+  ``x`` is re-initialised from it by every solve, so a solve is idempotent), ``cnn_in``
+  (n, depth, 2B, 2C, 2) conv caches of the previous chunk, ``valid`` / ``cached`` (2B,) int32
+  lengths, the outputs ``cnn_out``, ``mel`` (B, 80, T), and the attention caches in one of two forms:
+
+  - in place (the default): ``att`` (n, depth, 2B, H, L+T, 2D). Row r's L_r old keys sit at frames
+    [0, L_r) in reversed key order (:func:`torch_cfm.models.cache.reverse_keys`); each step's body
+    appends its T_r current keys behind them and copies no old frame, so after the solve frames
+    [0, T_r + L_r) hold the new cache (SPEC §2), reversed. Half the bytes of the other form, and no
+    per-step copy of the old frames.
+  - functional (``variant`` given, for A/B and the other kernel variants): ``att_in``
+    (n, depth, 2B, H, L, 2D) read, ``att_out`` (n, depth, 2B, H, T+L, 2D) written newest-first.
+
+  A server may keep its request state directly in these buffers (zero copy) or let
+  :meth:`CFMGraphRunner.solve` copy in and out (it converts between the layouts).
 * :func:`solve_chunk_into` — the eager function that is captured: reads only the buffers, writes
   only the buffers (plus graph-pool workspace); no host sync.
 * :class:`CFMGraphRunner` — buckets, capture, LRU budget, fallback to the eager fused path with
@@ -40,6 +49,7 @@ import torch
 
 from . import policy
 from .config import cosine_timesteps
+from .models.cache import reverse_keys
 from .packing import PackedDiT, modulation_table, packed_for
 
 log = logging.getLogger("torch_cfm.graphs")
@@ -56,17 +66,19 @@ class SolveBuffers:
     staged: torch.Tensor
     x0: torch.Tensor
     x: torch.Tensor
-    att_in: torch.Tensor
     cnn_in: torch.Tensor
     valid: torch.Tensor
     cached: torch.Tensor
-    att_out: torch.Tensor
     cnn_out: torch.Tensor
     vel: torch.Tensor
     mel: torch.Tensor
+    att: Optional[torch.Tensor] = None       # in place: (n, depth, 2B, H, L+T, 2D), reversed key order
+    att_in: Optional[torch.Tensor] = None    # functional: (n, depth, 2B, H, L, 2D)
+    att_out: Optional[torch.Tensor] = None   # functional: (n, depth, 2B, H, T+L, 2D)
 
     @classmethod
-    def allocate(cls, packed: PackedDiT, n_steps: int, batch: int, t_len: int, cache_len: int) -> "SolveBuffers":
+    def allocate(cls, packed: PackedDiT, n_steps: int, batch: int, t_len: int, cache_len: int,
+                 in_place: bool = True) -> "SolveBuffers":
         dev, cd = packed.device, packed.dtype
         rows, c, depth = 2 * batch, packed.hidden, packed.depth
         h, d2, mel = packed.heads, 2 * packed.head_dim, packed.out_channels
@@ -74,23 +86,28 @@ class SolveBuffers:
         def z(*shape, dtype=cd):
             return torch.zeros(shape, dtype=dtype, device=dev)
 
+        att = dict(att=z(n_steps, depth, rows, h, cache_len + t_len, d2)) if in_place else dict(
+            att_in=z(n_steps, depth, rows, h, cache_len, d2), att_out=z(n_steps, depth, rows, h, t_len + cache_len, d2))
         return cls(staged=z(rows, packed.in_channels, t_len), x0=z(batch, mel, t_len, dtype=torch.float32),
-                   x=z(batch, mel, t_len, dtype=torch.float32),
-                   att_in=z(n_steps, depth, rows, h, cache_len, d2), cnn_in=z(n_steps, depth, rows, 2 * c, 2),
+                   x=z(batch, mel, t_len, dtype=torch.float32), cnn_in=z(n_steps, depth, rows, 2 * c, 2),
                    valid=z(rows, dtype=torch.int32), cached=z(rows, dtype=torch.int32),
-                   att_out=z(n_steps, depth, rows, h, t_len + cache_len, d2),
-                   cnn_out=z(n_steps, depth, rows, 2 * c, 2), vel=z(rows, mel, t_len), mel=z(batch, mel, t_len))
+                   cnn_out=z(n_steps, depth, rows, 2 * c, 2), vel=z(rows, mel, t_len), mel=z(batch, mel, t_len), **att)
 
     @property
     def batch(self) -> int:
         return self.x.shape[0]
 
+    @property
+    def in_place(self) -> bool:
+        return self.att is not None
+
     def arena_bytes(self) -> int:
-        """Bytes of the cache arena (attention + conv caches in and out)."""
-        return sum(t.numel() * t.element_size() for t in (self.att_in, self.att_out, self.cnn_in, self.cnn_out))
+        """Bytes of the cache arena (attention caches, conv caches in and out)."""
+        return sum(t.numel() * t.element_size() for t in (self.att, self.att_in, self.att_out, self.cnn_in,
+                                                          self.cnn_out) if t is not None)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self).values())
+        return sum(t.numel() * t.element_size() for t in vars(self).values() if t is not None)
 
 
 def solve_tables(packed: PackedDiT, n_steps: int) -> tuple[torch.Tensor, list[float]]:
@@ -106,12 +123,15 @@ def solve_chunk_into(packed: PackedDiT, tables: torch.Tensor, dts: Sequence[floa
     """The complete n-step CFG chunk solve on one arena (eager; this is what gets captured).
 
     Reads ``bufs.staged`` (mu/spks/cond parts), ``bufs.x0`` (initial noise, float32), the input
-    caches and lengths; writes ``bufs.att_out[i]``/``bufs.cnn_out[i]`` for every step i, the Euler
-    state ``bufs.x``, the x part of ``bufs.staged`` and ``bufs.mel`` (compute dtype). Idempotent
-    (running it twice gives the same outputs), so warm-up before a capture is harmless. No host sync.
+    caches and lengths; writes every step i's new caches (in place: ``bufs.att[i]`` frames
+    [L_r, L_r + T_r) of each row; functional: ``bufs.att_out[i]``) and ``bufs.cnn_out[i]``, the
+    Euler state ``bufs.x``, the x part of ``bufs.staged`` and ``bufs.mel`` (compute dtype).
+    Idempotent (running it twice gives the same outputs: the in-place form never overwrites the
+    old keys it reads), so warm-up before a capture is harmless. No host sync. ``variant`` applies
+    to the functional form only (the in-place form runs v1's kernels).
     """
     from .kernels.dit_body import cfg_euler
-    from .ops.dit_body import dit_body_fused_into
+    from .ops.dit_body import dit_body_arena_into, dit_body_fused_into
 
     b, mel_ch = bufs.batch, bufs.x.shape[1]
     bufs.x.copy_(bufs.x0)
@@ -119,8 +139,12 @@ def solve_chunk_into(packed: PackedDiT, tables: torch.Tensor, dts: Sequence[floa
     bufs.staged[:b, :mel_ch].copy_(xs)
     bufs.staged[b:, :mel_ch].copy_(xs)
     for i, dt in enumerate(dts):
-        dit_body_fused_into(bufs.staged, packed.body, tables[i], bufs.cnn_in[i], bufs.att_in[i], bufs.valid,
-                            bufs.cached, precision, (bufs.vel, bufs.cnn_out[i], bufs.att_out[i]), variant)
+        if bufs.in_place:
+            dit_body_arena_into(bufs.staged, packed.body, tables[i], bufs.cnn_in[i], bufs.att[i], bufs.valid,
+                                bufs.cached, precision, (bufs.vel, bufs.cnn_out[i]))
+        else:
+            dit_body_fused_into(bufs.staged, packed.body, tables[i], bufs.cnn_in[i], bufs.att_in[i], bufs.valid,
+                                bufs.cached, precision, (bufs.vel, bufs.cnn_out[i], bufs.att_out[i]), variant)
         cfg_euler(bufs.x, bufs.vel, bufs.staged, dt, cfg_rate)
     bufs.mel.copy_(bufs.x)
 
@@ -154,7 +178,9 @@ class CFMGraphRunner:
         max_graphs: graph budget; the least recently used bucket (graph + arena) is evicted.
         precision: fp32 dots "tf32" | "ieee" (None: torch's TF32 setting at capture time).
         use_graphs: False = always eager fused (same buffers, same kernels).
-        variant: kernel variant of the fused body (None = default; see kernels/dit_body.py).
+        variant: None = the in-place attention-cache arena (v1's kernels, no per-step copy of the
+            old keys); a kernel variant of the fused body (kernels/dit_body.py) = the functional
+            form with that variant (``att_in`` read, ``att_out`` written: the A/B reference).
     """
 
     def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype, device: torch.device | str,
@@ -221,7 +247,7 @@ class CFMGraphRunner:
                 old_key, old = self._entries.popitem(last=False)
                 self._note(f"evicted bucket {old_key} (LRU, budget {self.max_graphs})")
                 del old
-            ent = _Entry(key, SolveBuffers.allocate(packed, self.n_steps, *key))
+            ent = _Entry(key, SolveBuffers.allocate(packed, self.n_steps, *key, in_place=self.variant is None))
             self._entries[key] = ent
         self._entries.move_to_end(key)
         return ent
@@ -293,7 +319,7 @@ class CFMGraphRunner:
         if key is None:
             self._note(f"shape B={b} T={t_len} L={cache_len} beyond the largest bucket: eager fused")
             key_eager = (b, t_len, cache_len)
-            bufs = SolveBuffers.allocate(self._refresh(), self.n_steps, *key_eager)
+            bufs = SolveBuffers.allocate(self._refresh(), self.n_steps, *key_eager, in_place=self.variant is None)
             ent = None
         else:
             ent = self.entry(key)
@@ -319,7 +345,10 @@ class CFMGraphRunner:
             bufs.valid[rows] = torch.cat([lengths_v, lengths_v])
             bufs.cached[rows] = torch.cat([lengths_c, lengths_c])
             if att_cache is not None and cache_len:
-                bufs.att_in[:, :, rows, :, :cache_len] = att_cache.to(cd)
+                if bufs.in_place:  # newest-first -> the arena's reversed key order
+                    bufs.att[:, :, rows, :, :cache_len] = reverse_keys(att_cache.to(cd), bufs.cached[rows])
+                else:
+                    bufs.att_in[:, :, rows, :, :cache_len] = att_cache.to(cd)
             if cnn_cache is not None:
                 bufs.cnn_in.zero_()
                 bufs.cnn_in[:, :, rows] = cnn_cache.to(cd)
@@ -330,7 +359,10 @@ class CFMGraphRunner:
             else:
                 self.run_eager(bufs)
             mel = bufs.mel[:b, :, :t_len].clone()
-            att = bufs.att_out[:, :, rows, :, :t_len + cache_len]
+            if bufs.in_place:  # back to newest-first, zeros past each row's T_r + L_r frames
+                att = reverse_keys(bufs.att[:, :, rows, :, :t_len + cache_len], bufs.valid[rows] + bufs.cached[rows])
+            else:
+                att = bufs.att_out[:, :, rows, :, :t_len + cache_len]
             cnn = bufs.cnn_out[:, :, rows]
         return mel, cnn, att
 

@@ -213,8 +213,12 @@ def _dit_qk_cache_kernel(
     valid_ptr, cached_ptr,      # (N,) int32 clamped T_n, L_n
     T, L, H, eps,
     HAS_OLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_F: tl.constexpr, CUR_ONLY: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    APPEND: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    """q/k LayerNorm, queries out, and the new cache of one (row, head, frame tile). APPEND (the
+    in-place arena, :func:`dit_body_triton` with ``arena=True``): the cache already holds the row's
+    L_n old frames at [0, L_n) in reversed key order; current frame f goes to L_n + T_n - 1 - f and
+    nothing else is written."""
     pid_nh = tl.program_id(0)
     pid_f = tl.program_id(1)
     n = (pid_nh // H).to(tl.int64)
@@ -266,11 +270,14 @@ def _dit_qk_cache_kernel(
         vv = tl.where(cm, vv, vo)
     else:
         kv = tl.where(cm, kv, 0.0)
-    if CUR_ONLY:  # frames [T_n, T+L) belong to another kernel (v4: the side-stream shift)
+    pos = f
+    if CUR_ONLY or APPEND:  # CUR_ONLY: frames [T_n, T+L) belong to another kernel (v4's side-stream shift)
         nm = in_cur[:, None]
     else:
         nm = in_new[:, None]
-    n_base = new_ptr + n * s_new_n + h * s_new_h + f.to(tl.int64)[:, None] * s_new_f
+    if APPEND:
+        pos = ln + tn - 1 - f
+    n_base = new_ptr + n * s_new_n + h * s_new_h + pos.to(tl.int64)[:, None] * s_new_f
     tl.store(n_base + d[None, :] * s_new_e, kv.to(new_ptr.dtype.element_ty), mask=nm)
     tl.store(n_base + (HEAD_DIM + d)[None, :] * s_new_e, vv.to(new_ptr.dtype.element_ty), mask=nm)
 
@@ -472,13 +479,16 @@ def rownorm(
 
 def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Tensor,
              old: Optional[torch.Tensor], new: torch.Tensor, valid: torch.Tensor, cached: torch.Tensor,
-             *, n_rows: int, t_len: int, heads: int, head_dim: int, current_only: bool = False) -> None:
+             *, n_rows: int, t_len: int, heads: int, head_dim: int, current_only: bool = False,
+             append: bool = False) -> None:
     """Launch ``_dit_qk_cache_kernel``: q/k LayerNorm + the new (N, H, T+L, 2D) cache of one block.
 
     ``current_only``: write the T_n current frames of each row and nothing else (``old`` must be
-    None); frames [T_n, T+L) are then written by :func:`cache_shift`."""
-    if current_only and old is not None:
-        raise ValueError("qk_cache: current_only takes old=None (cache_shift writes the old frames)")
+    None); frames [T_n, T+L) are then written by :func:`cache_shift`. ``append``: ``new`` is a block
+    of the in-place arena (N, H, P, 2D) holding L_n old frames in reversed key order; the T_n
+    current frames are written behind them, reversed too (``old`` must be None)."""
+    if (current_only or append) and old is not None:
+        raise ValueError("qk_cache: current_only / append take old=None (the old frames are not copied)")
     l_len = 0 if old is None else old.shape[2]
     total = t_len + l_len
     if n_rows == 0 or total == 0:
@@ -494,7 +504,7 @@ def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Te
             new, new.stride(0), new.stride(1), new.stride(2), new.stride(3),
             valid, cached, t_len, l_len, heads, QK_NORM_EPS,
             HAS_OLD=old is not None and l_len > 0, HEAD_DIM=head_dim, BLOCK_F=block_f, CUR_ONLY=current_only,
-            USE_PDL=pdl, num_warps=4, **launch_kwargs(pdl))
+            APPEND=append, USE_PDL=pdl, num_warps=4, **launch_kwargs(pdl))
 
 
 def cfg_euler(x: torch.Tensor, v: torch.Tensor, staged: torch.Tensor, dt: float, cfg_rate: float) -> None:
@@ -672,9 +682,17 @@ def dit_body_triton(
     precision: Optional[str],
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     variant: Optional[str] = None,
+    arena: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One fused body call writing into ``out`` = (velocity (N, Cout, T), new_cnn_cache
     (depth, N, 2C, 2), new_att_cache (depth, N, H, T+L, 2D)).
+
+    ``arena=True`` (the in-place form; ``att_cache`` must be None and the variant v1): ``out[2]`` is
+    the attention-cache arena (depth, N, H, P, 2D), read and written in place. Row n's L_n old keys
+    sit at frames [0, L_n) in reversed key order (frame j = SPEC key L_n - 1 - j); the call writes
+    its T_n current keys at [L_n, L_n + T_n), reversed too, and copies nothing else, so afterwards
+    frames [0, T_n + L_n) are the row's SPEC §2 new cache in reversed order. P >= L_n + T_n for every
+    row (``cached`` + ``valid``), which the caller guarantees.
 
     ``valid``/``cached`` must already be clamped int32 (N,) on the device; ``mod_table`` float32
     (R, depth+1, 9, C) contiguous. GEMMs run in cuBLAS (on CPU: torch, for the Triton interpreter)
@@ -698,9 +716,11 @@ def dit_body_triton(
     * "v7": one persistent launch per block, its 11 phases separated by grid barriers
       (:mod:`torch_cfm.kernels.dit_block`); in_proj and the final layer as v1.
     """
-    variant = variant or choose_variant(x_in.dtype, precision, x_in.shape[0])
+    variant = variant or ("v1" if arena else choose_variant(x_in.dtype, precision, x_in.shape[0]))
     if variant not in VARIANTS:
         raise ValueError(f"dit_body_triton: variant must be one of {VARIANTS}, got {variant!r}")
+    if arena and (variant != "v1" or att_cache is not None):
+        raise ValueError(f"dit_body_triton: arena=True runs variant v1 without att_cache, got {variant!r}")
     vel, new_cnn, new_att = out
     if variant == "v3":
         return _body_v3(x_in, weights, mod_table, cnn_cache, att_cache, valid, cached, precision, out)
@@ -758,7 +778,7 @@ def dit_body_triton(
             torch.addmm(qkv_b, a, qkv_w.t(), out=qkv)
             old = att_cache[i] if att_cache is not None and att_cache.shape[3] > 0 else None
             qk_cache(qkv, (qn_w, qn_b, kn_w, kn_b), qbuf, old, new_att[i], valid, cached,
-                     heads=heads, head_dim=head_dim, **common)
+                     heads=heads, head_dim=head_dim, append=arena, **common)
         if variant != "v5":
             kv = new_att[i]
             o = torch.ops.torch_cfm.cfm_attention.default(

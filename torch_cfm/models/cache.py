@@ -47,6 +47,36 @@ def trim_attention_cache(att_cache: torch.Tensor, prompt_len: int,
     return torch.cat([att_cache[..., :prompt_len, :], att_cache[..., frames - keep_oldest:, :]], dim=-2)
 
 
+def reversed_key_index(lengths: torch.Tensor, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather index between a newest-first cache and the in-place arena's reversed key order.
+
+    The arena (graphs.SolveBuffers.att, :func:`torch_cfm.kernels.dit_body.dit_body_triton` with
+    ``arena=True``) keeps row r's ``lengths[r]`` keys at frames [0, lengths[r]) with frame j holding
+    key ``lengths[r] - 1 - j``. The map is its own inverse, so one index serves both directions.
+
+    Args:
+        lengths: (R,) integer frames per row (clamped to [0, frames]), on the caches' device.
+        frames: the frame axis' size.
+    Returns:
+        (index (R, frames) int64, valid (R, frames) bool): frame j of one layout is frame
+        ``index[r, j]`` of the other where ``valid[r, j]``; frames past the length are padding.
+    """
+    ln = lengths.to(torch.int64).clamp(0, frames)[:, None]
+    j = torch.arange(frames, device=lengths.device)[None, :]
+    valid = j < ln
+    return torch.where(valid, ln - 1 - j, j), valid
+
+
+def reverse_keys(cache: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``cache`` (..., R, H, F, 2D) with each row's first ``lengths[r]`` frames in reversed order
+    and zeros after them (a new tensor): newest-first ↔ the in-place arena's order."""
+    *lead, rows, heads, frames, width = cache.shape
+    index, valid = reversed_key_index(lengths, frames)
+    idx = index.view(*([1] * len(lead)), rows, 1, frames, 1).expand(*lead, rows, heads, frames, width)
+    out = torch.gather(cache, -2, idx)
+    return torch.where(valid.view(*([1] * len(lead)), rows, 1, frames, 1), out, out.new_zeros(()))
+
+
 def trim_gather_index(new_lengths: torch.Tensor, prompt_lengths: torch.Tensor, width: int, src_frames: int,
                       keep_oldest: int = TRIM_KEEP_OLDEST) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row trim as a gather, on the device (no host sync).

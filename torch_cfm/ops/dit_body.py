@@ -193,6 +193,31 @@ def dit_body_fused_into(x_in, weights, mod_table, cnn_cache, att_cache, valid_le
                                prec, out, variant)
 
 
+def dit_body_arena_into(x_in, weights, mod_table, cnn_cache, att_arena, valid_lengths, cache_lengths,
+                        precision: Optional[str], out: tuple[torch.Tensor, torch.Tensor]):
+    """The fused body on an in-place attention-cache arena (the whole-solve runner's form).
+
+    ``att_arena`` (depth, N, H, P, 2D) holds row n's ``cache_lengths[n]`` old keys at frames [0, L_n)
+    in reversed key order (:func:`torch_cfm.models.cache.reverse_keys`); the call appends the T_n
+    current keys behind them (reversed too) and copies no old frame, so the arena then holds the
+    SPEC §2 new cache, reversed, at [0, T_n + L_n). ``out`` = (velocity (N, Cout, T), new conv cache
+    (depth, N, 2C, 2)). Lengths are clamped to [0, T] and [0, P - T]. Same math as the op within
+    the SPEC §6 oracle (the attention sums its keys in another order); variant v1's kernels.
+    """
+    from ..kernels.dit_body import dit_body_triton
+
+    n_rows, _, t_len = x_in.shape
+    valid = clamp_lengths(valid_lengths, n_rows, t_len, x_in.device)
+    cached = clamp_lengths(cache_lengths, n_rows, att_arena.shape[3] - t_len, x_in.device)
+    prec = policy.resolve_precision(x_in.dtype, precision or "auto")
+    scope = (policy.tf32_scope(prec == "tf32") if x_in.dtype == torch.float32 and x_in.is_cuda
+             else contextlib.nullcontext())
+    with scope:
+        vel, cnn, _ = dit_body_triton(x_in, list(weights), mod_table.contiguous(), cnn_cache, None, valid, cached,
+                                      prec, (out[0], out[1], att_arena), "v1", arena=True)
+    return vel, cnn
+
+
 def _dit_body_cuda(x_in, weights, mod_table, cnn_cache=None, att_cache=None, valid_lengths=None,
                    cache_lengths=None, precision="auto"):
     s = check_dit_body(x_in, weights, mod_table, cnn_cache, att_cache, valid_lengths, cache_lengths, precision)
