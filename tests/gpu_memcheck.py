@@ -13,7 +13,8 @@ compared with the float64 oracle (SPEC §6), so the script fails (exit 1) on wro
 Covered: ``cfm_attention`` (fp16, bf16, fp32 TF32 and IEEE) with K = 0, 1, block multiples +-1
 and >= 600, Q = 1 and odd Q, lengths 0/1/K/out of range, masks (dense and stride 0), kv_rows
 pools with out-of-range rows, transposed q, interleaved caches, every tile/split variant on one
-case, every config of the hand-written CUDA kernel on that case (where it is built); every variant of the fused DiT body's Triton driver on ragged chunks with and without caches.
+case, every config of the hand-written CUDA kernel on that case (where it is built); every variant of the fused DiT body's Triton driver on ragged chunks with and without caches, and its in-place arena form
+(an arena of exactly L + T frames, NaN past each row's old keys). ``--parts`` picks the checks.
 """
 
 from __future__ import annotations
@@ -178,13 +179,55 @@ def check_body(dtype: torch.dtype, precision: str, quick: bool) -> int:
                 rel = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item() if ref.numel() else 0.0
                 if rel > 5e-2:  # coarse sanity bound; tests/test_properties_model.py holds the oracle
                     raise AssertionError(f"body {variant} {spec.describe()} {dtype} row {i}: rel err {rel:.2e}")
+        runs += check_body_arena(model, packed, table, x_in, a, prec, vels, spec, dtype)
     return runs
+
+
+def check_body_arena(model, packed, table, x_in, a: dict, prec, vels, spec, dtype: torch.dtype) -> int:
+    """The in-place arena form (dit_body_arena_into): an arena of exactly L + T frames per cache,
+    the old keys reversed at [0, L_n) and NaN after them; the appended keys and the velocity must
+    come out finite, the velocity near the float64 oracle."""
+    from torch_cfm.models.cache import reverse_keys
+    from torch_cfm.ops.dit_body import dit_body_arena_into
+
+    n, t_len = spec.n, spec.t_len
+    cfg = model.config
+    att = a["att_cache"]
+    l_len = 0 if att is None else att.shape[3]
+    cached = (a["cache_lengths"] if a["cache_lengths"] is not None else
+              torch.full((n,), l_len, dtype=torch.int32, device="cuda")).clamp(0, l_len)
+    valid = (a["valid_lengths"] if a["valid_lengths"] is not None else
+             torch.full((n,), t_len, dtype=torch.int32, device="cuda")).clamp(0, t_len)
+    arena = torch.full((cfg.depth, n, cfg.heads, l_len + t_len, 2 * cfg.head_dim), float("nan"), dtype=dtype,
+                       device="cuda")
+    if l_len:
+        frames = torch.arange(l_len, device="cuda")
+        old = reverse_keys(att, cached)
+        arena[..., :l_len, :] = torch.where((frames[None, :] < cached[:, None]).view(1, n, 1, l_len, 1), old,
+                                            float("nan"))
+    vel, cnn = body_outputs(model, a)[:2]
+    with torch.no_grad():
+        dit_body_arena_into(x_in, packed.body, table, a["cnn_cache"], arena, valid, cached, prec, (vel, cnn))
+    torch.cuda.synchronize()
+    new = reverse_keys(arena, valid + cached)  # frames past T_n + L_n (still NaN) come back as zeros
+    for name, o in (("velocity", vel), ("cnn_cache", cnn), ("arena", new)):
+        if not torch.isfinite(o).all():
+            raise AssertionError(f"body arena {spec.describe()} {dtype}: {name} not finite")
+    for i, ref in enumerate(vels):
+        got = vel[i, :, :ref.shape[1]].double().cpu()
+        rel = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item() if ref.numel() else 0.0
+        if rel > 5e-2:
+            raise AssertionError(f"body arena {spec.describe()} {dtype} row {i}: rel err {rel:.2e}")
+    return 1
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes (for a slow sanitizer run)")
+    parser.add_argument("--parts", default="attention,attention_configs,cuda_attention_configs,body",
+                        help="which checks run (comma list)")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     if not torch.cuda.is_available():
         print("gpu_memcheck: needs a CUDA device")
         return 2
@@ -192,23 +235,26 @@ def main() -> int:
     counts = {"attention": 0, "attention_configs": 0, "cuda_attention_configs": 0, "body": 0}
     failures = []
     for dtype, precision in MODES:
-        for spec in attention_specs(args.quick):
+        for spec in attention_specs(args.quick) if "attention" in parts else []:
             try:
                 check_attention(spec, dtype, precision)
                 counts["attention"] += 1
             except AssertionError as exc:
                 failures.append(str(exc))
         try:
-            check_attention_configs(dtype, precision, args.quick)
-            counts["attention_configs"] += 1
+            if "attention_configs" in parts:
+                check_attention_configs(dtype, precision, args.quick)
+                counts["attention_configs"] += 1
         except AssertionError as exc:
             failures.append(str(exc))
         try:
-            counts["cuda_attention_configs"] += check_cuda_attention_configs(dtype, precision)
+            if "cuda_attention_configs" in parts:
+                counts["cuda_attention_configs"] += check_cuda_attention_configs(dtype, precision)
         except AssertionError as exc:
             failures.append(str(exc))
         try:
-            counts["body"] += check_body(dtype, precision, args.quick)
+            if "body" in parts:
+                counts["body"] += check_body(dtype, precision, args.quick)
         except ImportError as exc:
             print(f"gpu_memcheck: fused body not available ({exc})")
         except AssertionError as exc:
