@@ -3,7 +3,8 @@
 Oracle: ``torch_cfm.reference.cache_trim.trim_copy_reference`` (a full ``torch.gather`` then a copy / ``index_copy_``). The kernel
 only moves values, so it must match bitwise. CPU: the Triton interpreter in a child process (the
 same pattern as test_cfm_attention_triton.py: ``TRITON_INTERPRET`` is read when a kernel is
-decorated). CUDA (gpu marker): the compiled kernel, graph capture/replay and no host sync.
+decorated). CUDA (gpu marker): the compiled kernel, graph capture/replay and no host sync. Also the
+in-place arena's key order (``models.cache.reverse_keys``).
 """
 
 from __future__ import annotations
@@ -131,3 +132,23 @@ if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--child":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run the child with TRITON_INTERPRET=1")
     _child(sys.argv[2])
+
+
+def test_reverse_keys_is_its_own_inverse_and_zeroes_padding():
+    """The in-place arena's key order (models.cache.reverse_keys): each row's first L_r frames
+    reversed, zeros after them; applying it twice gives the newest-first cache back (valid frames)."""
+    from torch_cfm.models.cache import reverse_keys, reversed_key_index
+
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 3, 4, 2, 7, 6, generator=g)  # (n, depth, rows, H, frames, 2D)
+    lengths = torch.tensor([0, 1, 7, 4], dtype=torch.int32)
+    rev = reverse_keys(cache, lengths)
+    for r, ln in enumerate(lengths.tolist()):
+        for j in range(7):
+            expect = cache[..., r, :, ln - 1 - j, :] if j < ln else torch.zeros_like(cache[..., r, :, j, :])
+            assert torch.equal(rev[..., r, :, j, :], expect), (r, j)
+    back = reverse_keys(rev, lengths)
+    mask = (torch.arange(7)[None, :] < lengths[:, None]).view(4, 1, 7, 1)
+    assert torch.equal(back, torch.where(mask, cache, torch.zeros(())))
+    index, valid = reversed_key_index(torch.tensor([9, -2]), 5)  # lengths clamped to [0, frames]
+    assert index.tolist() == [[4, 3, 2, 1, 0], [0, 1, 2, 3, 4]] and valid.tolist() == [[True] * 5, [False] * 5]

@@ -517,3 +517,21 @@ if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--child":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run the child with TRITON_INTERPRET=1")
     _child(sys.argv[2], *(int(a) for a in sys.argv[3:5]))
+
+
+def test_arena_form_rejects_a_bad_arena():
+    """dit_body_arena_into: ValueError naming att_arena for a wrong rank, row count, too few frames
+    or another dtype, before anything is written."""
+    from torch_cfm.ops.dit_body import dit_body_arena_into
+
+    model = random_dit(TINY, seed=3)
+    packed = pack_dit(model, torch.float32, "cpu")
+    x, mu, tt, spks, cond, cnn, _, _, _ = make_inputs(TINY, 2, 5, 3, torch.float32, seed=4)
+    x_in = stage_input(x, mu, spks, cond, torch.float32)
+    table = modulation_table(packed, tt[:1])
+    out = (torch.empty(2, 80, 5), torch.empty(TINY.depth, 2, 2 * TINY.hidden, 2))
+    shape = (TINY.depth, 2, TINY.heads, 8, 2 * TINY.head_dim)
+    for arena in (torch.zeros(shape[1:]), torch.zeros(shape[:1] + (3,) + shape[2:]),
+                  torch.zeros(shape[:3] + (4,) + shape[4:]), torch.zeros(shape, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="dit_body_arena_into: att_arena must"):
+            dit_body_arena_into(x_in, packed.body, table, cnn, arena, None, None, "ieee", out)

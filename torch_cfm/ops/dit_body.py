@@ -185,12 +185,18 @@ def dit_body_fused_into(x_in, weights, mod_table, cnn_cache, att_cache, valid_le
     cache_len = 0 if att_cache is None else att_cache.shape[3]
     valid = clamp_lengths(valid_lengths, n_rows, t_len, x_in.device)
     cached = clamp_lengths(cache_lengths, n_rows, cache_len, x_in.device)
-    prec = policy.resolve_precision(x_in.dtype, precision or "auto")
-    scope = (policy.tf32_scope(prec == "tf32") if x_in.dtype == torch.float32 and x_in.is_cuda
-             else contextlib.nullcontext())
+    prec, scope = _driver_precision(x_in, precision)
     with scope:
         return dit_body_triton(x_in, list(weights), mod_table.contiguous(), cnn_cache, att_cache, valid, cached,
                                prec, out, variant)
+
+
+def _driver_precision(x_in: torch.Tensor, precision: Optional[str]):
+    """(resolved dot precision, context setting cuBLAS TF32 from it for float32 CUDA bodies)."""
+    prec = policy.resolve_precision(x_in.dtype, precision or "auto")
+    scope = (policy.tf32_scope(prec == "tf32") if x_in.dtype == torch.float32 and x_in.is_cuda
+             else contextlib.nullcontext())
+    return prec, scope
 
 
 def dit_body_arena_into(x_in, weights, mod_table, cnn_cache, att_arena, valid_lengths, cache_lengths,
@@ -207,11 +213,15 @@ def dit_body_arena_into(x_in, weights, mod_table, cnn_cache, att_arena, valid_le
     from ..kernels.dit_body import dit_body_triton
 
     n_rows, _, t_len = x_in.shape
+    if att_arena.dim() != 5 or att_arena.shape[1] != n_rows or att_arena.shape[3] < t_len:
+        fail("dit_body_arena_into", "att_arena", f"be (depth, N={n_rows}, H, P >= T={t_len}, 2D)",
+             shape_str(att_arena))
+    if att_arena.dtype != x_in.dtype or att_arena.device != x_in.device:
+        fail("dit_body_arena_into", "att_arena", f"be {dtype_str(x_in.dtype)} on {x_in.device}",
+             f"{dtype_str(att_arena.dtype)} on {att_arena.device}")
     valid = clamp_lengths(valid_lengths, n_rows, t_len, x_in.device)
     cached = clamp_lengths(cache_lengths, n_rows, att_arena.shape[3] - t_len, x_in.device)
-    prec = policy.resolve_precision(x_in.dtype, precision or "auto")
-    scope = (policy.tf32_scope(prec == "tf32") if x_in.dtype == torch.float32 and x_in.is_cuda
-             else contextlib.nullcontext())
+    prec, scope = _driver_precision(x_in, precision)
     with scope:
         vel, cnn, _ = dit_body_triton(x_in, list(weights), mod_table.contiguous(), cnn_cache, None, valid, cached,
                                       prec, (out[0], out[1], att_arena), "v1", arena=True)
