@@ -3,8 +3,9 @@
 op "dit_step", shape {N, T, L}: one estimator evaluation of a chunk of N rows (all rows full,
 T new frames, L cached frames), µs per call inside a CUDA graph (and eager), providers:
 
-    torch_cfm             the fused body op (packed weights, precomputed modulation table) —
-                          what every Euler step of the graph runner runs
+    torch_cfm             the fused body op (packed weights, precomputed modulation table)
+    torch_cfm/arena       variant "arena": the same body on the in-place cache arena (old keys
+                          not copied; what every Euler step of the graph runner runs)
     torch_cfm/compiled    variant "compiled": torch.compile(backend="torch_cfm") of the reference
                           step, inside a CUDA graph (the compile rules swap the fused body in;
                           issue 5's target: within 5 % of torch_cfm/hook)
@@ -17,8 +18,9 @@ T new frames, L cached frames), µs per call inside a CUDA graph (and eager), pr
 
 op "cfm_solve_chunk", shape {B, N=2B, T, L}: the whole n-step CFG solve of a chunk:
 
-    torch_cfm             CFMGraphRunner: one graph replay per chunk (separate input/output
-                          cache buffers: what the fused step's contract takes)
+    torch_cfm             CFMGraphRunner: one graph replay per chunk over its in-place cache
+                          arena; variant "functional_<v>": the runner with body variant <v> and
+                          separate input/output cache buffers (what the fused op's contract takes)
     torch_cfm/server      variant "server": CFMServer(graphs=True) in steady state — one
                           solve_chunk call (staging, ArenaGraphSolver replay of the whole solve
                           with the in-place cache trim, mel copies) over ONE cache arena;
