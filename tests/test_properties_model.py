@@ -514,7 +514,10 @@ def test_explain_reports_the_body_path_that_runs_cuda(spec, dtype, pol):
 
 def _triton_body(model, a: dict, variant: str):
     """The fused driver (``dit_body_fused_into``) on CPU tensors, outputs pre-filled with NaN so
-    any element it leaves unwritten fails the checks (padding must be finite, SPEC §2)."""
+    any element it leaves unwritten fails the checks (padding must be finite, SPEC §2).
+    ``variant`` "arena": the in-place form (``dit_body_arena_into``) on a NaN-poisoned arena of
+    T + L frames holding the old keys reversed; its result turned back to newest-first."""
+    from torch_cfm.models.cache import reverse_keys
     from torch_cfm.packing import modulation_table, packed_for
 
     cfg = model.config
@@ -529,6 +532,15 @@ def _triton_body(model, a: dict, variant: str):
         packed = packed_for(model, dtype, dev)
         table = modulation_table(packed, a["t"].reshape(-1).to(dev))
         x_in = body.stage_input(a["x"], a["mu"], a["spks"], a["cond"], dtype)
+        if variant == "arena":
+            full = lambda v, n: torch.full((n_rows,), n, dtype=torch.int32) if v is None else v  # noqa: E731
+            valid = full(a["valid_lengths"], t_len).clamp(0, t_len)
+            cached = full(a["cache_lengths"], l_len).clamp(0, l_len)
+            arena = torch.full(out[2].shape, nan, dtype=dtype, device=dev)
+            if l_len:
+                arena[..., :l_len, :] = reverse_keys(a["att_cache"], cached)
+            body.dit_body_arena_into(x_in, packed.body, table, a["cnn_cache"], arena, valid, cached, "ieee", out[:2])
+            return out[0], out[1], reverse_keys(arena, valid + cached)
         body.dit_body_fused_into(x_in, packed.body, table, a["cnn_cache"], a["att_cache"], a["valid_lengths"],
                                  a["cache_lengths"], "ieee", out, variant)
     return out
@@ -536,8 +548,8 @@ def _triton_body(model, a: dict, variant: str):
 
 def interpreter_main(examples: int, shard: int = 0, shards: int = 1) -> None:
     """Entry point of the child process: oracle, empty rows, non-finite containment and padded
-    rows on every Triton body variant, run by the interpreter (fp32 and fp16: the interpreter's
-    bf16 dot is wrong, SPEC §8; depth-1 tiny configs)."""
+    rows on every Triton body variant and the in-place arena form, run by the interpreter (fp32
+    and fp16: the interpreter's bf16 dot is wrong, SPEC §8; depth-1 tiny configs)."""
     from hypothesis import settings
 
     from torch_cfm.kernels.dit_body import VARIANTS
@@ -556,7 +568,7 @@ def interpreter_main(examples: int, shard: int = 0, shards: int = 1) -> None:
                lambda spec, path, data: check_nonfinite_in_one_row_stays_there("cpu", spec, path, data)),
               ("padded_rows", specs,
                lambda spec, path, data: check_padded_rows_change_no_other_row("cpu", spec, path, data)))
-    for variant in VARIANTS[shard::shards]:
+    for variant in (VARIANTS + ("arena",))[shard::shards]:  # "arena": the in-place form (_triton_body)
         for name, strategy, check in checks:
             @settings(max_examples=examples, deadline=None, derandomize=True, database=None)
             @given(spec=strategy, data=st.data())
