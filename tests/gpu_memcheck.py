@@ -192,19 +192,10 @@ def check_body_arena(model, packed, table, x_in, a: dict, prec, vels, spec, dtyp
 
     n, t_len = spec.n, spec.t_len
     cfg = model.config
-    att = a["att_cache"]
-    l_len = 0 if att is None else att.shape[3]
-    cached = (a["cache_lengths"] if a["cache_lengths"] is not None else
-              torch.full((n,), l_len, dtype=torch.int32, device="cuda")).clamp(0, l_len)
-    valid = (a["valid_lengths"] if a["valid_lengths"] is not None else
-             torch.full((n,), t_len, dtype=torch.int32, device="cuda")).clamp(0, t_len)
-    arena = torch.full((cfg.depth, n, cfg.heads, l_len + t_len, 2 * cfg.head_dim), float("nan"), dtype=dtype,
-                       device="cuda")
-    if l_len:
-        frames = torch.arange(l_len, device="cuda")
-        old = reverse_keys(att, cached)
-        arena[..., :l_len, :] = torch.where((frames[None, :] < cached[:, None]).view(1, n, 1, l_len, 1), old,
-                                            float("nan"))
+    l_len = 0 if a["att_cache"] is None else a["att_cache"].shape[3]
+    arena, valid, cached = S.poisoned_arena(a["att_cache"], a["valid_lengths"], a["cache_lengths"],
+                                            (cfg.depth, n, cfg.heads, l_len + t_len, 2 * cfg.head_dim), t_len,
+                                            dtype, "cuda")
     vel, cnn = body_outputs(model, a)[:2]
     with torch.no_grad():
         dit_body_arena_into(x_in, packed.body, table, a["cnn_cache"], arena, valid, cached, prec, (vel, cnn))

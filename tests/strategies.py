@@ -508,3 +508,24 @@ def capture_cuda_graph(fn):
     with torch.cuda.graph(graph):
         out = fn()
     return graph, out
+
+
+def poisoned_arena(att: Optional[torch.Tensor], valid: Optional[torch.Tensor], cached: Optional[torch.Tensor],
+                   shape: Sequence[int], t_len: int, dtype: torch.dtype, device: torch.device | str
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs of the body's in-place arena form (``dit_body_arena_into``) from a newest-first cache.
+
+    ``shape`` = (depth, N, H, L + T, 2D). Returns (arena, valid, cached): lengths defaulted to T / L
+    and clamped; the arena holds row n's first L_n old keys reversed at frames [0, L_n) and NaN
+    everywhere else, so any frame the body reads or leaves unwritten by mistake shows up."""
+    from torch_cfm.models.cache import reverse_keys
+
+    depth, n, heads, frames, width = shape
+    l_len = frames - t_len
+    full = lambda v, k: torch.full((n,), k, dtype=torch.int32, device=device) if v is None else v  # noqa: E731
+    valid, cached = full(valid, t_len).clamp(0, t_len), full(cached, l_len).clamp(0, l_len)
+    arena = torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
+    if att is not None and l_len:
+        keep = (torch.arange(l_len, device=device)[None, :] < cached[:, None]).view(1, n, 1, l_len, 1)
+        arena[..., :l_len, :] = torch.where(keep, reverse_keys(att, cached), float("nan"))
+    return arena, valid, cached

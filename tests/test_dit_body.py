@@ -337,16 +337,13 @@ def _interp_args(case):
 def _run_arena(x_in, w, table, cnn, att, valid, cached, out, case):
     """The in-place arena form: old keys reversed into a poisoned arena of T + L frames, the body
     appends, the result turned back to the newest-first layout (zeros past each row's length)."""
+    from strategies import poisoned_arena
     from torch_cfm.models.cache import reverse_keys
     from torch_cfm.ops.dit_body import dit_body_arena_into
 
     vel, cnn_out, att_out = out
-    n, t, l_len = case["n"], case["t"], case["l_len"]
-    cl = torch.zeros(n, dtype=torch.int32) if cached is None else cached
-    vl = torch.full((n,), t, dtype=torch.int32) if valid is None else valid
-    arena = torch.full(att_out.shape[:3] + (t + l_len, att_out.shape[4]), float("nan"), dtype=att_out.dtype)
-    if att is not None and l_len:
-        arena[..., :l_len, :] = reverse_keys(att, cl)
+    shape = att_out.shape[:3] + (case["t"] + case["l_len"], att_out.shape[4])
+    arena, vl, cl = poisoned_arena(att, valid, cached, shape, case["t"], att_out.dtype, "cpu")
     dit_body_arena_into(x_in, w, table, cnn, arena, vl, cl, "ieee", (vel, cnn_out))
     return vel, cnn_out, reverse_keys(arena, vl + cl)  # padding frames (still NaN) come back as zeros
 

@@ -533,12 +533,8 @@ def _triton_body(model, a: dict, variant: str):
         table = modulation_table(packed, a["t"].reshape(-1).to(dev))
         x_in = body.stage_input(a["x"], a["mu"], a["spks"], a["cond"], dtype)
         if variant == "arena":
-            full = lambda v, n: torch.full((n_rows,), n, dtype=torch.int32) if v is None else v  # noqa: E731
-            valid = full(a["valid_lengths"], t_len).clamp(0, t_len)
-            cached = full(a["cache_lengths"], l_len).clamp(0, l_len)
-            arena = torch.full(out[2].shape, nan, dtype=dtype, device=dev)
-            if l_len:
-                arena[..., :l_len, :] = reverse_keys(a["att_cache"], cached)
+            arena, valid, cached = S.poisoned_arena(a["att_cache"], a["valid_lengths"], a["cache_lengths"],
+                                                    out[2].shape, t_len, dtype, dev)
             body.dit_body_arena_into(x_in, packed.body, table, a["cnn_cache"], arena, valid, cached, "ieee", out[:2])
             return out[0], out[1], reverse_keys(arena, valid + cached)
         body.dit_body_fused_into(x_in, packed.body, table, a["cnn_cache"], a["att_cache"], a["valid_lengths"],
