@@ -23,8 +23,12 @@ op "cfm_solve_chunk", shape {B, N=2B, T, L}: the whole n-step CFG solve of a chu
                           separate input/output cache buffers (what the fused op's contract takes)
     torch_cfm/server      variant "server": CFMServer(graphs=True) in steady state — one
                           solve_chunk call (staging, ArenaGraphSolver replay of the whole solve
-                          with the in-place cache trim, mel copies) over ONE cache arena;
-                          ``arena_bytes`` is that arena, ``peak_extra_bytes`` the peak above it
+                          on the keyed arena: appends in place, the trim refills dropped frames,
+                          mel copies) over ONE cache arena; ``arena_bytes`` is that arena,
+                          ``peak_extra_bytes`` the peak above it. ``--server-variants`` adds
+                          "server_copy" (append_in_place=False: rows copied out and back per
+                          step) and "server_spec" (the arena in the SPEC layout, every step's new
+                          cache written back through the trim: the server before session 15)
     reference_eager       the reference module stepped in Python (CFG + Euler), eager
     reference_graph       that whole loop captured in one CUDA graph
 
@@ -480,17 +484,24 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dic
     return rows
 
 
-def settled_server(model, dtype, b: int, t: int, l_len: int, n_steps: int, generator: torch.Generator):
+def settled_server(model, dtype, b: int, t: int, l_len: int, n_steps: int, generator: torch.Generator,
+                   variant: str = "server"):
     """CFMServer(graphs=True) with ``b`` requests whose caches have settled at ``l_len`` frames
     (prompt P = l_len - 100, the trim keeps P + 100), its steady-state key warmed up and captured.
+    ``variant``: "server" (default server), "server_copy" (append_in_place=False), "server_spec"
+    (the solve called without the arena's frame keys: SPEC-layout arena, the pre-keyed server).
     Returns (server, chunks): ``server.solve_chunk(chunks)`` is then one graph replay."""
-    from torch_cfm.models import CFMServer, StreamingCFM
+    from torch_cfm.graphs import ArenaGraphSolver
+    from torch_cfm.models import CFMServer, StreamingCFM, solve_arena_chunk
     from torch_cfm.models.cache import TRIM_KEEP_OLDEST
 
     prompt = max(l_len - TRIM_KEEP_OLDEST, 1)
     server = CFMServer(StreamingCFM(model, n_timesteps=n_steps), max_requests=b, max_prompt_frames=prompt,
-                       max_chunk_frames=max(t, prompt), chunk_buckets=(t,), cache_buckets=(l_len,),
-                       device=torch.device(DEVICE), dtype=dtype, graphs=True)
+                       max_chunk_frames=t, chunk_buckets=(t,), cache_buckets=(l_len,),
+                       device=torch.device(DEVICE), dtype=dtype, graphs=True,
+                       append_in_place=variant != "server_copy")
+    if variant == "server_spec":
+        server.solve_fn = ArenaGraphSolver(lambda *a, frame_keys=None, **k: solve_arena_chunk(*a, **k))
     d = lambda *shape: torch.randn(*shape, generator=generator).to(DEVICE, dtype)  # noqa: E731
     for r in range(b):
         server.open_request(r, d(80), prompt_mu=d(80, prompt), prompt_mel=d(80, prompt))
@@ -519,10 +530,10 @@ def run_server(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[di
     have settled at ``l_len`` frames (:func:`settled_server`)."""
     rows = []
     g = torch.Generator().manual_seed(2)
-    for dname in dnames:
+    for dname, variant in ((d, v) for d in dnames for v in args.server_variants.split(",")):
         dtype, precision = DTYPES[dname]
         ctx = tf32_ctx(dtype, precision)
-        row = dict(op="cfm_solve_chunk", provider="torch_cfm", variant="server", timing="cuda_graph",
+        row = dict(op="cfm_solve_chunk", provider="torch_cfm", variant=variant, timing="cuda_graph",
                    shape={"B": b, "N": 2 * b, "T": t, "L": l_len}, dtype=dname.split("-")[0], precision=precision)
         try:
             model = copy.deepcopy(base).to(device=DEVICE, dtype=dtype)
@@ -531,7 +542,7 @@ def run_server(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[di
                     torch.cuda.synchronize()
                     mem0 = torch.cuda.memory_allocated()
                     torch.cuda.reset_peak_memory_stats()
-                server, chunks = settled_server(model, dtype, b, t, l_len, n_steps, g)
+                server, chunks = settled_server(model, dtype, b, t, l_len, n_steps, g, variant)
                 row.update(time_replay(lambda: server.solve_chunk(chunks), args))
                 row["arena_bytes"] = sum(a.nbytes() for a in server.arenas)
                 if DEVICE == "cuda":
@@ -553,7 +564,7 @@ def run_server(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[di
             traceback.print_exc()
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rows.append(_row(env, **row))
-        print(f"solve {row['shape']} {dname} torch_cfm/server: p50 {row.get('us_p50')} us, arena "
+        print(f"solve {row['shape']} {dname} torch_cfm/{variant}: p50 {row.get('us_p50')} us, arena "
               f"{row.get('arena_bytes')}, peak extra {row.get('peak_extra_bytes')}, captured {row.get('captured')}",
               flush=True)
         torch.cuda.empty_cache() if DEVICE == "cuda" else None
@@ -674,6 +685,8 @@ def main(argv=None) -> int:
                          "the step on the in-place cache arena")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--server-variants", default="server",
+                    help="comma list of server, server_copy, server_spec (torch_cfm/server rows)")
     ap.add_argument("--profile-server", action="store_true",
                     help="print a torch.profiler table of two steady-state CFMServer.solve_chunk calls")
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test (TRITON_INTERPRET=1, tiny model)")

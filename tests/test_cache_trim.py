@@ -18,7 +18,7 @@ import torch
 
 from torch_cfm.kernels.cache_trim import trim_copy_into
 from torch_cfm.reference.cache_trim import trim_copy_reference
-from torch_cfm.models.cache import trim_gather_index
+from torch_cfm.models.cache import arena_chunk_plan, trim_gather_index
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
@@ -50,11 +50,55 @@ def make_case(case, device="cpu"):
     return to(dst), to(src), to(index), to(dst_rows)
 
 
+# The keyed arena's three copies (models.cache.arena_chunk_plan): name, form, dtype, 2D
+KEYED_CASES = [
+    ("keyed-moves-in-place", "moves", torch.float16, 16),
+    ("keyed-gather-src-rows", "gather", torch.bfloat16, 32),
+    ("keyed-write-back-dst-rows", "write_back", torch.float32, 16),
+]
+
+
+def make_keyed_case(case, device="cpu"):
+    """(dst, src, index, dst_rows, src_rows, aliased) for one copy of a keyed-arena chunk: a real
+    plan over scrambled frame keys with some rows trimmed, skipped frames (-1) and renamed rows."""
+    name, form, dtype, two_d = case
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    slots, solved, depth, heads, keep, key_frames, t_len = 4, 3, 2, 2, 3, 14, 6
+    lengths = torch.tensor([11, 0, 5, 14])[:solved]
+    valid = torch.tensor([6, 2, 0, 4])[:solved]
+    prompt = torch.tensor([2, 1, 3, 0])[:solved]
+    keys = torch.arange(key_frames).repeat(solved, 1)
+    for r, ln in enumerate(lengths.tolist()):  # a keyed row: a permutation of its L_r keys
+        keys[r, :ln] = torch.randperm(ln, generator=g)
+    keys = keys.to(torch.int32)
+    cache_frames = int(lengths.max())
+    plan = arena_chunk_plan(keys, lengths, valid, prompt, cache_frames, t_len, keep)
+    arena = torch.randn(depth, 2 * slots, heads, key_frames + t_len, two_d, generator=g).to(dtype)
+    scratch = torch.randn(depth, 2 * solved, heads, cache_frames + t_len, two_d, generator=g).to(dtype)
+    rows = torch.cat([torch.tensor([3, 0, 2]), torch.tensor([3, 0, 2]) + slots])[: 2 * solved]
+    if form == "moves":
+        arena = arena[:, : 2 * solved]
+        out = (arena, arena, plan.moves, None, None, True)
+    elif form == "gather":
+        out = (scratch, arena, plan.old_frames, None, rows, False)
+    else:
+        out = (arena, scratch, plan.write_back, rows, None, False)
+    assert (out[2] < 0).any() and (out[2] >= 0).any(), "the case must skip some frames and copy others"
+    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in out)
+
+
+def _keyed_expected(dst, src, index, dst_rows, src_rows, aliased):
+    return trim_copy_reference(dst.clone(), dst.clone() if aliased else src, index, dst_rows, src_rows)
+
+
 def _child(out_path: str) -> None:
     results = {}
     for case in CASES:
         dst, src, index, dst_rows = make_case(case)
         results[case[0]] = trim_copy_into(dst, src, index, dst_rows).clone()
+    for case in KEYED_CASES:
+        dst, src, index, dst_rows, src_rows, _ = make_keyed_case(case)
+        results[case[0]] = trim_copy_into(dst, src, index, dst_rows, src_rows).clone()
     torch.save(results, out_path)
 
 
@@ -84,6 +128,37 @@ def test_interpreter_matches_reference_bitwise(case, interpreter_results):
         assert torch.equal(got[:, others], untouched[:, others])
 
 
+@pytest.mark.parametrize("case", KEYED_CASES, ids=[c[0] for c in KEYED_CASES])
+def test_interpreter_keyed_copies_match_reference_bitwise(case, interpreter_results):
+    """Skipped frames (-1) stay, rows are renamed on either side, and the in-place moves (source
+    and destination the same tensor) read the frames as they were before the call."""
+    dst, src, index, dst_rows, src_rows, aliased = make_keyed_case(case)
+    assert torch.equal(interpreter_results[case[0]], _keyed_expected(dst, src, index, dst_rows, src_rows, aliased))
+
+
+def test_reference_skips_and_renames_rows_per_the_contract():
+    """The oracle against a per-frame loop of its contract (independent of both implementations)."""
+    for case in KEYED_CASES:
+        dst, src, index, dst_rows, src_rows, aliased = make_keyed_case(case)
+        start, src0 = dst.clone(), (dst if aliased else src).clone()
+        out = _keyed_expected(dst, src, index, dst_rows, src_rows, aliased)
+        n_req, width = index.shape
+        n_rows = len(src_rows) if src_rows is not None else len(dst_rows) if dst_rows is not None else src.shape[1]
+        written = set()
+        for r in range(n_rows):
+            d_r = int(dst_rows[r]) if dst_rows is not None else r
+            s_r = int(src_rows[r]) if src_rows is not None else r
+            for j in range(width):
+                k = int(index[r % n_req, j])
+                if k >= 0:
+                    written.add((d_r, j))
+                    assert torch.equal(out[:, d_r, :, j], src0[:, s_r, :, k].to(out.dtype)), (case[0], r, j)
+        for d_r in range(dst.shape[1]):
+            for j in range(dst.shape[3]):
+                if (d_r, j) not in written:
+                    assert torch.equal(out[:, d_r, :, j], start[:, d_r, :, j]), (case[0], d_r, j)
+
+
 def test_reference_implements_the_trim_rule():
     """The oracle itself against a per-row loop of the SPEC §3 rule (independent of both)."""
     dst, src, index, _ = make_case(CASES[0])
@@ -102,6 +177,21 @@ def test_bad_layouts_raise():
         trim_copy_into(dst[:, :, :, :10], src, index)  # width 40 > 10 arena frames
     with pytest.raises(ValueError, match="incompatible"):
         trim_copy_into(dst, src[:, :5], index)  # 5 rows are not a multiple of 3 requests
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", KEYED_CASES, ids=[c[0] for c in KEYED_CASES])
+def test_gpu_keyed_copies_match_reference_bitwise_in_a_graph(case):
+    dst, src, index, dst_rows, src_rows, aliased = make_keyed_case(case, "cuda")
+    start = dst.clone()
+    expected = _keyed_expected(dst, src, index, dst_rows, src_rows, aliased)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        trim_copy_into(dst, dst if aliased else src, index, dst_rows, src_rows)
+    dst.copy_(start)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dst, expected)
 
 
 @pytest.mark.gpu

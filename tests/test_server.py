@@ -181,14 +181,17 @@ def _fill_arena(arena, g, cache_lengths, prompt_lengths, valid_lengths):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("keyed", [False, True])
 @pytest.mark.parametrize("fused", [False, None])
-def test_solve_arena_chunk_captures_in_one_cuda_graph(fused):
+def test_solve_arena_chunk_captures_in_one_cuda_graph(fused, keyed):
+    """Replay == eager, bitwise; keyed: the in-place form (fused) and the reference form, through
+    a trim (keep 30: slot 0 goes 90 -> 60 frames, idle slot 2 64 -> 50)."""
     from torch_cfm.models import CacheArena, solve_arena_chunk
 
     cfg, dev, dtype = DiTConfig(), torch.device("cuda"), torch.float16
     model = DiT(cfg).random_init_(0).to(dev, dtype).eval()
     noise = StreamingCFM(model).noise.to(dev, dtype)
-    arena = CacheArena.allocate(cfg, 10, 3, 140, 50, dev, dtype)
+    arena = CacheArena.allocate(cfg, 10, 3, 140, 50, dev, dtype, 50 if keyed else 0)
     g = torch.Generator().manual_seed(0)
     _fill_arena(arena, g, [40, 0, 64], [30, 10, 20], [50, 20, 0])
     start = {k: v.clone() for k, v in arena.__dict__.items()}
@@ -200,7 +203,8 @@ def test_solve_arena_chunk_captures_in_one_cuda_graph(fused):
     def run():
         solve_arena_chunk(model, arena.att, arena.cnn, noise, arena.mu, arena.spks, arena.cond,
                           arena.valid_lengths, arena.cache_lengths, arena.prompt_lengths, arena.out_mel,
-                          cache_frames=64, fused=fused)
+                          cache_frames=64, fused=fused, keep_oldest=30 if keyed else 100,
+                          frame_keys=arena.frame_keys if keyed else None)
 
     run()
     eager = {k: v.clone() for k, v in arena.__dict__.items()}
@@ -218,19 +222,22 @@ def test_solve_arena_chunk_captures_in_one_cuda_graph(fused):
     graph.replay()
     torch.cuda.synchronize()
     assert arena.data_ptrs() == ptrs
-    assert arena.cache_lengths.tolist() == [90, 20, 64]
+    assert arena.cache_lengths.tolist() == ([60, 20, 50] if keyed else [90, 20, 64])
     for k, v in eager.items():
         assert torch.equal(getattr(arena, k), v), k  # replay == eager, bitwise
     assert torch.isfinite(arena.out_mel[:2]).all()
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("slots", [3, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_server_ragged_batch_equals_solo(dtype):
+def test_gpu_server_ragged_batch_equals_solo(dtype, slots):
+    """3 slots: every chunk solves the whole bucket (keyed arena, appends in place); 4 slots: the
+    three requests are compacted (rows copied out and back)."""
     cfg = DiTConfig()
     model = DiT(cfg).random_init_(0).to("cuda", dtype).eval()
     cfm = StreamingCFM(model, n_timesteps=4)
-    server = CFMServer(cfm, max_requests=4, max_prompt_frames=30, max_chunk_frames=60)
+    server = CFMServer(cfm, max_requests=slots, max_prompt_frames=30, max_chunk_frames=60)
     g = torch.Generator().manual_seed(5)
     solos, chunks = {}, {}
     for rid, (prompt, t_len) in {"a": (30, 50), "b": (12, 56), "c": (20, 17)}.items():

@@ -11,6 +11,8 @@ import dit_oracle as O
 from oracle import err_rel_fro
 from torch_cfm.models import (CacheArena, DiT, DiTConfig, StreamingCFM, euler_timesteps, solve_arena_chunk,
                               trim_attention_cache, trim_gather_index)
+from torch_cfm.models.cache import arena_chunk_plan, keyed_to_newest_first
+from torch_cfm.reference.cache_trim import trim_copy_reference
 
 TINY = DiTConfig(hidden=64, depth=2, heads=4, head_dim=16)
 STEPS = 3
@@ -120,14 +122,104 @@ def test_trim_gather_index_matches_per_row_rule():
         assert torch.equal(index[n, :expect.shape[0]].float(), expect)
 
 
+def _frames_as_cache(tokens: torch.Tensor) -> torch.Tensor:
+    """(R, F) token ids as a (1, R, 1, F, 2) cache (depth, rows, heads, frames, 2D) for the frame copies."""
+    return tokens.to(torch.float64)[None, :, None, :, None].expand(1, -1, 1, -1, 2).contiguous()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_arena_chunk_plan_keeps_every_row_equal_to_the_spec_cache(seed):
+    """A keyed arena of token ids, driven chunk by chunk through the plan, against python lists
+    that follow SPEC §2-3 literally (new cache = [current ; old], then the trim): every valid
+    frame holds the token its frame key names, the keys are a permutation, and the in-place form
+    (append + ``moves``), the copy-out form (``old_frames`` + append + ``write_back``) and the
+    reference form (``old_by_key`` + ``new_cache_keys``) give the same arena."""
+    g = torch.Generator().manual_seed(seed)
+    rows, keep, max_prompt, max_chunk = 5, 4, 6, 9
+    key_frames = max_prompt + keep
+    frames = key_frames + max_chunk
+    prompt = torch.randint(0, max_prompt + 1, (rows,), generator=g)
+    spec = [[] for _ in range(rows)]  # SPEC order: index = key
+    arena = torch.full((rows, frames), -1.0, dtype=torch.float64)
+    frame_keys = torch.arange(key_frames, dtype=torch.int32).repeat(rows, 1)
+    lengths = torch.zeros(rows, dtype=torch.int64)
+    next_token = 0
+    for chunk in range(12):
+        t_len = int(torch.randint(1, max_chunk + 1, (1,), generator=g))
+        valid = torch.randint(0, t_len + 1, (rows,), generator=g)
+        valid[chunk % rows] = t_len
+        cache_frames = int(lengths.max()) + int(torch.randint(0, 2, (1,), generator=g))
+        cache_frames = min(cache_frames, key_frames)
+        plan = arena_chunk_plan(frame_keys, lengths, valid, prompt, cache_frames, t_len, keep)
+        width = cache_frames + t_len
+        # the copy-out form: gather the old frames, append there, copy changed frames back
+        scratch = torch.full((rows, width), -2.0, dtype=torch.float64)
+        scratch_c = _frames_as_cache(scratch)
+        trim_copy_reference(scratch_c, _frames_as_cache(arena), plan.old_frames)
+        scratch = scratch_c[0, :, 0, :, 0].clone()
+        # the reference form: the old cache newest first
+        old_c = torch.zeros(1, rows, 1, cache_frames, 2, dtype=torch.float64)
+        trim_copy_reference(old_c, _frames_as_cache(arena), plan.old_by_key)
+        new_cache = []
+        for r in range(rows):
+            ln, tn = int(lengths[r]), int(valid[r])
+            assert old_c[0, r, 0, :ln, 0].tolist() == spec[r], (chunk, r)
+            cur = list(range(next_token, next_token + tn))
+            next_token += tn
+            for f, tok in enumerate(cur):  # the body's in-place append: frame L + T_r - 1 - f
+                arena[r, ln + tn - 1 - f] = tok
+                scratch[r, ln + tn - 1 - f] = tok
+            new_cache.append(cur + spec[r])
+            spec[r] = O.trim(torch.tensor(new_cache[r], dtype=torch.float64)[:, None], int(prompt[r]), keep)[:, 0].tolist()
+        in_place = _frames_as_cache(arena)
+        trim_copy_reference(in_place, in_place, plan.moves)
+        width_k = plan.write_back.shape[1]
+        new_c = torch.full((1, rows, 1, frames, 2), -4.0, dtype=torch.float64)
+        padded_new = torch.full((rows, width), -5.0, dtype=torch.float64)
+        for r in range(rows):
+            padded_new[r, :len(new_cache[r])] = torch.tensor(new_cache[r], dtype=torch.float64)
+        trim_copy_reference(new_c, _frames_as_cache(padded_new), plan.new_cache_keys)
+        arena = in_place[0, :, 0, :, 0].clone()
+        for r in range(rows):
+            n = int(plan.new_lengths[r])
+            assert n == len(spec[r]), (chunk, r)
+            keys = plan.new_frame_keys[r, :n].tolist()
+            assert sorted(keys) == list(range(n)), (chunk, r)
+            assert arena[r, :n].tolist() == [spec[r][k] for k in keys], (chunk, r)
+            assert new_c[0, r, 0, :n, 0].tolist() == arena[r, :n].tolist(), (chunk, r)
+            wb = plan.write_back[r]
+            changed = (wb >= 0).nonzero().flatten().tolist()
+            assert all(j < n for j in changed)
+            assert all(scratch[r, int(wb[j])] == arena[r, j] for j in changed), (chunk, r)
+            unchanged = [j for j in range(n) if j not in changed]
+            assert all(j < int(lengths[r]) for j in unchanged), (chunk, r)  # old frames, still in place
+        frame_keys[:, :width_k] = plan.new_frame_keys
+        lengths = plan.new_lengths.clone()
+    assert any(len(s) == int(p) + keep for s, p in zip(spec, prompt)), "no row went through the trim"
+
+
 def _arena(cfm, rows, max_cache, max_chunk):
     return CacheArena.allocate(TINY, STEPS, rows, max_cache, max_chunk, torch.device("cpu"), torch.float32)
 
 
-def _ragged_case(cfm, compact):
-    """Solve a 3-slot arena (one slot idle): returns (state before, arena after)."""
+def _scramble(arena: CacheArena, g: torch.Generator) -> None:
+    """Turn an arena filled in the SPEC layout into a keyed one: each slot's valid frames in a
+    random order (the same for every step, block, head), ``frame_keys`` naming their keys."""
+    rows = arena.rows
+    for slot in range(rows):
+        ln = int(arena.cache_lengths[slot])
+        perm = torch.randperm(ln, generator=g)  # frame j holds key perm[j]
+        cfg_rows = [slot, rows + slot]
+        arena.att[:, :, cfg_rows, :, :ln] = arena.att[:, :, cfg_rows, :, :ln][:, :, :, :, perm].clone()
+        arena.frame_keys[slot, :ln] = perm.to(torch.int32)
+
+
+def _ragged_case(cfm, compact, keyed=False):
+    """Solve a 3-slot arena (one slot idle): returns (state before in the SPEC layout, arena after).
+    ``keyed``: the arena is keyed, scrambled, has append room, and the trim keeps 3 old frames (so
+    slot 0 is trimmed: 7 + 10 > 4 + 3); in place without ``compact``, copied out with it."""
     g = torch.Generator().manual_seed(9)
-    arena = _arena(cfm, 3, 40, 12)
+    arena = CacheArena.allocate(TINY, STEPS, 3, 40, 12, torch.device("cpu"), torch.float32, 12 if keyed else 0)
     # slot 0: cache 7 frames (prompt 4); slot 1: idle with 5 cached frames; slot 2: no cache yet
     for slot, frames in RAGGED_INIT.items():
         arena.att[:, :, [slot, 3 + slot], :, :frames] = torch.randn(STEPS, 2, 2, 4, frames, 32, generator=g)
@@ -139,11 +231,15 @@ def _ragged_case(cfm, compact):
     arena.cond.copy_(torch.randn(3, 80, 12, generator=g))
     arena.valid_lengths.copy_(torch.tensor([10, 0, 6], dtype=torch.int32))
     before = {k: v.clone() for k, v in arena.__dict__.items()}
+    if keyed:
+        _scramble(arena, g)
+        before["keyed_att"] = arena.att.clone()
     ptrs = arena.data_ptrs()
     slots = torch.tensor([0, 2]) if compact else None
     solve_arena_chunk(cfm.estimator, arena.att, arena.cnn, cfm.noise, arena.mu[:, :, :10], arena.spks,
                       arena.cond[:, :, :10], arena.valid_lengths, arena.cache_lengths, arena.prompt_lengths,
-                      arena.out_mel[:, :, :10], cache_frames=7, n_timesteps=STEPS, cfg_rate=0.7, slots=slots)
+                      arena.out_mel[:, :, :10], cache_frames=7, n_timesteps=STEPS, cfg_rate=0.7, slots=slots,
+                      keep_oldest=3 if keyed else 100, frame_keys=arena.frame_keys if keyed else None)
     assert arena.data_ptrs() == ptrs
     return before, arena
 
@@ -151,8 +247,13 @@ def _ragged_case(cfm, compact):
 RAGGED_INIT = {0: 7, 1: 5, 2: 0}
 
 
-def _check_ragged_case(cfm, sd, compact, before, arena):
-    assert arena.cache_lengths.tolist() == [17, 5, 6]
+def _check_ragged_case(cfm, sd, compact, before, arena, keyed=False):
+    keep = 3 if keyed else 100
+    assert arena.cache_lengths.tolist() == ([4 + 3, 5, 6] if keyed else [17, 5, 6])
+    att = arena.att
+    if keyed:
+        rows_keys = torch.cat([arena.frame_keys, arena.frame_keys])
+        att = keyed_to_newest_first(arena.att, rows_keys, torch.cat([arena.cache_lengths] * 2))
     for slot, tn in ((0, 10), (2, 6)):
         rows = [slot, 3 + slot]
         ln = RAGGED_INIT[slot]
@@ -160,22 +261,25 @@ def _check_ragged_case(cfm, sd, compact, before, arena):
                                     before["cond"][slot, :, :tn].double(), cfm.noise.double(), STEPS, 0.7,
                                     before["cnn"][:, :, rows].double(),
                                     before["att"][:, :, rows, :, :ln].double())
+        a = O.trim(a, int(before["prompt_lengths"][slot]), keep)
         assert err_rel_fro(arena.out_mel[slot, :, :tn], mel) < TOL
         assert err_rel_fro(arena.cnn[:, :, rows], c) < TOL
-        assert err_rel_fro(arena.att[:, :, rows, :, :tn + ln], a) < TOL
+        assert err_rel_fro(att[:, :, rows, :, :a.shape[4]], a) < TOL
     # the idle slot: valid cache frames and conv caches bit-identical
     idle = [1, 4]
-    assert torch.equal(arena.att[:, :, idle, :, :5], before["att"][:, :, idle, :, :5])
+    raw = before["keyed_att"] if keyed else before["att"]
+    assert torch.equal(arena.att[:, :, idle, :, :5], raw[:, :, idle, :, :5])
     assert torch.equal(arena.cnn[:, :, idle], before["cnn"][:, :, idle])
     if compact:  # untouched entirely, out_mel included
-        assert torch.equal(arena.att[:, :, idle], before["att"][:, :, idle])
+        assert torch.equal(arena.att[:, :, idle], raw[:, :, idle])
         assert torch.equal(arena.out_mel[1], before["out_mel"][1])
     assert torch.isfinite(arena.att).all() and torch.isfinite(arena.out_mel).all()
 
 
+@pytest.mark.parametrize("keyed", [False, True])
 @pytest.mark.parametrize("compact", [False, True])
-def test_solve_arena_chunk_ragged_rows_match_oracle_and_idle_rows_stay(cfm, sd, compact):
-    _check_ragged_case(cfm, sd, compact, *_ragged_case(cfm, compact))
+def test_solve_arena_chunk_ragged_rows_match_oracle_and_idle_rows_stay(cfm, sd, compact, keyed):
+    _check_ragged_case(cfm, sd, compact, *_ragged_case(cfm, compact, keyed), keyed=keyed)
 
 
 def _fused_route_child(out_path: str) -> None:
@@ -186,7 +290,8 @@ def _fused_route_child(out_path: str) -> None:
     calls = []
     solver._fused_route = lambda *args: calls.append(args) or "ieee"
     cfm = StreamingCFM(DiT(TINY).random_init_(8).eval(), n_timesteps=STEPS, seed=5)
-    results = {compact: _ragged_case(cfm, compact) for compact in (False, True)}
+    results = {(compact, keyed): _ragged_case(cfm, compact, keyed) for compact in (False, True)
+               for keyed in (False, True)}
     assert calls, "the fused route was not taken"
     assert len(solver._SCHEDULE_TABLES) == 1, "the schedule tables were not cached per packed weights"
     torch.save({c: (b, dict(vars(a))) for c, (b, a) in results.items()}, out_path)
@@ -208,11 +313,13 @@ def fused_route_results(tmp_path_factory):
     return torch.load(out_path)
 
 
+@pytest.mark.parametrize("keyed", [False, True])
 @pytest.mark.parametrize("compact", [False, True])
-def test_solve_arena_chunk_fused_route_matches_oracle(cfm, sd, compact, fused_route_results):
-    before, state = fused_route_results[compact]
+def test_solve_arena_chunk_fused_route_matches_oracle(cfm, sd, compact, keyed, fused_route_results):
+    """Keyed: in place (every slot) and copied out (compact), both through a trim."""
+    before, state = fused_route_results[(compact, keyed)]
     arena = CacheArena(**state)
-    _check_ragged_case(cfm, sd, compact, before, arena)
+    _check_ragged_case(cfm, sd, compact, before, arena, keyed=keyed)
 
 
 def test_solve_arena_chunk_trims_every_step_cache(cfm):

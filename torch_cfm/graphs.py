@@ -392,7 +392,8 @@ class ArenaGraphSolver:
     """A CUDA-graph wrapper with :func:`~torch_cfm.models.solver.solve_arena_chunk`'s signature.
 
     Plug into the model server: ``server.solve_fn = ArenaGraphSolver()``. Per static key (the
-    in-place arena tensors by identity — ``att``, ``cnn``, ``cache_lengths``, ``out_mel`` —, the
+    in-place arena tensors by identity — ``att``, ``cnn``, ``cache_lengths``, ``out_mel``,
+    ``frame_keys`` —, the
     shapes of the read-only inputs, the python ints, the estimator and its packed weights) the
     first ``warmup`` calls run eagerly (they are real solves: no state is touched twice), the next
     call captures (capture runs nothing) and replays; later calls copy read-only inputs whose
@@ -433,7 +434,8 @@ class ArenaGraphSolver:
 
     def __call__(self, estimator, att, cnn, noise, mu, spks, cond, valid_lengths, cache_lengths, prompt_lengths,
                  out_mel, *, cache_frames: int, n_timesteps: int = 10, cfg_rate: float = 0.7,
-                 keep_oldest: int = 100, fused: Optional[bool] = None, slots: Optional[torch.Tensor] = None) -> None:
+                 keep_oldest: int = 100, fused: Optional[bool] = None, slots: Optional[torch.Tensor] = None,
+                 frame_keys: Optional[torch.Tensor] = None) -> None:
         kwargs = dict(cache_frames=cache_frames, n_timesteps=n_timesteps, cfg_rate=cfg_rate, keep_oldest=keep_oldest,
                       fused=fused)
         read = dict(noise=noise, mu=mu, spks=spks, cond=cond, valid_lengths=valid_lengths,
@@ -442,12 +444,12 @@ class ArenaGraphSolver:
         def eager(inputs):
             self.solve_fn(estimator, att, cnn, inputs["noise"], inputs["mu"], inputs["spks"], inputs["cond"],
                           inputs["valid_lengths"], cache_lengths, inputs["prompt_lengths"], out_mel,
-                          slots=inputs["slots"], **kwargs)
+                          slots=inputs["slots"], frame_keys=frame_keys, **kwargs)
 
         if att.device.type != "cuda":
             return eager(read)
         key = (id(estimator), self._weights_key(estimator, att.dtype, att.device),
-               _sig(att), _sig(cnn), _sig(cache_lengths), _sig(out_mel),
+               _sig(att), _sig(cnn), _sig(cache_lengths), _sig(out_mel), _sig(frame_keys),
                tuple((k, _meta(v)) for k, v in read.items()), tuple(sorted(kwargs.items(), key=lambda kv: kv[0])),
                torch.backends.cuda.matmul.allow_tf32)
         ent = self._keys.get(key)

@@ -4,6 +4,13 @@ Layouts (one request = two CFG rows, cond then uncond):
     attention: (n, depth, 2B, H, L, 2D), K in ``[..., :D]``, V in ``[..., D:]``, newest frames FIRST;
     conv:      (n, depth, 2B, 2C, 2), channels [0, C) = conv 1 history, [C, 2C) = conv 2 history.
 
+The server's :class:`CacheArena` is *keyed*: a row's valid frames sit at [0, L) in any order, and
+``frame_keys[r, j]`` names the SPEC key (position in the newest-first cache) frame j holds.
+Attention does not depend on the order of its keys, so a chunk appends its T current keys behind
+the old ones in place, and the trim fills the frames of dropped keys with the kept frames past the
+new length (at most as many frames as were dropped, never the whole cache).
+:func:`arena_chunk_plan` computes those frame maps on the device.
+
 The trim (the upstream rule, kept exactly): after a chunk, when a request's attention cache holds
 more than ``prompt_len + 100`` frames, keep ``cache[:prompt_len]`` followed by ``cache[-100:]``
 (its newest prompt_len frames and its oldest 100), for every Euler step's cache; conv caches are
@@ -104,24 +111,143 @@ def trim_gather_index(new_lengths: torch.Tensor, prompt_lengths: torch.Tensor, w
 
 
 @dataclass
+class ArenaChunkPlan:
+    """The frame maps of one chunk on a keyed arena (:func:`arena_chunk_plan`); S rows (requests),
+    Lb = cache window, W = Lb + T frames of the chunk's cache, Wk = min(W, frames of frame_keys).
+    Every map is int64 with -1 where nothing is copied (``trim_copy_into`` skips those frames).
+
+    Attributes:
+        old_frames: (S, Lb) frame j itself for j < L_r (a gather of the old frames as they lie).
+        old_by_key: (S, Lb) the frame holding SPEC key k for k < L_r (the old cache newest first).
+        moves: (S, W) for a frame that must change after an in-place append: the frame whose key
+            it takes (frames of dropped keys below the new length); -1 elsewhere.
+        write_back: (S, Wk) for a frame the chunk changes (an appended or a filled frame): its
+            frame in the chunk's appended cache; -1 elsewhere (old frames left as they are).
+        new_cache_keys: (S, Wk) the key in the chunk's newest-first new cache ``[cur T_r ; old L_r]``
+            of the key each frame holds afterwards; -1 past the new length.
+        new_frame_keys: (S, Wk) int32 ``frame_keys`` after the chunk (renumbered by the trim).
+        new_lengths: (S,) int64 cache lengths after the chunk (trimmed).
+    """
+
+    old_frames: torch.Tensor
+    old_by_key: torch.Tensor
+    moves: torch.Tensor
+    write_back: torch.Tensor
+    new_cache_keys: torch.Tensor
+    new_frame_keys: torch.Tensor
+    new_lengths: torch.Tensor
+
+
+def arena_chunk_plan(frame_keys: torch.Tensor, cache_lengths: torch.Tensor, valid_lengths: torch.Tensor,
+                     prompt_lengths: torch.Tensor, cache_frames: int, t_len: int,
+                     keep_oldest: int = TRIM_KEEP_OLDEST) -> ArenaChunkPlan:
+    """Frame maps of one chunk on a keyed arena, on the device (no host sync, fixed shapes).
+
+    The chunk appends row r's T_r current keys at frames [L_r, L_r + T_r) in reversed chunk order
+    (the fused body's in-place form: frame L_r + T_r - 1 - f holds current frame f, i.e. SPEC key f
+    of the new cache; old key k becomes key T_r + k). When the new length L_r + T_r exceeds
+    ``P_r + keep_oldest`` the SPEC §3 trim keeps keys [0, P_r) and the last ``keep_oldest``; each
+    frame below the new length that holds a dropped key takes the key of one kept frame at or past
+    the new length (k-th such frame ↔ k-th kept frame, in frame order), and the kept keys are
+    renumbered to their trimmed positions.
+
+    Args:
+        frame_keys: (S, Mk) integer map of the rows (SPEC key of each frame, valid below L_r).
+        cache_lengths, valid_lengths, prompt_lengths: (S,) L_r in [0, cache_frames], T_r in
+            [0, t_len], P_r (the callers clamp the first two).
+        cache_frames, t_len: Lb and T (python ints, static shapes).
+    Returns:
+        :class:`ArenaChunkPlan`. New lengths are clamped to Mk (the server keeps P_r + keep <= Mk).
+    """
+    dev = frame_keys.device
+    width = cache_frames + t_len
+    key_frames = frame_keys.shape[1]
+    kept_width = min(width, key_frames)
+    cl = cache_lengths.to(torch.int64)[:, None]
+    vl = valid_lengths.to(torch.int64)[:, None]
+    prompt = prompt_lengths.to(torch.int64)[:, None]
+    length = cl + vl
+    j = torch.arange(width, device=dev)[None]
+    old_keys = frame_keys[:, :min(width, key_frames)].to(torch.int64)
+    if width > key_frames:
+        old_keys = torch.cat([old_keys, old_keys.new_zeros(old_keys.shape[0], width - key_frames)], 1)
+    keys = torch.where(j < cl, old_keys + vl, length - 1 - j)  # after the append; valid below length
+    due = length > prompt + keep_oldest
+    new_len = torch.where(due, prompt + keep_oldest, length).clamp(max=key_frames)
+    dropped = due & (keys >= prompt) & (keys < length - keep_oldest) & (j < length)
+    hole = dropped & (j < new_len)
+    kept_past = ~dropped & (j >= new_len) & (j < length)
+    # k-th hole <- k-th kept frame past the new length (equal counts: both = dropped keys below new_len)
+    rank = torch.where(kept_past, kept_past.cumsum(1) - 1, width)
+    by_rank = torch.full((keys.shape[0], width + 1), width - 1, device=dev, dtype=torch.int64)
+    by_rank.scatter_(1, rank, j.expand_as(rank))
+    hole_rank = (hole.cumsum(1) - 1).clamp(min=0)
+    source = torch.where(hole, by_rank.gather(1, hole_rank), j)
+    cache_keys = keys.gather(1, source)
+    renumbered = torch.where(due & (cache_keys >= length - keep_oldest), cache_keys - (length - keep_oldest - prompt),
+                             cache_keys)
+    live = j < new_len
+    kj = j[:, :cache_frames]
+    old_live = kj < cl
+    by_key = torch.full((keys.shape[0], cache_frames + 1), -1, device=dev, dtype=torch.int64)
+    by_key.scatter_(1, torch.where(old_live, old_keys[:, :cache_frames].clamp(0, cache_frames), cache_frames),
+                    kj.expand_as(old_live).clone())
+    changed = live & (hole | (j >= cl))
+    return ArenaChunkPlan(
+        old_frames=torch.where(old_live, kj, -1),
+        old_by_key=torch.where(old_live, by_key[:, :cache_frames], -1),
+        moves=torch.where(hole, source, -1),
+        write_back=torch.where(changed, source, -1)[:, :kept_width],
+        new_cache_keys=torch.where(live, cache_keys, -1)[:, :kept_width],
+        new_frame_keys=torch.where(live, renumbered, j)[:, :kept_width].to(torch.int32),
+        new_lengths=new_len[:, 0],
+    )
+
+
+def keyed_to_newest_first(cache: torch.Tensor, frame_keys: torch.Tensor, lengths: torch.Tensor,
+                          frames: Optional[int] = None) -> torch.Tensor:
+    """A keyed cache (..., R, H, F, 2D) in the SPEC layout: a new (..., R, H, frames, 2D) tensor
+    with row r's key k at frame k for k < lengths[r] and zeros after (``frames`` default F)."""
+    *lead, rows, heads, width, two_d = cache.shape
+    frames = width if frames is None else frames
+    ln = lengths.to(torch.int64).clamp(0, min(frames, frame_keys.shape[1]))[:, None]
+    j = torch.arange(frame_keys.shape[1], device=cache.device)[None]
+    valid = j < ln
+    by_key = torch.zeros((rows, frames + 1), dtype=torch.int64, device=cache.device)
+    by_key.scatter_(1, torch.where(valid, frame_keys.to(torch.int64).clamp(0, frames), frames),
+                    j.expand(rows, -1).clone())
+    by_key = by_key[:, :frames].clamp(max=width - 1)
+    idx = by_key.view(*([1] * len(lead)), rows, 1, frames, 1).expand(*lead, rows, heads, frames, two_d)
+    out = torch.gather(cache, -2, idx)
+    kept = (torch.arange(frames, device=cache.device)[None] < ln).view(*([1] * len(lead)), rows, 1, frames, 1)
+    return torch.where(kept, out, out.new_zeros(()))
+
+
+@dataclass
 class CacheArena:
     """All caches and staging buffers of one batch bucket: allocated once, reused, never resized.
 
     Request slot r (0 <= r < rows) owns CFG rows r (cond) and rows + r (uncond).
 
     Attributes:
-        att: (n, depth, 2R, H, M, 2D) attention caches, newest frames first per row.
+        att: (n, depth, 2R, H, M + A, 2D) attention caches, keyed: slot r's ``cache_lengths[r]``
+            valid frames sit at [0, L_r) in any order (the same for every step, block and head),
+            ``frame_keys`` names their keys. The A extra frames let a chunk append in place
+            (``solve_arena_chunk`` copies the rows out when ``Lb + T > M + A``).
         cnn: (n, depth, 2R, 2C, 2) conv caches.
+        frame_keys: (R, M) int32 SPEC key (position in the newest-first cache) of each valid frame
+            (``keyed_to_newest_first``); starts as the identity (frame j = key j).
         cache_lengths: (R,) int32 valid frames of each slot's attention caches (all steps).
         prompt_lengths: (R,) int32 prompt frames of each slot (for the trim).
         valid_lengths: (R,) int32 staged chunk frames T_n of the next solve (0 = idle slot).
         mu, cond: (R, 80, Tmax) staged chunk inputs; spks: (R, 80) per-slot speaker embedding.
         out_mel: (R, 80, Tmax) solved mel of the last chunk (frames >= T_n are padding).
-    Shapes: R rows (requests) of the bucket, M max cache frames, Tmax max chunk frames.
+    Shapes: R rows (requests) of the bucket, M max cache frames, A append frames, Tmax max chunk frames.
     """
 
     att: torch.Tensor
     cnn: torch.Tensor
+    frame_keys: torch.Tensor
     cache_lengths: torch.Tensor
     prompt_lengths: torch.Tensor
     valid_lengths: torch.Tensor
@@ -132,19 +258,24 @@ class CacheArena:
 
     @classmethod
     def allocate(cls, config: DiTConfig, n_timesteps: int, rows: int, max_cache_frames: int,
-                 max_chunk_frames: int, device: torch.device, dtype: torch.dtype) -> "CacheArena":
-        """Zero-filled arena for ``rows`` requests (2*rows CFG rows)."""
+                 max_chunk_frames: int, device: torch.device, dtype: torch.dtype,
+                 append_frames: int = 0) -> "CacheArena":
+        """Zero-filled arena for ``rows`` requests (2*rows CFG rows); ``append_frames`` (A) extra
+        attention frames per cache for in-place appends (``max_chunk_frames`` covers every chunk)."""
         for name, val in (("rows", rows), ("max_cache_frames", max_cache_frames),
                           ("max_chunk_frames", max_chunk_frames), ("n_timesteps", n_timesteps)):
             if not isinstance(val, int) or val <= 0:
                 fail("CacheArena.allocate", name, "be a positive int", repr(val))
+        if not isinstance(append_frames, int) or append_frames < 0:
+            fail("CacheArena.allocate", "append_frames", "be an int >= 0", repr(append_frames))
         c, mel = config.hidden, config.out_channels
         kw = dict(device=device, dtype=dtype)
         i32 = dict(device=device, dtype=torch.int32)
         return cls(
-            att=torch.zeros((n_timesteps, config.depth, 2 * rows, config.heads, max_cache_frames,
+            att=torch.zeros((n_timesteps, config.depth, 2 * rows, config.heads, max_cache_frames + append_frames,
                              2 * config.head_dim), **kw),
             cnn=torch.zeros((n_timesteps, config.depth, 2 * rows, 2 * c, config.conv_cache_frames), **kw),
+            frame_keys=torch.arange(max_cache_frames, **i32).repeat(rows, 1),
             cache_lengths=torch.zeros(rows, **i32),
             prompt_lengths=torch.zeros(rows, **i32),
             valid_lengths=torch.zeros(rows, **i32),
@@ -160,7 +291,11 @@ class CacheArena:
 
     @property
     def max_cache_frames(self) -> int:
-        return self.att.shape[4]
+        return self.frame_keys.shape[1]
+
+    @property
+    def append_frames(self) -> int:
+        return self.att.shape[4] - self.frame_keys.shape[1]
 
     @property
     def max_chunk_frames(self) -> int:
@@ -176,12 +311,14 @@ class CacheArena:
 
     def request_caches(self, slot: int, length: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of one slot's caches in the SPEC layout: cnn (n, depth, 2, 2C, 2) and att
-        (n, depth, 2, H, length, 2D), row 0 = cond, row 1 = uncond."""
+        (n, depth, 2, H, length, 2D) newest first (``length`` default M), row 0 = cond, row 1 = uncond."""
         if not 0 <= slot < self.rows:
             fail("CacheArena.request_caches", "slot", f"be in [0, {self.rows})", str(slot))
         rows = [slot, self.rows + slot]
         length = self.max_cache_frames if length is None else length
-        return self.cnn[:, :, rows].clone(), self.att[:, :, rows, :, :length].clone()
+        keys = self.frame_keys[[slot, slot]]
+        lengths = torch.full((2,), length, device=keys.device)
+        return self.cnn[:, :, rows].clone(), keyed_to_newest_first(self.att[:, :, rows], keys, lengths, length)
 
     def describe(self) -> str:
         return (f"CacheArena(rows={self.rows}, att={shape_str(self.att)}, cnn={shape_str(self.cnn)}, "

@@ -3,7 +3,7 @@
 Requests are opened with a speaker embedding and a prompt (solved as the request's first chunk,
 cond = prompt mel, exactly like the upstream cache setup), then any subset of open requests is
 solved together, one chunk each, even when their chunk lengths and cache lengths differ. Caches
-live in one :class:`~torch_cfm.models.cache.CacheArena` per batch bucket, allocated once; each
+live in one keyed :class:`~torch_cfm.models.cache.CacheArena` per batch bucket, allocated once; each
 solve runs :func:`~torch_cfm.models.solver.solve_arena_chunk` over a whole bucket (slots without
 a chunk this time are idle rows with 0 valid frames, left unchanged), so its shapes depend only on
 the bucket and on the (bucketed) chunk and cache lengths: ready for a CUDA-graph runner.
@@ -60,6 +60,11 @@ class CFMServer:
             (default: exactly the requests of the chunk; all slots once that reaches the bucket).
         device, dtype: of the arenas (default: the estimator's parameters').
         fused: passed to the estimator (None = policy).
+        append_in_place: give each attention cache ``max_chunk_frames`` extra frames (+25 % arena
+            bytes at the defaults) so that a chunk solved over every slot of a bucket appends its
+            keys in place and trims by refilling dropped frames (default True). False, or a solve
+            of some slots only: the rows are copied out per step and only changed frames copied
+            back. Either way the arena is keyed (:class:`~torch_cfm.models.cache.CacheArena`).
         graphs: capture each bucket's whole n-step solve as a CUDA graph
             (:class:`torch_cfm.graphs.ArenaGraphSolver`; eager on CPU and for shapes it declines).
             Pair with ``chunk_buckets``/``cache_buckets``/``slot_buckets`` to bound the graph count.
@@ -74,7 +79,7 @@ class CFMServer:
                  chunk_buckets: Optional[Sequence[int]] = None, cache_buckets: Optional[Sequence[int]] = None,
                  slot_buckets: Optional[Sequence[int]] = None,
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
-                 fused: Optional[bool] = None, graphs: bool = False) -> None:
+                 fused: Optional[bool] = None, graphs: bool = False, append_in_place: bool = True) -> None:
         op = "CFMServer"
         for name, val in (("max_requests", max_requests), ("max_chunk_frames", max_chunk_frames)):
             if not isinstance(val, int) or val <= 0:
@@ -97,8 +102,9 @@ class CFMServer:
         self.cache_buckets = sorted(cache_buckets) if cache_buckets else None
         self.slot_buckets = sorted(slot_buckets) if slot_buckets else None
         self.noise = cfm.noise.to(device=self.device, dtype=self.dtype)
+        append = max_chunk_frames if append_in_place else 0
         self.arenas = [CacheArena.allocate(self.config, cfm.n_timesteps, rows, self.max_cache_frames,
-                                           self.max_chunk_frames, self.device, self.dtype)
+                                           self.max_chunk_frames, self.device, self.dtype, append)
                        for rows in sorted(buckets)]
         self._free = [list(range(a.rows)) for a in self.arenas]
         self._requests: dict[Hashable, _Request] = {}
@@ -239,7 +245,7 @@ class CFMServer:
             arena.mu[:, :, :t_len], arena.spks, arena.cond[:, :, :t_len],
             arena.valid_lengths, arena.cache_lengths, arena.prompt_lengths, arena.out_mel[:, :, :t_len],
             cache_frames=cache_frames, n_timesteps=self.cfm.n_timesteps, cfg_rate=self.cfm.cfg_rate,
-            fused=self.fused, slots=slot_index)
+            fused=self.fused, slots=slot_index, frame_keys=arena.frame_keys)
         result = {}
         for rid, req, mu, _ in items:
             t_n = mu.shape[1]

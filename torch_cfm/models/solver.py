@@ -19,7 +19,7 @@ from .. import policy
 from ..config import SolverConfig, cosine_timesteps
 from ..ops._checks import fail, shape_str
 from ..reference.cache_trim import trim_copy_reference
-from .cache import TRIM_KEEP_OLDEST, trim_gather_index
+from .cache import TRIM_KEEP_OLDEST, arena_chunk_plan, trim_gather_index
 
 _SOLVER = SolverConfig()
 
@@ -49,6 +49,7 @@ def solve_arena_chunk(
     keep_oldest: int = TRIM_KEEP_OLDEST,
     fused: Optional[bool] = None,
     slots: Optional[torch.Tensor] = None,
+    frame_keys: Optional[torch.Tensor] = None,
 ) -> None:
     """Solve one chunk for every row of a cache arena, in place (SPEC §3, ragged per SPEC §2).
 
@@ -98,6 +99,15 @@ def solve_arena_chunk(
             slots (their rows are gathered from the arena and scattered back), so the cost
             follows S, not R. Slots not listed are not touched at all (their ``out_mel`` rows
             included). None = every slot. Pad to a bucket size with idle slots (length 0).
+        frame_keys: optional (R, Mk) int32 static buffer: the arena is *keyed*
+            (:class:`~torch_cfm.models.cache.CacheArena`): slot r's valid frames lie at
+            [0, L_r) in any order and ``frame_keys[r, j]`` is the SPEC key frame j holds; read and
+            updated in place. Then the chunk's keys are appended in place and the trim only
+            refills dropped frames (:func:`~torch_cfm.models.cache.arena_chunk_plan`), where the
+            fused body runs, every slot is solved and ``Lb + T <= M`` (else the rows are copied
+            out, appended and copied back); ``Lb <= Mk`` and ``P_r + keep_oldest <= Mk``.
+            None = ``att`` is in the SPEC layout (newest first) and each step's new cache is
+            written back through the trim.
     Shapes: R request slots, T chunk frames (bucket), M arena frames, F noise frames.
     """
     slot_count, _, t_len = mu.shape
@@ -126,13 +136,15 @@ def solve_arena_chunk(
     vl2 = torch.cat([vl, vl]).to(torch.int32)
     cl2 = torch.cat([cl, cl]).to(torch.int32)
 
+    if frame_keys is not None:
+        x, new_lengths = _solve_keyed(estimator, att, cnn, frame_keys, slots, x, mu2, spks2, cond2, vl, cl, vl2, cl2,
+                                      prompt, ts, cfg_rate, fused, t_len, cache_frames, keep_oldest)
+        _store_outputs(out_mel, cache_lengths, x, new_lengths, slots)
+        return
     index, new_lengths = trim_gather_index(vl + cl, prompt, width, t_len + cache_frames, keep_oldest)
     # Write-back of each step's new attention cache, trimmed: output frame j of a row reads frame
-    # index[row, j] of the new cache. Where the policy runs Triton kernels (NVIDIA SM80+) one
-    # kernel does the gather into the arena (kernels/cache_trim.py); elsewhere its ATen reference.
-    write_trimmed = trim_copy_reference
-    if policy.decide(att.device, dtype).attention_kernel == "triton" and att.stride(-1) == 1:
-        from ..kernels.cache_trim import trim_copy_into as write_trimmed
+    # index[row, j] of the new cache, in one kernel (kernels/cache_trim.py) or its ATen reference.
+    write_trimmed = _frame_copy(att)
 
     def write_back(i: int, new_cnn: torch.Tensor, new_att: torch.Tensor) -> None:
         """Step i's new caches into the arena, the attention cache trimmed."""
@@ -162,12 +174,98 @@ def solve_arena_chunk(
             v = (1.0 + cfg_rate) * v[:n_rows] - cfg_rate * v[n_rows:]
             x = x + (ts[i + 1] - ts[i]) * v.to(dtype)
             write_back(i, new_cnn, new_att)
+    _store_outputs(out_mel, cache_lengths, x, new_lengths, slots)
+
+
+def _store_outputs(out_mel: torch.Tensor, cache_lengths: torch.Tensor, x: torch.Tensor, new_lengths: torch.Tensor,
+                   slots: Optional[torch.Tensor]) -> None:
     if slots is None:
         out_mel.copy_(x)  # copy_ casts (x is float32 on the fused route)
         cache_lengths.copy_(new_lengths)
     else:
         out_mel.index_copy_(0, slots, x.to(out_mel.dtype))
         cache_lengths.index_copy_(0, slots, new_lengths.to(cache_lengths.dtype))
+
+
+def _frame_copy(att: torch.Tensor):
+    """The frame-copy primitive for this arena: the Triton kernel where the policy runs Triton
+    kernels (NVIDIA SM80+), else its ATen reference."""
+    if policy.decide(att.device, att.dtype).attention_kernel == "triton" and att.stride(-1) == 1:
+        from ..kernels.cache_trim import trim_copy_into
+
+        return trim_copy_into
+    return trim_copy_reference
+
+
+def _solve_keyed(estimator, att, cnn, frame_keys, slots, x, mu2, spks2, cond2, vl, cl, vl2, cl2, prompt, ts,
+                 cfg_rate, fused, t_len, cache_frames, keep_oldest) -> tuple[torch.Tensor, torch.Tensor]:
+    """The n Euler steps on a keyed arena (``solve_arena_chunk`` with ``frame_keys``).
+
+    Three forms, one plan (:func:`~torch_cfm.models.cache.arena_chunk_plan`):
+    * fused body, every slot, room for ``Lb + T`` frames: each step appends its keys into the
+      arena in place (``dit_body_arena_into``); after the last step one copy refills the frames of
+      dropped keys in every step's cache (at most the dropped frames per row);
+    * fused body otherwise: each step copies the rows' old frames out into one scratch cache,
+      appends there and copies back only the frames that changed;
+    * the estimator's own ``forward_chunk`` (reference route): each step reads its old cache newest
+      first and writes the new one back keyed.
+    Returns (final x (S, 80, T), new lengths (S,)).
+    """
+    n_slots = vl.shape[0]
+    slot_count = frame_keys.shape[0]
+    width = cache_frames + t_len
+    n_steps = len(ts) - 1
+    dtype = att.dtype
+    keys_in = frame_keys if slots is None else frame_keys.index_select(0, slots)
+    plan = arena_chunk_plan(keys_in, cl, vl, prompt, cache_frames, t_len, keep_oldest)
+    rows = None if slots is None else torch.cat([slots, slots + slot_count])
+    copy = _frame_copy(att)
+
+    def write_cnn(i: int, new_cnn: torch.Tensor) -> None:
+        if rows is None:
+            cnn[i].copy_(new_cnn)
+        else:
+            cnn[i].index_copy_(1, rows, new_cnn.to(cnn.dtype))
+
+    precision = _fused_route(estimator, att.device, dtype, fused, t_len)
+    if precision is not None:
+        in_place = rows is None and width <= att.shape[4]
+        scratch = None if in_place else att.new_empty(att.shape[1], 2 * n_slots, *att.shape[3:4], width, att.shape[5])
+
+        def step_caches(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            cnn_in = cnn[i] if rows is None else cnn[i].index_select(1, rows)
+            if in_place:
+                return att[i][:, :, :, :width], cnn_in
+            return copy(scratch, att[i], plan.old_frames, None, rows), cnn_in
+
+        def after_step(i: int, new_cnn: torch.Tensor, _) -> None:
+            write_cnn(i, new_cnn)
+            if not in_place:
+                copy(att[i], scratch, plan.write_back, rows)
+
+        x = _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, precision, step_caches,
+                               after_step, arena=True)
+        if in_place:  # the trim: every step's cache at once
+            flat = att.flatten(0, 1)
+            copy(flat, flat, plan.moves)
+    else:
+        old = att.new_zeros(att.shape[1], 2 * n_slots, att.shape[3], cache_frames, att.shape[5])
+        for i in range(n_steps):
+            t = torch.full((2 * n_slots,), ts[i], device=mu2.device, dtype=dtype)
+            copy(old, att[i], plan.old_by_key, None, rows)
+            v, new_cnn, new_att = estimator.forward_chunk(
+                torch.cat([x, x]), mu2, t, spks2, cond2, cnn[i] if rows is None else cnn[i].index_select(1, rows), old,
+                valid_lengths=vl2, cache_lengths=cl2, fused=fused)
+            v = (1.0 + cfg_rate) * v[:n_slots] - cfg_rate * v[n_slots:]
+            x = x + (ts[i + 1] - ts[i]) * v.to(dtype)
+            write_cnn(i, new_cnn)
+            copy(att[i], new_att.contiguous(), plan.new_cache_keys, rows)
+    kept = plan.new_frame_keys.shape[1]
+    if slots is None:
+        frame_keys[:, :kept].copy_(plan.new_frame_keys)
+    else:
+        frame_keys[:, :kept].index_copy_(0, slots, plan.new_frame_keys)
+    return x, plan.new_lengths
 
 
 # Modulation tables of a schedule per packed weights, (n, 1, depth+1, 9, C), keyed by the id of
@@ -213,13 +311,14 @@ def _schedule_tables(packed, n_steps: int, precision: str) -> torch.Tensor:
 
 
 def _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, precision,
-                       step_caches, write_back) -> torch.Tensor:
+                       step_caches, write_back, arena: bool = False) -> torch.Tensor:
     """The n Euler steps on the fused body: the schedule's modulation tables computed once per
     weights (not per step), the staged input built once and updated in place by one CFG/Euler
     kernel per step, the outputs allocated once. The Euler state is float32 (as in the runner).
-    Returns the final x (rows, 80, T) in float32."""
+    ``arena``: ``step_caches`` gives in-place attention arenas (``dit_body_arena_into``) and
+    ``write_back`` gets None for the attention cache. Returns the final x (rows, 80, T) in float32."""
     from ..kernels.dit_body import cfg_euler
-    from ..ops.dit_body import _empty_outputs, check_dit_body, dit_body_fused_into, stage_input
+    from ..ops.dit_body import _empty_outputs, check_dit_body, dit_body_arena_into, dit_body_fused_into, stage_input
     from ..packing import packed_for
 
     dtype = mu2.dtype
@@ -232,10 +331,15 @@ def _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, 
     for i in range(len(ts) - 1):
         att_in, cnn_in = step_caches(i)
         if outs is None:
-            sizes = check_dit_body(staged, packed.body, tables[i], cnn_in, att_in, vl2, cl2, precision or "auto")
-            outs = _empty_outputs(staged, sizes)
-        vel, new_cnn, new_att = dit_body_fused_into(staged, packed.body, tables[i], cnn_in, att_in, vl2, cl2, prec,
-                                                    outs)
+            sizes = check_dit_body(staged, packed.body, tables[i], cnn_in, None if arena else att_in, vl2, cl2,
+                                   precision or "auto")
+            outs = _empty_outputs(staged, sizes, with_att=not arena)
+        if arena:
+            vel, new_cnn = dit_body_arena_into(staged, packed.body, tables[i], cnn_in, att_in, vl2, cl2, prec, outs)
+            new_att = None
+        else:
+            vel, new_cnn, new_att = dit_body_fused_into(staged, packed.body, tables[i], cnn_in, att_in, vl2, cl2,
+                                                        prec, outs)
         cfg_euler(x32, vel, staged, ts[i + 1] - ts[i], cfg_rate)
         write_back(i, new_cnn, new_att)
     return x32

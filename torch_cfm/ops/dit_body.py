@@ -102,10 +102,13 @@ def check_dit_body(x_in, weights, mod_table, cnn_cache, att_cache, valid_lengths
                 head_dim=head_dim, out_channels=weights[-2].shape[0])
 
 
-def _empty_outputs(x_in: torch.Tensor, s: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _empty_outputs(x_in: torch.Tensor, s: dict[str, int], with_att: bool = True) -> tuple[torch.Tensor, ...]:
+    """(velocity, new conv cache[, new attention cache]) for the sizes of ``check_dit_body``."""
     n, t, l_len = s["n_rows"], s["t_len"], s["cache_len"]
     vel = x_in.new_empty((n, s["out_channels"], t))
     cnn = x_in.new_empty((s["depth"], n, 2 * s["hidden"], 2))
+    if not with_att:
+        return vel, cnn
     att = x_in.new_empty((s["depth"], n, s["heads"], t + l_len, 2 * s["head_dim"]))
     return vel, cnn, att
 
