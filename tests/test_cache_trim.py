@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from torch_cfm.kernels.cache_trim import trim_copy_into
-from torch_cfm.reference.cache_trim import trim_copy_reference
+from torch_cfm.kernels.cache_trim import move_frames_into, trim_copy_into
+from torch_cfm.reference.cache_trim import move_frames_reference, trim_copy_reference
 from torch_cfm.models.cache import arena_chunk_plan, trim_gather_index
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -79,16 +79,24 @@ def make_keyed_case(case, device="cpu"):
     if form == "moves":
         arena = arena[:, : 2 * solved]
         out = (arena, arena, plan.moves, None, None, True)
+        assert (plan.moves.count > 0).any() and (plan.moves.count == 0).any()
     elif form == "gather":
         out = (scratch, arena, plan.old_frames, None, rows, False)
+        assert (plan.old_frames < 0).any() and (plan.old_frames >= 0).any(), "skip some frames, copy others"
     else:
         out = (arena, scratch, plan.write_back, rows, None, False)
-    assert (out[2] < 0).any() and (out[2] >= 0).any(), "the case must skip some frames and copy others"
-    return tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in out)
+    to = (lambda t: type(t)(*(to(v) for v in vars(t).values())) if hasattr(t, "count")  # noqa: E731
+          else t.to(device) if isinstance(t, torch.Tensor) else t)
+    return tuple(to(t) for t in out)
 
 
-def _keyed_expected(dst, src, index, dst_rows, src_rows, aliased):
-    return trim_copy_reference(dst.clone(), dst.clone() if aliased else src, index, dst_rows, src_rows)
+def _keyed_op(form):
+    """(kernel, reference) of a keyed case: the move lists or the frame map."""
+    return (trim_copy_into, trim_copy_reference) if form == "gather" else (move_frames_into, move_frames_reference)
+
+
+def _keyed_expected(case, dst, src, index, dst_rows, src_rows, aliased):
+    return _keyed_op(case[1])[1](dst.clone(), dst.clone() if aliased else src, index, dst_rows, src_rows)
 
 
 def _child(out_path: str) -> None:
@@ -98,7 +106,7 @@ def _child(out_path: str) -> None:
         results[case[0]] = trim_copy_into(dst, src, index, dst_rows).clone()
     for case in KEYED_CASES:
         dst, src, index, dst_rows, src_rows, _ = make_keyed_case(case)
-        results[case[0]] = trim_copy_into(dst, src, index, dst_rows, src_rows).clone()
+        results[case[0]] = _keyed_op(case[1])[0](dst, src, index, dst_rows, src_rows).clone()
     torch.save(results, out_path)
 
 
@@ -133,26 +141,30 @@ def test_interpreter_keyed_copies_match_reference_bitwise(case, interpreter_resu
     """Skipped frames (-1) stay, rows are renamed on either side, and the in-place moves (source
     and destination the same tensor) read the frames as they were before the call."""
     dst, src, index, dst_rows, src_rows, aliased = make_keyed_case(case)
-    assert torch.equal(interpreter_results[case[0]], _keyed_expected(dst, src, index, dst_rows, src_rows, aliased))
+    expected = _keyed_expected(case, dst, src, index, dst_rows, src_rows, aliased)
+    assert torch.equal(interpreter_results[case[0]], expected)
 
 
 def test_reference_skips_and_renames_rows_per_the_contract():
-    """The oracle against a per-frame loop of its contract (independent of both implementations)."""
+    """The oracles against a per-frame loop of their contracts (independent of both implementations)."""
     for case in KEYED_CASES:
         dst, src, index, dst_rows, src_rows, aliased = make_keyed_case(case)
         start, src0 = dst.clone(), (dst if aliased else src).clone()
-        out = _keyed_expected(dst, src, index, dst_rows, src_rows, aliased)
-        n_req, width = index.shape
+        out = _keyed_expected(case, dst, src, index, dst_rows, src_rows, aliased)
+        if case[1] == "gather":
+            pairs = [[(j, int(k)) for j, k in enumerate(row.tolist()) if k >= 0] for row in index]
+        else:
+            pairs = [list(zip(index.dst[n, :c].tolist(), index.src[n, :c].tolist()))
+                     for n, c in enumerate(index.count.tolist())]
+        n_req = len(pairs)
         n_rows = len(src_rows) if src_rows is not None else len(dst_rows) if dst_rows is not None else src.shape[1]
         written = set()
         for r in range(n_rows):
             d_r = int(dst_rows[r]) if dst_rows is not None else r
             s_r = int(src_rows[r]) if src_rows is not None else r
-            for j in range(width):
-                k = int(index[r % n_req, j])
-                if k >= 0:
-                    written.add((d_r, j))
-                    assert torch.equal(out[:, d_r, :, j], src0[:, s_r, :, k].to(out.dtype)), (case[0], r, j)
+            for j, k in pairs[r % n_req]:
+                written.add((d_r, j))
+                assert torch.equal(out[:, d_r, :, j], src0[:, s_r, :, k].to(out.dtype)), (case[0], r, j)
         for d_r in range(dst.shape[1]):
             for j in range(dst.shape[3]):
                 if (d_r, j) not in written:
@@ -184,10 +196,10 @@ def test_bad_layouts_raise():
 def test_gpu_keyed_copies_match_reference_bitwise_in_a_graph(case):
     dst, src, index, dst_rows, src_rows, aliased = make_keyed_case(case, "cuda")
     start = dst.clone()
-    expected = _keyed_expected(dst, src, index, dst_rows, src_rows, aliased)
+    expected = _keyed_expected(case, dst, src, index, dst_rows, src_rows, aliased)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        trim_copy_into(dst, dst if aliased else src, index, dst_rows, src_rows)
+        _keyed_op(case[1])[0](dst, dst if aliased else src, index, dst_rows, src_rows)
     dst.copy_(start)
     graph.replay()
     torch.cuda.synchronize()

@@ -12,7 +12,7 @@ from oracle import err_rel_fro
 from torch_cfm.models import (CacheArena, DiT, DiTConfig, StreamingCFM, euler_timesteps, solve_arena_chunk,
                               trim_attention_cache, trim_gather_index)
 from torch_cfm.models.cache import arena_chunk_plan, keyed_to_newest_first
-from torch_cfm.reference.cache_trim import trim_copy_reference
+from torch_cfm.reference.cache_trim import move_frames_reference, trim_copy_reference
 
 TINY = DiTConfig(hidden=64, depth=2, heads=4, head_dim=16)
 STEPS = 3
@@ -172,8 +172,9 @@ def test_arena_chunk_plan_keeps_every_row_equal_to_the_spec_cache(seed):
             new_cache.append(cur + spec[r])
             spec[r] = O.trim(torch.tensor(new_cache[r], dtype=torch.float64)[:, None], int(prompt[r]), keep)[:, 0].tolist()
         in_place = _frames_as_cache(arena)
-        trim_copy_reference(in_place, in_place, plan.moves)
-        width_k = plan.write_back.shape[1]
+        assert (plan.moves.count <= valid).all()  # a refill never moves more than the chunk's frames
+        move_frames_reference(in_place, in_place, plan.moves)
+        width_k = plan.new_frame_keys.shape[1]
         new_c = torch.full((1, rows, 1, frames, 2), -4.0, dtype=torch.float64)
         padded_new = torch.full((rows, width), -5.0, dtype=torch.float64)
         for r in range(rows):
@@ -187,10 +188,12 @@ def test_arena_chunk_plan_keeps_every_row_equal_to_the_spec_cache(seed):
             assert sorted(keys) == list(range(n)), (chunk, r)
             assert arena[r, :n].tolist() == [spec[r][k] for k in keys], (chunk, r)
             assert new_c[0, r, 0, :n, 0].tolist() == arena[r, :n].tolist(), (chunk, r)
-            wb = plan.write_back[r]
-            changed = (wb >= 0).nonzero().flatten().tolist()
-            assert all(j < n for j in changed)
-            assert all(scratch[r, int(wb[j])] == arena[r, j] for j in changed), (chunk, r)
+            wb = plan.write_back
+            count = int(wb.count[r])
+            assert count <= int(valid[r])  # only the chunk's frames come back
+            changed = wb.dst[r, :count].tolist()
+            assert all(j < n for j in changed) and len(set(changed)) == count
+            assert all(scratch[r, int(s_j)] == arena[r, j] for s_j, j in zip(wb.src[r, :count], changed)), (chunk, r)
             unchanged = [j for j in range(n) if j not in changed]
             assert all(j < int(lengths[r]) for j in unchanged), (chunk, r)  # old frames, still in place
         frame_keys[:, :width_k] = plan.new_frame_keys

@@ -105,4 +105,80 @@ def trim_copy_into(dst: torch.Tensor, src: torch.Tensor, index: torch.Tensor,
     return dst
 
 
-__all__ = ["trim_copy_into"]
+@triton.jit(do_not_specialize=["n_req", "n_rows", "heads", "width", "src_frames"])
+def _move_frames_kernel(
+    src_ptr, s_d, s_r, s_h, s_f,  # (depth, R_src, H, Fs, 2D), unit stride on the last dim
+    dst_ptr, t_d, t_r, t_h, t_f,  # (depth, R_dst, H, M, 2D), unit stride on the last dim
+    from_ptr, to_ptr,  # (n_req, width) int64 source / destination frame of move k, row-major
+    count_ptr,  # (n_req,) int64 moves of each row (entries [0, count) are valid)
+    rows_ptr, src_rows_ptr,  # (rows,) int64 destination / source row of each row (HAS_ROWS / HAS_SRC_ROWS)
+    n_req, n_rows, heads, width, src_frames,
+    TWO_D: tl.constexpr, BLOCK_F: tl.constexpr, HAS_ROWS: tl.constexpr, HAS_SRC_ROWS: tl.constexpr,
+):
+    pid = tl.program_id(0)  # (block, row, head): one program walks the row's whole move list
+    h = pid % heads
+    rest = pid // heads
+    r = rest % n_rows
+    d = rest // n_rows
+    req = (r % n_req).to(tl.int64)
+    count = tl.load(count_ptr + req)
+    count = tl.minimum(tl.maximum(count, 0), width)
+    if HAS_SRC_ROWS:
+        src_r = tl.load(src_rows_ptr + r).to(tl.int64)
+    else:
+        src_r = r.to(tl.int64)
+    if HAS_ROWS:
+        dst_r = tl.load(rows_ptr + r).to(tl.int64)
+    else:
+        dst_r = r.to(tl.int64)
+    src_base = src_ptr + d.to(tl.int64) * s_d + src_r * s_r + h.to(tl.int64) * s_h
+    dst_base = dst_ptr + d.to(tl.int64) * t_d + dst_r * t_r + h.to(tl.int64) * t_h
+    offs_c = tl.arange(0, TWO_D)
+    for k0 in range(0, count, BLOCK_F):
+        offs_k = k0 + tl.arange(0, BLOCK_F)
+        ok = offs_k < count
+        f_from = tl.load(from_ptr + req * width + offs_k, mask=ok, other=0)
+        f_from = tl.minimum(tl.maximum(f_from, 0), src_frames - 1)
+        f_to = tl.load(to_ptr + req * width + offs_k, mask=ok, other=0)
+        vals = tl.load(src_base + f_from[:, None] * s_f + offs_c[None, :], mask=ok[:, None], other=0.0)
+        tl.store(dst_base + f_to[:, None] * t_f + offs_c[None, :], vals.to(dst_ptr.dtype.element_ty),
+                 mask=ok[:, None])
+
+
+def move_frames_into(dst: torch.Tensor, src: torch.Tensor, moves, dst_rows: Optional[torch.Tensor] = None,
+                     src_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``dst[d, dst_rows[r], h, moves.dst[r % n, k]] = src[d, src_rows[r], h, moves.src[r % n, k]]``
+    for ``k < moves.count[r % n]``: a compact list of frame moves per row, so the cost follows the
+    frames moved, not the cache length (one program per (block, row, head) walks its list).
+
+    Args:
+        dst, src: as :func:`trim_copy_into` (``src`` may be ``dst`` when no destination frame of a
+            row is also one of its source frames: the keyed arena's refills).
+        moves: a :class:`~torch_cfm.models.cache.FrameMoves` (``src``, ``dst`` (n, K) int64 and
+            ``count`` (n,) int64); destination frames must lie below dst's frames.
+        dst_rows, src_rows: as :func:`trim_copy_into`.
+    Returns ``dst``.
+    """
+    depth, src_rows_n, heads, src_frames, two_d = src.shape
+    n_req, width = moves.src.shape
+    n_rows = next((len(t) for t in (src_rows, dst_rows) if t is not None), src_rows_n)
+    if dst.stride(-1) != 1 or src.stride(-1) != 1:
+        raise ValueError("move_frames_into: dst and src need unit stride on their last dim")
+    if (moves.dst.shape != moves.src.shape or moves.count.shape != (n_req,) or n_rows % max(n_req, 1)
+            or two_d != dst.shape[4] or two_d & (two_d - 1) or dst.shape[0] != depth):
+        raise ValueError(f"move_frames_into: incompatible shapes dst {tuple(dst.shape)}, src {tuple(src.shape)}, "
+                         f"moves {tuple(moves.src.shape)}")
+    if width == 0 or n_rows == 0 or src.numel() == 0:
+        return dst
+    with on_device(dst.device):
+        _move_frames_kernel[(depth * n_rows * heads,)](
+            src, *src.stride()[:4], dst, *dst.stride()[:4], moves.src.contiguous(), moves.dst.contiguous(),
+            moves.count, dst_rows if dst_rows is not None else moves.count,
+            src_rows if src_rows is not None else moves.count,
+            n_req, n_rows, heads, width, src_frames,
+            TWO_D=two_d, BLOCK_F=16, HAS_ROWS=dst_rows is not None, HAS_SRC_ROWS=src_rows is not None,
+            num_warps=4)
+    return dst
+
+
+__all__ = ["move_frames_into", "trim_copy_into"]

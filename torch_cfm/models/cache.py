@@ -111,18 +111,41 @@ def trim_gather_index(new_lengths: torch.Tensor, prompt_lengths: torch.Tensor, w
 
 
 @dataclass
+class FrameMoves:
+    """A compact list of frame copies per row (``kernels.cache_trim.move_frames_into``): row n
+    copies frame ``src[n, k]`` to frame ``dst[n, k]`` for k < ``count[n]``; entries past the
+    count are padding. src, dst (S, K) int64; count (S,) int64."""
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    count: torch.Tensor
+
+
+def _compact_moves(wanted: torch.Tensor, source: torch.Tensor) -> FrameMoves:
+    """The frames j where ``wanted[n, j]`` as a move list ``source[n, j] -> j``, in frame order."""
+    rows, width = wanted.shape
+    j = torch.arange(width, device=wanted.device)[None].expand(rows, -1)
+    slot = torch.where(wanted, wanted.cumsum(1) - 1, width)
+    dst = torch.zeros((rows, width + 1), dtype=torch.int64, device=wanted.device)
+    src = torch.zeros((rows, width + 1), dtype=torch.int64, device=wanted.device)
+    dst.scatter_(1, slot, j.clone())
+    src.scatter_(1, slot, source)
+    return FrameMoves(src=src[:, :width], dst=dst[:, :width], count=wanted.sum(1))
+
+
+@dataclass
 class ArenaChunkPlan:
     """The frame maps of one chunk on a keyed arena (:func:`arena_chunk_plan`); S rows (requests),
     Lb = cache window, W = Lb + T frames of the chunk's cache, Wk = min(W, frames of frame_keys).
-    Every map is int64 with -1 where nothing is copied (``trim_copy_into`` skips those frames).
+    The frame maps are int64 with -1 where nothing is copied (``trim_copy_into`` skips those frames).
 
     Attributes:
         old_frames: (S, Lb) frame j itself for j < L_r (a gather of the old frames as they lie).
         old_by_key: (S, Lb) the frame holding SPEC key k for k < L_r (the old cache newest first).
-        moves: (S, W) for a frame that must change after an in-place append: the frame whose key
-            it takes (frames of dropped keys below the new length); -1 elsewhere.
-        write_back: (S, Wk) for a frame the chunk changes (an appended or a filled frame): its
-            frame in the chunk's appended cache; -1 elsewhere (old frames left as they are).
+        moves: :class:`FrameMoves` after an in-place append: each frame of a dropped key below the
+            new length takes the key of a kept frame at or past it (at most the dropped frames).
+        write_back: :class:`FrameMoves` from a copied-out, appended cache back into the arena: the
+            frames the chunk changes (appended or refilled), old frames left as they are.
         new_cache_keys: (S, Wk) the key in the chunk's newest-first new cache ``[cur T_r ; old L_r]``
             of the key each frame holds afterwards; -1 past the new length.
         new_frame_keys: (S, Wk) int32 ``frame_keys`` after the chunk (renumbered by the trim).
@@ -131,8 +154,8 @@ class ArenaChunkPlan:
 
     old_frames: torch.Tensor
     old_by_key: torch.Tensor
-    moves: torch.Tensor
-    write_back: torch.Tensor
+    moves: FrameMoves
+    write_back: FrameMoves
     new_cache_keys: torch.Tensor
     new_frame_keys: torch.Tensor
     new_lengths: torch.Tensor
@@ -196,8 +219,8 @@ def arena_chunk_plan(frame_keys: torch.Tensor, cache_lengths: torch.Tensor, vali
     return ArenaChunkPlan(
         old_frames=torch.where(old_live, kj, -1),
         old_by_key=torch.where(old_live, by_key[:, :cache_frames], -1),
-        moves=torch.where(hole, source, -1),
-        write_back=torch.where(changed, source, -1)[:, :kept_width],
+        moves=_compact_moves(hole, source),
+        write_back=_compact_moves(changed[:, :kept_width], source[:, :kept_width]),
         new_cache_keys=torch.where(live, cache_keys, -1)[:, :kept_width],
         new_frame_keys=torch.where(live, renumbered, j)[:, :kept_width].to(torch.int32),
         new_lengths=new_len[:, 0],

@@ -18,7 +18,7 @@ from torch import nn
 from .. import policy
 from ..config import SolverConfig, cosine_timesteps
 from ..ops._checks import fail, shape_str
-from ..reference.cache_trim import trim_copy_reference
+from ..reference.cache_trim import move_frames_reference, trim_copy_reference
 from .cache import TRIM_KEEP_OLDEST, arena_chunk_plan, trim_gather_index
 
 _SOLVER = SolverConfig()
@@ -144,7 +144,7 @@ def solve_arena_chunk(
     index, new_lengths = trim_gather_index(vl + cl, prompt, width, t_len + cache_frames, keep_oldest)
     # Write-back of each step's new attention cache, trimmed: output frame j of a row reads frame
     # index[row, j] of the new cache, in one kernel (kernels/cache_trim.py) or its ATen reference.
-    write_trimmed = _frame_copy(att)
+    write_trimmed = _frame_copies(att)[0]
 
     def write_back(i: int, new_cnn: torch.Tensor, new_att: torch.Tensor) -> None:
         """Step i's new caches into the arena, the attention cache trimmed."""
@@ -187,14 +187,15 @@ def _store_outputs(out_mel: torch.Tensor, cache_lengths: torch.Tensor, x: torch.
         cache_lengths.index_copy_(0, slots, new_lengths.to(cache_lengths.dtype))
 
 
-def _frame_copy(att: torch.Tensor):
-    """The frame-copy primitive for this arena: the Triton kernel where the policy runs Triton
-    kernels (NVIDIA SM80+), else its ATen reference."""
+def _frame_copies(att: torch.Tensor):
+    """(frame-map copy, move-list copy) for this arena: the Triton kernels of
+    ``kernels/cache_trim.py`` where the policy runs Triton kernels (NVIDIA SM80+), else their ATen
+    references."""
     if policy.decide(att.device, att.dtype).attention_kernel == "triton" and att.stride(-1) == 1:
-        from ..kernels.cache_trim import trim_copy_into
+        from ..kernels.cache_trim import move_frames_into, trim_copy_into
 
-        return trim_copy_into
-    return trim_copy_reference
+        return trim_copy_into, move_frames_into
+    return trim_copy_reference, move_frames_reference
 
 
 def _solve_keyed(estimator, att, cnn, frame_keys, slots, x, mu2, spks2, cond2, vl, cl, vl2, cl2, prompt, ts,
@@ -219,7 +220,7 @@ def _solve_keyed(estimator, att, cnn, frame_keys, slots, x, mu2, spks2, cond2, v
     keys_in = frame_keys if slots is None else frame_keys.index_select(0, slots)
     plan = arena_chunk_plan(keys_in, cl, vl, prompt, cache_frames, t_len, keep_oldest)
     rows = None if slots is None else torch.cat([slots, slots + slot_count])
-    copy = _frame_copy(att)
+    copy, move = _frame_copies(att)
 
     def write_cnn(i: int, new_cnn: torch.Tensor) -> None:
         if rows is None:
@@ -241,13 +242,13 @@ def _solve_keyed(estimator, att, cnn, frame_keys, slots, x, mu2, spks2, cond2, v
         def after_step(i: int, new_cnn: torch.Tensor, _) -> None:
             write_cnn(i, new_cnn)
             if not in_place:
-                copy(att[i], scratch, plan.write_back, rows)
+                move(att[i], scratch, plan.write_back, rows)
 
         x = _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, precision, step_caches,
                                after_step, arena=True)
         if in_place:  # the trim: every step's cache at once
             flat = att.flatten(0, 1)
-            copy(flat, flat, plan.moves)
+            move(flat, flat, plan.moves)
     else:
         old = att.new_zeros(att.shape[1], 2 * n_slots, att.shape[3], cache_frames, att.shape[5])
         for i in range(n_steps):

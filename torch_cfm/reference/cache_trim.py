@@ -35,4 +35,18 @@ def trim_copy_reference(dst: torch.Tensor, src: torch.Tensor, index: torch.Tenso
     return dst
 
 
-__all__ = ["trim_copy_reference"]
+def move_frames_reference(dst: torch.Tensor, src: torch.Tensor, moves, dst_rows: Optional[torch.Tensor] = None,
+                          src_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``dst[d, dst_rows[r], h, moves.dst[r % n, k]] = src[d, src_rows[r], h, moves.src[r % n, k]]``
+    for ``k < moves.count[r % n]``, with ATen ops (the moves as a frame index, then
+    :func:`trim_copy_reference`): the oracle of ``kernels.cache_trim.move_frames_into``."""
+    n_req, width = moves.src.shape
+    frames = dst.shape[3]
+    k = torch.arange(width, device=moves.src.device)[None]
+    ok = k < moves.count[:, None]
+    index = torch.full((n_req, frames + 1), -1, dtype=torch.int64, device=moves.src.device)
+    index.scatter_(1, torch.where(ok, moves.dst.clamp(0, frames), frames), torch.where(ok, moves.src, -1))
+    return trim_copy_reference(dst, src, index[:, :frames], dst_rows, src_rows)
+
+
+__all__ = ["move_frames_reference", "trim_copy_reference"]
