@@ -119,7 +119,7 @@ def build_runner(model, dtype, precision):
     ent = runner.entry((B, T, L))
     ent.bufs.valid.fill_(T)  # full chunks over settled caches, as in the server row
     ent.bufs.cached.fill_(L)
-    for buf in (ent.bufs.att_in, ent.bufs.staged, ent.bufs.x0):
+    for buf in (ent.bufs.att if ent.bufs.in_place else ent.bufs.att_in, ent.bufs.staged, ent.bufs.x0):
         buf.normal_()
     runner.run(ent)  # captures
     return runner, ent.graph
