@@ -111,6 +111,57 @@ def server_host_profile(server, chunks, repeats: int) -> dict:
     return {"solve_chunk_host_us_p50": host}
 
 
+def launch_probe(graph: torch.cuda.CUDAGraph, server, chunks, repeats: int) -> dict:
+    """Where a served chunk's host time goes: host µs of ``graph.replay()`` right after a sync and
+    after small async work like solve_chunk's staging (device copies, a pinned host-to-device
+    copy), and ``solve_chunk`` split into staging (before the solve call), the solve call (graph
+    key + replay) and the output copies after it."""
+    med = lambda xs: round(sorted(xs)[len(xs) // 2], 1)  # noqa: E731
+    src = torch.randn(80, T, device="cuda", dtype=torch.float16)
+    dst = torch.empty_like(src)
+    host = torch.zeros(B, dtype=torch.int32).pin_memory()
+    dev = torch.zeros(B, dtype=torch.int32, device="cuda")
+    preludes = {
+        "sync": lambda: None,
+        "8_device_copies": lambda: [dst.copy_(src) for _ in range(8)],
+        "pinned_h2d": lambda: dev.copy_(host, non_blocking=True),
+        "fresh_pinned_h2d": lambda: dev.copy_(torch.tensor([1] * B, dtype=torch.int32).pin_memory(), non_blocking=True),
+    }
+    row = {}
+    for name, prelude in preludes.items():
+        xs = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            prelude()
+            t0 = time.perf_counter()
+            graph.replay()
+            xs.append((time.perf_counter() - t0) * 1e6)
+        row[f"replay_after_{name}_us_p50"] = med(xs)
+    inner, marks = server.solve_fn, []
+
+    def timed(*args, **kwargs):
+        marks.append(time.perf_counter())
+        inner(*args, **kwargs)
+        marks.append(time.perf_counter())
+
+    server.solve_fn = timed
+    parts = {"staging": [], "solve_call": [], "outputs": []}
+    try:
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            server.solve_chunk(chunks)
+            t1 = time.perf_counter()
+            parts["staging"].append((marks[-2] - t0) * 1e6)
+            parts["solve_call"].append((marks[-1] - marks[-2]) * 1e6)
+            parts["outputs"].append((t1 - marks[-1]) * 1e6)
+    finally:
+        server.solve_fn = inner
+    torch.cuda.synchronize()
+    row.update({f"solve_chunk_{k}_us_p50": med(v) for k, v in parts.items()})
+    return row
+
+
 def build_runner(model, dtype, precision):
     from torch_cfm.graphs import CFMGraphRunner
 
@@ -155,13 +206,16 @@ def main(argv=None) -> int:
             row.update(time_graph(graph, args.repeats))
             if name == "server":
                 row.update(server_host_profile(built[0], built[1], args.repeats))
+                row.update(launch_probe(graph, built[0], built[1], args.repeats))
             if not args.plain_graphs:
                 row.update(graph_nodes(graph))
             rows.append(row)
             print(json.dumps({k: row.get(k) for k in ("provider", "pdl_env", "debug_graphs", "host_replay_us_p50",
                                                       "gpu_replay_us_p50",
                                                       "solve_chunk_host_us_p50", "node_types", "edges",
-                                                      "top_kernels")}), flush=True)
+                                                      "top_kernels")} | {k: v for k, v in row.items()
+                                                                         if k.startswith(("replay_after", "solve_chunk_"))}),
+                  flush=True)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "graph_launch.json")
     old = json.load(open(path)) if os.path.exists(path) else []
