@@ -189,6 +189,11 @@ def test_bad_layouts_raise():
         trim_copy_into(dst[:, :, :, :10], src, index)  # width 40 > 10 arena frames
     with pytest.raises(ValueError, match="incompatible"):
         trim_copy_into(dst, src[:, :5], index)  # 5 rows are not a multiple of 3 requests
+    arena, _, moves, *_ = make_keyed_case(KEYED_CASES[0])
+    with pytest.raises(ValueError, match="move_frames_into: incompatible"):
+        move_frames_into(arena[:, :, :, :5], arena, moves)  # a move list wider than the frames
+    with pytest.raises(ValueError, match="unit stride"):
+        move_frames_into(arena.transpose(3, 4), arena, moves)
 
 
 @pytest.mark.gpu

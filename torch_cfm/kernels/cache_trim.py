@@ -155,7 +155,8 @@ def move_frames_into(dst: torch.Tensor, src: torch.Tensor, moves, dst_rows: Opti
         dst, src: as :func:`trim_copy_into` (``src`` may be ``dst`` when no destination frame of a
             row is also one of its source frames: the keyed arena's refills).
         moves: a :class:`~torch_cfm.models.cache.FrameMoves` (``src``, ``dst`` (n, K) int64 and
-            ``count`` (n,) int64); destination frames must lie below dst's frames.
+            ``count`` (n,) int64) with K <= dst's frames and destination frames below K (as
+            ``arena_chunk_plan`` makes them); source frames at or past Fs are clamped.
         dst_rows, src_rows: as :func:`trim_copy_into`.
     Returns ``dst``.
     """
@@ -165,7 +166,7 @@ def move_frames_into(dst: torch.Tensor, src: torch.Tensor, moves, dst_rows: Opti
     if dst.stride(-1) != 1 or src.stride(-1) != 1:
         raise ValueError("move_frames_into: dst and src need unit stride on their last dim")
     if (moves.dst.shape != moves.src.shape or moves.count.shape != (n_req,) or n_rows % max(n_req, 1)
-            or two_d != dst.shape[4] or two_d & (two_d - 1) or dst.shape[0] != depth):
+            or width > dst.shape[3] or two_d != dst.shape[4] or two_d & (two_d - 1) or dst.shape[0] != depth):
         raise ValueError(f"move_frames_into: incompatible shapes dst {tuple(dst.shape)}, src {tuple(src.shape)}, "
                          f"moves {tuple(moves.src.shape)}")
     if width == 0 or n_rows == 0 or src.numel() == 0:
