@@ -725,14 +725,13 @@ def main(argv=None) -> int:
     if not args.no_solve:  # first: the whole-chunk solve is the headline number
         sdn = args.solve_dtypes.split(",") if args.solve_dtypes else dnames
         b, t, l_len = (1, 5, 4) if args.dry_run else (4, 50, 400)
-        # The server rows first: measured after the runner's rows in the same process they came out
-        # 2+ ms slower (host time of solve_chunk 1.6-2.6 ms against 0.7 alone; session 15, cause not
-        # established). For A/Bs of server variants, run each in its own process.
+        if any(p in providers for p in ("torch_cfm", "reference_eager", "reference_graph")):
+            rows += run_solve(cfg, b, t, l_len, sdn, args, env, base, n_steps=2 if args.dry_run else 10)
+        # Server rows include solve_chunk's host work, which varied 0.7-2.6 ms between processes of one
+        # device session (session 15): A/B server variants in separate, interleaved processes.
         if "torch_cfm/server" in providers:
             rows += run_server(cfg, b, t, 104 if args.dry_run else l_len, sdn, args, env, base,
                                n_steps=2 if args.dry_run else 10)
-        if any(p in providers for p in ("torch_cfm", "reference_eager", "reference_graph")):
-            rows += run_solve(cfg, b, t, l_len, sdn, args, env, base, n_steps=2 if args.dry_run else 10)
     if not args.no_steps:
         rows += run_steps(cfg, shapes, dnames, providers, args, env, base)
     if args.sweep:

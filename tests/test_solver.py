@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import dit_oracle as O
 from oracle import err_rel_fro
@@ -127,37 +129,31 @@ def _frames_as_cache(tokens: torch.Tensor) -> torch.Tensor:
     return tokens.to(torch.float64)[None, :, None, :, None].expand(1, -1, 1, -1, 2).contiguous()
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_arena_chunk_plan_keeps_every_row_equal_to_the_spec_cache(seed):
-    """A keyed arena of token ids, driven chunk by chunk through the plan, against python lists
-    that follow SPEC §2-3 literally (new cache = [current ; old], then the trim): every valid
-    frame holds the token its frame key names, the keys are a permutation, and the in-place form
-    (append + ``moves``), the copy-out form (``old_frames`` + append + ``write_back``) and the
-    reference form (``old_by_key`` + ``new_cache_keys``) give the same arena."""
-    g = torch.Generator().manual_seed(seed)
-    rows, keep, max_prompt, max_chunk = 5, 4, 6, 9
-    key_frames = max_prompt + keep
+def _drive_keyed_arena(rows: int, keep: int, prompt: list[int], max_chunk: int, chunks: list) -> bool:
+    """Drive a keyed arena of token ids chunk by chunk through ``arena_chunk_plan`` and check it
+    against python lists that follow SPEC §2-3 literally (new cache = [current ; old], then the
+    trim): every valid frame holds the token its frame key names, the keys are a permutation, and
+    the in-place form (append + ``moves``), the copy-out form (``old_frames`` + append +
+    ``write_back``) and the reference form (``old_by_key`` + ``new_cache_keys``) agree.
+
+    ``chunks``: (t_len, per-row valid lengths, extra cache-window frames) per chunk. Returns whether
+    some row went through the trim."""
+    key_frames = max(prompt) + keep
     frames = key_frames + max_chunk
-    prompt = torch.randint(0, max_prompt + 1, (rows,), generator=g)
+    prompt_t = torch.tensor(prompt)
     spec = [[] for _ in range(rows)]  # SPEC order: index = key
     arena = torch.full((rows, frames), -1.0, dtype=torch.float64)
     frame_keys = torch.arange(key_frames, dtype=torch.int32).repeat(rows, 1)
     lengths = torch.zeros(rows, dtype=torch.int64)
-    next_token = 0
-    for chunk in range(12):
-        t_len = int(torch.randint(1, max_chunk + 1, (1,), generator=g))
-        valid = torch.randint(0, t_len + 1, (rows,), generator=g)
-        valid[chunk % rows] = t_len
-        cache_frames = int(lengths.max()) + int(torch.randint(0, 2, (1,), generator=g))
-        cache_frames = min(cache_frames, key_frames)
-        plan = arena_chunk_plan(frame_keys, lengths, valid, prompt, cache_frames, t_len, keep)
+    next_token, trimmed = 0, False
+    for chunk, (t_len, valid_list, slack) in enumerate(chunks):
+        valid = torch.tensor(valid_list)
+        cache_frames = min(int(lengths.max()) + slack, key_frames)
+        plan = arena_chunk_plan(frame_keys, lengths, valid, prompt_t, cache_frames, t_len, keep)
         width = cache_frames + t_len
-        # the copy-out form: gather the old frames, append there, copy changed frames back
-        scratch = torch.full((rows, width), -2.0, dtype=torch.float64)
-        scratch_c = _frames_as_cache(scratch)
+        scratch_c = _frames_as_cache(torch.full((rows, width), -2.0, dtype=torch.float64))
         trim_copy_reference(scratch_c, _frames_as_cache(arena), plan.old_frames)
         scratch = scratch_c[0, :, 0, :, 0].clone()
-        # the reference form: the old cache newest first
         old_c = torch.zeros(1, rows, 1, cache_frames, 2, dtype=torch.float64)
         trim_copy_reference(old_c, _frames_as_cache(arena), plan.old_by_key)
         new_cache = []
@@ -170,15 +166,15 @@ def test_arena_chunk_plan_keeps_every_row_equal_to_the_spec_cache(seed):
                 arena[r, ln + tn - 1 - f] = tok
                 scratch[r, ln + tn - 1 - f] = tok
             new_cache.append(cur + spec[r])
-            spec[r] = O.trim(torch.tensor(new_cache[r], dtype=torch.float64)[:, None], int(prompt[r]), keep)[:, 0].tolist()
+            spec[r] = O.trim(torch.tensor(new_cache[r], dtype=torch.float64)[:, None], prompt[r], keep)[:, 0].tolist()
+            trimmed |= len(new_cache[r]) > len(spec[r])
         in_place = _frames_as_cache(arena)
         assert (plan.moves.count <= valid).all()  # a refill never moves more than the chunk's frames
         move_frames_reference(in_place, in_place, plan.moves)
-        width_k = plan.new_frame_keys.shape[1]
-        new_c = torch.full((1, rows, 1, frames, 2), -4.0, dtype=torch.float64)
         padded_new = torch.full((rows, width), -5.0, dtype=torch.float64)
         for r in range(rows):
             padded_new[r, :len(new_cache[r])] = torch.tensor(new_cache[r], dtype=torch.float64)
+        new_c = torch.full((1, rows, 1, frames, 2), -4.0, dtype=torch.float64)
         trim_copy_reference(new_c, _frames_as_cache(padded_new), plan.new_cache_keys)
         arena = in_place[0, :, 0, :, 0].clone()
         for r in range(rows):
@@ -196,9 +192,46 @@ def test_arena_chunk_plan_keeps_every_row_equal_to_the_spec_cache(seed):
             assert all(scratch[r, int(s_j)] == arena[r, j] for s_j, j in zip(wb.src[r, :count], changed)), (chunk, r)
             unchanged = [j for j in range(n) if j not in changed]
             assert all(j < int(lengths[r]) for j in unchanged), (chunk, r)  # old frames, still in place
-        frame_keys[:, :width_k] = plan.new_frame_keys
+        frame_keys[:, :plan.new_frame_keys.shape[1]] = plan.new_frame_keys
         lengths = plan.new_lengths.clone()
-    assert any(len(s) == int(p) + keep for s, p in zip(spec, prompt)), "no row went through the trim"
+    return trimmed
+
+
+def test_arena_chunk_plan_keeps_every_row_equal_to_the_spec_cache():
+    """A long seeded stream (12 chunks, 5 rows, ragged, some idle rows) that trims every row."""
+    g = torch.Generator().manual_seed(0)
+    rows, keep, max_prompt, max_chunk = 5, 4, 6, 9
+    prompt = torch.randint(0, max_prompt + 1, (rows,), generator=g).tolist()
+    chunks = []
+    for chunk in range(12):
+        t_len = int(torch.randint(1, max_chunk + 1, (1,), generator=g))
+        valid = torch.randint(0, t_len + 1, (rows,), generator=g)
+        valid[chunk % rows] = t_len
+        chunks.append((t_len, valid.tolist(), int(torch.randint(0, 2, (1,), generator=g))))
+    assert _drive_keyed_arena(rows, keep, prompt, max_chunk, chunks)
+
+
+@st.composite
+def keyed_streams(draw):
+    """(rows, keep, prompts, max chunk, chunks) with lengths at 0, 1, the chunk and in between."""
+    rows = draw(st.integers(1, 4))
+    keep = draw(st.integers(1, 5))
+    prompt = draw(st.lists(st.integers(0, 6), min_size=rows, max_size=rows))
+    max_chunk = draw(st.integers(1, 8))
+    chunks = []
+    for _ in range(draw(st.integers(1, 8))):
+        t_len = draw(st.integers(1, max_chunk))
+        valid = draw(st.lists(st.one_of(st.sampled_from([0, 1, t_len]), st.integers(0, t_len)),
+                              min_size=rows, max_size=rows))
+        chunks.append((t_len, [min(v, t_len) for v in valid], draw(st.integers(0, 2))))
+    return rows, keep, prompt, max_chunk, chunks
+
+
+@given(keyed_streams())
+def test_arena_chunk_plan_property(stream):
+    """Hypothesis: any stream of ragged chunks (idle rows, one-frame chunks, prompts of 0) keeps
+    the keyed arena equal to the SPEC cache (see ``_drive_keyed_arena``)."""
+    _drive_keyed_arena(*stream)
 
 
 def _arena(cfm, rows, max_cache, max_chunk):
