@@ -165,16 +165,27 @@ def solve_arena_chunk(
         x = _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, precision,
                                step_caches, write_back)
     else:
-        for i in range(n_timesteps):
-            t = torch.full((2 * n_rows,), ts[i], device=mu.device, dtype=dtype)
-            att_in, cnn_in = step_caches(i)
-            v, new_cnn, new_att = estimator.forward_chunk(
-                torch.cat([x, x]), mu2, t, spks2, cond2, cnn_in, att_in,
-                valid_lengths=vl2, cache_lengths=cl2, fused=fused)
-            v = (1.0 + cfg_rate) * v[:n_rows] - cfg_rate * v[n_rows:]
-            x = x + (ts[i + 1] - ts[i]) * v.to(dtype)
-            write_back(i, new_cnn, new_att)
+        x = _solve_steps_reference(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, fused, step_caches,
+                                   write_back)
     _store_outputs(out_mel, cache_lengths, x, new_lengths, slots)
+
+
+def _solve_steps_reference(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, fused, step_caches,
+                           write_back) -> torch.Tensor:
+    """The n Euler steps through the estimator's own ``forward_chunk`` (CFG rows, Euler in the
+    compute dtype); ``step_caches(i)`` gives step i's (att_in newest first, cnn_in),
+    ``write_back(i, new_cnn, new_att)`` stores its new caches. Returns the final x."""
+    n_rows = x.shape[0]
+    for i in range(len(ts) - 1):
+        t = torch.full((2 * n_rows,), ts[i], device=x.device, dtype=x.dtype)
+        att_in, cnn_in = step_caches(i)
+        v, new_cnn, new_att = estimator.forward_chunk(
+            torch.cat([x, x]), mu2, t, spks2, cond2, cnn_in, att_in,
+            valid_lengths=vl2, cache_lengths=cl2, fused=fused)
+        v = (1.0 + cfg_rate) * v[:n_rows] - cfg_rate * v[n_rows:]
+        x = x + (ts[i + 1] - ts[i]) * v.to(x.dtype)
+        write_back(i, new_cnn, new_att)
+    return x
 
 
 def _store_outputs(out_mel: torch.Tensor, cache_lengths: torch.Tensor, x: torch.Tensor, new_lengths: torch.Tensor,
@@ -215,7 +226,6 @@ def _solve_keyed(estimator, att, cnn, frame_keys, slots, x, mu2, spks2, cond2, v
     n_slots = vl.shape[0]
     slot_count = frame_keys.shape[0]
     width = cache_frames + t_len
-    n_steps = len(ts) - 1
     dtype = att.dtype
     keys_in = frame_keys if slots is None else frame_keys.index_select(0, slots)
     plan = arena_chunk_plan(keys_in, cl, vl, prompt, cache_frames, t_len, keep_oldest)
@@ -251,16 +261,16 @@ def _solve_keyed(estimator, att, cnn, frame_keys, slots, x, mu2, spks2, cond2, v
             move(flat, flat, plan.moves)
     else:
         old = att.new_zeros(att.shape[1], 2 * n_slots, att.shape[3], cache_frames, att.shape[5])
-        for i in range(n_steps):
-            t = torch.full((2 * n_slots,), ts[i], device=mu2.device, dtype=dtype)
-            copy(old, att[i], plan.old_by_key, None, rows)
-            v, new_cnn, new_att = estimator.forward_chunk(
-                torch.cat([x, x]), mu2, t, spks2, cond2, cnn[i] if rows is None else cnn[i].index_select(1, rows), old,
-                valid_lengths=vl2, cache_lengths=cl2, fused=fused)
-            v = (1.0 + cfg_rate) * v[:n_slots] - cfg_rate * v[n_slots:]
-            x = x + (ts[i + 1] - ts[i]) * v.to(dtype)
+
+        def old_caches(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return copy(old, att[i], plan.old_by_key, None, rows), cnn[i] if rows is None else cnn[i].index_select(1, rows)
+
+        def write_keyed(i: int, new_cnn: torch.Tensor, new_att: torch.Tensor) -> None:
             write_cnn(i, new_cnn)
             copy(att[i], new_att.contiguous(), plan.new_cache_keys, rows)
+
+        x = _solve_steps_reference(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, fused, old_caches,
+                                   write_keyed)
     kept = plan.new_frame_keys.shape[1]
     if slots is None:
         frame_keys[:, :kept].copy_(plan.new_frame_keys)
