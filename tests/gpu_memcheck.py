@@ -14,7 +14,10 @@ Covered: ``cfm_attention`` (fp16, bf16, fp32 TF32 and IEEE) with K = 0, 1, block
 and >= 600, Q = 1 and odd Q, lengths 0/1/K/out of range, masks (dense and stride 0), kv_rows
 pools with out-of-range rows, transposed q, interleaved caches, every tile/split variant on one
 case, every config of the hand-written CUDA kernel on that case (where it is built); every variant of the fused DiT body's Triton driver on ragged chunks with and without caches, and its in-place arena form
-(an arena of exactly L + T frames, NaN past each row's old keys). ``--parts`` picks the checks.
+(an arena of exactly L + T frames, NaN past each row's old keys); the server's keyed-arena frame
+copies (``kernels/cache_trim.py``: the in-place refill, the row gather, the compact write-back, the
+trimmed write-back) on exactly sized arenas against their ATen references, bitwise.
+``--parts`` picks the checks.
 """
 
 from __future__ import annotations
@@ -212,10 +215,53 @@ def check_body_arena(model, packed, table, x_in, a: dict, prec, vels, spec, dtyp
     return 1
 
 
+def check_frames(dtype: torch.dtype) -> int:
+    """The keyed arena's copies on tensors of exactly the frames they need, bitwise vs the references.
+    Returns the number of copies checked."""
+    from torch_cfm.kernels.cache_trim import move_frames_into, trim_copy_into
+    from torch_cfm.models.cache import arena_chunk_plan, trim_gather_index
+    from torch_cfm.reference.cache_trim import move_frames_reference, trim_copy_reference
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(5)
+    depth, heads, two_d, keep, key_frames, t_len, slots = 3, 2, 64, 7, 40, 13, 5
+    lengths = torch.tensor([40, 0, 1, 33, 27])
+    valid = torch.tensor([13, 5, 0, 13, 1])
+    prompt = torch.tensor([33, 0, 1, 10, 20])
+    keys = torch.arange(key_frames).repeat(slots, 1)
+    for r, ln in enumerate(lengths.tolist()):
+        keys[r, :ln] = torch.randperm(ln, generator=g)
+    plan = arena_chunk_plan(keys.to(torch.int32).to(dev), lengths.to(dev), valid.to(dev), prompt.to(dev),
+                            key_frames, t_len, keep)
+    width = key_frames + t_len
+    arena = torch.randn(depth, 2 * slots, heads, width, two_d, generator=g).to(dev, dtype)
+    solved = torch.tensor([4, 0, 2], device=dev)
+    rows = torch.cat([solved, solved + slots])
+    sub = arena_chunk_plan(keys[[4, 0, 2]].to(torch.int32).to(dev), lengths[[4, 0, 2]].to(dev),
+                           valid[[4, 0, 2]].to(dev), prompt[[4, 0, 2]].to(dev), key_frames, t_len, keep)
+    scratch = torch.randn(depth, 2 * len(solved), heads, width, two_d, generator=g).to(dev, dtype)
+    index, _ = trim_gather_index((lengths + valid).to(dev), prompt.to(dev), key_frames, width, keep)
+    cases = [
+        ("refill in place", move_frames_into, move_frames_reference, arena, None, plan.moves, {}),
+        ("gather rows", trim_copy_into, trim_copy_reference, scratch, arena, sub.old_frames, {"src_rows": rows}),
+        ("write back rows", move_frames_into, move_frames_reference, arena, scratch, sub.write_back,
+         {"dst_rows": rows}),
+        ("trimmed write-back", trim_copy_into, trim_copy_reference, arena[:, :, :, :key_frames].contiguous(), arena,
+         index, {}),
+    ]
+    for name, kernel, reference, dst, src, index, kw in cases:
+        expected = reference(dst.clone(), dst.clone() if src is None else src, index, **kw)
+        got = dst.clone()
+        kernel(got, got if src is None else src, index, **kw)
+        torch.cuda.synchronize()
+        assert torch.equal(got, expected), f"frames {name} {dtype}: kernel != reference"
+    return len(cases)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes (for a slow sanitizer run)")
-    parser.add_argument("--parts", default="attention,attention_configs,cuda_attention_configs,body",
+    parser.add_argument("--parts", default="attention,attention_configs,cuda_attention_configs,body,frames",
                         help="which checks run (comma list)")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -223,7 +269,7 @@ def main() -> int:
         print("gpu_memcheck: needs a CUDA device")
         return 2
     start = time.time()
-    counts = {"attention": 0, "attention_configs": 0, "cuda_attention_configs": 0, "body": 0}
+    counts = {"attention": 0, "attention_configs": 0, "cuda_attention_configs": 0, "body": 0, "frames": 0}
     failures = []
     for dtype, precision in MODES:
         for spec in attention_specs(args.quick) if "attention" in parts else []:
@@ -241,6 +287,11 @@ def main() -> int:
         try:
             if "cuda_attention_configs" in parts:
                 counts["cuda_attention_configs"] += check_cuda_attention_configs(dtype, precision)
+        except AssertionError as exc:
+            failures.append(str(exc))
+        try:
+            if "frames" in parts and precision != "ieee":  # a copy: one run per storage dtype
+                counts["frames"] += check_frames(dtype)
         except AssertionError as exc:
             failures.append(str(exc))
         try:
