@@ -151,7 +151,8 @@ def run(argv: Optional[Sequence[str]] = None, out=None) -> int:
     server = CFMServer(cfm, max_requests=args.requests, max_prompt_frames=max_prompt,
                        max_chunk_frames=max_chunk)
     say(f"server: {args.requests} request slots, {args.steps} Euler steps, CFG {cfm.cfg_rate}; "
-        f"arena {server.arenas[0].nbytes() / 2**20:.1f} MiB ({server.max_cache_frames} cache frames)")
+        f"arena {server.arenas[0].nbytes() / 2**20:.1f} MiB ({server.max_cache_frames} cache frames "
+        f"+ {server.arenas[0].append_frames} for in-place appends)")
 
     gen = torch.Generator().manual_seed(args.seed + 1)
     mel_ch = cfg.out_channels
