@@ -334,7 +334,8 @@ class CacheArena:
 
     def request_caches(self, slot: int, length: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of one slot's caches in the SPEC layout: cnn (n, depth, 2, 2C, 2) and att
-        (n, depth, 2, H, length, 2D) newest first (``length`` default M), row 0 = cond, row 1 = uncond."""
+        (n, depth, 2, H, length, 2D) newest first, row 0 = cond, row 1 = uncond. ``length``: keys
+        to return (default M; keys past the slot's ``cache_lengths`` entry are meaningless)."""
         if not 0 <= slot < self.rows:
             fail("CacheArena.request_caches", "slot", f"be in [0, {self.rows})", str(slot))
         rows = [slot, self.rows + slot]
