@@ -393,10 +393,10 @@ class ArenaGraphSolver:
 
     Plug into the model server: ``server.solve_fn = ArenaGraphSolver()``. Per static key (the
     in-place arena tensors by identity — ``att``, ``cnn``, ``cache_lengths``, ``out_mel``,
-    ``frame_keys`` —, the
-    shapes of the read-only inputs, the python ints, the estimator and its packed weights) the
-    first ``warmup`` calls run eagerly (they are real solves: no state is touched twice), the next
-    call captures (capture runs nothing) and replays; later calls copy read-only inputs whose
+    ``frame_keys`` —, the shapes of the read-only inputs, the python ints, the estimator and its
+    packed weights) the first ``warmup`` calls run eagerly (they are real solves: no state is
+    touched twice), the next call captures (capture runs nothing) and replays; later calls copy
+    read-only inputs whose
     storage changed (e.g. a fresh ``slots`` tensor) into the captured ones and replay. A capture
     failure is logged and that key stays eager. At most ``max_graphs`` keys keep a graph (LRU).
     On CPU everything runs eagerly.
