@@ -77,11 +77,17 @@ def reversed_key_index(lengths: torch.Tensor, frames: int) -> tuple[torch.Tensor
 def reverse_keys(cache: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """``cache`` (..., R, H, F, 2D) with each row's first ``lengths[r]`` frames in reversed order
     and zeros after them (a new tensor): newest-first ↔ the in-place arena's order."""
-    *lead, rows, heads, frames, width = cache.shape
-    index, valid = reversed_key_index(lengths, frames)
-    idx = index.view(*([1] * len(lead)), rows, 1, frames, 1).expand(*lead, rows, heads, frames, width)
-    out = torch.gather(cache, -2, idx)
-    return torch.where(valid.view(*([1] * len(lead)), rows, 1, frames, 1), out, out.new_zeros(()))
+    return _gather_frames(cache, *reversed_key_index(lengths, cache.shape[-2]))
+
+
+def _gather_frames(cache: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """A new (..., R, H, W, 2D) tensor: output frame j of row r is ``cache[..., r, :, index[r, j], :]``
+    where ``valid[r, j]``, zeros elsewhere. index (R, W) int64 in [0, F), valid (R, W) bool."""
+    *lead, rows, heads, _, two_d = cache.shape
+    width = index.shape[1]
+    shape = (*([1] * len(lead)), rows, 1, width, 1)
+    out = torch.gather(cache, -2, index.view(shape).expand(*lead, rows, heads, width, two_d))
+    return torch.where(valid.view(shape), out, out.new_zeros(()))
 
 
 def trim_gather_index(new_lengths: torch.Tensor, prompt_lengths: torch.Tensor, width: int, src_frames: int,
@@ -231,7 +237,7 @@ def keyed_to_newest_first(cache: torch.Tensor, frame_keys: torch.Tensor, lengths
                           frames: Optional[int] = None) -> torch.Tensor:
     """A keyed cache (..., R, H, F, 2D) in the SPEC layout: a new (..., R, H, frames, 2D) tensor
     with row r's key k at frame k for k < lengths[r] and zeros after (``frames`` default F)."""
-    *lead, rows, heads, width, two_d = cache.shape
+    rows, width = cache.shape[-4], cache.shape[-2]
     frames = width if frames is None else frames
     ln = lengths.to(torch.int64).clamp(0, min(frames, frame_keys.shape[1]))[:, None]
     j = torch.arange(frame_keys.shape[1], device=cache.device)[None]
@@ -239,11 +245,8 @@ def keyed_to_newest_first(cache: torch.Tensor, frame_keys: torch.Tensor, lengths
     by_key = torch.zeros((rows, frames + 1), dtype=torch.int64, device=cache.device)
     by_key.scatter_(1, torch.where(valid, frame_keys.to(torch.int64).clamp(0, frames), frames),
                     j.expand(rows, -1).clone())
-    by_key = by_key[:, :frames].clamp(max=width - 1)
-    idx = by_key.view(*([1] * len(lead)), rows, 1, frames, 1).expand(*lead, rows, heads, frames, two_d)
-    out = torch.gather(cache, -2, idx)
-    kept = (torch.arange(frames, device=cache.device)[None] < ln).view(*([1] * len(lead)), rows, 1, frames, 1)
-    return torch.where(kept, out, out.new_zeros(()))
+    kept = torch.arange(frames, device=cache.device)[None] < ln
+    return _gather_frames(cache, by_key[:, :frames].clamp(max=width - 1), kept)
 
 
 @dataclass
