@@ -43,7 +43,7 @@ CUtensorMap make_map(const at::Tensor& t, int64_t rows, int64_t cols, int64_t ld
 
 template <typename T, int BN>
 void launch(const at::Tensor& a, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out, bool pdl, int flags,
-            cudaStream_t stream) {
+            int cluster, cudaStream_t stream) {
   const int m = static_cast<int>(a.size(0)), k = static_cast<int>(a.size(1)), n = static_cast<int>(w.size(0));
   const CUtensorMap map_a = make_map(a, m, k, a.stride(0), wgmma_bench::kBM);
   const CUtensorMap map_w = make_map(w, n, k, w.stride(0), BN);
@@ -56,24 +56,36 @@ void launch(const at::Tensor& a, const at::Tensor& w, const at::Tensor& bias, at
     opted_in = smem;
   }
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((m + wgmma_bench::kBM - 1) / wgmma_bench::kBM, n / BN, 1);
+  const int row_tiles = (m + wgmma_bench::kBM - 1) / wgmma_bench::kBM;
+  config.gridDim = dim3((row_tiles + cluster - 1) / cluster * cluster, n / BN, 1);
   config.blockDim = dim3(wgmma_bench::kThreads, 1, 1);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = pdl ? 1 : 0;
+  cudaLaunchAttribute attributes[2];
+  int count = 0;
+  if (pdl) {
+    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[count++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attributes[count].id = cudaLaunchAttributeClusterDimension;
+    attributes[count].val.clusterDim.x = cluster;
+    attributes[count].val.clusterDim.y = 1;
+    attributes[count++].val.clusterDim.z = 1;
+  }
+  config.attrs = attributes;
+  config.numAttrs = count;
   const T* b = reinterpret_cast<const T*>(bias.data_ptr());
   T* o = reinterpret_cast<T*>(out.data_ptr());
-  cudaLaunchKernelEx(&config, kernel, map_a, map_w, b, o, m, static_cast<int>(out.stride(0)), k, flags);
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_w, b, o, m, static_cast<int>(out.stride(0)), k, flags);
+  TORCH_CHECK(err == cudaSuccess, "wgmma_gemm launch: ", cudaGetErrorString(err));
 }
 
 // out = a @ w.T + bias (GELU when flags & 2): a (M, K), w (N, K), bias (N,), out (M, N); fp16 or bf16,
-// K a multiple of 64 up to 512, N a multiple of block_n (32, 64 or 128), rows 16-byte aligned.
+// K a multiple of 64 up to 512, N a multiple of block_n (32, 64, 96 or 128), rows 16-byte aligned;
+// cluster > 1 multicasts each weight tile to that many consecutive row tiles.
 void gemm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& bias, at::Tensor& out, int64_t block_n,
-          bool pdl, int64_t flags) {
+          bool pdl, int64_t flags, int64_t cluster) {
   TORCH_CHECK(a.is_cuda() && a.dim() == 2 && w.dim() == 2 && out.dim() == 2 && bias.dim() == 1, "shapes");
   TORCH_CHECK(a.scalar_type() == w.scalar_type() && a.scalar_type() == out.scalar_type() &&
                   a.scalar_type() == bias.scalar_type() &&
@@ -83,22 +95,23 @@ void gemm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& bias, at::
   TORCH_CHECK(w.size(1) == k && out.size(0) == m && out.size(1) == n && bias.size(0) == n, "shape mismatch");
   TORCH_CHECK(k % 64 == 0 && k <= 64 * wgmma_bench::kMaxStages, "K must be a multiple of 64, at most 512");
   TORCH_CHECK(n % block_n == 0, "N must be a multiple of block_n");
+  TORCH_CHECK(cluster >= 1 && cluster <= 8, "cluster: 1 to 8 CTAs");
   TORCH_CHECK(a.stride(1) == 1 && w.stride(1) == 1 && out.stride(1) == 1 && bias.is_contiguous(), "row-major");
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int f = static_cast<int>(flags);
 #define WG_CASE(T, BN)                                     \
   if (block_n == BN) {                                     \
-    launch<T, BN>(a, w, bias, out, pdl, f, stream);        \
+    launch<T, BN>(a, w, bias, out, pdl, f, static_cast<int>(cluster), stream);        \
     C10_CUDA_KERNEL_LAUNCH_CHECK();                        \
     return;                                                \
   }
   if (a.scalar_type() == at::kHalf) {
-    WG_CASE(__half, 32) WG_CASE(__half, 64) WG_CASE(__half, 128)
+    WG_CASE(__half, 32) WG_CASE(__half, 64) WG_CASE(__half, 96) WG_CASE(__half, 128)
   } else {
-    WG_CASE(__nv_bfloat16, 32) WG_CASE(__nv_bfloat16, 64) WG_CASE(__nv_bfloat16, 128)
+    WG_CASE(__nv_bfloat16, 32) WG_CASE(__nv_bfloat16, 64) WG_CASE(__nv_bfloat16, 96) WG_CASE(__nv_bfloat16, 128)
   }
 #undef WG_CASE
-  TORCH_CHECK(false, "block_n must be 32, 64 or 128");
+  TORCH_CHECK(false, "block_n must be 32, 64, 96 or 128");
 }
 
 }  // namespace

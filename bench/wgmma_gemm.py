@@ -11,12 +11,12 @@ Three parts, one JIT build (``torch.utils.cpp_extension.load``, sm_90a):
 1. check: every (role shape, dtype, block_n) against a float64 product, next to cuBLAS's own error;
    rows with M in {1, 64, 65} check the edges (TMA zero fill, masked stores).
 2. repeat: the same GEMM ``--calls`` times in one graph (``bench/dit_gemm.py``'s method).
-3. chain: ``--chain`` dependent GEMMs in one graph, each with its own weight matrix (together larger
-   than L2, as in the step, whose 147 MB of weights stream from HBM), activations ping-ponged
-   between two buffers; µs per GEMM. Plans are captured ``--rounds`` times in a new order each round
+3. chain: dependent GEMMs of one role in one graph, each with its own weight matrix (``--chain-mb``
+   together, more than L2, as in the step, whose 147 MB of weights stream from HBM), activations
+   ping-ponged between two buffers (GEMM i reads the first K columns of GEMM i-1's output); µs per GEMM. Plans are captured ``--rounds`` times in a new order each round
    and the rounds pooled (capture-to-capture spread is 3-8 %, bench/NOTES.md session 6).
 
-Rows (``op`` = "wgmma_gemm", provider "cublas" or "wgmma", variant "bn<BN>[/pdl[/late]]", shape
+Rows (``op`` = "wgmma_gemm", provider "cublas" or "wgmma", variant "bn<BN>[/c<cluster>][/pdl]", shape
 {M, K, N, mode}) go to ``<out>/wgmma_gemm.json`` and a markdown table.
 
     python3 bench/wgmma_gemm.py --out bench/results          # on the GPU box (bash bench/run_device.sh wgmma-gemm)
@@ -68,16 +68,19 @@ def _cublas(a, w, b, out, gelu: bool):
     return torch.addmm(b, a, w.t(), out=out)
 
 
-def _plans(block_ns):
-    """(provider, variant, block_n, pdl, flags) of every timed plan."""
-    plans = [("cublas", "", 0, False, 0)]
+def _plans(block_ns, n: int, clusters):
+    """(provider, variant, block_n, pdl, flags, cluster) of every timed plan for an output width n."""
+    plans = [("cublas", "", 0, False, 0, 1)]
     for bn in block_ns:
-        plans += [("wgmma", f"bn{bn}", bn, False, TRIGGER_EARLY), ("wgmma", f"bn{bn}/pdl", bn, True, TRIGGER_EARLY),
-                  ("wgmma", f"bn{bn}/pdl/late", bn, True, 0)]
+        if n % bn:
+            continue
+        for c in clusters:
+            tag = f"bn{bn}" + (f"/c{c}" if c > 1 else "")
+            plans += [("wgmma", tag, bn, False, TRIGGER_EARLY, c), ("wgmma", tag + "/pdl", bn, True, TRIGGER_EARLY, c)]
     return plans
 
 
-def check(mod, env, dtypes, block_ns) -> tuple[list, bool]:
+def check(mod, env, dtypes, block_ns, clusters) -> tuple[list, bool]:
     rows, ok = [], True
     shapes = [(role, m, k, n, gelu) for role, m, k, n, gelu in ROLES]
     shapes += [(f"proj_m{m}", m, 512, 512, False) for m in EDGE_ROWS]
@@ -91,41 +94,39 @@ def check(mod, env, dtypes, block_ns) -> tuple[list, bool]:
             ref_norm = ref.norm().clamp_min(1e-30)
             cub = _cublas(a, w, b, torch.empty(m, n, device="cuda", dtype=dtype), gelu)
             cub_err = ((cub.double() - ref).norm() / ref_norm).item()
-            for bn in block_ns:
+            for bn, c in [(bn, c) for bn in block_ns for c in clusters]:
                 if n % bn:
                     continue
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-                mod.gemm(a, w, b, out, bn, False, GELU if gelu else 0)
+                mod.gemm(a, w, b, out, bn, False, GELU if gelu else 0, c)
                 torch.cuda.synchronize()
                 err = ((out.double() - ref).norm() / ref_norm).item()
                 good = bool(torch.isfinite(out).all()) and err <= 2 * cub_err + 1e-3 * (dtype == torch.bfloat16) + 1e-4
                 ok &= good
-                print(f"check {dname} {role:9s} M={m:4d} K={k} N={n:4d} bn{bn:<3d} rel err {err:.2e} "
+                print(f"check {dname} {role:9s} M={m:4d} K={k} N={n:4d} bn{bn:<3d} c{c} rel err {err:.2e} "
                       f"(cuBLAS {cub_err:.2e}) {'ok' if good else 'FAIL'}", flush=True)
-                rows.append(make_row(env, op="wgmma_gemm", provider="wgmma", variant=f"bn{bn}",
+                rows.append(make_row(env, op="wgmma_gemm", provider="wgmma", variant=f"bn{bn}/c{c}",
                                      shape={"M": m, "K": k, "N": n, "mode": "check", "role": role}, dtype=dname,
                                      rel_err=err, rel_err_cublas=cub_err, passed=good))
     return rows, ok
 
 
-def _launcher(mod, provider, bn, pdl, flags, a, w, b, out, gelu):
+def _launcher(mod, provider, bn, pdl, flags, cluster, a, w, b, out, gelu):
     if provider == "cublas":
         return lambda: _cublas(a, w, b, out, gelu)
     f = flags | (GELU if gelu else 0)
-    return lambda: mod.gemm(a, w, b, out, bn, pdl, f)
+    return lambda: mod.gemm(a, w, b, out, bn, pdl, f, cluster)
 
 
-def repeat_rows(mod, env, dtypes, block_ns, calls, repeats) -> list:
+def repeat_rows(mod, env, dtypes, block_ns, clusters, calls, repeats) -> list:
     rows = []
     for dname in dtypes:
         dtype = DTYPES[dname]
         for role, m, k, n, gelu in ROLES:
             a, w, b = _operands(m, k, n, dtype, seed=1)
             out = torch.empty(m, n, device="cuda", dtype=dtype)
-            for provider, variant, bn, pdl, flags in _plans(block_ns):
-                if provider == "wgmma" and n % bn:
-                    continue
-                t = time_cuda_graph(_launcher(mod, provider, bn, pdl, flags, a, w, b, out, gelu), calls=calls,
+            for provider, variant, bn, pdl, flags, c in _plans(block_ns, n, clusters):
+                t = time_cuda_graph(_launcher(mod, provider, bn, pdl, flags, c, a, w, b, out, gelu), calls=calls,
                                     repeats=repeats)
                 print(f"repeat {dname} {role:5s} {provider:6s} {variant:14s} {t['us_p50']:.2f} us", flush=True)
                 rows.append(make_row(env, op="wgmma_gemm", provider=provider, variant=variant,
@@ -134,54 +135,56 @@ def repeat_rows(mod, env, dtypes, block_ns, calls, repeats) -> list:
     return rows
 
 
-def chain_rows(mod, env, dtypes, block_ns, length, rounds, repeats) -> list:
-    """µs per GEMM of ``length`` dependent proj-shaped GEMMs, each with its own weights."""
+def chain_rows(mod, env, dtypes, block_ns, clusters, weight_mb, rounds, repeats) -> list:
+    """µs per GEMM of a chain of dependent GEMMs of one role, each with its own weights (together
+    ``weight_mb`` MB, more than L2): GEMM i reads the first K columns of GEMM i-1's output."""
     rows = []
-    m, k, n = 400, 512, 512
     for dname in dtypes:
         dtype = DTYPES[dname]
-        g = torch.Generator(device="cpu").manual_seed(7)
-        weights = [(torch.randn(n, k, generator=g) * k ** -0.5).to("cuda", dtype) for _ in range(length)]
-        biases = [(torch.randn(n, generator=g) * 0.01).to("cuda", dtype) for _ in range(length)]
-        x0 = torch.randn(m, k, generator=g).to("cuda", dtype)
-        bufs = [torch.empty(m, k, device="cuda", dtype=dtype) for _ in range(2)]
-        plans = [p for p in _plans(block_ns) if p[0] == "cublas" or n % p[2] == 0]
-        samples = {p[1] or "cublas": [] for p in plans}
-        finals = {}
-        for rnd in range(rounds):
-            order = plans[:]
-            random.Random(rnd).shuffle(order)
-            for provider, variant, bn, pdl, flags in order:
-                steps = []
-                for i in range(length):
-                    src = x0 if i == 0 else bufs[(i - 1) % 2]
-                    steps.append(_launcher(mod, provider, bn, pdl, flags, src, weights[i], biases[i], bufs[i % 2],
-                                           False))
+        for role, m, k, n, gelu in ROLES:
+            length = max(32, -(-weight_mb * 2 ** 20 // (n * k * 2)))
+            g = torch.Generator(device="cpu").manual_seed(7)
+            weights = [(torch.randn(n, k, generator=g) * k ** -0.5).to("cuda", dtype) for _ in range(length)]
+            biases = [(torch.randn(n, generator=g) * 0.01).to("cuda", dtype) for _ in range(length)]
+            x0 = torch.randn(m, k, generator=g).to("cuda", dtype)
+            bufs = [torch.empty(m, n, device="cuda", dtype=dtype) for _ in range(2)]
+            plans = _plans(block_ns, n, clusters)
+            samples = {p[1] or "cublas": [] for p in plans}
+            finals = {}
+            for rnd in range(rounds):
+                order = plans[:]
+                random.Random(rnd).shuffle(order)
+                for provider, variant, bn, pdl, flags, c in order:
+                    steps = []
+                    for i in range(length):
+                        src = x0 if i == 0 else bufs[(i - 1) % 2][:, :k]
+                        steps.append(_launcher(mod, provider, bn, pdl, flags, c, src, weights[i], biases[i],
+                                               bufs[i % 2], gelu))
 
-                def run_chain(steps=steps):
-                    for s in steps:
-                        s()
+                    def run_chain(steps=steps):
+                        for step in steps:
+                            step()
 
-                pad = torch.empty(random.Random(rnd * 31 + bn).randint(1, 64) << 16, dtype=torch.uint8,
-                                  device="cuda")  # shifts the capture's pool addresses between rounds
+                    key = variant or "cublas"
+                    pad = torch.empty(random.Random(rnd * 31 + bn + c).randint(1, 64) << 16, dtype=torch.uint8,
+                                      device="cuda")  # shifts the capture's pool addresses between rounds
+                    raw = []
+                    t = time_cuda_graph(run_chain, calls=1, repeats=repeats, samples=raw)
+                    del pad
+                    samples[key].extend(v / length for v in raw)
+                    finals[key] = bufs[(length - 1) % 2].double().clone()
+                    print(f"chain {dname} {role} round {rnd} {provider:6s} {variant:16s} "
+                          f"{t['us_p50'] / length:.2f} us/GEMM", flush=True)
+            ref = finals["cublas"]
+            for provider, variant, bn, pdl, flags, c in plans:
                 key = variant or "cublas"
-                raw = []
-                t = time_cuda_graph(run_chain, calls=1, repeats=repeats, samples=raw)
-                del pad
-                samples[key].extend(v / length for v in raw)
-                finals[key] = bufs[(length - 1) % 2].double().clone()
-                print(f"chain {dname} round {rnd} {provider:6s} {variant:14s} {t['us_p50'] / length:.2f} us/GEMM",
-                      flush=True)
-        ref = finals["cublas"]
-        for provider, variant, bn, pdl, flags in plans:
-            key = variant or "cublas"
-            diff = ((finals[key] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-            p = percentiles(samples[key])
-            rows.append(make_row(env, op="wgmma_gemm", provider=provider, variant=variant,
-                                 shape={"M": m, "K": k, "N": n, "mode": f"chain{length}"}, dtype=dname,
-                                 timing="cuda_graph", rel_err_vs_cublas_chain=diff, **p))
-            print(f"chain {dname} {provider:6s} {variant:14s} {p['us_p50']:.2f} us/GEMM "
-                  f"(end of chain vs cuBLAS: rel diff {diff:.1e})", flush=True)
+                diff = ((finals[key] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                p = percentiles(samples[key])
+                rows.append(make_row(env, op="wgmma_gemm", provider=provider, variant=variant,
+                                     shape={"M": m, "K": k, "N": n, "mode": f"chain{length}", "role": role},
+                                     dtype=dname, timing="cuda_graph", rel_err_vs_cublas_chain=diff, **p))
+                print(f"chain {dname} {role:5s} {provider:6s} {variant:16s} {p['us_p50']:.2f} us/GEMM "
+                      f"(end of chain vs cuBLAS: rel diff {diff:.1e})", flush=True)
     return rows
 
 
@@ -189,11 +192,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--dtypes", default="fp16")
-    ap.add_argument("--block-n", default="32,64,128")
+    ap.add_argument("--block-n", default="32,64,96,128")
+    ap.add_argument("--clusters", default="1,7", help="CTAs per cluster sharing a weight tile (1 = no multicast)")
     ap.add_argument("--parts", default="check,repeat,chain")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--chain", type=int, default=160, help="GEMMs per chain (160 × 0.5 MB of weights > L2)")
+    ap.add_argument("--chain-mb", type=int, default=80, help="MB of distinct weights per chain (L2: 50 MB)")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
@@ -203,15 +207,16 @@ def main(argv=None) -> int:
     env = env_info()
     dtypes = args.dtypes.split(",")
     block_ns = [int(x) for x in args.block_n.split(",")]
+    clusters = [int(x) for x in args.clusters.split(",")]
     parts = args.parts.split(",")
     rows, ok = [], True
     if "check" in parts:
-        r, ok = check(mod, env, dtypes, block_ns)
+        r, ok = check(mod, env, dtypes, block_ns, clusters)
         rows += r
     if "repeat" in parts:
-        rows += repeat_rows(mod, env, dtypes, block_ns, args.calls, args.repeats)
+        rows += repeat_rows(mod, env, dtypes, block_ns, clusters, args.calls, args.repeats)
     if "chain" in parts:
-        rows += chain_rows(mod, env, dtypes, block_ns, args.chain, args.rounds, args.repeats)
+        rows += chain_rows(mod, env, dtypes, block_ns, clusters, args.chain_mb, args.rounds, args.repeats)
     os.makedirs(args.out, exist_ok=True)
     upsert_rows(os.path.join(args.out, "wgmma_gemm.json"), rows)
     timed = [r for r in rows if r.get("us_p50") is not None]

@@ -19,6 +19,8 @@
 
 #include <type_traits>
 
+#include "wgmma_ops.cuh"  // generated wgmma m64nNk16 wrappers
+
 namespace wgmma_bench {
 
 constexpr int kBM = 64;         // rows per CTA (one wgmma m64)
@@ -72,131 +74,49 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
       : "memory");
 }
 
+// The same box, written to the same shared-memory offset of every CTA in `mask` (cluster ranks), each
+// destination's barrier at `bar`'s offset counting the bytes it receives.
+__device__ __forceinline__ void tma_load_2d_multicast(void* dst, const CUtensorMap* map, int k0, int row0, uint64_t* bar,
+                                                      uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(k0), "r"(row0), "r"(smem_u32(bar)), "h"(mask)
+      : "memory");
+}
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t cluster_size() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
+  return r;
+}
+
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
-// wgmma m64nNk16 wrappers (generated text: one asm statement per (N, dtype); the accumulator
-// registers are "+f" operands so that they stay in registers across the async group).
-// D(64x32, f32) += A(64x16, smem) * B(16x32, smem), both K-major, f16 operands
-__device__ __forceinline__ void wgmma_m64n32k16_f16(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-      "}, %16, %17, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-// D(64x64, f32) += A(64x16, smem) * B(16x64, smem), both K-major, f16 operands
-__device__ __forceinline__ void wgmma_m64n64k16_f16(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, %32, %33, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-// D(64x128, f32) += A(64x16, smem) * B(16x128, smem), both K-major, f16 operands
-__device__ __forceinline__ void wgmma_m64n128k16_f16(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-// D(64x32, f32) += A(64x16, smem) * B(16x32, smem), both K-major, bf16 operands
-__device__ __forceinline__ void wgmma_m64n32k16_bf16(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
-      "}, %16, %17, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-// D(64x64, f32) += A(64x16, smem) * B(16x64, smem), both K-major, bf16 operands
-__device__ __forceinline__ void wgmma_m64n64k16_bf16(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, %32, %33, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-// D(64x128, f32) += A(64x16, smem) * B(16x128, smem), both K-major, bf16 operands
-__device__ __forceinline__ void wgmma_m64n128k16_bf16(float* d, uint64_t desc_a, uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-      "{"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, 0;\n"
-      "}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
 template <typename T, int BN>
 __device__ __forceinline__ void wgmma_k16(float* d, uint64_t da, uint64_t db, int scale_d) {
   if constexpr (std::is_same<T, __half>::value) {
     if constexpr (BN == 32) wgmma_m64n32k16_f16(d, da, db, scale_d);
     else if constexpr (BN == 64) wgmma_m64n64k16_f16(d, da, db, scale_d);
+    else if constexpr (BN == 96) wgmma_m64n96k16_f16(d, da, db, scale_d);
     else wgmma_m64n128k16_f16(d, da, db, scale_d);
   } else {
     if constexpr (BN == 32) wgmma_m64n32k16_bf16(d, da, db, scale_d);
     else if constexpr (BN == 64) wgmma_m64n64k16_bf16(d, da, db, scale_d);
+    else if constexpr (BN == 96) wgmma_m64n96k16_bf16(d, da, db, scale_d);
     else wgmma_m64n128k16_bf16(d, da, db, scale_d);
   }
 }
@@ -220,7 +140,8 @@ constexpr int smem_bytes(int stages) {
   return stages * (kBM + BN) * kBK * 2 + 1024;  // + alignment slack for the 1024-byte swizzle atoms
 }
 
-// grid (ceil(M / 64), N / BN), kThreads threads, smem_bytes<BN>(K / 64) dynamic shared memory.
+// grid (ceil(M / 64) rounded up to the cluster size, N / BN), kThreads threads, smem_bytes<BN>(K / 64)
+// dynamic shared memory; an optional cluster of 1-8 CTAs along x.
 template <typename T, int BN>
 __global__ void __launch_bounds__(kThreads) wgmma_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
                                                               const __grid_constant__ CUtensorMap map_w,
@@ -240,13 +161,29 @@ __global__ void __launch_bounds__(kThreads) wgmma_gemm_kernel(const __grid_const
   const int n0 = blockIdx.y * BN;
   const int tid = threadIdx.x;
 
+  // A cluster (launch attribute, 1-8 CTAs along grid x = consecutive row tiles of one column tile)
+  // shares the weight tile: CTA r loads the stages s with s % size == r and multicasts them to all.
+  const uint32_t csize = cluster_size(), crank = cluster_rank();
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) mbar_init(&full[s], 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  if (csize > 1) {  // every peer's barriers exist before anyone multicasts into them
+    cluster_arrive();
+    cluster_wait();
+  } else {
+    __syncthreads();
+  }
+  if (tid == 0) {
     // Weights never depend on the kernel in front: they load before the PDL wait.
     for (int s = 0; s < stages; ++s) {
       mbar_expect_tx(&full[s], kABytes + kWBytes);
-      tma_load_2d(sw + s * kWBytes, &map_w, s * kBK, n0, &full[s]);
+      if (csize == 1) {
+        tma_load_2d(sw + s * kWBytes, &map_w, s * kBK, n0, &full[s]);
+      } else if (s % csize == crank) {
+        tma_load_2d_multicast(sw + s * kWBytes, &map_w, s * kBK, n0, &full[s],
+                              static_cast<uint16_t>((1u << csize) - 1));
+      }
     }
   }
   const int warp = tid / 32, lane = tid % 32;
@@ -257,8 +194,7 @@ __global__ void __launch_bounds__(kThreads) wgmma_gemm_kernel(const __grid_const
     bias_v[2 * j] = to_float(bias[col0 + 8 * j]);
     bias_v[2 * j + 1] = to_float(bias[col0 + 8 * j + 1]);
   }
-  __syncthreads();  // barriers initialised before anyone waits on them
-  pdl_wait();       // a (and out, which the kernel in front may still read) only after this
+  pdl_wait();  // a (and out, which the kernel in front may still read) only after this
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) tma_load_2d(sa + s * kABytes, &map_a, s * kBK, m0, &full[s]);
   }
@@ -278,6 +214,9 @@ __global__ void __launch_bounds__(kThreads) wgmma_gemm_kernel(const __grid_const
   }
   wgmma_wait_all();
   if (!(flags & kTriggerEarly)) pdl_trigger();
+  // Every multicast into this CTA has landed (all its stages completed); a CTA leaves only after its
+  // peers have received what it issued to them.
+  if (csize > 1) cluster_arrive();
 
   // Accumulator layout of m64nN: warp w holds rows 16w + lane/4 (+8); register 4j + {0,1} holds
   // columns 8j + 2(lane%4) + {0,1} of the first row, 4j + {2,3} the same columns of the second.
@@ -299,6 +238,7 @@ __global__ void __launch_bounds__(kThreads) wgmma_gemm_kernel(const __grid_const
       }
     }
   }
+  if (csize > 1) cluster_wait();
 #endif
 }
 
