@@ -114,8 +114,36 @@ void gemm(const at::Tensor& a, const at::Tensor& w, const at::Tensor& bias, at::
   TORCH_CHECK(false, "block_n must be 32, 64, 96 or 128");
 }
 
+// cudaOccupancyMaxActiveClusters of the fp16 kernel at block_n with clusters of `cluster` CTAs and K = k.
+int64_t max_active_clusters(int64_t block_n, int64_t cluster, int64_t k) {
+  cudaLaunchConfig_t config = {};
+  config.blockDim = dim3(wgmma_bench::kThreads, 1, 1);
+  config.gridDim = dim3(static_cast<unsigned>(cluster * 16), 1, 1);
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  int count = -1;
+  cudaError_t err = cudaErrorInvalidValue;
+#define WG_OCC(BN)                                                                              \
+  if (block_n == BN) {                                                                          \
+    auto kernel = wgmma_bench::wgmma_gemm_kernel<__half, BN>;                                   \
+    config.dynamicSmemBytes = wgmma_bench::smem_bytes<BN>(static_cast<int>(k) / wgmma_bench::kBK); \
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, config.dynamicSmemBytes); \
+    err = cudaOccupancyMaxActiveClusters(&count, kernel, &config);                              \
+  }
+  WG_OCC(32) WG_OCC(64) WG_OCC(96) WG_OCC(128)
+#undef WG_OCC
+  TORCH_CHECK(err == cudaSuccess, "cudaOccupancyMaxActiveClusters: ", cudaGetErrorString(err));
+  return count;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("max_active_clusters", &max_active_clusters, "cudaOccupancyMaxActiveClusters(block_n, cluster, k)");
   m.def("gemm", &gemm, "out = a @ w.T + bias on the stand-alone wgmma + TMA kernel (bench/wgmma_gemm_kernel.cuh)");
 }

@@ -205,6 +205,9 @@ def main(argv=None) -> int:
         return 2
     mod = _module()
     env = env_info()
+    for bn in [int(x) for x in args.block_n.split(",")]:
+        occ = {c: mod.max_active_clusters(bn, c, 512) for c in (1, 2, 4, 7, 8)}
+        print(f"max active clusters, bn{bn}, K = 512: " + ", ".join(f"c{c}: {v}" for c, v in occ.items()), flush=True)
     dtypes = args.dtypes.split(",")
     block_ns = [int(x) for x in args.block_n.split(",")]
     clusters = [int(x) for x in args.clusters.split(",")]
