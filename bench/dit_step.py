@@ -316,6 +316,10 @@ def _body_pdl_kernels(kernels: frozenset):
 SWEEP_PDL = {"none": frozenset(), "rownorm": frozenset({"rownorm", "cfg_euler"}),
              "rownorm_qk": frozenset({"rownorm", "cfg_euler", "qk_cache"}),
              "all": PDL_CAPABLE_KERNELS}
+# --sweep-variants v9: v1 (cuBLAS) against v9 (the wgmma GEMMs) under these PDL sets
+SWEEP_V9_PDL = {"none": frozenset(), "linear": frozenset({"linear"}),
+                "linear_rownorm": frozenset({"linear", "rownorm", "cfg_euler"}),
+                "linear_rownorm_qk": frozenset({"linear", "rownorm", "cfg_euler", "qk_cache"})}
 
 
 def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
@@ -342,6 +346,9 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
     if "pdl" in swept:
         plans += [(v, f"sweep_{v}_pdl_{name}", _body_pdl_kernels(kernels)) for v in ("v1", "v5")
                   for name, kernels in SWEEP_PDL.items() if name != ("all" if v == "v1" else "rownorm_qk")]
+    if "v9" in swept:
+        plans += [("v1", "sweep_v1_pdl_none", _body_pdl_kernels(frozenset()))]
+        plans += [("v9", f"sweep_v9_pdl_{name}", _body_pdl_kernels(kernels)) for name, kernels in SWEEP_V9_PDL.items()]
     rng = random.Random(0)
     for n, t, l_len in shapes:
         for dname in dnames:
@@ -679,7 +686,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-rounds", type=int, default=1,
                     help="captures per sweep plan, interleaved in a new order each round (A/B at the few-%% level)")
     ap.add_argument("--sweep-variants", default="v3,v5,pdl",
-                    help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL kernel sets)")
+                    help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL kernel sets; "
+                         "v9: the wgmma GEMMs against v1 under PDL sets)")
     ap.add_argument("--variants", default=",".join(VARIANTS + ("arena",)),
                     help="fused-body variants timed besides the default one (comma list, or 'none'); 'arena': "
                          "the step on the in-place cache arena")

@@ -35,8 +35,8 @@
 #                  the *_ARGS variables are split on spaces, not parsed by a shell: no quotes inside)
 #   sm-ingest      bench/sm_ingest.py: bytes per µs one SM takes in (ld.global / cp.async / bulk copies, L2 and
 #                  HBM, 1-132 CTAs; SM_INGEST_ARGS); JIT-builds bench/sm_ingest.cu (≈ 1 min)
-#   wgmma-gemm     bench/wgmma_gemm.py: a stand-alone wgmma + TMA GEMM vs cuBLAS at the block's K = 512 shapes
-#                  (check, repeated calls, a 160-GEMM dependent chain with and without PDL; WGMMA_ARGS); JIT build
+#   wgmma-gemm     bench/wgmma_gemm.py: the wgmma + TMA GEMM (csrc/cuda/dit_linear*) vs cuBLAS at the block's K = 512 shapes
+#                  (check, repeated calls, per-role dependent chains with and without PDL; WGMMA_ARGS)
 #   ncu-block      Nsight Compute of single v7 phases at (8,50,400) fp16 (NCU_PHASES, default
 #                  "attention fc2 norm_m block"): stall reasons, occupancy, instruction-cache misses
 # Default: tests memcheck attention dit-full. The device copy has no .git: pass BENCH_COMMIT.

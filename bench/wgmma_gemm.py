@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A stand-alone wgmma + TMA GEMM (``bench/wgmma_gemm_kernel.cuh``) against cuBLAS at the DiT block's
+"""The wgmma + TMA GEMM (``csrc/cuda/dit_linear_kernel.cuh``, built into torch_cfm._C_cuda) against cuBLAS at the DiT block's
 K = 512 GEMM shapes: the first measurement of route 1 in bench/NOTES.md (session 14, "Where #4 stands").
 
 The question: at M = N·T = 400 rows, does a Hopper GEMM that issues wgmma from TMA-loaded, swizzled
@@ -7,7 +7,7 @@ shared memory reach cuBLAS's ≈ 3.7 µs per dependent proj GEMM (400 × 512 × 
 mma.sync kernel took about twice cuBLAS's time without PDL. If this one matches cuBLAS, its PDL form
 (weights loaded before ``griddepcontrol.wait``) is the part cuBLAS cannot do.
 
-Three parts, one JIT build (``torch.utils.cpp_extension.load``, sm_90a):
+Three parts (the extension built for sm_90a, as bench/run_device.sh does):
 1. check: every (role shape, dtype, block_n) against a float64 product, next to cuBLAS's own error;
    rows with M in {1, 64, 65} check the edges (TMA zero fill, masked stores).
 2. repeat: the same GEMM ``--calls`` times in one graph (``bench/dit_gemm.py``'s method).
@@ -43,15 +43,24 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ROLES = (("proj", 400, 512, 512, False), ("qkv", 400, 512, 1536, False), ("conv", 416, 512, 1536, False),
          ("fc1", 400, 512, 2048, True))
 EDGE_ROWS = (1, 64, 65)
-TRIGGER_EARLY, GELU = 1, 2
+TRIGGER_EARLY, GELU = 1, 2  # csrc/cuda/dit_linear_kernel.cuh flags (GELU: tanh form)
 
 
 def _module():
-    from torch.utils.cpp_extension import load
+    """The library's build of the kernel (torch_cfm._C_cuda, TORCH_CUDA_ARCH_LIST=9.0a)."""
+    from torch_cfm.kernels.dit_linear_cuda import _extension, device_reason
 
-    return load(name="torch_cfm_wgmma_gemm", sources=[os.path.join(HERE, "wgmma_gemm.cu")],
-                extra_include_paths=[HERE], extra_cuda_cflags=["-O3", "-gencode=arch=compute_90a,code=sm_90a"],
-                verbose=False)
+    why = device_reason(torch.device("cuda"))
+    if why:
+        raise SystemExit(f"bench/wgmma_gemm.py: {why}")
+    module, _ = _extension()
+
+    class _Gemm:
+        @staticmethod
+        def gemm(a, w, b, out, block_n, pdl, flags, cluster):
+            module.dit_linear_into(a, w, b, out, block_n, pdl, flags, cluster)
+
+    return _Gemm()
 
 
 def _operands(m: int, k: int, n: int, dtype: torch.dtype, seed: int):
@@ -90,7 +99,7 @@ def check(mod, env, dtypes, block_ns, clusters) -> tuple[list, bool]:
             a, w, b = _operands(m, k, n, dtype, seed=m + n)
             ref = a.double() @ w.double().t() + b.double()
             if gelu:
-                ref = torch.nn.functional.gelu(ref)
+                ref = torch.nn.functional.gelu(ref, approximate="tanh")
             ref_norm = ref.norm().clamp_min(1e-30)
             cub = _cublas(a, w, b, torch.empty(m, n, device="cuda", dtype=dtype), gelu)
             cub_err = ((cub.double() - ref).norm() / ref_norm).item()
@@ -205,9 +214,6 @@ def main(argv=None) -> int:
         return 2
     mod = _module()
     env = env_info()
-    for bn in [int(x) for x in args.block_n.split(",")]:
-        occ = {c: mod.max_active_clusters(bn, c, 512) for c in (1, 2, 4, 7, 8)}
-        print(f"max active clusters, bn{bn}, K = 512: " + ", ".join(f"c{c}: {v}" for c, v in occ.items()), flush=True)
     dtypes = args.dtypes.split(",")
     block_ns = [int(x) for x in args.block_n.split(",")]
     clusters = [int(x) for x in args.clusters.split(",")]

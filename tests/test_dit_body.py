@@ -438,7 +438,7 @@ def _gpu_case(dtype, precision, seed=20):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS + ("v9",))  # v9: on CPU v1 call for call, so GPU-only here
 @pytest.mark.parametrize("dtype,precision", GPU_PRECISIONS, ids=["fp16", "bf16", "fp32-tf32", "fp32-ieee"])
 def test_gpu_fused_within_oracle(dtype, precision, variant, monkeypatch):
     import torch_cfm.kernels.dit_body as kernels

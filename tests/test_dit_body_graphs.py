@@ -159,7 +159,7 @@ def test_body_pdl_rule_off_on_cpu_and_by_override(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v1", "v5"])
+@pytest.mark.parametrize("variant", ["v1", "v5", "v9"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_gpu_body_pdl_replays_equal_no_pdl_eager_bitwise(dtype, variant, monkeypatch):
     """The body's own kernels load weights, tables, lengths and old caches before their PDL wait:

@@ -156,9 +156,9 @@ def _fill(bufs, seed):
                                            (torch.float16, "v1"), (torch.bfloat16, "v1"), (torch.float32, "v1"),
                                            (torch.float16, "v2"), (torch.float16, "v3"), (torch.float32, "v3"),
                                            (torch.float16, "v4"), (torch.float32, "v4"), (torch.float16, "v5"),
-                                           (torch.float32, "v5")],
+                                           (torch.float32, "v5"), (torch.float16, "v9"), (torch.bfloat16, "v9")],
                          ids=["fp16-inplace", "bf16-inplace", "fp32-inplace", "fp16-v1", "bf16-v1", "fp32-v1", "fp16-v2",
-                              "fp16-v3", "fp32-v3", "fp16-v4", "fp32-v4", "fp16-v5", "fp32-v5"])
+                              "fp16-v3", "fp32-v3", "fp16-v4", "fp32-v4", "fp16-v5", "fp32-v5", "fp16-v9", "bf16-v9"])
 def test_gpu_replay_equals_eager_bitwise(dtype, variant):
     _, runner = _gpu_runner(dtype, variant=variant)
     ent = runner.entry((4, 50, 64))

@@ -564,7 +564,8 @@ def interpreter_main(examples: int, shard: int = 0, shards: int = 1) -> None:
                lambda spec, path, data: check_nonfinite_in_one_row_stays_there("cpu", spec, path, data)),
               ("padded_rows", specs,
                lambda spec, path, data: check_padded_rows_change_no_other_row("cpu", spec, path, data)))
-    for variant in (VARIANTS + ("arena",))[shard::shards]:  # "arena": the in-place form (_triton_body)
+    # "arena": the in-place form (_triton_body); "v9" differs from v1 only in its CUDA GEMMs (v1 on CPU)
+    for variant in (tuple(v for v in VARIANTS if v != "v9") + ("arena",))[shard::shards]:
         for name, strategy, check in checks:
             @settings(max_examples=examples, deadline=None, derandomize=True, database=None)
             @given(spec=strategy, data=st.data())

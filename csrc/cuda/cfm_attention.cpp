@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "cfm_attention_params.h"
+#include "dit_linear.h"
 
 namespace torch_cfm {
 namespace cuda_attention {
@@ -106,6 +107,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("out"), pybind11::arg("block_k"), pybind11::arg("q_groups"), pybind11::arg("key_splits"),
         pybind11::arg("buffers"), pybind11::arg("cluster") = 1, pybind11::arg("kv_groups") = 1,
         pybind11::arg("pdl") = false, pybind11::arg("ablate") = 0);
+  m.def("dit_linear_into", &torch_cfm::dit_linear::linear_into,
+        "out = a @ w.T (+ bias) (GELU) on the SM90a wgmma kernel (csrc/cuda/dit_linear_kernel.cuh)",
+        pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("out"), pybind11::arg("block_n"),
+        pybind11::arg("pdl") = false, pybind11::arg("flags") = 0, pybind11::arg("cluster") = 1);
+  m.def("dit_linear_available", &torch_cfm::dit_linear::available,
+        "whether this build runs the SM90a DiT GEMM kernel on the current device (cached probe)");
   m.def("configs", &torch_cfm::cuda_attention::configs,
         "instantiated (family, block_k, q_groups, key_splits, buffers, cluster, kv_groups, smem_bytes)");
 }

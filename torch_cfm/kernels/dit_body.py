@@ -35,7 +35,7 @@ from .cfm_attention import AttentionConfig
 from .dit_attention import attention_cache
 
 CONV_HISTORY = 2  # causal conv k=3: 2 cached frames in front of the chunk
-VARIANTS = ("v1", "v2", "v3", "v4", "v5", "v7")
+VARIANTS = ("v1", "v2", "v3", "v4", "v5", "v7", "v9")
 DEFAULT_VARIANT = None  # None: per dtype/precision from VARIANT_BY_PRECISION (set from bench/NOTES.md)
 # Measured on the H200 (bench/NOTES.md, sessions 2-3, (8, 50, 400) fp16 per step): v1 1.123 ms (0.982 with
 # one row per rownorm program), v2 1.165, v3 3.98, v4 1.039 vs v1 1.041 (no gain).
@@ -66,9 +66,10 @@ def choose_variant(dtype: torch.dtype, precision: Optional[str], n_rows: Optiona
 # (32, 50, 400); for fp16 it costs +3 % at (32, 50, 400) and nothing clear at N = 8, and on the
 # q/k-cache and v5 kernels it never helps. PDL_KERNELS_OVERRIDE replaces the set for every dtype
 # (bench A/B: bench/dit_step.py --sweep-variants pdl). cfm_attention keeps its own rule
-# (kernels.cfm_attention.use_pdl).
-PDL_CAPABLE_KERNELS = frozenset({"rownorm", "qk_cache", "attention_cache", "cfg_euler"})
-BODY_PDL_KERNELS = {"16bit": frozenset(), "fp32": frozenset({"rownorm", "cfg_euler"})}
+# (kernels.cfm_attention.use_pdl). "linear" is v9's wgmma GEMM (16-bit only), whose weight
+# prefetch before the wait is the reason it exists (bench/wgmma_gemm.py: -1.1 µs per proj GEMM).
+PDL_CAPABLE_KERNELS = frozenset({"rownorm", "qk_cache", "attention_cache", "cfg_euler", "linear"})
+BODY_PDL_KERNELS = {"16bit": frozenset({"linear"}), "fp32": frozenset({"rownorm", "cfg_euler"})}
 PDL_KERNELS_OVERRIDE: Optional[frozenset] = None
 
 
@@ -715,6 +716,10 @@ def dit_body_triton(
       (:mod:`torch_cfm.kernels.dit_attention`): 11 kernels per block.
     * "v7": one persistent launch per block, its 11 phases separated by grid barriers
       (:mod:`torch_cfm.kernels.dit_block`); in_proj and the final layer as v1.
+    * "v9": v1 with the qkv, proj and both conv-tap GEMMs on the SM90a wgmma kernel
+      (:mod:`torch_cfm.kernels.dit_linear_cuda`), launched with PDL so that each loads its weights
+      while the kernel in front finishes; fc1/fc2 and every unsupported call stay on cuBLAS
+      (fp32 bodies: exactly v1).
     """
     variant = variant or ("v1" if arena else choose_variant(x_in.dtype, precision, x_in.shape[0]))
     if variant not in VARIANTS:
@@ -746,6 +751,16 @@ def dit_body_triton(
     fbuf = torch.empty((m, mlp), dtype=cd, device=dev)
     common = dict(n_rows=n_rows, t_len=t_len)
     v2 = variant == "v2"
+    if variant == "v9":
+        from .dit_linear_cuda import linear_into
+
+        linear_pdl = body_pdl(dev, "linear", cd)
+
+        def mm(a_, w_, b_, out_):  # the wgmma kernel where it applies, else cuBLAS (v1's call)
+            if not linear_into(a_, w_, b_, out_, pdl=linear_pdl):
+                _cublas_mm(a_, w_, b_, out_)
+    else:
+        mm = _cublas_mm
     if v2:
         cache_shift(att_cache, new_att, valid, cached)
     shift = _OldFramesOnSideStream(att_cache, new_att, valid, cached) if variant == "v4" else None
@@ -775,7 +790,7 @@ def dit_body_triton(
                      heads=heads, head_dim=head_dim, current_only=True, **common)
             shift.wait(i)
         else:
-            torch.addmm(qkv_b, a, qkv_w.t(), out=qkv)
+            mm(a, qkv_w, qkv_b, qkv)
             old = att_cache[i] if att_cache is not None and att_cache.shape[3] > 0 else None
             qk_cache(qkv, (qn_w, qn_b, kn_w, kn_b), qbuf, old, new_att[i], valid, cached,
                      heads=heads, head_dim=head_dim, append=arena, **common)
@@ -784,17 +799,17 @@ def dit_body_triton(
             o = torch.ops.torch_cfm.cfm_attention.default(
                 qbuf.permute(0, 2, 1, 3), kv[..., :head_dim], kv[..., head_dim:], key_lengths, None, None,
                 att_precision)
-            torch.addmm(proj_b, o.transpose(1, 2).reshape(m, inner), proj_w.t(), out=y)
+            mm(o.transpose(1, 2).reshape(m, inner), proj_w, proj_b, y)
         # residual + gate_a, LN, modulation (c) -> conv-1 history (frames 0,1 from the conv cache)
         rownorm(y, h, hist1, valid, table=mod_table, gate=_mod_off(i, GATE_A, c),
                 shift=_mod_off(i, SHIFT_C, c), scale=_mod_off(i, SCALE_C, c),
                 out_t=t_len + CONV_HISTORY, out_off=CONV_HISTORY, head=(cnn_i, 0), **common)
-        torch.mm(hist1, c1_w.t(), out=z)
+        mm(hist1, c1_w, None, z)
         # conv-1 tap sum + bias, affine LN, Mish -> conv-2 history; emit conv-1 cache
         rownorm(z, h, hist2, valid, taps=True, bias=c1_b, has_res=False, write_h=False,
                 ln_affine=(cn_w, cn_b), eps=CONV_LN_EPS, out_t=t_len + CONV_HISTORY, out_off=CONV_HISTORY,
                 head=(cnn_i, c), emit=(hist1, new_cnn[i], 0), **common)
-        torch.mm(hist2, c2_w.t(), out=z)
+        mm(hist2, c2_w, None, z)
         # conv-2 tap sum + bias, residual + gate_c, LN, modulation (m); emit conv-2 cache
         rownorm(z, h, a, valid, taps=True, bias=c2_b, table=mod_table, gate=_mod_off(i, GATE_C, c),
                 shift=_mod_off(i, SHIFT_M, c), scale=_mod_off(i, SCALE_M, c),
@@ -819,6 +834,14 @@ def dit_body_triton(
     if shift is not None:
         shift.join()
     return vel, new_cnn, new_att
+
+
+def _cublas_mm(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    """``out = a @ w.T (+ bias)`` on cuBLAS: v1's GEMMs."""
+    if bias is None:
+        torch.mm(a, w.t(), out=out)
+    else:
+        torch.addmm(bias, a, w.t(), out=out)
 
 
 def _body_v3(x_in, weights, table, cnn_cache, att_cache, valid, cached, precision, out):

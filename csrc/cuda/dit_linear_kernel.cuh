@@ -1,15 +1,15 @@
-// A stand-alone Hopper GEMM for the DiT block's K = 512 roles (bench/wgmma_gemm.py):
-//   out[M, N] = a[M, K] @ w[N, K]^T + bias[N]      (fp16 or bf16 in and out, fp32 accumulation)
-// Question (bench/NOTES.md, session 14 "Where #4 stands", route 1): does a wgmma + TMA kernel reach
-// cuBLAS's 3.7 µs for proj (400 x 512 x 512) in a dependent chain, where session 14's mma.sync kernel
-// took twice that? If it does, the PDL weight prefetch (-2 µs per GEMM, measured in session 14) and
-// a row-norm epilogue come on top of it; if not, the route closes.
+// The DiT block's K <= 512 GEMMs on Hopper (SM90a): wgmma from TMA-loaded, 128-byte-swizzled shared
+// memory, with the weight tile loaded before the PDL wait.
+//   out[M, N] = a[M, K] @ w[N, K]^T (+ bias[N]) (GELU)      fp16 or bf16 in and out, fp32 accumulation
+// Measured against cuBLAS in bench/wgmma_gemm.py (bench/NOTES.md, session 16); used by the body's
+// variant "v9" (torch_cfm/kernels/dit_linear_cuda.py).
 //
 // Design: one warpgroup per CTA computes a 64 x BN tile. The whole K (<= 512) is resident in shared
 // memory, so nothing is ever overwritten: one mbarrier per 64-wide K stage, no "empty" barriers.
-// Thread 0 issues every stage's TMA load of w (128-byte swizzle) first, then, after
-// griddepcontrol.wait (a no-op without PDL), every stage's load of a; the warpgroup waits stage by
-// stage and issues 4 wgmma m64nBNk16 per stage straight from shared memory.
+// Thread 0 issues every stage's TMA load of w first, then, after griddepcontrol.wait (a no-op
+// without PDL), every stage's load of a; the warpgroup waits stage by stage and issues 4 wgmma
+// m64nBNk16 per stage straight from shared memory. An optional cluster along x multicasts each
+// weight stage to consecutive row tiles (measured slower at these sizes; kept for the bench).
 #pragma once
 
 #include <cuda.h>
@@ -21,7 +21,8 @@
 
 #include "wgmma_ops.cuh"  // generated wgmma m64nNk16 wrappers
 
-namespace wgmma_bench {
+namespace torch_cfm {
+namespace dit_linear {
 
 constexpr int kBM = 64;         // rows per CTA (one wgmma m64)
 constexpr int kBK = 64;         // K per stage: 64 x 2 bytes = one 128-byte swizzle row
@@ -30,7 +31,8 @@ constexpr int kThreads = 128;   // one warpgroup
 
 // flags
 constexpr int kTriggerEarly = 1;  // griddepcontrol.launch_dependents right after the loads are issued
-constexpr int kGelu = 2;          // tanh-free exact GELU epilogue (erf)
+constexpr int kGeluTanh = 2;      // GELU, tanh form (the body's fc1 and cuBLASLt's GELU epilogue)
+constexpr int kNoBias = 4;        // bias is not read (may be null)
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -135,6 +137,19 @@ __device__ __forceinline__ float to_float<__half>(__half x) { return __half2floa
 template <>
 __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+__device__ __forceinline__ float gelu_tanh(float x) {
+  return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+// 1 where this build carries the sm_90a code (the wgmma kernel is empty elsewhere).
+__global__ void probe_kernel(int* flag) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  *flag = 1;
+#else
+  *flag = 0;
+#endif
+}
+
 template <int BN>
 constexpr int smem_bytes(int stages) {
   return stages * (kBM + BN) * kBK * 2 + 1024;  // + alignment slack for the 1024-byte swizzle atoms
@@ -143,11 +158,11 @@ constexpr int smem_bytes(int stages) {
 // grid (ceil(M / 64) rounded up to the cluster size, N / BN), kThreads threads, smem_bytes<BN>(K / 64)
 // dynamic shared memory; an optional cluster of 1-8 CTAs along x.
 template <typename T, int BN>
-__global__ void __launch_bounds__(kThreads) wgmma_gemm_kernel(const __grid_constant__ CUtensorMap map_a,
+__global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant__ CUtensorMap map_a,
                                                               const __grid_constant__ CUtensorMap map_w,
                                                               const T* __restrict__ bias, T* __restrict__ out,
                                                               int m, int ldo, int k, int flags) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma needs the sm_90a target
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[kMaxStages];
   unsigned char* smem =
@@ -191,8 +206,8 @@ __global__ void __launch_bounds__(kThreads) wgmma_gemm_kernel(const __grid_const
   float bias_v[BN / 4];  // this thread's bias pairs: columns col0 + 8j + {0, 1}
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
-    bias_v[2 * j] = to_float(bias[col0 + 8 * j]);
-    bias_v[2 * j + 1] = to_float(bias[col0 + 8 * j + 1]);
+    bias_v[2 * j] = (flags & kNoBias) ? 0.f : to_float(bias[col0 + 8 * j]);
+    bias_v[2 * j + 1] = (flags & kNoBias) ? 0.f : to_float(bias[col0 + 8 * j + 1]);
   }
   pdl_wait();  // a (and out, which the kernel in front may still read) only after this
   if (tid == 0) {
@@ -228,9 +243,9 @@ __global__ void __launch_bounds__(kThreads) wgmma_gemm_kernel(const __grid_const
     for (int h = 0; h < 2; ++h) {
       const int r = r0 + 8 * h;
       float x0 = d[4 * j + 2 * h] + bias_v[2 * j], x1 = d[4 * j + 2 * h + 1] + bias_v[2 * j + 1];
-      if (flags & kGelu) {
-        x0 = 0.5f * x0 * (1.f + erff(x0 * 0.70710678118654752f));
-        x1 = 0.5f * x1 * (1.f + erff(x1 * 0.70710678118654752f));
+      if (flags & kGeluTanh) {
+        x0 = gelu_tanh(x0);
+        x1 = gelu_tanh(x1);
       }
       if (r < m) {
         T pair[2] = {from_float<T>(x0), from_float<T>(x1)};
@@ -242,4 +257,5 @@ __global__ void __launch_bounds__(kThreads) wgmma_gemm_kernel(const __grid_const
 #endif
 }
 
-}  // namespace wgmma_bench
+}  // namespace dit_linear
+}  // namespace torch_cfm

@@ -1,0 +1,167 @@
+// Host side of the DiT GEMM kernel (dit_linear_kernel.cuh): tensor maps, tile configs, launch.
+#include "dit_linear.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "dit_linear_kernel.cuh"
+
+namespace torch_cfm {
+namespace dit_linear {
+namespace {
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q);
+#else
+    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &q);
+#endif
+    TORCH_CHECK(err == cudaSuccess && q == cudaDriverEntryPointSuccess && p != nullptr,
+                "dit_linear: cuTensorMapEncodeTiled not found in the driver");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A 2D map over the row-major (rows, cols) matrix t (row stride ld elements): boxes of 64 columns x
+// box_rows rows, 128-byte swizzle (the wgmma descriptors' layout), zero fill past the edges.
+CUtensorMap make_map(const at::Tensor& t, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * t.element_size())};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBK), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t estrides[2] = {1, 1};
+  const CUtensorMapDataType dt =
+      t.scalar_type() == at::kHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUresult r = encode_fn()(&map, dt, 2, t.data_ptr(), dims, strides, box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "dit_linear: cuTensorMapEncodeTiled failed (", static_cast<int>(r), ")");
+  return map;
+}
+
+template <typename T, int BN>
+void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor& out, bool pdl, int flags, int cluster,
+            cudaStream_t stream) {
+  const int m = static_cast<int>(a.size(0)), k = static_cast<int>(a.size(1)), n = static_cast<int>(w.size(0));
+  const CUtensorMap map_a = make_map(a, m, k, a.stride(0), kBM);
+  const CUtensorMap map_w = make_map(w, n, k, w.stride(0), BN);
+  auto kernel = linear_kernel<T, BN>;
+  const int smem = smem_bytes<BN>(k / kBK);
+  static std::once_flag opted_in;  // host-side attribute at the largest size (K = 512), before any capture
+  std::call_once(opted_in, [&] {
+    TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     smem_bytes<BN>(kMaxStages)) == cudaSuccess,
+                "dit_linear: shared-memory opt-in failed");
+  });
+  cudaLaunchConfig_t config = {};
+  const int row_tiles = (m + kBM - 1) / kBM;
+  config.gridDim = dim3((row_tiles + cluster - 1) / cluster * cluster, n / BN, 1);
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attributes[2];
+  int count = 0;
+  if (pdl) {
+    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[count++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attributes[count].id = cudaLaunchAttributeClusterDimension;
+    attributes[count].val.clusterDim.x = cluster;
+    attributes[count].val.clusterDim.y = 1;
+    attributes[count++].val.clusterDim.z = 1;
+  }
+  config.attrs = attributes;
+  config.numAttrs = count;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_w, bias, reinterpret_cast<T*>(out.data_ptr()),
+                                             m, static_cast<int>(out.stride(0)), k, flags);
+  TORCH_CHECK(err == cudaSuccess, "dit_linear: launch failed: ", cudaGetErrorString(err));
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace
+
+void linear_into(const at::Tensor& a, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out,
+                 int64_t block_n, bool pdl, int64_t flags, int64_t cluster) {
+  TORCH_CHECK(a.is_cuda() && w.is_cuda() && out.is_cuda(), "dit_linear: CUDA tensors");
+  TORCH_CHECK(a.dim() == 2 && w.dim() == 2 && out.dim() == 2, "dit_linear: a, w, out must be 2-D");
+  const auto dt = a.scalar_type();
+  TORCH_CHECK((dt == at::kHalf || dt == at::kBFloat16) && w.scalar_type() == dt && out.scalar_type() == dt,
+              "dit_linear: a, w, out must share one dtype, fp16 or bf16");
+  const int64_t m = a.size(0), k = a.size(1), n = w.size(0);
+  TORCH_CHECK(w.size(1) == k && out.size(0) == m && out.size(1) == n, "dit_linear: shapes (M, K) x (N, K) -> (M, N)");
+  TORCH_CHECK(k > 0 && k % kBK == 0 && k <= kBK * kMaxStages, "dit_linear: K must be a multiple of 64, at most 512");
+  TORCH_CHECK(block_n == 32 || block_n == 64 || block_n == 96 || block_n == 128,
+              "dit_linear: block_n must be 32, 64, 96 or 128");
+  TORCH_CHECK(n % block_n == 0, "dit_linear: N must be a multiple of block_n");
+  TORCH_CHECK(cluster >= 1 && cluster <= 8, "dit_linear: cluster must be 1 to 8");
+  TORCH_CHECK(a.stride(1) == 1 && w.stride(1) == 1 && out.stride(1) == 1, "dit_linear: unit column strides");
+  TORCH_CHECK(aligned16(a.data_ptr()) && aligned16(w.data_ptr()) && (a.stride(0) * 2) % 16 == 0 &&
+                  (w.stride(0) * 2) % 16 == 0,
+              "dit_linear: a and w need 16-byte aligned bases and rows (TMA)");
+  TORCH_CHECK(out.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0,
+              "dit_linear: out needs 4-byte aligned column pairs");
+  const bool has_bias = !(flags & kNoBias);
+  if (has_bias) {
+    TORCH_CHECK(bias.has_value() && bias->is_cuda() && bias->scalar_type() == dt && bias->dim() == 1 &&
+                    bias->size(0) == n && bias->is_contiguous(),
+                "dit_linear: bias must be a contiguous (N,) tensor of the same dtype (or pass flag 4, no bias)");
+  }
+  if (m == 0) return;
+  const c10::cuda::CUDAGuard guard(a.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int f = static_cast<int>(flags), c = static_cast<int>(cluster);
+  const void* b = has_bias ? bias->data_ptr() : nullptr;
+#define TORCH_CFM_LINEAR_CASE(T, BN)                                                \
+  if (block_n == BN) {                                                              \
+    launch<T, BN>(a, w, static_cast<const T*>(b), out, pdl, f, c, stream);          \
+    return;                                                                         \
+  }
+  if (dt == at::kHalf) {
+    TORCH_CFM_LINEAR_CASE(__half, 32) TORCH_CFM_LINEAR_CASE(__half, 64) TORCH_CFM_LINEAR_CASE(__half, 96)
+    TORCH_CFM_LINEAR_CASE(__half, 128)
+  } else {
+    TORCH_CFM_LINEAR_CASE(__nv_bfloat16, 32) TORCH_CFM_LINEAR_CASE(__nv_bfloat16, 64)
+    TORCH_CFM_LINEAR_CASE(__nv_bfloat16, 96) TORCH_CFM_LINEAR_CASE(__nv_bfloat16, 128)
+  }
+#undef TORCH_CFM_LINEAR_CASE
+}
+
+bool available() {
+  static std::mutex lock;
+  static std::unordered_map<int, bool> by_device;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  std::lock_guard<std::mutex> hold(lock);
+  auto found = by_device.find(device);
+  if (found != by_device.end()) return found->second;
+  cudaDeviceProp prop;
+  bool ok = cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major == 9 && prop.minor == 0;
+  if (ok) {  // a synchronous probe on the legacy stream's side: called once per device, before any capture
+    int* flag = nullptr;
+    int host = 0;
+    ok = cudaMalloc(&flag, sizeof(int)) == cudaSuccess;
+    if (ok) {
+      probe_kernel<<<1, 1>>>(flag);
+      ok = cudaMemcpy(&host, flag, sizeof(int), cudaMemcpyDeviceToHost) == cudaSuccess && host == 1;
+      cudaFree(flag);
+    }
+    cudaGetLastError();  // a build without sm_90 code fails the launch: clear it, report unavailable
+  }
+  by_device[device] = ok;
+  return ok;
+}
+
+}  // namespace dit_linear
+}  // namespace torch_cfm

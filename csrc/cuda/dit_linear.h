@@ -1,0 +1,23 @@
+// The DiT block's K <= 512 GEMMs on the SM90a wgmma kernel (dit_linear_kernel.cuh): host entry points,
+// registered in the torch_cfm._C_cuda module (cfm_attention.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+
+namespace torch_cfm {
+namespace dit_linear {
+
+// out = a @ w.T (+ bias) (GELU, tanh form): a (M, K), w (N, K), out (M, N), one dtype (fp16 or bf16);
+// K a multiple of 64 up to 512, N a multiple of block_n (32, 64, 96 or 128), unit column strides,
+// 16-byte aligned a/w rows and bases. flags: 1 trigger dependents early, 2 GELU (tanh), 4 no bias.
+// pdl: launch with programmatic stream serialization (the weights load before the wait).
+void linear_into(const at::Tensor& a, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out,
+                 int64_t block_n, bool pdl, int64_t flags, int64_t cluster);
+
+// Whether this build carries the sm_90a kernel code for the current device (a one-time probe launch).
+bool available();
+
+}  // namespace dit_linear
+}  // namespace torch_cfm

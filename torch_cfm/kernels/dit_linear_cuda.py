@@ -1,0 +1,120 @@
+"""The DiT block's K ≤ 512 GEMMs on a hand-written SM90a kernel (``csrc/cuda/dit_linear_kernel.cuh``).
+
+``out = a @ w.T (+ bias) (GELU)`` for fp16/bf16 at the body's shapes (M = N·T or N·(T+2) token rows,
+K = 512, N = 512 / 1536 / 2048). One warpgroup per 64 × BN tile issues wgmma from TMA-loaded,
+128-byte-swizzled shared memory; the whole K stays resident. Launched with programmatic dependent
+launch (PDL), each CTA loads its weight tile *before* ``griddepcontrol.wait``, so the weights stream
+in while the kernel in front of it finishes: the part cuBLAS cannot do.
+
+Measured against cuBLAS (``bench/wgmma_gemm.py``, bench/NOTES.md session 16), µs per GEMM in a
+chain of dependent GEMMs with distinct weights, fp16, H200:
+
+| role (M × K × N) | cuBLAS | this kernel, PDL |
+|---|---|---|
+| proj (400 × 512 × 512), BN 32 | 4.2-4.3 | 2.9 |
+| qkv (400 × 512 × 1536), BN 96 | 4.7 | 4.5-4.6 |
+| conv taps (416 × 512 × 1536), BN 96 | 4.9 | 4.5 |
+| fc1 + GELU (400 × 512 × 2048), BN 128 | 5.5 | 6.2 (not used) |
+
+It is an optional part of ``torch_cfm._C_cuda`` (built for ``TORCH_CUDA_ARCH_LIST=9.0a``); the body
+variant "v9" uses it where :func:`not_supported_reasons` is empty and falls back to cuBLAS otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .cfm_attention_cuda import _extension
+
+# Flags of the kernel (csrc/cuda/dit_linear_kernel.cuh)
+TRIGGER_EARLY = 1  # griddepcontrol.launch_dependents as soon as the operand loads are issued
+GELU_TANH = 2
+NO_BIAS = 4
+MAX_K = 512
+BLOCK_NS = (32, 64, 96, 128)
+
+
+def block_n_for(n: int) -> Optional[int]:
+    """The tile width for an output of ``n`` columns (bench/wgmma_gemm.py's fastest per role):
+    32 for N = 512 (112 CTAs at M = 400), 96 where it divides N (1536: 112 CTAs), else 128, else 64."""
+    if n <= 512 and n % 32 == 0:
+        return 32
+    for bn in (96, 128, 64):
+        if n % bn == 0:
+            return bn
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _available(index: int) -> bool:
+    module, _ = _extension()
+    if module is None or not hasattr(module, "dit_linear_available"):
+        return False
+    with torch.cuda.device(index):
+        return bool(module.dit_linear_available())
+
+
+def device_reason(device: torch.device) -> Optional[str]:
+    """Why the kernel cannot run on ``device`` (None: it can). The first call per device launches a
+    one-time probe (not allowed during CUDA-graph capture: the body warms up eagerly first)."""
+    if device.type != "cuda":
+        return "the wgmma GEMM is CUDA-only"
+    module, why = _extension()
+    if module is None:
+        return why
+    if not hasattr(module, "dit_linear_into"):
+        return "torch_cfm._C_cuda was built without the DiT GEMM (rebuild the extension)"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.get_device_capability(index) != (9, 0):
+        return "the wgmma GEMM needs an SM90 (Hopper) GPU"
+    if not _available(index):
+        return "torch_cfm._C_cuda has no sm_90a code (build with TORCH_CUDA_ARCH_LIST=9.0a)"
+    return None
+
+
+def not_supported_reasons(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> list[str]:
+    """Why ``out = a @ w.T`` cannot run on this kernel; empty when it can."""
+    reasons = []
+    if a.dtype not in (torch.float16, torch.bfloat16) or w.dtype != a.dtype or out.dtype != a.dtype:
+        reasons.append(f"fp16/bf16 operands of one dtype only, got {a.dtype}, {w.dtype}, {out.dtype}")
+    if a.dim() != 2 or w.dim() != 2 or out.dim() != 2:
+        return reasons + ["2-D operands only"]
+    k, n = a.shape[1], w.shape[0]
+    if k == 0 or k % 64 or k > MAX_K:
+        reasons.append(f"K must be a positive multiple of 64 up to {MAX_K}, got {k}")
+    if block_n_for(n) is None:
+        reasons.append(f"N must be a multiple of 32, got {n}")
+    for name, t in (("a", a), ("w", w)):
+        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            reasons.append(f"{name} needs unit column stride and 16-byte aligned rows (TMA)")
+    if out.stride(1) != 1 or out.stride(0) % 2 or out.data_ptr() % 4:
+        reasons.append("out needs unit column stride and 4-byte aligned column pairs")
+    if not reasons:
+        why = device_reason(a.device)
+        if why:
+            reasons.append(why)
+    return reasons
+
+
+def linear_into(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor, *,
+                gelu: bool = False, pdl: bool = True) -> bool:
+    """``out = a @ w.T (+ bias)`` (GELU, tanh form, when ``gelu``) on the wgmma kernel; False (nothing
+    launched) where :func:`not_supported_reasons` is not empty, for the caller's cuBLAS fallback.
+
+    Args:
+        a: (M, K) fp16/bf16, K a multiple of 64 up to 512.
+        w: (N, K), the dtype of ``a``.
+        bias: (N,) or None.
+        out: (M, N), written.
+        pdl: launch with programmatic dependent launch (the weight tile loads before the wait).
+    """
+    if not_supported_reasons(a, w, out):
+        return False
+    module, _ = _extension()
+    flags = TRIGGER_EARLY | (GELU_TANH if gelu else 0) | (NO_BIAS if bias is None else 0)
+    module.dit_linear_into(a, w, None if bias is None else bias.contiguous(), out, block_n_for(w.shape[0]), pdl,
+                           flags, 1)
+    return True
