@@ -697,8 +697,15 @@ def main(argv=None) -> int:
                     help="comma list of server, server_copy, server_spec (torch_cfm/server rows)")
     ap.add_argument("--profile-server", action="store_true",
                     help="print a torch.profiler table of two steady-state CFMServer.solve_chunk calls")
+    ap.add_argument("--default-variant", default=None,
+                    help="force the body variant the library would choose (kernels.dit_body.DEFAULT_VARIANT), "
+                         "e.g. v1 to time the runner/server on v1's kernels")
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test (TRITON_INTERPRET=1, tiny model)")
     args = ap.parse_args(argv)
+    if args.default_variant:
+        from torch_cfm.kernels import dit_body
+
+        dit_body.DEFAULT_VARIANT = args.default_variant
     args.variants = () if args.variants == "none" else tuple(v for v in args.variants.split(",") if v)
     cfg = DiTConfig()
     if args.dry_run:

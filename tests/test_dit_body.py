@@ -503,6 +503,8 @@ def test_choose_variant_v5_for_wide_16bit_bodies_only(monkeypatch):
     for dtype in (torch.float16, torch.bfloat16):
         assert kernels.choose_variant(dtype, None, wide) == "v5"
         assert kernels.choose_variant(dtype, None, wide - 1) == "v1"
+        assert kernels.choose_variant(dtype, None, kernels.V9_MAX_ROWS_16BIT) == "v9"
+        assert kernels.choose_variant(dtype, None, kernels.V9_MAX_ROWS_16BIT + 1) == "v1"
         assert kernels.choose_variant(dtype, None) == "v1"
     for precision in ("tf32", "ieee"):  # v5 measured slower for TF32
         assert kernels.choose_variant(torch.float32, precision, 4 * wide) == "v1"

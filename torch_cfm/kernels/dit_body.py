@@ -31,6 +31,7 @@ from ..config import BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS
 from ..packing import (GATE_A, GATE_C, GATE_M, MOD_VECTORS, PER_BLOCK, SCALE_A, SCALE_C, SCALE_M,
                        SHIFT_A, SHIFT_C, SHIFT_M)
 from ._launch import launch_kwargs, on_device, pdl_prologue, pdl_supported
+from .dit_linear_cuda import V9_MAX_ROWS
 from .cfm_attention import AttentionConfig
 from .dit_attention import attention_cache
 
@@ -41,6 +42,13 @@ DEFAULT_VARIANT = None  # None: per dtype/precision from VARIANT_BY_PRECISION (s
 # one row per rownorm program), v2 1.165, v3 3.98, v4 1.039 vs v1 1.041 (no gain).
 # v3's Triton TF32 dots are ~2x cuBLAS TF32 error (outside the oracle): never for tf32.
 VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
+# v9 (the wgmma GEMMs, with PDL on the row-norm and q/k-cache kernels around them) for 16-bit bodies
+# of at most this many rows. Session 16 (bench/NOTES.md), (8, 50, 400) fp16, interleaved rounds:
+# 868 µs against v1's 976; at (32, 50, 400) v9 is 21 % slower than v1 (M = 1600: several waves of
+# its one-tile-per-CTA grid), so wider bodies keep v1 / v5. Where the kernel cannot run
+# (not SM90, extension not built for 9.0a) v9 is v1 call for call, with v1's PDL set.
+V9_MAX_ROWS_16BIT = V9_MAX_ROWS
+ARENA_VARIANTS = ("v1", "v9")  # the variants with the in-place arena form (arena=True)
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
 # (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
@@ -55,6 +63,8 @@ def choose_variant(dtype: torch.dtype, precision: Optional[str], n_rows: Optiona
     if dtype in (torch.float16, torch.bfloat16):
         if n_rows is not None and n_rows >= V5_MIN_ROWS_16BIT:
             return "v5"
+        if n_rows is not None and n_rows <= V9_MAX_ROWS_16BIT:
+            return "v9"
         return VARIANT_BY_PRECISION["fp16" if dtype == torch.float16 else "bf16"]
     return VARIANT_BY_PRECISION["tf32" if precision == "tf32" else "ieee"]
 
@@ -66,20 +76,24 @@ def choose_variant(dtype: torch.dtype, precision: Optional[str], n_rows: Optiona
 # (32, 50, 400); for fp16 it costs +3 % at (32, 50, 400) and nothing clear at N = 8, and on the
 # q/k-cache and v5 kernels it never helps. PDL_KERNELS_OVERRIDE replaces the set for every dtype
 # (bench A/B: bench/dit_step.py --sweep-variants pdl). cfm_attention keeps its own rule
-# (kernels.cfm_attention.use_pdl). "linear" is v9's wgmma GEMM (16-bit only), whose weight
-# prefetch before the wait is the reason it exists (bench/wgmma_gemm.py: -1.1 µs per proj GEMM).
+# (kernels.cfm_attention.use_pdl). "linear" is v9's wgmma GEMM, whose weight load before the wait
+# is why it exists. Family "wgmma" is v9 where that GEMM runs: session 16's sweep (bench/NOTES.md),
+# (8, 50, 400) fp16, µs: v1 976; v9 with PDL on the GEMMs only 1024, + row-norm 910,
+# + q/k cache 868 (the Triton kernels' early trigger lets each GEMM load its weights under them).
 PDL_CAPABLE_KERNELS = frozenset({"rownorm", "qk_cache", "attention_cache", "cfg_euler", "linear"})
-BODY_PDL_KERNELS = {"16bit": frozenset({"linear"}), "fp32": frozenset({"rownorm", "cfg_euler"})}
+BODY_PDL_KERNELS = {"16bit": frozenset(), "fp32": frozenset({"rownorm", "cfg_euler"}),
+                    "wgmma": frozenset({"linear", "rownorm", "qk_cache"})}
 PDL_KERNELS_OVERRIDE: Optional[frozenset] = None
 
 
-def body_pdl(device: torch.device, kernel: str, dtype: torch.dtype) -> bool:
-    """PDL for the body kernel ``kernel`` computing in ``dtype`` on ``device`` (:data:`BODY_PDL_KERNELS`)."""
+def body_pdl(device: torch.device, kernel: str, dtype: torch.dtype, family: Optional[str] = None) -> bool:
+    """PDL for the body kernel ``kernel`` computing in ``dtype`` on ``device`` (:data:`BODY_PDL_KERNELS`;
+    ``family`` picks a set other than the dtype's, e.g. "wgmma" for v9's kernels)."""
     assert kernel in PDL_CAPABLE_KERNELS, kernel  # a misspelt launcher name would silently mean "off"
     if PDL_KERNELS_OVERRIDE is not None:
         kernels = PDL_KERNELS_OVERRIDE
     else:
-        kernels = BODY_PDL_KERNELS["fp32" if dtype == torch.float32 else "16bit"]
+        kernels = BODY_PDL_KERNELS[family or ("fp32" if dtype == torch.float32 else "16bit")]
     return kernel in kernels and pdl_supported(device)
 
 
@@ -439,10 +453,12 @@ def rownorm(
     out_t: Optional[int] = None, out_off: int = 0,
     head: Optional[tuple[Optional[torch.Tensor], int]] = None,
     emit: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None,
+    pdl_family: Optional[str] = None,
 ) -> None:
     """Launch ``_dit_rownorm_kernel`` (see its comments). ``gate``/``shift``/``scale`` are element
     offsets into a table row; ``head`` = (old conv cache (N, 2C, 2) or None, channel base);
-    ``emit`` = (history (N*(T+2), C), new conv cache (N, 2C, 2), channel base)."""
+    ``emit`` = (history (N*(T+2), C), new conv cache (N, 2C, 2), channel base); ``pdl_family``: the
+    :func:`body_pdl` set (None: by dtype)."""
     c = h.shape[1]
     m = n_rows * t_len
     if m == 0:
@@ -463,7 +479,7 @@ def rownorm(
         e_src, e_dst, e_cbase = h, h.view(-1, 1, 1)[:1], 0
     lnw, lnb = ln_affine if ln_affine is not None else (h, h)
     grid = (triton.cdiv(m, rows),)
-    pdl = body_pdl(h.device, "rownorm", out.dtype)
+    pdl = body_pdl(h.device, "rownorm", out.dtype, pdl_family)
     with on_device(h.device):
         _dit_rownorm_kernel[grid](
             y, y.stride(0), bias if bias is not None else h, h, tab, stride_tab,
@@ -481,7 +497,7 @@ def rownorm(
 def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Tensor,
              old: Optional[torch.Tensor], new: torch.Tensor, valid: torch.Tensor, cached: torch.Tensor,
              *, n_rows: int, t_len: int, heads: int, head_dim: int, current_only: bool = False,
-             append: bool = False) -> None:
+             append: bool = False, pdl_family: Optional[str] = None) -> None:
     """Launch ``_dit_qk_cache_kernel``: q/k LayerNorm + the new (N, H, T+L, 2D) cache of one block.
 
     ``current_only``: write the T_n current frames of each row and nothing else (``old`` must be
@@ -497,7 +513,7 @@ def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Te
     block_f = 32 if head_dim <= 64 else 16
     o = old if old is not None else new
     grid = (n_rows * heads, triton.cdiv(total, block_f))
-    pdl = body_pdl(qkv.device, "qk_cache", qkv.dtype)
+    pdl = body_pdl(qkv.device, "qk_cache", qkv.dtype, pdl_family)
     with on_device(qkv.device):
         _dit_qk_cache_kernel[grid](
             qkv, qkv.stride(0), *norms, q_out,
@@ -721,11 +737,14 @@ def dit_body_triton(
       while the kernel in front finishes; fc1/fc2 and every unsupported call stay on cuBLAS
       (fp32 bodies: exactly v1).
     """
-    variant = variant or ("v1" if arena else choose_variant(x_in.dtype, precision, x_in.shape[0]))
+    if variant is None:
+        variant = choose_variant(x_in.dtype, precision, x_in.shape[0])
+        if arena and variant not in ARENA_VARIANTS:
+            variant = "v1"
     if variant not in VARIANTS:
         raise ValueError(f"dit_body_triton: variant must be one of {VARIANTS}, got {variant!r}")
-    if arena and (variant != "v1" or att_cache is not None):
-        raise ValueError(f"dit_body_triton: arena=True runs variant v1 without att_cache, got {variant!r}")
+    if arena and (variant not in ARENA_VARIANTS or att_cache is not None):
+        raise ValueError(f"dit_body_triton: arena=True runs variant v1 or v9 without att_cache, got {variant!r}")
     vel, new_cnn, new_att = out
     if variant == "v3":
         return _body_v3(x_in, weights, mod_table, cnn_cache, att_cache, valid, cached, precision, out)
@@ -751,10 +770,13 @@ def dit_body_triton(
     fbuf = torch.empty((m, mlp), dtype=cd, device=dev)
     common = dict(n_rows=n_rows, t_len=t_len)
     v2 = variant == "v2"
-    if variant == "v9":
-        from .dit_linear_cuda import linear_into
+    # v9: the wgmma GEMMs, and the PDL set measured with them (v1's, call for call, where they cannot run)
+    from .dit_linear_cuda import device_reason, linear_into
 
-        linear_pdl = body_pdl(dev, "linear", cd)
+    wgmma = variant == "v9" and cd in (torch.float16, torch.bfloat16) and device_reason(dev) is None
+    fam = "wgmma" if wgmma else None
+    if wgmma:
+        linear_pdl = body_pdl(dev, "linear", cd, fam)
 
         def mm(a_, w_, b_, out_):  # the wgmma kernel where it applies, else cuBLAS (v1's call)
             if not linear_into(a_, w_, b_, out_, pdl=linear_pdl):
@@ -768,7 +790,7 @@ def dit_body_triton(
     # staged input -> in_proj (bias added in the first boundary kernel)
     y0 = torch.matmul(x_in.transpose(1, 2), weights[0].t()).view(m, c)
     rownorm(y0, h, a, valid, bias=weights[1], has_res=False, table=mod_table,
-            shift=_mod_off(0, SHIFT_A, c), scale=_mod_off(0, SCALE_A, c), **common)
+            shift=_mod_off(0, SHIFT_A, c), scale=_mod_off(0, SCALE_A, c), pdl_family=fam, **common)
     for i in range(depth):
         (qkv_w, qkv_b, qn_w, qn_b, kn_w, kn_b, proj_w, proj_b, c1_w, c1_b, cn_w, cn_b,
          c2_w, c2_b, fc1_w, fc1_b, fc2_w, fc2_b) = weights[2 + PER_BLOCK * i: 2 + PER_BLOCK * (i + 1)]
@@ -793,7 +815,7 @@ def dit_body_triton(
             mm(a, qkv_w, qkv_b, qkv)
             old = att_cache[i] if att_cache is not None and att_cache.shape[3] > 0 else None
             qk_cache(qkv, (qn_w, qn_b, kn_w, kn_b), qbuf, old, new_att[i], valid, cached,
-                     heads=heads, head_dim=head_dim, append=arena, **common)
+                     heads=heads, head_dim=head_dim, append=arena, pdl_family=fam, **common)
         if variant != "v5":
             kv = new_att[i]
             o = torch.ops.torch_cfm.cfm_attention.default(
@@ -803,17 +825,17 @@ def dit_body_triton(
         # residual + gate_a, LN, modulation (c) -> conv-1 history (frames 0,1 from the conv cache)
         rownorm(y, h, hist1, valid, table=mod_table, gate=_mod_off(i, GATE_A, c),
                 shift=_mod_off(i, SHIFT_C, c), scale=_mod_off(i, SCALE_C, c),
-                out_t=t_len + CONV_HISTORY, out_off=CONV_HISTORY, head=(cnn_i, 0), **common)
+                out_t=t_len + CONV_HISTORY, out_off=CONV_HISTORY, head=(cnn_i, 0), pdl_family=fam, **common)
         mm(hist1, c1_w, None, z)
         # conv-1 tap sum + bias, affine LN, Mish -> conv-2 history; emit conv-1 cache
         rownorm(z, h, hist2, valid, taps=True, bias=c1_b, has_res=False, write_h=False,
                 ln_affine=(cn_w, cn_b), eps=CONV_LN_EPS, out_t=t_len + CONV_HISTORY, out_off=CONV_HISTORY,
-                head=(cnn_i, c), emit=(hist1, new_cnn[i], 0), **common)
+                head=(cnn_i, c), emit=(hist1, new_cnn[i], 0), pdl_family=fam, **common)
         mm(hist2, c2_w, None, z)
         # conv-2 tap sum + bias, residual + gate_c, LN, modulation (m); emit conv-2 cache
         rownorm(z, h, a, valid, taps=True, bias=c2_b, table=mod_table, gate=_mod_off(i, GATE_C, c),
                 shift=_mod_off(i, SHIFT_M, c), scale=_mod_off(i, SCALE_M, c),
-                emit=(hist2, new_cnn[i], c), **common)
+                emit=(hist2, new_cnn[i], c), pdl_family=fam, **common)
         # MLP
         if v2:
             gemm(a, fc1_w, fc1_b, fbuf, gelu=True, precision=precision)
@@ -827,7 +849,7 @@ def dit_body_triton(
         torch.addmm(fc2_b, fbuf, fc2_w.t(), out=y)
         nxt = (i + 1, SHIFT_A, SCALE_A) if i + 1 < depth else (depth, 0, 1)
         rownorm(y, h, a, valid, table=mod_table, gate=_mod_off(i, GATE_M, c),
-                shift=_mod_off(nxt[0], nxt[1], c), scale=_mod_off(nxt[0], nxt[2], c), **common)
+                shift=_mod_off(nxt[0], nxt[1], c), scale=_mod_off(nxt[0], nxt[2], c), pdl_family=fam, **common)
     out_w, out_b = weights[-2], weights[-1]
     torch.baddbmm(out_b[None, :, None], out_w.expand(n_rows, -1, -1), a.view(n_rows, t_len, c).transpose(1, 2),
                   out=vel)

@@ -35,6 +35,7 @@ GELU_TANH = 2
 NO_BIAS = 4
 MAX_K = 512
 BLOCK_NS = (32, 64, 96, 128)
+V9_MAX_ROWS = 8  # the body uses the kernel (variant v9) for 16-bit bodies of at most this many rows
 
 
 def block_n_for(n: int) -> Optional[int]:

@@ -211,7 +211,8 @@ def dit_body_arena_into(x_in, weights, mod_table, cnn_cache, att_arena, valid_le
     current keys behind them (reversed too) and copies no old frame, so the arena then holds the
     SPEC §2 new cache, reversed, at [0, T_n + L_n). ``out`` = (velocity (N, Cout, T), new conv cache
     (depth, N, 2C, 2)). Lengths are clamped to [0, T] and [0, P - T]. Same math as the op within
-    the SPEC §6 oracle (the attention sums its keys in another order); variant v1's kernels.
+    the SPEC §6 oracle (the attention sums its keys in another order); the kernels of variant v1,
+    or v9 where :func:`torch_cfm.kernels.dit_body.choose_variant` picks it (16-bit, N <= 8).
     """
     from ..kernels.dit_body import dit_body_triton
 
@@ -227,7 +228,7 @@ def dit_body_arena_into(x_in, weights, mod_table, cnn_cache, att_arena, valid_le
     prec, scope = _driver_precision(x_in, precision)
     with scope:
         vel, cnn, _ = dit_body_triton(x_in, list(weights), mod_table.contiguous(), cnn_cache, None, valid, cached,
-                                      prec, (out[0], out[1], att_arena), "v1", arena=True)
+                                      prec, (out[0], out[1], att_arena), None, arena=True)
     return vel, cnn
 
 
