@@ -298,6 +298,22 @@ def _overriding(target: dict, over: dict):
     return ctx
 
 
+def _module_flag(module: str, name: str, value):
+    """Context manager factory: ``torch_cfm.kernels.<module>.<name>`` = ``value`` inside, restored after."""
+    @contextlib.contextmanager
+    def ctx():
+        import importlib
+
+        mod = importlib.import_module(f"torch_cfm.kernels.{module}")
+        old = getattr(mod, name)
+        setattr(mod, name, value)
+        try:
+            yield
+        finally:
+            setattr(mod, name, old)
+    return ctx
+
+
 def _body_pdl_kernels(kernels: frozenset):
     """Context manager factory: the body's PDL launches limited to ``kernels`` (dit_body.PDL_KERNELS_OVERRIDE)."""
     @contextlib.contextmanager
@@ -349,6 +365,7 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
     if "v9" in swept:
         plans += [("v1", "sweep_v1_pdl_none", _body_pdl_kernels(frozenset()))]
         plans += [("v9", f"sweep_v9_pdl_{name}", _body_pdl_kernels(kernels)) for name, kernels in SWEEP_V9_PDL.items()]
+        plans += [("v9", "sweep_v9_fc1", _module_flag("dit_body", "V9_FC1", True))]
     rng = random.Random(0)
     for n, t, l_len in shapes:
         for dname in dnames:

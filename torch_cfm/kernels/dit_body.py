@@ -49,6 +49,9 @@ VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
 # (not SM90, extension not built for 9.0a) v9 is v1 call for call, with v1's PDL set.
 V9_MAX_ROWS_16BIT = V9_MAX_ROWS
 ARENA_VARIANTS = ("v1", "v9")  # the variants with the in-place arena form (arena=True)
+# v9's fc1 (+ GELU) on the wgmma kernel too: 0.7 µs slower than cuBLAS per GEMM in a chain of GEMMs
+# (session 16); off until measured in the step (bench/dit_step.py --sweep-variants v9).
+V9_FC1 = False
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
 # (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
@@ -839,6 +842,8 @@ def dit_body_triton(
         # MLP
         if v2:
             gemm(a, fc1_w, fc1_b, fbuf, gelu=True, precision=precision)
+        elif wgmma and V9_FC1 and linear_into(a, fc1_w, fc1_b, fbuf, gelu=True, pdl=linear_pdl):
+            pass
         elif dev.type == "cuda":
             # GELU (tanh) in the cuBLASLt epilogue; torch applies the same GELU after the GEMM
             # where Lt cannot take the call. (Its CPU kernel uses the erf GELU: not used there.)
