@@ -44,13 +44,13 @@ DEFAULT_VARIANT = None  # None: per dtype/precision from VARIANT_BY_PRECISION (s
 VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
 # v9 (the wgmma GEMMs, with PDL on the row-norm and q/k-cache kernels around them) for 16-bit bodies
 # of at most this many rows. Session 16 (bench/NOTES.md), (8, 50, 400) fp16, interleaved rounds:
-# 868 µs against v1's 976; at (32, 50, 400) v9 is 21 % slower than v1 (M = 1600: several waves of
+# 868 / 821 µs against v1's 976 / 930 (two machines); at (32, 50, 400) v9 is 21 % slower than v1 (M = 1600: several waves of
 # its one-tile-per-CTA grid), so wider bodies keep v1 / v5. Where the kernel cannot run
 # (not SM90, extension not built for 9.0a) v9 is v1 call for call, with v1's PDL set.
 V9_MAX_ROWS_16BIT = V9_MAX_ROWS
 ARENA_VARIANTS = ("v1", "v9")  # the variants with the in-place arena form (arena=True)
-# v9's fc1 (+ GELU) on the wgmma kernel too: 0.7 µs slower than cuBLAS per GEMM in a chain of GEMMs
-# (session 16); off until measured in the step (bench/dit_step.py --sweep-variants v9).
+# v9's fc1 (+ GELU) on the wgmma kernel too. Session 16, (8, 50, 400) fp16, interleaved rounds:
+# 823 µs with it, 821 without (no gain), so off; kept for the A/B (bench/dit_step.py --sweep-variants v9).
 V9_FC1 = False
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
