@@ -35,7 +35,8 @@
 #                  the *_ARGS variables are split on spaces, not parsed by a shell: no quotes inside)
 #   sm-ingest      bench/sm_ingest.py: bytes per µs one SM takes in (ld.global / cp.async / bulk copies, L2 and
 #                  HBM, 1-132 CTAs; SM_INGEST_ARGS); JIT-builds bench/sm_ingest.cu (≈ 1 min)
-#   wgmma-gemm     bench/wgmma_gemm.py: the wgmma + TMA GEMM (csrc/cuda/dit_linear*) vs cuBLAS at the block's K = 512 shapes
+#   wgmma-gemm     bench/wgmma_gemm.py: the wgmma + TMA GEMM (csrc/cuda/dit_linear*) vs cuBLAS at the
+#                  block's K = 512 shapes
 #                  (check, repeated calls, per-role dependent chains with and without PDL; WGMMA_ARGS)
 #   ncu-block      Nsight Compute of single v7 phases at (8,50,400) fp16 (NCU_PHASES, default
 #                  "attention fc2 norm_m block"): stall reasons, occupancy, instruction-cache misses
@@ -116,7 +117,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-1
       sm-ingest)
         timeout "$(limit sm-ingest 300)" python3 bench/sm_ingest.py ${SM_INGEST_ARGS:-} --out "$OUT" > "$OUT/sm_ingest.log" 2>&1
         tail -40 "$OUT/sm_ingest.log" ;;
-      wgmma-gemm)  # the stand-alone wgmma + TMA GEMM against cuBLAS (WGMMA_ARGS, e.g. "--parts check,repeat")
+      wgmma-gemm)  # the body's wgmma + TMA GEMM against cuBLAS (WGMMA_ARGS, e.g. "--parts check,repeat")
         timeout "$(limit wgmma-gemm 300)" python3 bench/wgmma_gemm.py ${WGMMA_ARGS:-} --out "$OUT" > "$OUT/wgmma_gemm.log" 2>&1
         tail -60 "$OUT/wgmma_gemm.log" ;;
       graph-launch)  # host cost of the solve graphs' launch and of CFMServer.solve_chunk

@@ -1,12 +1,14 @@
 // Host side of the DiT GEMM kernel (dit_linear_kernel.cuh): tensor maps, tile configs, launch.
 #include "dit_linear.h"
 
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 
@@ -57,12 +59,18 @@ void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor&
   const CUtensorMap map_w = make_map(w, n, k, w.stride(0), BN);
   auto kernel = linear_kernel<T, BN>;
   const int smem = smem_bytes<BN>(k / kBK);
-  static std::once_flag opted_in;  // host-side attribute at the largest size (K = 512), before any capture
-  std::call_once(opted_in, [&] {
+  // The shared-memory opt-in is a per-device host-side attribute, set once at the largest size (K = 512)
+  // on the first call, which comes before any capture (the body warms up eagerly).
+  static std::atomic<uint64_t> opted_in{0};
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const uint64_t bit = uint64_t{1} << (device & 63);
+  if (!(opted_in.load() & bit)) {
     TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      smem_bytes<BN>(kMaxStages)) == cudaSuccess,
                 "dit_linear: shared-memory opt-in failed");
-  });
+    opted_in.fetch_or(bit);
+  }
   cudaLaunchConfig_t config = {};
   const int row_tiles = (m + kBM - 1) / kBM;
   config.gridDim = dim3((row_tiles + cluster - 1) / cluster * cluster, n / BN, 1);

@@ -44,8 +44,8 @@ DEFAULT_VARIANT = None  # None: per dtype/precision from VARIANT_BY_PRECISION (s
 VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
 # v9 (the wgmma GEMMs, with PDL on the row-norm and q/k-cache kernels around them) for 16-bit bodies
 # of at most this many rows. Session 16 (bench/NOTES.md), (8, 50, 400) fp16, interleaved rounds:
-# 868 / 821 µs against v1's 976 / 930 (two machines); at (32, 50, 400) v9 is 21 % slower than v1 (M = 1600: several waves of
-# its one-tile-per-CTA grid), so wider bodies keep v1 / v5. Where the kernel cannot run
+# 868 / 821 µs against v1's 976 / 930 (two machines); at (32, 50, 400) v9 is 21 % slower than v1
+# (M = 1600: several waves of its one-tile-per-CTA grid), so wider bodies keep v1 / v5. Where the kernel cannot run
 # (not SM90, extension not built for 9.0a) v9 is v1 call for call, with v1's PDL set.
 V9_MAX_ROWS_16BIT = V9_MAX_ROWS
 ARENA_VARIANTS = ("v1", "v9")  # the variants with the in-place arena form (arena=True)

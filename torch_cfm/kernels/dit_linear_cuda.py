@@ -22,7 +22,6 @@ variant "v9" uses it where :func:`not_supported_reasons` is empty and falls back
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -49,18 +48,26 @@ def block_n_for(n: int) -> Optional[int]:
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def _available(index: int) -> bool:
-    module, _ = _extension()
-    if module is None or not hasattr(module, "dit_linear_available"):
-        return False
-    with torch.cuda.device(index):
-        return bool(module.dit_linear_available())
+_PROBED: dict[int, bool] = {}  # device index -> the build carries sm_90a code for it
+
+
+def _available(index: int) -> Optional[bool]:
+    """Whether the kernel runs on device ``index``; None while unknown and a CUDA graph is being captured
+    (the probe is a synchronous launch, which a capture forbids)."""
+    if index not in _PROBED:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        module, _ = _extension()
+        with torch.cuda.device(index):
+            _PROBED[index] = module is not None and hasattr(module, "dit_linear_available") and \
+                bool(module.dit_linear_available())
+    return _PROBED[index]
 
 
 def device_reason(device: torch.device) -> Optional[str]:
     """Why the kernel cannot run on ``device`` (None: it can). The first call per device launches a
-    one-time probe (not allowed during CUDA-graph capture: the body warms up eagerly first)."""
+    one-time probe; a first call inside a CUDA-graph capture gets a reason (cuBLAS serves that
+    capture) instead of breaking it."""
     if device.type != "cuda":
         return "the wgmma GEMM is CUDA-only"
     module, why = _extension()
@@ -71,7 +78,10 @@ def device_reason(device: torch.device) -> Optional[str]:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.get_device_capability(index) != (9, 0):
         return "the wgmma GEMM needs an SM90 (Hopper) GPU"
-    if not _available(index):
+    ok = _available(index)
+    if ok is None:
+        return "not probed yet, and the first call is inside a CUDA-graph capture (run one call eagerly first)"
+    if not ok:
         return "torch_cfm._C_cuda has no sm_90a code (build with TORCH_CUDA_ARCH_LIST=9.0a)"
     return None
 
