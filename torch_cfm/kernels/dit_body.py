@@ -45,8 +45,9 @@ VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
 # v9 (the wgmma GEMMs, with PDL on the row-norm and q/k-cache kernels around them) for 16-bit bodies
 # of at most this many rows. Session 16 (bench/NOTES.md), (8, 50, 400) fp16, interleaved rounds:
 # 868 / 821 µs against v1's 976 / 930 (two machines); at (32, 50, 400) v9 is 21 % slower than v1
-# (M = 1600: several waves of its one-tile-per-CTA grid), so wider bodies keep v1 / v5. Where the kernel cannot run
-# (not SM90, extension not built for 9.0a) v9 is v1 call for call, with v1's PDL set.
+# (M = 1600: several waves of its one-tile-per-CTA grid), so wider bodies keep v1 / v5. Where the
+# kernel cannot run (not SM90, extension not built for 9.0a) or PDL is off (TORCH_CFM_PDL=0), v9 is
+# v1 call for call, with v1's PDL set.
 V9_MAX_ROWS_16BIT = V9_MAX_ROWS
 ARENA_VARIANTS = ("v1", "v9")  # the variants with the in-place arena form (arena=True)
 # v9's fc1 (+ GELU) on the wgmma kernel too. Session 16, (8, 50, 400) fp16, interleaved rounds:
@@ -773,10 +774,12 @@ def dit_body_triton(
     fbuf = torch.empty((m, mlp), dtype=cd, device=dev)
     common = dict(n_rows=n_rows, t_len=t_len)
     v2 = variant == "v2"
-    # v9: the wgmma GEMMs, and the PDL set measured with them (v1's, call for call, where they cannot run)
+    # v9: the wgmma GEMMs, and the PDL set measured with them (v1's, call for call, where they cannot
+    # run, or where PDL is off: without PDL, v9 measured 3 % slower than v1, session 16)
     from .dit_linear_cuda import device_reason, linear_into
 
-    wgmma = variant == "v9" and cd in (torch.float16, torch.bfloat16) and device_reason(dev) is None
+    wgmma = (variant == "v9" and cd in (torch.float16, torch.bfloat16) and pdl_supported(dev)
+             and device_reason(dev) is None)
     fam = "wgmma" if wgmma else None
     if wgmma:
         linear_pdl = body_pdl(dev, "linear", cd, fam)
