@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""The wgmma + TMA GEMM (``csrc/cuda/dit_linear_kernel.cuh``, built into torch_cfm._C_cuda) against cuBLAS at the DiT block's
-K = 512 GEMM shapes: the first measurement of route 1 in bench/NOTES.md (session 14, "Where #4 stands").
+"""The wgmma + TMA GEMM (``csrc/cuda/dit_linear_kernel.cuh``, in torch_cfm._C_cuda) against cuBLAS at the
+DiT block's K = 512 GEMM shapes: route 1 of bench/NOTES.md (session 14, "Where #4 stands"); results and
+conclusions in its session 16.
 
 The question: at M = N·T = 400 rows, does a Hopper GEMM that issues wgmma from TMA-loaded, swizzled
 shared memory reach cuBLAS's ≈ 3.7 µs per dependent proj GEMM (400 × 512 × 512)? Session 14's
@@ -13,8 +14,9 @@ Three parts (the extension built for sm_90a, as bench/run_device.sh does):
 2. repeat: the same GEMM ``--calls`` times in one graph (``bench/dit_gemm.py``'s method).
 3. chain: dependent GEMMs of one role in one graph, each with its own weight matrix (``--chain-mb``
    together, more than L2, as in the step, whose 147 MB of weights stream from HBM), activations
-   ping-ponged between two buffers (GEMM i reads the first K columns of GEMM i-1's output); µs per GEMM. Plans are captured ``--rounds`` times in a new order each round
-   and the rounds pooled (capture-to-capture spread is 3-8 %, bench/NOTES.md session 6).
+   ping-ponged between two buffers (GEMM i reads the first K columns of GEMM i-1's output); µs per
+   GEMM. Plans are captured ``--rounds`` times in a new order each round and the rounds pooled
+   (capture-to-capture spread is 3-8 %, bench/NOTES.md session 6).
 
 Rows (``op`` = "wgmma_gemm", provider "cublas" or "wgmma", variant "bn<BN>[/c<cluster>][/pdl]", shape
 {M, K, N, mode}) go to ``<out>/wgmma_gemm.json`` and a markdown table.
