@@ -49,20 +49,14 @@ TRIGGER_EARLY, GELU = 1, 2  # csrc/cuda/dit_linear_kernel.cuh flags (GELU: tanh 
 
 
 def _module():
-    """The library's build of the kernel (torch_cfm._C_cuda, TORCH_CUDA_ARCH_LIST=9.0a)."""
+    """The library's build of the kernel (torch_cfm._C_cuda, TORCH_CUDA_ARCH_LIST=9.0a):
+    ``dit_linear_into(a, w, bias, out, block_n, pdl, flags, cluster)``."""
     from torch_cfm.kernels.dit_linear_cuda import _extension, device_reason
 
     why = device_reason(torch.device("cuda"))
     if why:
         raise SystemExit(f"bench/wgmma_gemm.py: {why}")
-    module, _ = _extension()
-
-    class _Gemm:
-        @staticmethod
-        def gemm(a, w, b, out, block_n, pdl, flags, cluster):
-            module.dit_linear_into(a, w, b, out, block_n, pdl, flags, cluster)
-
-    return _Gemm()
+    return _extension()[0]
 
 
 def _operands(m: int, k: int, n: int, dtype: torch.dtype, seed: int):
@@ -109,7 +103,7 @@ def check(mod, env, dtypes, block_ns, clusters) -> tuple[list, bool]:
                 if n % bn:
                     continue
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
-                mod.gemm(a, w, b, out, bn, False, GELU if gelu else 0, c)
+                mod.dit_linear_into(a, w, b, out, bn, False, GELU if gelu else 0, c)
                 torch.cuda.synchronize()
                 err = ((out.double() - ref).norm() / ref_norm).item()
                 good = bool(torch.isfinite(out).all()) and err <= 2 * cub_err + 1e-3 * (dtype == torch.bfloat16) + 1e-4
@@ -126,7 +120,7 @@ def _launcher(mod, provider, bn, pdl, flags, cluster, a, w, b, out, gelu):
     if provider == "cublas":
         return lambda: _cublas(a, w, b, out, gelu)
     f = flags | (GELU if gelu else 0)
-    return lambda: mod.gemm(a, w, b, out, bn, pdl, f, cluster)
+    return lambda: mod.dit_linear_into(a, w, b, out, bn, pdl, f, cluster)
 
 
 def repeat_rows(mod, env, dtypes, block_ns, clusters, calls, repeats) -> list:

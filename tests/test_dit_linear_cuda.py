@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import strategies as S
 from oracle import assert_within_oracle
 from torch_cfm.kernels import dit_linear_cuda as L
 
@@ -112,14 +113,7 @@ def test_gpu_linear_pdl_chain_graph_replay_bitwise(dtype):
         x.copy_(inp)
         chain(False)
         want.append([o.clone() for o in outs])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(True)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain(True)
+    graph, _ = S.capture_cuda_graph(lambda: chain(True))
     for inp, expected in zip(inputs[::-1], want[::-1]):
         x.copy_(inp)
         for o in outs:

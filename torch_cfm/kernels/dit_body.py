@@ -31,7 +31,7 @@ from ..config import BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS
 from ..packing import (GATE_A, GATE_C, GATE_M, MOD_VECTORS, PER_BLOCK, SCALE_A, SCALE_C, SCALE_M,
                        SHIFT_A, SHIFT_C, SHIFT_M)
 from ._launch import launch_kwargs, on_device, pdl_prologue, pdl_supported
-from .dit_linear_cuda import V9_MAX_ROWS
+from .dit_linear_cuda import V9_MAX_ROWS, device_reason, linear_into
 from .cfm_attention import AttentionConfig
 from .dit_attention import attention_cache
 
@@ -776,8 +776,6 @@ def dit_body_triton(
     v2 = variant == "v2"
     # v9: the wgmma GEMMs, and the PDL set measured with them (v1's, call for call, where they cannot
     # run, or where PDL is off: without PDL, v9 measured 3 % slower than v1, session 16)
-    from .dit_linear_cuda import device_reason, linear_into
-
     wgmma = (variant == "v9" and cd in (torch.float16, torch.bfloat16) and pdl_supported(dev)
              and device_reason(dev) is None)
     fam = "wgmma" if wgmma else None

@@ -48,41 +48,38 @@ def block_n_for(n: int) -> Optional[int]:
     return None
 
 
-_PROBED: dict[int, bool] = {}  # device index -> the build carries sm_90a code for it
-
-
-def _available(index: int) -> Optional[bool]:
-    """Whether the kernel runs on device ``index``; None while unknown and a CUDA graph is being captured
-    (the probe is a synchronous launch, which a capture forbids)."""
-    if index not in _PROBED:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        module, _ = _extension()
-        with torch.cuda.device(index):
-            _PROBED[index] = module is not None and hasattr(module, "dit_linear_available") and \
-                bool(module.dit_linear_available())
-    return _PROBED[index]
+_REASONS: dict[int, Optional[str]] = {}  # device index -> device_reason, once settled
+_CAPTURING = "not probed yet, and the first call is inside a CUDA-graph capture (run one call eagerly first)"
 
 
 def device_reason(device: torch.device) -> Optional[str]:
-    """Why the kernel cannot run on ``device`` (None: it can). The first call per device launches a
-    one-time probe; a first call inside a CUDA-graph capture gets a reason (cuBLAS serves that
-    capture) instead of breaking it."""
+    """Why the kernel cannot run on ``device`` (None: it can); settled once per device (asked per GEMM).
+    The first call per device launches a one-time probe; a first call inside a CUDA-graph capture
+    gets a reason (cuBLAS serves that capture) instead of breaking it."""
     if device.type != "cuda":
         return "the wgmma GEMM is CUDA-only"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _REASONS:
+        why = _device_reason(index)
+        if why is _CAPTURING:
+            return why
+        _REASONS[index] = why
+    return _REASONS[index]
+
+
+def _device_reason(index: int) -> Optional[str]:
     module, why = _extension()
     if module is None:
         return why
     if not hasattr(module, "dit_linear_into"):
         return "torch_cfm._C_cuda was built without the DiT GEMM (rebuild the extension)"
-    index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.get_device_capability(index) != (9, 0):
         return "the wgmma GEMM needs an SM90 (Hopper) GPU"
-    ok = _available(index)
-    if ok is None:
-        return "not probed yet, and the first call is inside a CUDA-graph capture (run one call eagerly first)"
-    if not ok:
-        return "torch_cfm._C_cuda has no sm_90a code (build with TORCH_CUDA_ARCH_LIST=9.0a)"
+    if torch.cuda.is_current_stream_capturing():  # the probe is a synchronous launch
+        return _CAPTURING
+    with torch.cuda.device(index):
+        if not module.dit_linear_available():
+            return "torch_cfm._C_cuda has no sm_90a code (build with TORCH_CUDA_ARCH_LIST=9.0a)"
     return None
 
 
