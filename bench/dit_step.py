@@ -337,6 +337,9 @@ SWEEP_V9_PDL = {"none": frozenset(), "linear": frozenset({"linear"}),
                 "linear_rownorm": frozenset({"linear", "rownorm", "cfg_euler"}),
                 "linear_rownorm_qk": frozenset({"linear", "rownorm", "cfg_euler", "qk_cache"})}
 
+# --sweep-variants fc2: (splits, BN) of v9's split-K fc2 (kernels.dit_linear_cuda.SPLITK_CONFIG)
+SWEEP_FC2_SPLITK = ((4, 128), (8, 128), (4, 64), (8, 64))
+
 
 def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
     """Time the v3 step under each tile override of SWEEP (torch_cfm.kernels.dit_gemm.TILE_OVERRIDE),
@@ -366,6 +369,12 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
         plans += [("v1", "sweep_v1_pdl_none", _body_pdl_kernels(frozenset()))]
         plans += [("v9", f"sweep_v9_pdl_{name}", _body_pdl_kernels(kernels)) for name, kernels in SWEEP_V9_PDL.items()]
         plans += [("v9", "sweep_v9_fc1", _module_flag("dit_body", "V9_FC1", True))]
+    if "fc2" in swept:  # v9's fc2: cuBLAS against the split-K wgmma GEMM at each (splits, BN); fc1 on it too
+        plans += [("v1", "sweep_v1_pdl_none", _body_pdl_kernels(frozenset())),
+                  ("v9", "sweep_v9_fc2_off", _module_flag("dit_body", "V9_FC2", False)),
+                  ("v9", "sweep_v9_fc2_fc1", _module_flag("dit_body", "V9_FC1", True))]
+        plans += [("v9", f"sweep_v9_fc2_s{sp}_bn{bn}", _module_flag("dit_linear_cuda", "SPLITK_CONFIG", (sp, bn)))
+                  for sp, bn in SWEEP_FC2_SPLITK]
     rng = random.Random(0)
     for n, t, l_len in shapes:
         for dname in dnames:
@@ -704,7 +713,7 @@ def main(argv=None) -> int:
                     help="captures per sweep plan, interleaved in a new order each round (A/B at the few-%% level)")
     ap.add_argument("--sweep-variants", default="v3,v5,pdl",
                     help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL kernel sets; "
-                         "v9: the wgmma GEMMs against v1 under PDL sets)")
+                         "v9: the wgmma GEMMs against v1 under PDL sets; fc2: v9's split-K fc2 configs)")
     ap.add_argument("--variants", default=",".join(VARIANTS + ("arena",)),
                     help="fused-body variants timed besides the default one (comma list, or 'none'); 'arena': "
                          "the step on the in-place cache arena")

@@ -5,10 +5,18 @@ the extension built for 9.0a): the SPEC §6 oracle against a float64 product, ne
 error, at the body's shapes and the tile edges (M in 1, 63, 64, 65; TMA zero fill, masked
 stores), every flag (bias, no bias, GELU) and tile width, with poisoned rows past M left alone;
 a chain of PDL launches captured in a CUDA graph, replayed on new inputs, bitwise equal to the
-same chain eager without PDL.
+same chain eager without PDL. Split-K (``linear_splitk_into``, the body's fc2): CPU, its support
+rules, and the row-norm kernel summing fp32 partials + bias (Triton interpreter) against torch math;
+GPU, the partials' sum within the oracle for every (splits, BN), every element written, two runs
+bitwise equal.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -41,6 +49,56 @@ def test_not_supported_reasons_on_cpu():
     assert any("a needs unit column stride" in r for r in L.not_supported_reasons(strided, w, out))
     assert any("N must be a multiple of 32" in r
                for r in L.not_supported_reasons(a, torch.zeros(20, 64, dtype=torch.float16), torch.zeros(4, 20)))
+
+
+def test_splitk_not_supported_reasons_on_cpu():
+    a, w = torch.zeros(4, 2048, dtype=torch.float16), torch.zeros(512, 2048, dtype=torch.float16)
+    parts = torch.zeros(4, 4, 512)
+    assert any("CUDA" in r for r in L.splitk_not_supported_reasons(a, w, parts, (4, 128)))
+    assert L.linear_splitk_into(a, w, parts, config=(4, 128)) is False  # nothing launched
+    assert any("up to 512" in r for r in L.splitk_not_supported_reasons(a, w, torch.zeros(2, 4, 512), (2, 128)))
+    assert any("multiples of 64" in r
+               for r in L.splitk_not_supported_reasons(a[:, :1984], w[:, :1984], parts, (4, 128)))
+    assert any("partials must be contiguous float32" in r
+               for r in L.splitk_not_supported_reasons(a, w, parts.half(), (4, 128)))
+    assert any("partials must be contiguous float32" in r
+               for r in L.splitk_not_supported_reasons(a, w, torch.zeros(8, 4, 512), (4, 128)))
+    assert any("block_n 96" in r for r in L.splitk_not_supported_reasons(a, w, parts, (4, 96)))
+    assert any("fp16/bf16" in r for r in L.splitk_not_supported_reasons(a.float(), w.float(), parts, (4, 128)))
+
+
+_ROWNORM_SPLITS_CHILD = textwrap.dedent("""
+    import torch
+    from torch_cfm.config import BLOCK_LN_EPS
+    from torch_cfm.kernels.dit_body import rownorm
+    g = torch.Generator().manual_seed(3)
+    n, t, c, splits = 3, 5, 64, 4
+    m = n * t
+    parts = torch.randn(splits, m, c, generator=g)
+    bias = torch.randn(c, generator=g).half()
+    h0 = torch.randn(m, c, generator=g)
+    table = torch.randn(1, 1, 9, c, generator=g)  # gate, shift, 1 + scale at rows 0, 1, 2 of one table row
+    h, out = h0.clone(), torch.full((m, c), float("nan"), dtype=torch.float16)
+    valid = torch.full((n,), t, dtype=torch.int32)
+    rownorm(parts, h, out, valid, n_rows=n, t_len=t, bias=bias, table=table, gate=0, shift=c, scale=2 * c)
+    # torch math in float64: residual + gate * (sum of partials + bias), LayerNorm, adaLN modulation
+    tab = table.double()[0, 0]
+    y = parts.double().sum(0) + bias.double()
+    want_h = h0.double() + tab[0] * y
+    z = torch.nn.functional.layer_norm(want_h, (c,), eps=BLOCK_LN_EPS) * tab[2] + tab[1]
+    assert torch.allclose(h.double(), want_h, rtol=1e-5, atol=1e-5), (h.double() - want_h).abs().max()
+    assert torch.allclose(out.double(), z, rtol=2e-3, atol=2e-3), (out.double() - z).abs().max()
+    print("ok")
+""")
+
+
+def test_rownorm_sums_splitk_partials_interpreter():
+    """The reader of the split-K partials: the row-norm kernel (Triton interpreter) adds the S fp32
+    partials and the bias, then residual + gate, LayerNorm and modulation, as torch math in float64."""
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", _ROWNORM_SPLITS_CHILD], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
 def _skip_unless_runnable():
@@ -122,3 +180,37 @@ def test_gpu_linear_pdl_chain_graph_replay_bitwise(dtype):
         torch.cuda.synchronize()
         for o, e in zip(outs, expected):
             assert torch.equal(o, e)
+
+
+# (M, K, N): the body's fc2 at (8, 50), a single row, tile edges
+SPLITK_SHAPES = [(400, 2048, 512), (1, 2048, 512), (65, 1024, 128), (64, 512, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("m,k,n", SPLITK_SHAPES)
+def test_gpu_splitk_partials_within_oracle(dtype, m, k, n):
+    _skip_unless_runnable()
+    g = torch.Generator(device="cpu").manual_seed(m + k + n + 1)
+    a = torch.randn(m, k, generator=g).to("cuda", dtype)
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).to("cuda", dtype)
+    ref = a.double() @ w.double().t()
+    same = a @ w.t()  # cuBLAS in the dtype: the oracle's baseline
+    ran = 0
+    for splits in (1, 2, 4, 8):
+        for bn in L.SPLITK_BLOCK_NS:
+            config = (splits, bn)
+            parts = torch.full((splits, m, n), float("nan"), device="cuda")
+            if L.splitk_not_supported_reasons(a, w, parts, config):
+                continue
+            for pdl in (False, True):
+                parts.fill_(float("nan"))
+                assert L.linear_splitk_into(a, w, parts, pdl=pdl, config=config)
+                torch.cuda.synchronize()
+                assert not torch.isnan(parts).any(), f"{config}: a partial left unwritten"
+                assert_within_oracle(parts.sum(0).to(dtype).cpu(), same.cpu(), ref.cpu(), f"{config} pdl={pdl}")
+                again = torch.empty_like(parts)
+                assert L.linear_splitk_into(a, w, again, pdl=pdl, config=config)
+                assert torch.equal(parts, again)  # no atomics: the same bits every run
+                ran += 1
+    assert ran >= 2

@@ -111,6 +111,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out = a @ w.T (+ bias) (GELU) on the SM90a wgmma kernel (csrc/cuda/dit_linear_kernel.cuh)",
         pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("out"), pybind11::arg("block_n"),
         pybind11::arg("pdl") = false, pybind11::arg("flags") = 0, pybind11::arg("cluster") = 1);
+  m.def("dit_linear_splitk_into", &torch_cfm::dit_linear::linear_splitk_into,
+        "partials[z] = a[:, K chunk z] @ w[:, K chunk z].T in fp32 on the SM90a wgmma kernel (split-K)",
+        pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("partials"), pybind11::arg("block_n"),
+        pybind11::arg("pdl") = false, pybind11::arg("flags") = 0, pybind11::arg("splits") = 1);
   m.def("dit_linear_available", &torch_cfm::dit_linear::available,
         "whether this build runs the SM90a DiT GEMM kernel on the current device (cached probe)");
   m.def("configs", &torch_cfm::cuda_attention::configs,

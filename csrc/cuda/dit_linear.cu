@@ -51,14 +51,16 @@ CUtensorMap make_map(const at::Tensor& t, int64_t rows, int64_t cols, int64_t ld
   return map;
 }
 
-template <typename T, int BN>
+// out: (M, N) in T, or with kPartials the fp32 (splits, M, N) partial sums (one K chunk per split).
+template <typename T, int BN, bool kPartials>
 void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor& out, bool pdl, int flags, int cluster,
-            cudaStream_t stream) {
+            int splits, cudaStream_t stream) {
   const int m = static_cast<int>(a.size(0)), k = static_cast<int>(a.size(1)), n = static_cast<int>(w.size(0));
   const CUtensorMap map_a = make_map(a, m, k, a.stride(0), kBM);
   const CUtensorMap map_w = make_map(w, n, k, w.stride(0), BN);
-  auto kernel = linear_kernel<T, BN>;
-  const int smem = smem_bytes<BN>(k / kBK);
+  auto kernel = linear_kernel<T, BN, kPartials>;
+  const int k_cta = k / splits;
+  const int smem = smem_bytes<BN>(k_cta / kBK);
   // The shared-memory opt-in is a per-device host-side attribute, set once at the largest size (K = 512)
   // on the first call, which comes before any capture (the body warms up eagerly).
   static std::atomic<uint64_t> opted_in{0};
@@ -73,7 +75,7 @@ void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor&
   }
   cudaLaunchConfig_t config = {};
   const int row_tiles = (m + kBM - 1) / kBM;
-  config.gridDim = dim3((row_tiles + cluster - 1) / cluster * cluster, n / BN, 1);
+  config.gridDim = dim3((row_tiles + cluster - 1) / cluster * cluster, n / BN, splits);
   config.blockDim = dim3(kThreads, 1, 1);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
@@ -91,8 +93,8 @@ void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor&
   }
   config.attrs = attributes;
   config.numAttrs = count;
-  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_w, bias, reinterpret_cast<T*>(out.data_ptr()),
-                                             m, static_cast<int>(out.stride(0)), k, flags);
+  const int ldo = static_cast<int>(out.stride(out.dim() - 2));
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_w, bias, out.data_ptr(), m, ldo, k_cta, flags);
   TORCH_CHECK(err == cudaSuccess, "dit_linear: launch failed: ", cudaGetErrorString(err));
 }
 
@@ -133,7 +135,7 @@ void linear_into(const at::Tensor& a, const at::Tensor& w, const std::optional<a
   const void* b = has_bias ? bias->data_ptr() : nullptr;
 #define TORCH_CFM_LINEAR_CASE(T, BN)                                                \
   if (block_n == BN) {                                                              \
-    launch<T, BN>(a, w, static_cast<const T*>(b), out, pdl, f, c, stream);          \
+    launch<T, BN, false>(a, w, static_cast<const T*>(b), out, pdl, f, c, 1, stream); \
     return;                                                                         \
   }
   if (dt == at::kHalf) {
@@ -144,6 +146,44 @@ void linear_into(const at::Tensor& a, const at::Tensor& w, const std::optional<a
     TORCH_CFM_LINEAR_CASE(__nv_bfloat16, 96) TORCH_CFM_LINEAR_CASE(__nv_bfloat16, 128)
   }
 #undef TORCH_CFM_LINEAR_CASE
+}
+
+void linear_splitk_into(const at::Tensor& a, const at::Tensor& w, at::Tensor& partials, int64_t block_n, bool pdl,
+                        int64_t flags, int64_t splits) {
+  TORCH_CHECK(a.is_cuda() && w.is_cuda() && partials.is_cuda(), "dit_linear: CUDA tensors");
+  TORCH_CHECK(a.dim() == 2 && w.dim() == 2 && partials.dim() == 3, "dit_linear: a, w 2-D and partials 3-D");
+  const auto dt = a.scalar_type();
+  TORCH_CHECK((dt == at::kHalf || dt == at::kBFloat16) && w.scalar_type() == dt,
+              "dit_linear: a and w must share one dtype, fp16 or bf16");
+  TORCH_CHECK(partials.scalar_type() == at::kFloat && partials.is_contiguous(),
+              "dit_linear: partials must be a contiguous float32 tensor");
+  const int64_t m = a.size(0), k = a.size(1), n = w.size(0);
+  TORCH_CHECK(splits >= 1 && splits <= 16, "dit_linear: splits must be 1 to 16");
+  TORCH_CHECK(w.size(1) == k && partials.size(0) == splits && partials.size(1) == m && partials.size(2) == n,
+              "dit_linear: shapes (M, K) x (N, K) -> (splits, M, N)");
+  TORCH_CHECK(k > 0 && k % (kBK * splits) == 0 && k / splits <= kBK * kMaxStages,
+              "dit_linear: K must split into chunks that are multiples of 64, at most 512");
+  TORCH_CHECK(block_n == 64 || block_n == 128, "dit_linear: split-K block_n must be 64 or 128");
+  TORCH_CHECK(n % block_n == 0, "dit_linear: N must be a multiple of block_n");
+  TORCH_CHECK(a.stride(1) == 1 && w.stride(1) == 1, "dit_linear: unit column strides");
+  TORCH_CHECK(aligned16(a.data_ptr()) && aligned16(w.data_ptr()) && (a.stride(0) * 2) % 16 == 0 &&
+                  (w.stride(0) * 2) % 16 == 0,
+              "dit_linear: a and w need 16-byte aligned bases and rows (TMA)");
+  if (m == 0) return;
+  const c10::cuda::CUDAGuard guard(a.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int f = static_cast<int>(flags & kTriggerEarly) | kNoBias, s = static_cast<int>(splits);
+#define TORCH_CFM_SPLITK_CASE(T, BN)                                              \
+  if (block_n == BN) {                                                            \
+    launch<T, BN, true>(a, w, nullptr, partials, pdl, f, 1, s, stream);           \
+    return;                                                                       \
+  }
+  if (dt == at::kHalf) {
+    TORCH_CFM_SPLITK_CASE(__half, 64) TORCH_CFM_SPLITK_CASE(__half, 128)
+  } else {
+    TORCH_CFM_SPLITK_CASE(__nv_bfloat16, 64) TORCH_CFM_SPLITK_CASE(__nv_bfloat16, 128)
+  }
+#undef TORCH_CFM_SPLITK_CASE
 }
 
 bool available() {

@@ -16,6 +16,12 @@ namespace dit_linear {
 void linear_into(const at::Tensor& a, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out,
                  int64_t block_n, bool pdl, int64_t flags, int64_t cluster);
 
+// Split-K: partials[z] = a[:, z K' : (z + 1) K'] @ w[:, z K' : (z + 1) K']^T in fp32, K' = K / splits a
+// multiple of 64 up to 512; partials a contiguous float32 (splits, M, N) tensor, block_n 64 or 128. The sum
+// over z (and any bias) is the caller's: the body's row-norm kernel adds them up. flags: 1 only.
+void linear_splitk_into(const at::Tensor& a, const at::Tensor& w, at::Tensor& partials, int64_t block_n, bool pdl,
+                        int64_t flags, int64_t splits);
+
 // Whether this build carries the sm_90a kernel code for the current device (a one-time probe launch).
 bool available();
 

@@ -1,6 +1,7 @@
 // The DiT block's K <= 512 GEMMs on Hopper (SM90a): wgmma from TMA-loaded, 128-byte-swizzled shared
 // memory, with the weight tile loaded before the PDL wait.
 //   out[M, N] = a[M, K] @ w[N, K]^T (+ bias[N]) (GELU)      fp16 or bf16 in and out, fp32 accumulation
+//   split-K: partials[z, M, N] = a[:, zK':(z+1)K'] @ w[:, zK':(z+1)K']^T   fp32 out, K' = K / splits <= 512
 // Measured against cuBLAS in bench/wgmma_gemm.py (bench/NOTES.md, session 16); used by the body's
 // variant "v9" (torch_cfm/kernels/dit_linear_cuda.py).
 //
@@ -8,7 +9,9 @@
 // memory, so nothing is ever overwritten: one mbarrier per 64-wide K stage, no "empty" barriers.
 // Thread 0 issues every stage's TMA load of w first, then, after griddepcontrol.wait (a no-op
 // without PDL), every stage's load of a; the warpgroup waits stage by stage and issues 4 wgmma
-// m64nBNk16 per stage straight from shared memory. An optional cluster along x multicasts each
+// m64nBNk16 per stage straight from shared memory. With kPartials, grid z splits a longer K (the
+// body's fc2, K = 2048) into chunks of at most 512 and each CTA writes its fp32 partial sum, which
+// the row-norm kernel behind it adds up (no bias, no GELU). An optional cluster along x multicasts each
 // weight stage to consecutive row tiles (measured slower at these sizes; kept for the bench).
 #pragma once
 
@@ -155,12 +158,14 @@ constexpr int smem_bytes(int stages) {
   return stages * (kBM + BN) * kBK * 2 + 1024;  // + alignment slack for the 1024-byte swizzle atoms
 }
 
-// grid (ceil(M / 64) rounded up to the cluster size, N / BN), kThreads threads, smem_bytes<BN>(K / 64)
-// dynamic shared memory; an optional cluster of 1-8 CTAs along x.
-template <typename T, int BN>
+// grid (ceil(M / 64) rounded up to the cluster size, N / BN, splits), kThreads threads,
+// smem_bytes<BN>(k / 64) dynamic shared memory; an optional cluster of 1-8 CTAs along x. k is the K of
+// one CTA (the whole K, or one split's chunk): CTA z reads columns [z k, (z + 1) k) of a and w.
+// out: (M, ldo) in T, or with kPartials (splits, M, ldo) in fp32, split z at z * M * ldo.
+template <typename T, int BN, bool kPartials>
 __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant__ CUtensorMap map_a,
                                                               const __grid_constant__ CUtensorMap map_w,
-                                                              const T* __restrict__ bias, T* __restrict__ out,
+                                                              const T* __restrict__ bias, void* __restrict__ out,
                                                               int m, int ldo, int k, int flags) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma needs the sm_90a target
   extern __shared__ unsigned char smem_raw[];
@@ -174,6 +179,7 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
   unsigned char* sa = smem + stages * kWBytes;  // stages x (64 x 64)
   const int m0 = blockIdx.x * kBM;
   const int n0 = blockIdx.y * BN;
+  const int k0 = blockIdx.z * k;
   const int tid = threadIdx.x;
 
   // A cluster (launch attribute, 1-8 CTAs along grid x = consecutive row tiles of one column tile)
@@ -194,9 +200,9 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
     for (int s = 0; s < stages; ++s) {
       mbar_expect_tx(&full[s], kABytes + kWBytes);
       if (csize == 1) {
-        tma_load_2d(sw + s * kWBytes, &map_w, s * kBK, n0, &full[s]);
+        tma_load_2d(sw + s * kWBytes, &map_w, k0 + s * kBK, n0, &full[s]);
       } else if (s % csize == crank) {
-        tma_load_2d_multicast(sw + s * kWBytes, &map_w, s * kBK, n0, &full[s],
+        tma_load_2d_multicast(sw + s * kWBytes, &map_w, k0 + s * kBK, n0, &full[s],
                               static_cast<uint16_t>((1u << csize) - 1));
       }
     }
@@ -211,7 +217,7 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
   }
   pdl_wait();  // a (and out, which the kernel in front may still read) only after this
   if (tid == 0) {
-    for (int s = 0; s < stages; ++s) tma_load_2d(sa + s * kABytes, &map_a, s * kBK, m0, &full[s]);
+    for (int s = 0; s < stages; ++s) tma_load_2d(sa + s * kABytes, &map_a, k0 + s * kBK, m0, &full[s]);
   }
   if (flags & kTriggerEarly) pdl_trigger();
 
@@ -236,6 +242,7 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
   // Accumulator layout of m64nN: warp w holds rows 16w + lane/4 (+8); register 4j + {0,1} holds
   // columns 8j + 2(lane%4) + {0,1} of the first row, 4j + {2,3} the same columns of the second.
   const int r0 = m0 + 16 * warp + lane / 4;
+  float* part = kPartials ? static_cast<float*>(out) + static_cast<int64_t>(blockIdx.z) * m * ldo : nullptr;
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
     const int col = col0 + 8 * j;
@@ -248,8 +255,13 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
         x1 = gelu_tanh(x1);
       }
       if (r < m) {
-        T pair[2] = {from_float<T>(x0), from_float<T>(x1)};
-        *reinterpret_cast<uint32_t*>(out + static_cast<int64_t>(r) * ldo + col) = *reinterpret_cast<uint32_t*>(pair);
+        if constexpr (kPartials) {
+          *reinterpret_cast<float2*>(part + static_cast<int64_t>(r) * ldo + col) = make_float2(x0, x1);
+        } else {
+          T pair[2] = {from_float<T>(x0), from_float<T>(x1)};
+          *reinterpret_cast<uint32_t*>(static_cast<T*>(out) + static_cast<int64_t>(r) * ldo + col) =
+              *reinterpret_cast<uint32_t*>(pair);
+        }
       }
     }
   }

@@ -31,7 +31,8 @@ from ..config import BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS
 from ..packing import (GATE_A, GATE_C, GATE_M, MOD_VECTORS, PER_BLOCK, SCALE_A, SCALE_C, SCALE_M,
                        SHIFT_A, SHIFT_C, SHIFT_M)
 from ._launch import launch_kwargs, on_device, pdl_prologue, pdl_supported
-from .dit_linear_cuda import V9_MAX_ROWS, device_reason, linear_into
+from . import dit_linear_cuda
+from .dit_linear_cuda import V9_MAX_ROWS, device_reason, linear_into, linear_splitk_into
 from .cfm_attention import AttentionConfig
 from .dit_attention import attention_cache
 
@@ -53,6 +54,9 @@ ARENA_VARIANTS = ("v1", "v9")  # the variants with the in-place arena form (aren
 # v9's fc1 (+ GELU) on the wgmma kernel too. Session 16, (8, 50, 400) fp16, interleaved rounds:
 # 823 µs with it, 821 without (no gain), so off; kept for the A/B (bench/dit_step.py --sweep-variants v9).
 V9_FC1 = False
+# v9's fc2 (K = 2048) as a split-K wgmma GEMM (dit_linear_cuda.SPLITK_CONFIG) whose fp32 partial sums
+# the row-norm kernel behind it adds up, bias included. Session 17 (bench/NOTES.md).
+V9_FC2 = True
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
 # (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
@@ -205,20 +209,20 @@ def _rownorm_rows(
 
 @triton.jit
 def _dit_rownorm_kernel(
-    y_ptr, stride_y, bias_ptr, h_ptr, tab_ptr, stride_tab, gate_off, shift_off, scale_off, lnw_ptr, lnb_ptr,
+    y_ptr, stride_y, split_stride, bias_ptr, h_ptr, tab_ptr, stride_tab, gate_off, shift_off, scale_off, lnw_ptr, lnb_ptr,
     out_ptr, out_t, out_off, cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j, head_cbase,
     emit_src_ptr, emit_ptr, stride_emit_n, stride_emit_c, stride_emit_j, emit_cbase, valid_ptr,
     M, T, C, eps,
     TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_GATE: tl.constexpr, NORM: tl.constexpr, HEAD: tl.constexpr, HAS_CNN: tl.constexpr,
-    EMIT: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
+    EMIT: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One block boundary, ROWS token rows per program (arguments: :func:`_rownorm_rows`)."""
     _rownorm_rows(
-        tl.program_id(0) * ROWS, y_ptr, stride_y, 0, bias_ptr, h_ptr, tab_ptr, stride_tab, gate_off, shift_off,
+        tl.program_id(0) * ROWS, y_ptr, stride_y, split_stride, bias_ptr, h_ptr, tab_ptr, stride_tab, gate_off, shift_off,
         scale_off, lnw_ptr, lnb_ptr, out_ptr, out_t, out_off, cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j,
         head_cbase, emit_src_ptr, emit_ptr, stride_emit_n, stride_emit_c, stride_emit_j, emit_cbase, valid_ptr,
-        M, T, C, eps, TAPS, HAS_BIAS, HAS_RES, WRITE_H, HAS_GATE, NORM, HEAD, HAS_CNN, EMIT, 1, ROWS, BLOCK_C,
+        M, T, C, eps, TAPS, HAS_BIAS, HAS_RES, WRITE_H, HAS_GATE, NORM, HEAD, HAS_CNN, EMIT, SPLITS, ROWS, BLOCK_C,
         USE_PDL)
 
 
@@ -459,8 +463,9 @@ def rownorm(
     emit: Optional[tuple[torch.Tensor, torch.Tensor, int]] = None,
     pdl_family: Optional[str] = None,
 ) -> None:
-    """Launch ``_dit_rownorm_kernel`` (see its comments). ``gate``/``shift``/``scale`` are element
-    offsets into a table row; ``head`` = (old conv cache (N, 2C, 2) or None, channel base);
+    """Launch ``_dit_rownorm_kernel`` (see its comments). ``y``: (M, C) rows, (N*(T+2), 3C) conv taps
+    (``taps``), or (S, M, C) split-K partial sums, added up as they are read. ``gate``/``shift``/``scale``
+    are element offsets into a table row; ``head`` = (old conv cache (N, 2C, 2) or None, channel base);
     ``emit`` = (history (N*(T+2), C), new conv cache (N, 2C, 2), channel base); ``pdl_family``: the
     :func:`body_pdl` set (None: by dtype)."""
     c = h.shape[1]
@@ -484,9 +489,10 @@ def rownorm(
     lnw, lnb = ln_affine if ln_affine is not None else (h, h)
     grid = (triton.cdiv(m, rows),)
     pdl = body_pdl(h.device, "rownorm", out.dtype, pdl_family)
+    splits, split_stride = (y.shape[0], y.stride(0)) if y.dim() == 3 else (1, 0)
     with on_device(h.device):
         _dit_rownorm_kernel[grid](
-            y, y.stride(0), bias if bias is not None else h, h, tab, stride_tab,
+            y, y.stride(-2), split_stride, bias if bias is not None else h, h, tab, stride_tab,
             gate or 0, shift, scale, lnw, lnb, out, out_t if out_t is not None else t_len, out_off,
             cnn_t, cnn_t.stride(0) if cnn is not None else 0, cnn_t.stride(1) if cnn is not None else 0,
             cnn_t.stride(2) if cnn is not None else 0, head_cbase,
@@ -494,7 +500,7 @@ def rownorm(
             valid, m, t_len, c, eps,
             TAPS=taps, HAS_BIAS=bias is not None, HAS_RES=has_res, WRITE_H=write_h,
             HAS_GATE=gate is not None, NORM=0 if ln_affine is None else 1, HEAD=head is not None,
-            HAS_CNN=cnn is not None, EMIT=emit is not None, ROWS=rows, BLOCK_C=block_c, USE_PDL=pdl,
+            HAS_CNN=cnn is not None, EMIT=emit is not None, SPLITS=splits, ROWS=rows, BLOCK_C=block_c, USE_PDL=pdl,
             num_warps=warps, **launch_kwargs(pdl))
 
 
@@ -738,7 +744,8 @@ def dit_body_triton(
       (:mod:`torch_cfm.kernels.dit_block`); in_proj and the final layer as v1.
     * "v9": v1 with the qkv, proj and both conv-tap GEMMs on the SM90a wgmma kernel
       (:mod:`torch_cfm.kernels.dit_linear_cuda`), launched with PDL so that each loads its weights
-      while the kernel in front finishes; fc1/fc2 and every unsupported call stay on cuBLAS
+      while the kernel in front finishes; fc2 (K = 2048) as its split-K form, the fp32 partials
+      summed by the row-norm behind it (``V9_FC2``); fc1 and every unsupported call stay on cuBLAS
       (fp32 bodies: exactly v1).
     """
     if variant is None:
@@ -787,6 +794,10 @@ def dit_body_triton(
                 _cublas_mm(a_, w_, b_, out_)
     else:
         mm = _cublas_mm
+    # v9's fc2 partial sums (splits, M, C) in fp32, where the split-K form runs
+    fc2_parts = None
+    if wgmma and V9_FC2:
+        fc2_parts = torch.empty((dit_linear_cuda.SPLITK_CONFIG[0], m, c), dtype=torch.float32, device=dev)
     if v2:
         cache_shift(att_cache, new_att, valid, cached)
     shift = _OldFramesOnSideStream(att_cache, new_att, valid, cached) if variant == "v4" else None
@@ -852,9 +863,13 @@ def dit_body_triton(
         else:
             torch.addmm(fc1_b, a, fc1_w.t(), out=fbuf)
             torch.ops.aten.gelu_(fbuf, approximate="tanh")
-        torch.addmm(fc2_b, fbuf, fc2_w.t(), out=y)
         nxt = (i + 1, SHIFT_A, SCALE_A) if i + 1 < depth else (depth, 0, 1)
-        rownorm(y, h, a, valid, table=mod_table, gate=_mod_off(i, GATE_M, c),
+        if fc2_parts is not None and linear_splitk_into(fbuf, fc2_w, fc2_parts, pdl=linear_pdl):
+            y_fc2, b_fc2 = fc2_parts, fc2_b  # the row-norm adds the partials and the bias
+        else:
+            torch.addmm(fc2_b, fbuf, fc2_w.t(), out=y)
+            y_fc2, b_fc2 = y, None
+        rownorm(y_fc2, h, a, valid, bias=b_fc2, table=mod_table, gate=_mod_off(i, GATE_M, c),
                 shift=_mod_off(nxt[0], nxt[1], c), scale=_mod_off(nxt[0], nxt[2], c), pdl_family=fam, **common)
     out_w, out_b = weights[-2], weights[-1]
     torch.baddbmm(out_b[None, :, None], out_w.expand(n_rows, -1, -1), a.view(n_rows, t_len, c).transpose(1, 2),

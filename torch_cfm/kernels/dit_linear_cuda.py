@@ -16,6 +16,10 @@ chain of dependent GEMMs with distinct weights, fp16, H200:
 | conv taps (416 × 512 × 1536), BN 96 | 4.9 | 4.5 |
 | fc1 + GELU (400 × 512 × 2048), BN 128 | 5.5 | 6.2 (not used) |
 
+Split-K (:func:`linear_splitk_into`): for K above 512 (the block's fc2, K = 2048) grid z splits K
+into chunks of at most 512 and each CTA writes an fp32 partial sum; the body's row-norm kernel adds
+the partials (and the bias) as it reads them.
+
 It is an optional part of ``torch_cfm._C_cuda`` (built for ``TORCH_CUDA_ARCH_LIST=9.0a``); the body
 variant "v9" uses it where :func:`not_supported_reasons` is empty and falls back to cuBLAS otherwise.
 """
@@ -35,6 +39,10 @@ NO_BIAS = 4
 MAX_K = 512
 BLOCK_NS = (32, 64, 96, 128)
 V9_MAX_ROWS = 8  # the body uses the kernel (variant v9) for 16-bit bodies of at most this many rows
+SPLITK_BLOCK_NS = (64, 128)
+# (splits, BN) of the split-K form at the body's fc2 (400 x 2048 x 512): 4 x 128 = 112 CTAs of
+# 192 KB shared memory at M = 400, one wave. bench/dit_step.py --sweep-variants v9 times the others.
+SPLITK_CONFIG = (4, 128)
 
 
 def block_n_for(n: int) -> Optional[int]:
@@ -105,6 +113,55 @@ def not_supported_reasons(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -
         if why:
             reasons.append(why)
     return reasons
+
+
+def splitk_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, partials: torch.Tensor,
+                                 config: Optional[tuple[int, int]] = None) -> list[str]:
+    """Why the split-K form (:func:`linear_splitk_into`) cannot run; empty when it can."""
+    splits, block_n = config or SPLITK_CONFIG
+    reasons = []
+    if a.dtype not in (torch.float16, torch.bfloat16) or w.dtype != a.dtype:
+        reasons.append(f"fp16/bf16 operands of one dtype only, got {a.dtype}, {w.dtype}")
+    if a.dim() != 2 or w.dim() != 2 or partials.dim() != 3:
+        return reasons + ["2-D a and w, 3-D partials only"]
+    (m, k), n = a.shape, w.shape[0]
+    if partials.dtype != torch.float32 or tuple(partials.shape) != (splits, m, n) or not partials.is_contiguous():
+        reasons.append(f"partials must be contiguous float32 {(splits, m, n)}, got {partials.dtype} "
+                       f"{tuple(partials.shape)}")
+    if k == 0 or k % (64 * splits) or k // splits > MAX_K:
+        reasons.append(f"K must split {splits} ways into multiples of 64 up to {MAX_K}, got {k}")
+    if block_n not in SPLITK_BLOCK_NS or n % block_n:
+        reasons.append(f"N must be a multiple of block_n {block_n} (one of {SPLITK_BLOCK_NS}), got {n}")
+    for name, t in (("a", a), ("w", w)):
+        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            reasons.append(f"{name} needs unit column stride and 16-byte aligned rows (TMA)")
+    if not reasons:
+        why = device_reason(a.device)
+        if why is None and not hasattr(_extension()[0], "dit_linear_splitk_into"):
+            why = "torch_cfm._C_cuda was built without the split-K GEMM (rebuild the extension)"
+        if why:
+            reasons.append(why)
+    return reasons
+
+
+def linear_splitk_into(a: torch.Tensor, w: torch.Tensor, partials: torch.Tensor, *, pdl: bool = True,
+                       config: Optional[tuple[int, int]] = None) -> bool:
+    """``partials[z] = a[:, zK':(z+1)K'] @ w[:, zK':(z+1)K'].T`` in fp32 (K' = K / splits) on the wgmma
+    kernel; False (nothing launched) where :func:`splitk_not_supported_reasons` is not empty.
+    ``partials.sum(0)`` is ``a @ w.T``; no bias (the reader adds it).
+
+    Args:
+        a: (M, K) fp16/bf16.
+        w: (N, K), the dtype of ``a``.
+        partials: (splits, M, N) float32, contiguous, written.
+        config: (splits, BN); None: :data:`SPLITK_CONFIG`.
+    """
+    if splitk_not_supported_reasons(a, w, partials, config):
+        return False
+    splits, block_n = config or SPLITK_CONFIG
+    module, _ = _extension()
+    module.dit_linear_splitk_into(a, w, partials, block_n, pdl, TRIGGER_EARLY, splits)
+    return True
 
 
 def linear_into(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor, *,
