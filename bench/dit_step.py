@@ -298,19 +298,22 @@ def _overriding(target: dict, over: dict):
     return ctx
 
 
-def _module_flag(module: str, name: str, value):
-    """Context manager factory: ``torch_cfm.kernels.<module>.<name>`` = ``value`` inside, restored after."""
+def _module_flags(module: str, **values):
+    """Context manager factory: ``torch_cfm.kernels.<module>.<name>`` = value for each of ``values``
+    inside, restored after."""
     @contextlib.contextmanager
     def ctx():
         import importlib
 
         mod = importlib.import_module(f"torch_cfm.kernels.{module}")
-        old = getattr(mod, name)
-        setattr(mod, name, value)
+        old = {name: getattr(mod, name) for name in values}
+        for name, value in values.items():
+            setattr(mod, name, value)
         try:
             yield
         finally:
-            setattr(mod, name, old)
+            for name, value in old.items():
+                setattr(mod, name, value)
     return ctx
 
 
@@ -368,12 +371,11 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
     if "v9" in swept:
         plans += [("v1", "sweep_v1_pdl_none", _body_pdl_kernels(frozenset()))]
         plans += [("v9", f"sweep_v9_pdl_{name}", _body_pdl_kernels(kernels)) for name, kernels in SWEEP_V9_PDL.items()]
-        plans += [("v9", "sweep_v9_fc1", _module_flag("dit_body", "V9_FC1", True))]
-    if "fc2" in swept:  # v9's fc2: cuBLAS against the split-K wgmma GEMM at each (splits, BN); fc1 on it too
+    if "fc2" in swept:  # v9's MLP GEMMs on cuBLAS or the wgmma kernel (fc2: split-K at each (splits, BN))
         plans += [("v1", "sweep_v1_pdl_none", _body_pdl_kernels(frozenset())),
-                  ("v9", "sweep_v9_fc2_off", _module_flag("dit_body", "V9_FC2", False)),
-                  ("v9", "sweep_v9_fc2_fc1", _module_flag("dit_body", "V9_FC1", True))]
-        plans += [("v9", f"sweep_v9_fc2_s{sp}_bn{bn}", _module_flag("dit_linear_cuda", "SPLITK_CONFIG", (sp, bn)))
+                  ("v9", "sweep_v9_mlp_cublas", _module_flags("dit_body", V9_FC1=False, V9_FC2=False)),
+                  ("v9", "sweep_v9_fc1_cublas", _module_flags("dit_body", V9_FC1=False))]
+        plans += [("v9", f"sweep_v9_fc2_s{sp}_bn{bn}", _module_flags("dit_linear_cuda", SPLITK_CONFIG=(sp, bn)))
                   for sp, bn in SWEEP_FC2_SPLITK]
     rng = random.Random(0)
     for n, t, l_len in shapes:

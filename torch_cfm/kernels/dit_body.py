@@ -51,12 +51,18 @@ VARIANT_BY_PRECISION = {"fp16": "v1", "bf16": "v1", "tf32": "v1", "ieee": "v1"}
 # v1 call for call, with v1's PDL set.
 V9_MAX_ROWS_16BIT = V9_MAX_ROWS
 ARENA_VARIANTS = ("v1", "v9")  # the variants with the in-place arena form (arena=True)
-# v9's fc1 (+ GELU) on the wgmma kernel too. Session 16, (8, 50, 400) fp16, interleaved rounds:
-# 823 µs with it, 821 without (no gain), so off; kept for the A/B (bench/dit_step.py --sweep-variants v9).
-V9_FC1 = False
 # v9's fc2 (K = 2048) as a split-K wgmma GEMM (dit_linear_cuda.SPLITK_CONFIG) whose fp32 partial sums
-# the row-norm kernel behind it adds up, bias included. Session 17 (bench/NOTES.md).
+# the row-norm kernel behind it adds up, bias included; and fc1 (+ GELU) on the wgmma kernel, whose early
+# trigger lets fc2 load its weights under it. Session 17 (bench/NOTES.md), (8, 50, 400) fp16, interleaved
+# rounds, µs: v9 with both on cuBLAS 830, fc2 split-K 807, + fc1 776 (v1: 937). fc1 alone gained nothing
+# (session 16: 823 vs 821, cuBLAS fc2 behind it cannot start early).
+V9_FC1 = True
 V9_FC2 = True
+
+
+def v9_gemm_roles() -> str:
+    """The block GEMMs that v9 runs on the wgmma kernel (for explain())."""
+    return ", ".join(["qkv", "proj", "conv"] + (["fc1"] if V9_FC1 else []) + (["fc2 (split-K)"] if V9_FC2 else []))
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
 # (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
@@ -744,9 +750,9 @@ def dit_body_triton(
       (:mod:`torch_cfm.kernels.dit_block`); in_proj and the final layer as v1.
     * "v9": v1 with the qkv, proj and both conv-tap GEMMs on the SM90a wgmma kernel
       (:mod:`torch_cfm.kernels.dit_linear_cuda`), launched with PDL so that each loads its weights
-      while the kernel in front finishes; fc2 (K = 2048) as its split-K form, the fp32 partials
-      summed by the row-norm behind it (``V9_FC2``); fc1 and every unsupported call stay on cuBLAS
-      (fp32 bodies: exactly v1).
+      while the kernel in front finishes; fc1 + GELU too (``V9_FC1``), and fc2 (K = 2048) as its
+      split-K form, the fp32 partials summed by the row-norm behind it (``V9_FC2``); every
+      unsupported call stays on cuBLAS (fp32 bodies: exactly v1).
     """
     if variant is None:
         variant = choose_variant(x_in.dtype, precision, x_in.shape[0])

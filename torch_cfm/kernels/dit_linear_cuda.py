@@ -14,7 +14,10 @@ chain of dependent GEMMs with distinct weights, fp16, H200:
 | proj (400 × 512 × 512), BN 32 | 4.2-4.3 | 2.9 |
 | qkv (400 × 512 × 1536), BN 96 | 4.7 | 4.5-4.6 |
 | conv taps (416 × 512 × 1536), BN 96 | 4.9 | 4.5 |
-| fc1 + GELU (400 × 512 × 2048), BN 128 | 5.5 | 6.2 (not used) |
+| fc1 + GELU (400 × 512 × 2048), BN 128 | 5.5 | 6.2 |
+
+fc1 is slower alone, yet in the step it pays (session 17): its early trigger lets the split-K fc2
+behind it load its weights while fc1 runs.
 
 Split-K (:func:`linear_splitk_into`): for K above 512 (the block's fc2, K = 2048) grid z splits K
 into chunks of at most 512 and each CTA writes an fp32 partial sum; the body's row-norm kernel adds
@@ -41,7 +44,8 @@ BLOCK_NS = (32, 64, 96, 128)
 V9_MAX_ROWS = 8  # the body uses the kernel (variant v9) for 16-bit bodies of at most this many rows
 SPLITK_BLOCK_NS = (64, 128)
 # (splits, BN) of the split-K form at the body's fc2 (400 x 2048 x 512): 4 x 128 = 112 CTAs of
-# 192 KB shared memory at M = 400, one wave. bench/dit_step.py --sweep-variants v9 times the others.
+# 192 KB shared memory at M = 400, one wave. Session 17 (bench/dit_step.py --sweep-variants fc2),
+# step (8, 50, 400) fp16, µs: 4 x 128 807, 8 x 128 828, 4 x 64 841, 8 x 64 863 (cuBLAS fc2: 830).
 SPLITK_CONFIG = (4, 128)
 
 
