@@ -377,13 +377,17 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
                   ("v9", "sweep_v9_fc1_cublas", _module_flags("dit_body", V9_FC1=False))]
         plans += [("v9", f"sweep_v9_fc2_s{sp}_bn{bn}", _module_flags("dit_linear_cuda", SPLITK_CONFIG=(sp, bn)))
                   for sp, bn in SWEEP_FC2_SPLITK]
+    if "qkv" in swept:  # the step on the in-place arena: v9's QKV GEMM with the q/k-cache epilogue or not; v1
+        plans += [("arena", "sweep_arena_v9", _module_flags("dit_body")),
+                  ("arena", "sweep_arena_v9_qkv_cache_off", _module_flags("dit_body", V9_QKV_CACHE=False)),
+                  ("arena", "sweep_arena_v1", _module_flags("dit_body", DEFAULT_VARIANT="v1"))]
     rng = random.Random(0)
     for n, t, l_len in shapes:
         for dname in dnames:
             dtype, precision = DTYPES[dname]
             model = copy.deepcopy(base).to(device=DEVICE, dtype=dtype)
             inp = step_inputs(cfg, n, t, l_len, dtype)
-            providers = step_providers(model, dtype, inp, dname, precision)
+            providers = step_providers(model, dtype, inp, dname, precision, variants=VARIANTS + ("arena",))
             default = choose_variant(dtype, precision, n)
             todo = []
             for variant, tag, context in plans:
@@ -715,7 +719,8 @@ def main(argv=None) -> int:
                     help="captures per sweep plan, interleaved in a new order each round (A/B at the few-%% level)")
     ap.add_argument("--sweep-variants", default="v3,v5,pdl",
                     help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL kernel sets; "
-                         "v9: the wgmma GEMMs against v1 under PDL sets; fc2: v9's split-K fc2 configs)")
+                         "v9: the wgmma GEMMs against v1 under PDL sets; fc2: v9's split-K fc2 configs; "
+                         "qkv: the arena step with and without v9's QKV + cache epilogue)")
     ap.add_argument("--variants", default=",".join(VARIANTS + ("arena",)),
                     help="fused-body variants timed besides the default one (comma list, or 'none'); 'arena': "
                          "the step on the in-place cache arena")

@@ -8,7 +8,9 @@ a chain of PDL launches captured in a CUDA graph, replayed on new inputs, bitwis
 same chain eager without PDL. Split-K (``linear_splitk_into``, the body's fc2): CPU, its support
 rules, and the row-norm kernel summing fp32 partials + bias (Triton interpreter) against torch math;
 GPU, the partials' sum within the oracle for every (splits, BN), every element written, two runs
-bitwise equal.
+bitwise equal. QKV + cache (``qkv_cache_into``, the block's QKV GEMM on the in-place arena): queries
+and the appended keys/values within the oracle against float64 torch math, ragged rows (T_n = 0, 1,
+T; L_n = 0, ...), every arena frame outside [L_n, L_n + T_n) left as it was.
 """
 
 from __future__ import annotations
@@ -214,3 +216,77 @@ def test_gpu_splitk_partials_within_oracle(dtype, m, k, n):
                 assert torch.equal(parts, again)  # no atomics: the same bits every run
                 ran += 1
     assert ran >= 2
+
+
+def test_qkv_cache_not_supported_reasons_on_cpu():
+    a, w = torch.zeros(8, 512, dtype=torch.float16), torch.zeros(1536, 512, dtype=torch.float16)
+    q_out, cache = torch.zeros(8, 512, dtype=torch.float16), torch.zeros(2, 8, 10, 128, dtype=torch.float16)
+    assert any("CUDA" in r for r in L.qkv_cache_not_supported_reasons(a, w, q_out, cache, 4))
+    assert any("N x t_len" in r for r in L.qkv_cache_not_supported_reasons(a, w, q_out, cache, 3))
+    assert any("head_dim 64" in r
+               for r in L.qkv_cache_not_supported_reasons(a, w, q_out, torch.zeros(2, 8, 10, 64, dtype=torch.float16), 4))
+    assert any("even number of heads" in r
+               for r in L.qkv_cache_not_supported_reasons(a, w[:1344], q_out[:, :448],
+                                                          torch.zeros(2, 7, 10, 128, dtype=torch.float16), 4))
+    assert any("q_out must be contiguous" in r for r in L.qkv_cache_not_supported_reasons(a, w, q_out[:, :256], cache, 4))
+
+
+def _layer_norm64(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head LayerNorm over the last 64 channels (float64 torch math)."""
+    x = x.unflatten(-1, (-1, 64))
+    mu = x.mean(-1, keepdim=True)
+    var = ((x - mu) ** 2).mean(-1, keepdim=True)
+    return ((x - mu) / torch.sqrt(var + eps) * w + b).flatten(-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("t_len,valid,cached", [(50, [50, 37, 1, 0], [400, 10, 0, 64]), (7, [7, 3], [0, 5]),
+                                                (64, [64], [3])])
+def test_gpu_qkv_cache_within_oracle(dtype, t_len, valid, cached):
+    _skip_unless_runnable()
+    from torch_cfm.config import QK_NORM_EPS
+
+    g = torch.Generator(device="cpu").manual_seed(t_len + len(valid))
+    n, heads, k = len(valid), 8, 512
+    inner = 64 * heads
+    m = n * t_len
+    frames = max(v + c for v, c in zip(valid, cached)) + 3
+    a = torch.randn(m, k, generator=g).to("cuda", dtype)
+    w = (torch.randn(3 * inner, k, generator=g) * k ** -0.5).to("cuda", dtype)
+    b = (torch.randn(3 * inner, generator=g) * 0.1).to("cuda", dtype)
+    norms = [(torch.randn(64, generator=g) * 0.2 + (1.0 if i % 2 == 0 else 0.0)).to("cuda", dtype) for i in range(4)]
+    vt = torch.tensor(valid, dtype=torch.int32, device="cuda")
+    ct = torch.tensor(cached, dtype=torch.int32, device="cuda")
+    poison = torch.randn(n, heads, frames, 128, generator=g).to("cuda", dtype)
+    cache = poison.clone()
+    q_out = torch.full((m, inner), float("nan"), device="cuda", dtype=dtype)
+    for pdl in (False, True):
+        assert L.qkv_cache_into(a, w, b, norms, q_out, cache, vt, ct, t_len=t_len, eps=QK_NORM_EPS, pdl=pdl)
+    torch.cuda.synchronize()
+
+    def heads_of(y, qn, kn):  # q, k (per-head LayerNorm), v of the packed (M, 3 inner) GEMM output
+        q, kk, v = y.split(inner, dim=1)
+        return _layer_norm64(q, *qn, QK_NORM_EPS), _layer_norm64(kk, *kn, QK_NORM_EPS), v
+
+    nd = [t.double() for t in norms]
+    ref = heads_of(a.double() @ w.double().t() + b.double(), nd[:2], nd[2:])
+    y16 = (a @ w.t() + b).float()  # the two-kernel path: GEMM output rounded to the dtype, LayerNorm in fp32
+    same = [t.to(dtype) for t in heads_of(y16.to(dtype).float(), [t.float() for t in norms[:2]],
+                                          [t.float() for t in norms[2:]])]
+    assert_within_oracle(q_out.cpu(), same[0].cpu(), ref[0].cpu(), "queries")
+    expect_written = torch.zeros(n, frames, dtype=torch.bool)
+    for row in range(n):
+        tn, ln = valid[row], cached[row]
+        if tn == 0:
+            continue
+        pos = [ln + tn - 1 - t for t in range(tn)]  # reversed key order behind the L_n old frames
+        expect_written[row, pos] = True
+        rows = slice(row * t_len, row * t_len + tn)
+        for part, lo, name in ((1, 0, "keys"), (2, 64, "values")):
+            got = cache[row][:, pos, lo:lo + 64]  # (heads, tn, 64)
+            want = ref[part][rows].view(tn, heads, 64).transpose(0, 1)
+            base = same[part][rows].view(tn, heads, 64).transpose(0, 1)
+            assert_within_oracle(got.cpu(), base.cpu(), want.cpu(), f"row {row} {name}")
+    untouched = ~expect_written.cuda()[:, None, :, None].expand_as(cache)
+    assert torch.equal(cache[untouched], poison[untouched]), "a frame outside [L_n, L_n + T_n) was written"

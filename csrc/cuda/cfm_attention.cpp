@@ -115,6 +115,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "partials[z] = a[:, K chunk z] @ w[:, K chunk z].T in fp32 on the SM90a wgmma kernel (split-K)",
         pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("partials"), pybind11::arg("block_n"),
         pybind11::arg("pdl") = false, pybind11::arg("flags") = 0, pybind11::arg("splits") = 1);
+  m.def("dit_linear_qkv_cache_into", &torch_cfm::dit_linear::linear_qkv_cache_into,
+        "the block's QKV GEMM with q/k LayerNorm, queries out and k/v appended to the in-place cache arena",
+        pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("qn_w"), pybind11::arg("qn_b"),
+        pybind11::arg("kn_w"), pybind11::arg("kn_b"), pybind11::arg("q_out"), pybind11::arg("cache"),
+        pybind11::arg("valid"), pybind11::arg("cached"), pybind11::arg("t_len"), pybind11::arg("eps"),
+        pybind11::arg("pdl") = false, pybind11::arg("flags") = 0);
   m.def("dit_linear_available", &torch_cfm::dit_linear::available,
         "whether this build runs the SM90a DiT GEMM kernel on the current device (cached probe)");
   m.def("configs", &torch_cfm::cuda_attention::configs,

@@ -9,6 +9,7 @@
 #include <cudaTypedefs.h>
 
 #include <atomic>
+#include <initializer_list>
 #include <mutex>
 #include <unordered_map>
 
@@ -51,14 +52,15 @@ CUtensorMap make_map(const at::Tensor& t, int64_t rows, int64_t cols, int64_t ld
   return map;
 }
 
-// out: (M, N) in T, or with kPartials the fp32 (splits, M, N) partial sums (one K chunk per split).
-template <typename T, int BN, bool kPartials>
+// out: (M, N) in T (kQkvCache: the queries (M, N / 3)), or with kPartials the fp32 (splits, M, N)
+// partial sums (one K chunk per split).
+template <typename T, int BN, int kMode>
 void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor& out, bool pdl, int flags, int cluster,
-            int splits, cudaStream_t stream) {
+            int splits, cudaStream_t stream, const QkvCacheArgs<T>& qc = QkvCacheArgs<T>()) {
   const int m = static_cast<int>(a.size(0)), k = static_cast<int>(a.size(1)), n = static_cast<int>(w.size(0));
   const CUtensorMap map_a = make_map(a, m, k, a.stride(0), kBM);
   const CUtensorMap map_w = make_map(w, n, k, w.stride(0), BN);
-  auto kernel = linear_kernel<T, BN, kPartials>;
+  auto kernel = linear_kernel<T, BN, kMode>;
   const int k_cta = k / splits;
   const int smem = smem_bytes<BN>(k_cta / kBK);
   // The shared-memory opt-in is a per-device host-side attribute, set once at the largest size (K = 512)
@@ -94,7 +96,8 @@ void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor&
   config.attrs = attributes;
   config.numAttrs = count;
   const int ldo = static_cast<int>(out.stride(out.dim() - 2));
-  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, map_a, map_w, bias, out.data_ptr(), m, ldo, k_cta, flags);
+  const cudaError_t err =
+      cudaLaunchKernelEx(&config, kernel, map_a, map_w, bias, out.data_ptr(), m, ldo, k_cta, flags, qc);
   TORCH_CHECK(err == cudaSuccess, "dit_linear: launch failed: ", cudaGetErrorString(err));
 }
 
@@ -135,7 +138,7 @@ void linear_into(const at::Tensor& a, const at::Tensor& w, const std::optional<a
   const void* b = has_bias ? bias->data_ptr() : nullptr;
 #define TORCH_CFM_LINEAR_CASE(T, BN)                                                \
   if (block_n == BN) {                                                              \
-    launch<T, BN, false>(a, w, static_cast<const T*>(b), out, pdl, f, c, 1, stream); \
+    launch<T, BN, kOut>(a, w, static_cast<const T*>(b), out, pdl, f, c, 1, stream);  \
     return;                                                                         \
   }
   if (dt == at::kHalf) {
@@ -175,7 +178,7 @@ void linear_splitk_into(const at::Tensor& a, const at::Tensor& w, at::Tensor& pa
   const int f = static_cast<int>(flags & kTriggerEarly) | kNoBias, s = static_cast<int>(splits);
 #define TORCH_CFM_SPLITK_CASE(T, BN)                                              \
   if (block_n == BN) {                                                            \
-    launch<T, BN, true>(a, w, nullptr, partials, pdl, f, 1, s, stream);           \
+    launch<T, BN, kPartials>(a, w, nullptr, partials, pdl, f, 1, s, stream);      \
     return;                                                                       \
   }
   if (dt == at::kHalf) {
@@ -184,6 +187,84 @@ void linear_splitk_into(const at::Tensor& a, const at::Tensor& w, at::Tensor& pa
     TORCH_CFM_SPLITK_CASE(__nv_bfloat16, 64) TORCH_CFM_SPLITK_CASE(__nv_bfloat16, 128)
   }
 #undef TORCH_CFM_SPLITK_CASE
+}
+
+namespace {
+
+template <typename T>
+void launch_qkv_cache(const at::Tensor& a, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& qn_w,
+                      const at::Tensor& qn_b, const at::Tensor& kn_w, const at::Tensor& kn_b, at::Tensor& q_out,
+                      at::Tensor& cache, const at::Tensor& valid, const at::Tensor& cached, int t_len, float eps,
+                      bool pdl, int flags, cudaStream_t stream) {
+  QkvCacheArgs<T> qc;
+  qc.qn_w = static_cast<const T*>(qn_w.data_ptr());
+  qc.qn_b = static_cast<const T*>(qn_b.data_ptr());
+  qc.kn_w = static_cast<const T*>(kn_w.data_ptr());
+  qc.kn_b = static_cast<const T*>(kn_b.data_ptr());
+  qc.cache = static_cast<T*>(cache.data_ptr());
+  qc.s_n = cache.stride(0);
+  qc.s_h = cache.stride(1);
+  qc.s_f = cache.stride(2);
+  qc.valid = valid.data_ptr<int>();
+  qc.cached = cached.data_ptr<int>();
+  qc.t_len = t_len;
+  qc.heads = static_cast<int>(cache.size(1));
+  qc.eps = eps;
+  launch<T, 128, kQkvCache>(a, w, static_cast<const T*>(bias.data_ptr()), q_out, pdl, flags, 1, 1, stream, qc);
+}
+
+}  // namespace
+
+void linear_qkv_cache_into(const at::Tensor& a, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& qn_w,
+                           const at::Tensor& qn_b, const at::Tensor& kn_w, const at::Tensor& kn_b, at::Tensor& q_out,
+                           at::Tensor& cache, const at::Tensor& valid, const at::Tensor& cached, int64_t t_len,
+                           double eps, bool pdl, int64_t flags) {
+  for (const at::Tensor* t :
+       std::initializer_list<const at::Tensor*>{&a, &w, &bias, &qn_w, &qn_b, &kn_w, &kn_b, &q_out, &cache, &valid, &cached}) {
+    TORCH_CHECK(t->is_cuda() && t->device() == a.device(), "dit_linear: every tensor on the device of a");
+  }
+  const auto dt = a.scalar_type();
+  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16, "dit_linear: a must be fp16 or bf16");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&w, &bias, &qn_w, &qn_b, &kn_w, &kn_b, &q_out, &cache}) {
+    TORCH_CHECK(t->scalar_type() == dt, "dit_linear: w, bias, norms, q_out and cache share a's dtype");
+  }
+  TORCH_CHECK(a.dim() == 2 && w.dim() == 2 && q_out.dim() == 2 && cache.dim() == 4,
+              "dit_linear: a, w, q_out 2-D and cache 4-D (N, heads, P, 128)");
+  const int64_t m = a.size(0), k = a.size(1), n_rows = cache.size(0), heads = cache.size(1);
+  const int64_t inner = heads * 64;
+  TORCH_CHECK(cache.size(3) == 128 && cache.stride(3) == 1, "dit_linear: cache (N, heads, P, 2 x 64), unit channel stride");
+  TORCH_CHECK(w.size(0) == 3 * inner && w.size(1) == k, "dit_linear: w (3 x heads x 64, K)");
+  TORCH_CHECK(inner % 128 == 0, "dit_linear: heads must be even (128-wide tiles of whole heads)");
+  TORCH_CHECK(t_len > 0 && m == n_rows * t_len, "dit_linear: a has N x t_len rows");
+  TORCH_CHECK(q_out.size(0) == m && q_out.size(1) == inner && q_out.is_contiguous(),
+              "dit_linear: q_out contiguous (M, heads x 64)");
+  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == 3 * inner && bias.is_contiguous(), "dit_linear: bias (3 x heads x 64,)");
+  for (const at::Tensor* t : {&qn_w, &qn_b, &kn_w, &kn_b}) {
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == 64 && t->is_contiguous(), "dit_linear: norm weights (64,)");
+  }
+  for (const at::Tensor* t : {&valid, &cached}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->size(0) == n_rows && t->is_contiguous(),
+                "dit_linear: valid and cached int32 (N,)");
+  }
+  TORCH_CHECK(k > 0 && k % kBK == 0 && k <= kBK * kMaxStages, "dit_linear: K must be a multiple of 64, at most 512");
+  TORCH_CHECK(a.stride(1) == 1 && w.stride(1) == 1 && aligned16(a.data_ptr()) && aligned16(w.data_ptr()) &&
+                  (a.stride(0) * 2) % 16 == 0 && (w.stride(0) * 2) % 16 == 0,
+              "dit_linear: a and w need unit column strides, 16-byte aligned bases and rows (TMA)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(cache.data_ptr()) % 4 == 0 && cache.stride(2) % 2 == 0 &&
+                  cache.stride(1) % 2 == 0 && cache.stride(0) % 2 == 0 &&
+                  reinterpret_cast<uintptr_t>(q_out.data_ptr()) % 4 == 0,
+              "dit_linear: q_out and cache need 4-byte aligned column pairs");
+  if (m == 0) return;
+  const c10::cuda::CUDAGuard guard(a.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int f = static_cast<int>(flags & kTriggerEarly);
+  if (dt == at::kHalf) {
+    launch_qkv_cache<__half>(a, w, bias, qn_w, qn_b, kn_w, kn_b, q_out, cache, valid, cached, static_cast<int>(t_len),
+                             static_cast<float>(eps), pdl, f, stream);
+  } else {
+    launch_qkv_cache<__nv_bfloat16>(a, w, bias, qn_w, qn_b, kn_w, kn_b, q_out, cache, valid, cached,
+                                    static_cast<int>(t_len), static_cast<float>(eps), pdl, f, stream);
+  }
 }
 
 bool available() {

@@ -2,6 +2,8 @@
 // memory, with the weight tile loaded before the PDL wait.
 //   out[M, N] = a[M, K] @ w[N, K]^T (+ bias[N]) (GELU)      fp16 or bf16 in and out, fp32 accumulation
 //   split-K: partials[z, M, N] = a[:, zK':(z+1)K'] @ w[:, zK':(z+1)K']^T   fp32 out, K' = K / splits <= 512
+//   QKV + cache: q | k | v = a @ w^T + bias; q, k LayerNorm per 64-wide head; q -> out, k and v of each
+//   row's valid frames appended to the in-place attention-cache arena
 // Measured against cuBLAS in bench/wgmma_gemm.py (bench/NOTES.md, session 16); used by the body's
 // variant "v9" (torch_cfm/kernels/dit_linear_cuda.py).
 //
@@ -11,7 +13,9 @@
 // without PDL), every stage's load of a; the warpgroup waits stage by stage and issues 4 wgmma
 // m64nBNk16 per stage straight from shared memory. With kPartials, grid z splits a longer K (the
 // body's fc2, K = 2048) into chunks of at most 512 and each CTA writes its fp32 partial sum, which
-// the row-norm kernel behind it adds up (no bias, no GELU). An optional cluster along x multicasts each
+// the row-norm kernel behind it adds up (no bias, no GELU). With kQkvCache (the block's QKV GEMM on
+// the in-place arena) the epilogue does the q/k-cache kernel's work: per-head LayerNorm of q and k
+// over 4-lane shuffles, q to out, k and v into the arena. An optional cluster along x multicasts each
 // weight stage to consecutive row tiles (measured slower at these sizes; kept for the bench).
 #pragma once
 
@@ -153,6 +157,30 @@ __global__ void probe_kernel(int* flag) {
 #endif
 }
 
+// epilogue modes
+constexpr int kOut = 0;       // out (M, ldo) in T
+constexpr int kPartials = 1;  // split-K: fp32 partial sums (splits, M, ldo)
+constexpr int kQkvCache = 2;  // the QKV GEMM of a block on the in-place cache arena (see QkvCacheArgs)
+
+// kQkvCache: the columns of w are q | k | v, each heads x 64 wide. Queries (every row) are LayerNormed
+// per head and written to out (M, heads * 64); keys (LayerNormed) and values of row r = n * t_len + t
+// go to frame cached[n] + valid[n] - 1 - t of the arena block (N, heads, P, 128) for t < valid[n]
+// (keys at channels [0, 64), values at [64, 128)), the reversed key order of
+// torch_cfm.kernels.dit_body's APPEND mode; nothing else is written.
+template <typename T>
+struct QkvCacheArgs {
+  const T* qn_w = nullptr;  // (64,) q LayerNorm affine
+  const T* qn_b = nullptr;
+  const T* kn_w = nullptr;  // (64,) k LayerNorm affine
+  const T* kn_b = nullptr;
+  T* cache = nullptr;       // arena block (N, heads, P, 128), unit channel stride
+  int64_t s_n = 0, s_h = 0, s_f = 0;  // its strides, elements
+  const int* valid = nullptr;   // (N,) clamped T_n
+  const int* cached = nullptr;  // (N,) clamped L_n
+  int t_len = 1, heads = 1;
+  float eps = 1e-6f;
+};
+
 template <int BN>
 constexpr int smem_bytes(int stages) {
   return stages * (kBM + BN) * kBK * 2 + 1024;  // + alignment slack for the 1024-byte swizzle atoms
@@ -161,12 +189,14 @@ constexpr int smem_bytes(int stages) {
 // grid (ceil(M / 64) rounded up to the cluster size, N / BN, splits), kThreads threads,
 // smem_bytes<BN>(k / 64) dynamic shared memory; an optional cluster of 1-8 CTAs along x. k is the K of
 // one CTA (the whole K, or one split's chunk): CTA z reads columns [z k, (z + 1) k) of a and w.
-// out: (M, ldo) in T, or with kPartials (splits, M, ldo) in fp32, split z at z * M * ldo.
-template <typename T, int BN, bool kPartials>
+// out: (M, ldo) in T (kOut; kQkvCache: the queries), or with kPartials (splits, M, ldo) in fp32, split z
+// at z * M * ldo.
+template <typename T, int BN, int kMode>
 __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant__ CUtensorMap map_a,
                                                               const __grid_constant__ CUtensorMap map_w,
                                                               const T* __restrict__ bias, void* __restrict__ out,
-                                                              int m, int ldo, int k, int flags) {
+                                                              int m, int ldo, int k, int flags,
+                                                              const QkvCacheArgs<T> qc) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma needs the sm_90a target
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[kMaxStages];
@@ -215,6 +245,24 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
     bias_v[2 * j] = (flags & kNoBias) ? 0.f : to_float(bias[col0 + 8 * j]);
     bias_v[2 * j + 1] = (flags & kNoBias) ? 0.f : to_float(bias[col0 + 8 * j + 1]);
   }
+  // kQkvCache: this tile's kind (0 q, 1 k, 2 v; a tile never straddles two, heads * 64 % BN == 0), its
+  // first head, and this thread's 16 LayerNorm weights (head columns 8jj + 2(lane%4) + {0,1})
+  int kind = 0, head0 = 0;
+  float norm_w[16], norm_b[16];
+  if constexpr (kMode == kQkvCache) {
+    static_assert(BN % 64 == 0, "kQkvCache tiles hold whole 64-wide heads");
+    const int inner = qc.heads * 64;
+    kind = n0 / inner;
+    head0 = (n0 - kind * inner) / 64;
+    const T* nw = kind == 0 ? qc.qn_w : qc.kn_w;
+    const T* nb = kind == 0 ? qc.qn_b : qc.kn_b;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int c = 8 * (i / 2) + 2 * (lane % 4) + (i % 2);
+      norm_w[i] = kind < 2 ? to_float(nw[c]) : 1.f;
+      norm_b[i] = kind < 2 ? to_float(nb[c]) : 0.f;
+    }
+  }
   pdl_wait();  // a (and out, which the kernel in front may still read) only after this
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) tma_load_2d(sa + s * kABytes, &map_a, k0 + s * kBK, m0, &full[s]);
@@ -242,9 +290,59 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
   // Accumulator layout of m64nN: warp w holds rows 16w + lane/4 (+8); register 4j + {0,1} holds
   // columns 8j + 2(lane%4) + {0,1} of the first row, 4j + {2,3} the same columns of the second.
   const int r0 = m0 + 16 * warp + lane / 4;
-  float* part = kPartials ? static_cast<float*>(out) + static_cast<int64_t>(blockIdx.z) * m * ldo : nullptr;
+  if constexpr (kMode == kQkvCache) {
 #pragma unroll
-  for (int j = 0; j < BN / 8; ++j) {
+    for (int hh = 0; hh < BN / 64; ++hh) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 8 * h;
+        float x[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const int j = 8 * hh + i / 2;
+          x[i] = d[4 * j + 2 * h + (i % 2)] + bias_v[2 * j + (i % 2)];
+        }
+        if (kind < 2) {  // LayerNorm over the head's 64 columns: 16 here, the rest in lanes lane ^ 1, 2, 3
+          float sum = 0.f;
+#pragma unroll
+          for (int i = 0; i < 16; ++i) sum += x[i];
+          sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+          sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+          const float mean = sum * (1.f / 64.f);
+          float sq = 0.f;
+#pragma unroll
+          for (int i = 0; i < 16; ++i) {
+            x[i] -= mean;
+            sq += x[i] * x[i];
+          }
+          sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+          sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+          const float rstd = rsqrtf(sq * (1.f / 64.f) + qc.eps);
+#pragma unroll
+          for (int i = 0; i < 16; ++i) x[i] = x[i] * rstd * norm_w[i] + norm_b[i];
+        }
+        if (r >= m) continue;
+        T* dst;
+        if (kind == 0) {
+          dst = static_cast<T*>(out) + static_cast<int64_t>(r) * ldo + (head0 + hh) * 64;
+        } else {
+          const int n = r / qc.t_len, t = r - n * qc.t_len;
+          const int tn = qc.valid[n];
+          if (t >= tn) continue;  // padding frames are not cached
+          const int64_t pos = qc.cached[n] + tn - 1 - t;
+          dst = qc.cache + n * qc.s_n + (head0 + hh) * qc.s_h + pos * qc.s_f + (kind == 2 ? 64 : 0);
+        }
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          T pair[2] = {from_float<T>(x[2 * jj]), from_float<T>(x[2 * jj + 1])};
+          *reinterpret_cast<uint32_t*>(dst + 8 * jj + 2 * (lane % 4)) = *reinterpret_cast<uint32_t*>(pair);
+        }
+      }
+    }
+  }
+  float* part = kMode == kPartials ? static_cast<float*>(out) + static_cast<int64_t>(blockIdx.z) * m * ldo : nullptr;
+#pragma unroll
+  for (int j = 0; j < (kMode == kQkvCache ? 0 : BN / 8); ++j) {
     const int col = col0 + 8 * j;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -255,7 +353,7 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
         x1 = gelu_tanh(x1);
       }
       if (r < m) {
-        if constexpr (kPartials) {
+        if constexpr (kMode == kPartials) {
           *reinterpret_cast<float2*>(part + static_cast<int64_t>(r) * ldo + col) = make_float2(x0, x1);
         } else {
           T pair[2] = {from_float<T>(x0), from_float<T>(x1)};

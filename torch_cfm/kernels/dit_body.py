@@ -32,7 +32,7 @@ from ..packing import (GATE_A, GATE_C, GATE_M, MOD_VECTORS, PER_BLOCK, SCALE_A, 
                        SHIFT_A, SHIFT_C, SHIFT_M)
 from ._launch import launch_kwargs, on_device, pdl_prologue, pdl_supported
 from . import dit_linear_cuda
-from .dit_linear_cuda import V9_MAX_ROWS, device_reason, linear_into, linear_splitk_into
+from .dit_linear_cuda import V9_MAX_ROWS, device_reason, linear_into, linear_splitk_into, qkv_cache_into
 from .cfm_attention import AttentionConfig
 from .dit_attention import attention_cache
 
@@ -58,11 +58,15 @@ ARENA_VARIANTS = ("v1", "v9")  # the variants with the in-place arena form (aren
 # (session 16: 823 vs 821, cuBLAS fc2 behind it cannot start early).
 V9_FC1 = True
 V9_FC2 = True
+# v9 on the in-place arena: the QKV GEMM does the q/k-cache kernel's work in its epilogue (per-head q/k
+# LayerNorm, queries out, k/v appended to the arena): one kernel fewer per block. Session 17 (bench/NOTES.md).
+V9_QKV_CACHE = True
 
 
 def v9_gemm_roles() -> str:
     """The block GEMMs that v9 runs on the wgmma kernel (for explain())."""
-    return ", ".join(["qkv", "proj", "conv"] + (["fc1"] if V9_FC1 else []) + (["fc2 (split-K)"] if V9_FC2 else []))
+    return ", ".join(["qkv" + (" (+ q/k cache on the arena)" if V9_QKV_CACHE else ""), "proj", "conv"]
+                     + (["fc1"] if V9_FC1 else []) + (["fc2 (split-K)"] if V9_FC2 else []))
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
 # (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
@@ -751,8 +755,9 @@ def dit_body_triton(
     * "v9": v1 with the qkv, proj and both conv-tap GEMMs on the SM90a wgmma kernel
       (:mod:`torch_cfm.kernels.dit_linear_cuda`), launched with PDL so that each loads its weights
       while the kernel in front finishes; fc1 + GELU too (``V9_FC1``), and fc2 (K = 2048) as its
-      split-K form, the fp32 partials summed by the row-norm behind it (``V9_FC2``); every
-      unsupported call stays on cuBLAS (fp32 bodies: exactly v1).
+      split-K form, the fp32 partials summed by the row-norm behind it (``V9_FC2``); on the arena
+      the QKV GEMM does the q/k-cache kernel's work in its epilogue (``V9_QKV_CACHE``: 11 kernels
+      per block); every unsupported call stays on cuBLAS (fp32 bodies: exactly v1).
     """
     if variant is None:
         variant = choose_variant(x_in.dtype, precision, x_in.shape[0])
@@ -832,6 +837,10 @@ def dit_body_triton(
             qk_cache(qkv, (qn_w, qn_b, kn_w, kn_b), qbuf, None, new_att[i], valid, cached,
                      heads=heads, head_dim=head_dim, current_only=True, **common)
             shift.wait(i)
+        elif wgmma and arena and V9_QKV_CACHE and qkv_cache_into(
+                a, qkv_w, qkv_b, (qn_w, qn_b, kn_w, kn_b), qbuf.view(m, inner), new_att[i], valid, cached,
+                t_len=t_len, eps=QK_NORM_EPS, pdl=linear_pdl):
+            pass  # the q/k LayerNorm, the queries and the arena's new frames came out of the GEMM's epilogue
         else:
             mm(a, qkv_w, qkv_b, qkv)
             old = att_cache[i] if att_cache is not None and att_cache.shape[3] > 0 else None

@@ -23,6 +23,10 @@ Split-K (:func:`linear_splitk_into`): for K above 512 (the block's fc2, K = 2048
 into chunks of at most 512 and each CTA writes an fp32 partial sum; the body's row-norm kernel adds
 the partials (and the bias) as it reads them.
 
+QKV + cache (:func:`qkv_cache_into`): the block's QKV GEMM on the in-place cache arena with the
+q/k-cache kernel's work in its epilogue (per-head q/k LayerNorm, queries out, k/v appended to the
+arena), one kernel instead of two.
+
 It is an optional part of ``torch_cfm._C_cuda`` (built for ``TORCH_CUDA_ARCH_LIST=9.0a``); the body
 variant "v9" uses it where :func:`not_supported_reasons` is empty and falls back to cuBLAS otherwise.
 """
@@ -165,6 +169,62 @@ def linear_splitk_into(a: torch.Tensor, w: torch.Tensor, partials: torch.Tensor,
     splits, block_n = config or SPLITK_CONFIG
     module, _ = _extension()
     module.dit_linear_splitk_into(a, w, partials, block_n, pdl, TRIGGER_EARLY, splits)
+    return True
+
+
+def qkv_cache_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, q_out: torch.Tensor, cache: torch.Tensor,
+                                    t_len: int) -> list[str]:
+    """Why :func:`qkv_cache_into` cannot run; empty when it can."""
+    reasons = []
+    if a.dtype not in (torch.float16, torch.bfloat16) or any(t.dtype != a.dtype for t in (w, q_out, cache)):
+        reasons.append(f"fp16/bf16 operands of one dtype only, got {a.dtype}, {w.dtype}, {q_out.dtype}, {cache.dtype}")
+    if a.dim() != 2 or w.dim() != 2 or q_out.dim() != 2 or cache.dim() != 4:
+        return reasons + ["a, w, q_out 2-D and cache 4-D only"]
+    (m, k), heads = a.shape, cache.shape[1]
+    if cache.shape[3] != 128 or cache.stride(3) != 1:
+        reasons.append(f"head_dim 64 (cache channels 128, unit stride) only, got {cache.shape[3]}")
+    if heads % 2 or w.shape[0] != 3 * 64 * heads:
+        reasons.append(f"an even number of heads and w of 3 x heads x 64 rows, got {heads} heads, {w.shape[0]} rows")
+    if t_len <= 0 or m != cache.shape[0] * t_len:
+        reasons.append(f"a must have N x t_len = {cache.shape[0]} x {t_len} rows, got {m}")
+    if k == 0 or k % 64 or k > MAX_K:
+        reasons.append(f"K must be a positive multiple of 64 up to {MAX_K}, got {k}")
+    for name, t in (("a", a), ("w", w)):
+        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            reasons.append(f"{name} needs unit column stride and 16-byte aligned rows (TMA)")
+    if not q_out.is_contiguous() or tuple(q_out.shape) != (m, 64 * heads):
+        reasons.append("q_out must be contiguous (M, heads x 64)")
+    if cache.data_ptr() % 4 or any(st % 2 for st in cache.stride()[:3]):
+        reasons.append("cache needs 4-byte aligned column pairs")
+    if not reasons:
+        why = device_reason(a.device)
+        if why is None and not hasattr(_extension()[0], "dit_linear_qkv_cache_into"):
+            why = "torch_cfm._C_cuda was built without the QKV + cache GEMM (rebuild the extension)"
+        if why:
+            reasons.append(why)
+    return reasons
+
+
+def qkv_cache_into(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, norms: tuple[torch.Tensor, ...],
+                   q_out: torch.Tensor, cache: torch.Tensor, valid: torch.Tensor, cached: torch.Tensor, *,
+                   t_len: int, eps: float, pdl: bool = True) -> bool:
+    """The block's QKV GEMM on the in-place arena, q/k-cache epilogue included; False (nothing launched)
+    where :func:`qkv_cache_not_supported_reasons` is not empty.
+
+    Args:
+        a: (N·T, K) fp16/bf16 block input rows.
+        w: (3·H·64, K) packed q | k | v weight; bias (3·H·64,).
+        norms: (qn_w, qn_b, kn_w, kn_b), each (64,): the per-head q/k LayerNorm affine.
+        q_out: (N·T, H·64) normalised queries, written for every row.
+        cache: arena block (N, H, P, 128) holding L_n old frames in reversed key order; the T_n current
+            frames of row n go to [L_n, L_n + T_n), reversed too (the q/k-cache kernel's APPEND mode).
+        valid, cached: clamped int32 (N,) T_n and L_n.
+    """
+    if qkv_cache_not_supported_reasons(a, w, q_out, cache, t_len):
+        return False
+    module, _ = _extension()
+    module.dit_linear_qkv_cache_into(a, w, bias.contiguous(), *(t.contiguous() for t in norms), q_out, cache,
+                                     valid, cached, t_len, eps, pdl, TRIGGER_EARLY)
     return True
 
 
