@@ -61,16 +61,16 @@ V9_FC2 = True
 # v9 on the in-place arena: the QKV GEMM does the q/k-cache kernel's work in its epilogue (per-head q/k
 # LayerNorm, queries out, k/v appended to the arena): one kernel fewer per block. Session 17 (bench/NOTES.md).
 V9_QKV_CACHE = True
+# v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
+# fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
+# (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
+V5_MIN_ROWS_16BIT = 32
 
 
 def v9_gemm_roles() -> str:
     """The block GEMMs that v9 runs on the wgmma kernel (for explain())."""
     return ", ".join(["qkv" + (" (+ q/k cache on the arena)" if V9_QKV_CACHE else ""), "proj", "conv"]
                      + (["fc1"] if V9_FC1 else []) + (["fc2 (split-K)"] if V9_FC2 else []))
-# v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
-# fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
-# (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
-V5_MIN_ROWS_16BIT = 32
 
 
 def choose_variant(dtype: torch.dtype, precision: Optional[str], n_rows: Optional[int] = None) -> str:
