@@ -99,6 +99,20 @@ def _device_reason(index: int) -> Optional[str]:
     return None
 
 
+def _tma_operand_reasons(a: torch.Tensor, w: torch.Tensor) -> list[str]:
+    """The TMA loads' needs of the two operands."""
+    return [f"{name} needs unit column stride and 16-byte aligned rows (TMA)" for name, t in (("a", a), ("w", w))
+            if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16]
+
+
+def _entry_reasons(device: torch.device, entry: str, what: str) -> list[str]:
+    """Why the extension entry point ``entry`` cannot run on ``device`` (empty: it can)."""
+    why = device_reason(device)
+    if why is None and not hasattr(_extension()[0], entry):
+        why = f"torch_cfm._C_cuda was built without {what} (rebuild the extension)"
+    return [why] if why else []
+
+
 def not_supported_reasons(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> list[str]:
     """Why ``out = a @ w.T`` cannot run on this kernel; empty when it can."""
     reasons = []
@@ -111,16 +125,10 @@ def not_supported_reasons(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -
         reasons.append(f"K must be a positive multiple of 64 up to {MAX_K}, got {k}")
     if block_n_for(n) is None:
         reasons.append(f"N must be a multiple of 32, got {n}")
-    for name, t in (("a", a), ("w", w)):
-        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            reasons.append(f"{name} needs unit column stride and 16-byte aligned rows (TMA)")
+    reasons += _tma_operand_reasons(a, w)
     if out.stride(1) != 1 or out.stride(0) % 2 or out.data_ptr() % 4:
         reasons.append("out needs unit column stride and 4-byte aligned column pairs")
-    if not reasons:
-        why = device_reason(a.device)
-        if why:
-            reasons.append(why)
-    return reasons
+    return reasons or _entry_reasons(a.device, "dit_linear_into", "the DiT GEMM")
 
 
 def splitk_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, partials: torch.Tensor,
@@ -140,16 +148,8 @@ def splitk_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, partials: tor
         reasons.append(f"K must split {splits} ways into multiples of 64 up to {MAX_K}, got {k}")
     if block_n not in SPLITK_BLOCK_NS or n % block_n:
         reasons.append(f"N must be a multiple of block_n {block_n} (one of {SPLITK_BLOCK_NS}), got {n}")
-    for name, t in (("a", a), ("w", w)):
-        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            reasons.append(f"{name} needs unit column stride and 16-byte aligned rows (TMA)")
-    if not reasons:
-        why = device_reason(a.device)
-        if why is None and not hasattr(_extension()[0], "dit_linear_splitk_into"):
-            why = "torch_cfm._C_cuda was built without the split-K GEMM (rebuild the extension)"
-        if why:
-            reasons.append(why)
-    return reasons
+    reasons += _tma_operand_reasons(a, w)
+    return reasons or _entry_reasons(a.device, "dit_linear_splitk_into", "the split-K GEMM")
 
 
 def linear_splitk_into(a: torch.Tensor, w: torch.Tensor, partials: torch.Tensor, *, pdl: bool = True,
@@ -189,20 +189,12 @@ def qkv_cache_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, q_out: tor
         reasons.append(f"a must have N x t_len = {cache.shape[0]} x {t_len} rows, got {m}")
     if k == 0 or k % 64 or k > MAX_K:
         reasons.append(f"K must be a positive multiple of 64 up to {MAX_K}, got {k}")
-    for name, t in (("a", a), ("w", w)):
-        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
-            reasons.append(f"{name} needs unit column stride and 16-byte aligned rows (TMA)")
+    reasons += _tma_operand_reasons(a, w)
     if not q_out.is_contiguous() or tuple(q_out.shape) != (m, 64 * heads):
         reasons.append("q_out must be contiguous (M, heads x 64)")
     if cache.data_ptr() % 4 or any(st % 2 for st in cache.stride()[:3]):
         reasons.append("cache needs 4-byte aligned column pairs")
-    if not reasons:
-        why = device_reason(a.device)
-        if why is None and not hasattr(_extension()[0], "dit_linear_qkv_cache_into"):
-            why = "torch_cfm._C_cuda was built without the QKV + cache GEMM (rebuild the extension)"
-        if why:
-            reasons.append(why)
-    return reasons
+    return reasons or _entry_reasons(a.device, "dit_linear_qkv_cache_into", "the QKV + cache GEMM")
 
 
 def qkv_cache_into(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, norms: tuple[torch.Tensor, ...],
