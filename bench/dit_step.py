@@ -378,7 +378,7 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
         plans += [("v9", f"sweep_v9_fc2_s{sp}_bn{bn}", _module_flags("dit_linear_cuda", SPLITK_CONFIG=(sp, bn)))
                   for sp, bn in SWEEP_FC2_SPLITK]
     if "qkv" in swept:  # the step on the in-place arena: v9's QKV GEMM with the q/k-cache epilogue or not; v1
-        plans += [("arena", "sweep_arena_v9", _module_flags("dit_body")),
+        plans += [("arena", "sweep_arena_v9_qkv_cache_on", _module_flags("dit_body", V9_QKV_CACHE=True)),
                   ("arena", "sweep_arena_v9_qkv_cache_off", _module_flags("dit_body", V9_QKV_CACHE=False)),
                   ("arena", "sweep_arena_v1", _module_flags("dit_body", DEFAULT_VARIANT="v1"))]
     rng = random.Random(0)

@@ -59,8 +59,10 @@ ARENA_VARIANTS = ("v1", "v9")  # the variants with the in-place arena form (aren
 V9_FC1 = True
 V9_FC2 = True
 # v9 on the in-place arena: the QKV GEMM does the q/k-cache kernel's work in its epilogue (per-head q/k
-# LayerNorm, queries out, k/v appended to the arena): one kernel fewer per block. Session 17 (bench/NOTES.md).
-V9_QKV_CACHE = True
+# LayerNorm, queries out, k/v appended to the arena): one kernel fewer per block, predicted -29 µs per
+# arena step. Off: built and compiled for sm_90a in session 17, but no device time was left to run its
+# tests (tests/test_dit_linear_cuda.py -k qkv) or the A/B (bench/dit_step.py --sweep-variants qkv).
+V9_QKV_CACHE = False
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
 # (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
@@ -755,9 +757,10 @@ def dit_body_triton(
     * "v9": v1 with the qkv, proj and both conv-tap GEMMs on the SM90a wgmma kernel
       (:mod:`torch_cfm.kernels.dit_linear_cuda`), launched with PDL so that each loads its weights
       while the kernel in front finishes; fc1 + GELU too (``V9_FC1``), and fc2 (K = 2048) as its
-      split-K form, the fp32 partials summed by the row-norm behind it (``V9_FC2``); on the arena
-      the QKV GEMM does the q/k-cache kernel's work in its epilogue (``V9_QKV_CACHE``: 11 kernels
-      per block); every unsupported call stays on cuBLAS (fp32 bodies: exactly v1).
+      split-K form, the fp32 partials summed by the row-norm behind it (``V9_FC2``); with
+      ``V9_QKV_CACHE`` (off: not yet run on a GPU) the QKV GEMM on the arena does the q/k-cache
+      kernel's work in its epilogue (11 kernels per block); every unsupported call stays on
+      cuBLAS (fp32 bodies: exactly v1).
     """
     if variant is None:
         variant = choose_variant(x_in.dtype, precision, x_in.shape[0])
