@@ -103,6 +103,13 @@ void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor&
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// The TMA loads' needs of both operands (16-bit, row-major): unit column strides, 16-byte aligned bases and rows.
+void check_tma_operands(const at::Tensor& a, const at::Tensor& w) {
+  TORCH_CHECK(a.stride(1) == 1 && w.stride(1) == 1 && aligned16(a.data_ptr()) && aligned16(w.data_ptr()) &&
+                  (a.stride(0) * 2) % 16 == 0 && (w.stride(0) * 2) % 16 == 0,
+              "dit_linear: a and w need unit column strides, 16-byte aligned bases and rows (TMA)");
+}
+
 }  // namespace
 
 void linear_into(const at::Tensor& a, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out,
@@ -119,10 +126,8 @@ void linear_into(const at::Tensor& a, const at::Tensor& w, const std::optional<a
               "dit_linear: block_n must be 32, 64, 96 or 128");
   TORCH_CHECK(n % block_n == 0, "dit_linear: N must be a multiple of block_n");
   TORCH_CHECK(cluster >= 1 && cluster <= 8, "dit_linear: cluster must be 1 to 8");
-  TORCH_CHECK(a.stride(1) == 1 && w.stride(1) == 1 && out.stride(1) == 1, "dit_linear: unit column strides");
-  TORCH_CHECK(aligned16(a.data_ptr()) && aligned16(w.data_ptr()) && (a.stride(0) * 2) % 16 == 0 &&
-                  (w.stride(0) * 2) % 16 == 0,
-              "dit_linear: a and w need 16-byte aligned bases and rows (TMA)");
+  check_tma_operands(a, w);
+  TORCH_CHECK(out.stride(1) == 1, "dit_linear: out needs a unit column stride");
   TORCH_CHECK(out.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0,
               "dit_linear: out needs 4-byte aligned column pairs");
   const bool has_bias = !(flags & kNoBias);
@@ -168,10 +173,7 @@ void linear_splitk_into(const at::Tensor& a, const at::Tensor& w, at::Tensor& pa
               "dit_linear: K must split into chunks that are multiples of 64, at most 512");
   TORCH_CHECK(block_n == 64 || block_n == 128, "dit_linear: split-K block_n must be 64 or 128");
   TORCH_CHECK(n % block_n == 0, "dit_linear: N must be a multiple of block_n");
-  TORCH_CHECK(a.stride(1) == 1 && w.stride(1) == 1, "dit_linear: unit column strides");
-  TORCH_CHECK(aligned16(a.data_ptr()) && aligned16(w.data_ptr()) && (a.stride(0) * 2) % 16 == 0 &&
-                  (w.stride(0) * 2) % 16 == 0,
-              "dit_linear: a and w need 16-byte aligned bases and rows (TMA)");
+  check_tma_operands(a, w);
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
@@ -247,9 +249,7 @@ void linear_qkv_cache_into(const at::Tensor& a, const at::Tensor& w, const at::T
                 "dit_linear: valid and cached int32 (N,)");
   }
   TORCH_CHECK(k > 0 && k % kBK == 0 && k <= kBK * kMaxStages, "dit_linear: K must be a multiple of 64, at most 512");
-  TORCH_CHECK(a.stride(1) == 1 && w.stride(1) == 1 && aligned16(a.data_ptr()) && aligned16(w.data_ptr()) &&
-                  (a.stride(0) * 2) % 16 == 0 && (w.stride(0) * 2) % 16 == 0,
-              "dit_linear: a and w need unit column strides, 16-byte aligned bases and rows (TMA)");
+  check_tma_operands(a, w);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(cache.data_ptr()) % 4 == 0 && cache.stride(2) % 2 == 0 &&
                   cache.stride(1) % 2 == 0 && cache.stride(0) % 2 == 0 &&
                   reinterpret_cast<uintptr_t>(q_out.data_ptr()) % 4 == 0,
