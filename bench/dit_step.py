@@ -340,6 +340,9 @@ SWEEP_V9_PDL = {"none": frozenset(), "linear": frozenset({"linear"}),
                 "linear_rownorm": frozenset({"linear", "rownorm", "cfg_euler"}),
                 "linear_rownorm_qk": frozenset({"linear", "rownorm", "cfg_euler", "qk_cache"})}
 
+# --sweep-variants rownorm: (rows per program, num_warps) of the row-norm kernel; (1, 4) is the shipped rule
+SWEEP_ROWNORM = ((1, 4), (1, 1), (1, 2), (2, 2), (2, 4), (4, 4))
+
 # --sweep-variants fc2: (splits, BN) of v9's split-K fc2 (kernels.dit_linear_cuda.SPLITK_CONFIG)
 SWEEP_FC2_SPLITK = ((4, 128), (8, 128), (4, 64), (8, 64))
 
@@ -377,6 +380,9 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
                   ("v9", "sweep_v9_fc1_cublas", _module_flags("dit_body", V9_FC1=False))]
         plans += [("v9", f"sweep_v9_fc2_s{sp}_bn{bn}", _module_flags("dit_linear_cuda", SPLITK_CONFIG=(sp, bn)))
                   for sp, bn in SWEEP_FC2_SPLITK]
+    if "rownorm" in swept:  # the row-norm kernel's (rows per program, num_warps), on the default body
+        plans += [("default", f"sweep_rownorm_r{r}_w{w}", _module_flags("dit_body", ROWNORM_LAUNCH_OVERRIDE=(r, w)))
+                  for r, w in SWEEP_ROWNORM]
     if "qkv" in swept:  # the step on the in-place arena: v9's QKV GEMM with the q/k-cache epilogue or not; v1
         plans += [("arena", "sweep_arena_v9_qkv_cache_on", _module_flags("dit_body", V9_QKV_CACHE=True)),
                   ("arena", "sweep_arena_v9_qkv_cache_off", _module_flags("dit_body", V9_QKV_CACHE=False)),
@@ -392,7 +398,7 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
             todo = []
             for variant, tag, context in plans:
                 # the default variant is listed under "" (fused() with no variant: the choice at call time)
-                found = [f for f in providers if f[0] == "torch_cfm" and f[1] == ("" if variant == default else variant)]
+                found = [f for f in providers if f[0] == "torch_cfm" and f[1] == ("" if variant in (default, "default") else variant)]
                 if found:
                     todo.append((tag, context, found[0][2]))
             pooled = {tag: [] for tag, _, _ in todo}
@@ -720,6 +726,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-variants", default="v3,v5,pdl",
                     help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL kernel sets; "
                          "v9: the wgmma GEMMs against v1 under PDL sets; fc2: v9's split-K fc2 configs; "
+                         "rownorm: the row-norm kernel's rows per program and warps on the default body; "
                          "qkv: the arena step with and without v9's QKV + cache epilogue)")
     ap.add_argument("--variants", default=",".join(VARIANTS + ("arena",)),
                     help="fused-body variants timed besides the default one (comma list, or 'none'); 'arena': "

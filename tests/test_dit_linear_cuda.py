@@ -72,7 +72,7 @@ def test_splitk_not_supported_reasons_on_cpu():
 _ROWNORM_SPLITS_CHILD = textwrap.dedent("""
     import torch
     from torch_cfm.config import BLOCK_LN_EPS
-    from torch_cfm.kernels.dit_body import rownorm
+    from torch_cfm.kernels import dit_body
     g = torch.Generator().manual_seed(3)
     n, t, c, splits = 3, 5, 64, 4
     m = n * t
@@ -80,23 +80,29 @@ _ROWNORM_SPLITS_CHILD = textwrap.dedent("""
     bias = torch.randn(c, generator=g).half()
     h0 = torch.randn(m, c, generator=g)
     table = torch.randn(1, 1, 9, c, generator=g)  # gate, shift, 1 + scale at rows 0, 1, 2 of one table row
-    h, out = h0.clone(), torch.full((m, c), float("nan"), dtype=torch.float16)
     valid = torch.full((n,), t, dtype=torch.int32)
-    rownorm(parts, h, out, valid, n_rows=n, t_len=t, bias=bias, table=table, gate=0, shift=c, scale=2 * c)
     # torch math in float64: residual + gate * (sum of partials + bias), LayerNorm, adaLN modulation
     tab = table.double()[0, 0]
     y = parts.double().sum(0) + bias.double()
     want_h = h0.double() + tab[0] * y
     z = torch.nn.functional.layer_norm(want_h, (c,), eps=BLOCK_LN_EPS) * tab[2] + tab[1]
-    assert torch.allclose(h.double(), want_h, rtol=1e-5, atol=1e-5), (h.double() - want_h).abs().max()
-    assert torch.allclose(out.double(), z, rtol=2e-3, atol=2e-3), (out.double() - z).abs().max()
+    # the shipped launch rule (8 rows per program at 64 channels), then the bench's overrides: 15 rows
+    # are no multiple of 2 or 4, so the last program's masked rows are exercised
+    for launch in (None, (1, 1), (2, 2), (4, 4)):
+        dit_body.ROWNORM_LAUNCH_OVERRIDE = launch
+        h, out = h0.clone(), torch.full((m, c), float("nan"), dtype=torch.float16)
+        dit_body.rownorm(parts, h, out, valid, n_rows=n, t_len=t, bias=bias, table=table, gate=0, shift=c,
+                         scale=2 * c)
+        assert torch.allclose(h.double(), want_h, rtol=1e-5, atol=1e-5), (launch, (h.double() - want_h).abs().max())
+        assert torch.allclose(out.double(), z, rtol=2e-3, atol=2e-3), (launch, (out.double() - z).abs().max())
     print("ok")
 """)
 
 
 def test_rownorm_sums_splitk_partials_interpreter():
     """The reader of the split-K partials: the row-norm kernel (Triton interpreter) adds the S fp32
-    partials and the bias, then residual + gate, LayerNorm and modulation, as torch math in float64."""
+    partials and the bias, then residual + gate, LayerNorm and modulation, as torch math in float64,
+    under its shipped launch rule and the bench's (rows per program, warps) overrides."""
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-c", _ROWNORM_SPLITS_CHILD], env=env, capture_output=True, text=True,
                           timeout=300)

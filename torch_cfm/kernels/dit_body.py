@@ -59,10 +59,10 @@ ARENA_VARIANTS = ("v1", "v9")  # the variants with the in-place arena form (aren
 V9_FC1 = True
 V9_FC2 = True
 # v9 on the in-place arena: the QKV GEMM does the q/k-cache kernel's work in its epilogue (per-head q/k
-# LayerNorm, queries out, k/v appended to the arena): one kernel fewer per block, predicted -29 µs per
-# arena step. Off: built and compiled for sm_90a in session 17, but no device time was left to run its
-# tests (tests/test_dit_linear_cuda.py -k qkv) or the A/B (bench/dit_step.py --sweep-variants qkv).
-V9_QKV_CACHE = False
+# LayerNorm, queries out, k/v appended to the arena): one kernel fewer per block. Session 18
+# (bench/NOTES.md), (8, 50, 400) fp16 arena step, interleaved rounds: 731 µs on vs 735 off (-29
+# predicted); whole solve 7.36 ms (7.40 before).
+V9_QKV_CACHE = True
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
 # (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
@@ -465,6 +465,22 @@ def _dit_cache_shift_kernel(
 # host launchers
 # --------------------------------------------------------------------------------------------
 
+# (rows per program, num_warps) of the row-norm kernel for every launch; None: rownorm_launch's rule.
+# For the bench's A/B (bench/dit_step.py --sweep-variants rownorm).
+ROWNORM_LAUNCH_OVERRIDE: Optional[tuple[int, int]] = None
+
+
+def rownorm_launch(block_c: int) -> tuple[int, int]:
+    """(rows per program, num_warps) of ``_dit_rownorm_kernel`` for rows padded to ``block_c`` channels."""
+    if ROWNORM_LAUNCH_OVERRIDE is not None:
+        return ROWNORM_LAUNCH_OVERRIDE
+    # One 512-channel row per 4-warp program: measured on the H200 at (8, 50, 400) fp16 the 65
+    # rownorm launches of a step take 206 µs this way vs 287 µs with 4 rows per program (more
+    # programs in flight hide the dependent load latency; bench/NOTES.md, 2026-12-01 01:27).
+    rows = max(1, min(16, 512 // block_c))
+    return rows, 4 if block_c * rows <= 2048 else 8
+
+
 def rownorm(
     y: torch.Tensor, h: torch.Tensor, out: torch.Tensor, valid: torch.Tensor, *, n_rows: int, t_len: int,
     taps: bool = False, bias: Optional[torch.Tensor] = None, has_res: bool = True, write_h: bool = True,
@@ -485,11 +501,7 @@ def rownorm(
     if m == 0:
         return
     block_c = triton.next_power_of_2(c)
-    # One 512-channel row per 4-warp program: measured on the H200 at (8, 50, 400) fp16 the 65
-    # rownorm launches of a step take 206 µs this way vs 287 µs with 4 rows per program (more
-    # programs in flight hide the dependent load latency; bench/NOTES.md, 2026-12-01 01:27).
-    rows = max(1, min(16, 512 // block_c))
-    warps = 4 if block_c * rows <= 2048 else 8
+    rows, warps = rownorm_launch(block_c)
     tab = table if table is not None else h
     stride_tab = 0 if table is None or table.shape[0] == 1 else table.stride(0)
     cnn, head_cbase = head if head is not None else (None, 0)
@@ -758,7 +770,7 @@ def dit_body_triton(
       (:mod:`torch_cfm.kernels.dit_linear_cuda`), launched with PDL so that each loads its weights
       while the kernel in front finishes; fc1 + GELU too (``V9_FC1``), and fc2 (K = 2048) as its
       split-K form, the fp32 partials summed by the row-norm behind it (``V9_FC2``); with
-      ``V9_QKV_CACHE`` (off: not yet run on a GPU) the QKV GEMM on the arena does the q/k-cache
+      ``V9_QKV_CACHE`` the QKV GEMM on the arena does the q/k-cache
       kernel's work in its epilogue (11 kernels per block); every unsupported call stays on
       cuBLAS (fp32 bodies: exactly v1).
     """

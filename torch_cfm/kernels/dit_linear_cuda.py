@@ -25,8 +25,8 @@ the partials (and the bias) as it reads them.
 
 QKV + cache (:func:`qkv_cache_into`): the block's QKV GEMM on the in-place cache arena with the
 q/k-cache kernel's work in its epilogue (per-head q/k LayerNorm, queries out, k/v appended to the
-arena), one kernel instead of two. Built in session 17 and compiled for sm_90a, not yet run on a GPU:
-the body uses it only with ``dit_body.V9_QKV_CACHE`` (off).
+arena), one kernel instead of two. The body uses it on the arena while ``dit_body.V9_QKV_CACHE`` is
+set (the default since session 18, when its GPU tests first ran).
 
 It is an optional part of ``torch_cfm._C_cuda`` (built for ``TORCH_CUDA_ARCH_LIST=9.0a``); the body
 variant "v9" uses it where :func:`not_supported_reasons` is empty and falls back to cuBLAS otherwise.
