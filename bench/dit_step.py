@@ -383,6 +383,12 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
     if "rownorm" in swept:  # the row-norm kernel's (rows per program, num_warps), on the default body
         plans += [("default", f"sweep_rownorm_r{r}_w{w}", _module_flags("dit_body", ROWNORM_LAUNCH_OVERRIDE=(r, w)))
                   for r, w in SWEEP_ROWNORM]
+    if "tf32" in swept:  # fp32-tf32 bodies: v9 with the wgmma GEMM's TF32 form against v1, plain and on the arena
+        mlp = _module_flags("dit_body", V9_TF32=True, V9_TF32_MLP=True)
+        plans += [("v1", "sweep_tf32_v1", _module_flags("dit_body", V9_TF32=False)),
+                  ("v9", "sweep_tf32_v9", _module_flags("dit_body", V9_TF32=True, V9_TF32_MLP=False)),
+                  ("v9", "sweep_tf32_v9_mlp", mlp), ("arena", "sweep_tf32_arena_v9_mlp", mlp),
+                  ("arena", "sweep_tf32_arena_v1", _module_flags("dit_body", V9_TF32=False))]
     if "qkv" in swept:  # the step on the in-place arena: v9's QKV GEMM with the q/k-cache epilogue or not; v1
         plans += [("arena", "sweep_arena_v9_qkv_cache_on", _module_flags("dit_body", V9_QKV_CACHE=True)),
                   ("arena", "sweep_arena_v9_qkv_cache_off", _module_flags("dit_body", V9_QKV_CACHE=False)),
@@ -727,7 +733,8 @@ def main(argv=None) -> int:
                     help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL kernel sets; "
                          "v9: the wgmma GEMMs against v1 under PDL sets; fc2: v9's split-K fc2 configs; "
                          "rownorm: the row-norm kernel's rows per program and warps on the default body; "
-                         "qkv: the arena step with and without v9's QKV + cache epilogue)")
+                         "qkv: the arena step with and without v9's QKV + cache epilogue; "
+                         "tf32: v9's TF32 GEMMs against v1 for fp32-tf32 bodies)")
     ap.add_argument("--variants", default=",".join(VARIANTS + ("arena",)),
                     help="fused-body variants timed besides the default one (comma list, or 'none'); 'arena': "
                          "the step on the in-place cache arena")

@@ -449,6 +449,8 @@ def test_gpu_fused_within_oracle(dtype, precision, variant, monkeypatch):
         assert kernels.choose_variant(dtype, precision) != "v3"
         pytest.skip("v3 is not used for fp32-tf32 (Triton TF32 dot error ~2x cuBLAS TF32)")
     monkeypatch.setattr(kernels, "DEFAULT_VARIANT", variant)
+    monkeypatch.setattr(kernels, "V9_TF32", True)  # v9's fp32-tf32 case runs the wgmma GEMM's TF32 form,
+    monkeypatch.setattr(kernels, "V9_TF32_MLP", True)  # its MLP (fc1 + GELU, split-K fc2) included
     fast, same, ref, valid, cached, t, l_len = _gpu_case(dtype, precision)
     parts = [valid_parts(*(o.cpu() for o in outs), valid, cached, t, l_len) for outs in (fast, same, ref)]
     for k, name in enumerate(("velocity", "cnn_cache", "att_cache")):
@@ -508,6 +510,12 @@ def test_choose_variant_v5_for_wide_16bit_bodies_only(monkeypatch):
         assert kernels.choose_variant(dtype, None) == "v1"
     for precision in ("tf32", "ieee"):  # v5 measured slower for TF32
         assert kernels.choose_variant(torch.float32, precision, 4 * wide) == "v1"
+    monkeypatch.setattr(kernels, "V9_TF32", True)  # v9 for narrow TF32 bodies, never for IEEE ones
+    assert kernels.choose_variant(torch.float32, "tf32", kernels.V9_MAX_ROWS_16BIT) == "v9"
+    assert kernels.choose_variant(torch.float32, "tf32", kernels.V9_MAX_ROWS_16BIT + 1) == "v1"
+    assert kernels.choose_variant(torch.float32, "ieee", kernels.V9_MAX_ROWS_16BIT) == "v1"
+    monkeypatch.setattr(kernels, "V9_TF32", False)
+    assert kernels.choose_variant(torch.float32, "tf32", kernels.V9_MAX_ROWS_16BIT) == "v1"
     monkeypatch.setattr(kernels, "DEFAULT_VARIANT", "v4")
     assert kernels.choose_variant(torch.float16, None, wide) == "v4"
 

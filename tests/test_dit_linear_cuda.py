@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import strategies as S
-from oracle import assert_within_oracle
+from oracle import assert_within_oracle, err_rel_fro
 from torch_cfm.kernels import dit_linear_cuda as L
 
 
@@ -33,6 +33,34 @@ def test_block_n_rule():
     assert L.block_n_for(1536) == 96 and L.block_n_for(2048) == 128 and L.block_n_for(640) == 128
     assert L.block_n_for(704) == 64
     assert L.block_n_for(520) is None
+    # fp32 (TF32): the resident weight tile caps BN at 96
+    f32 = torch.float32
+    assert L.block_n_for(512, f32) == 32 and L.block_n_for(1536, f32) == 96 and L.block_n_for(2048, f32) == 64
+    assert L.block_n_for(640, f32) == 64
+
+
+def test_tf32_not_supported_reasons_on_cpu():
+    a, w, out = torch.zeros(4, 32), torch.zeros(32, 32), torch.zeros(4, 32)
+    # fp32 only when the caller asks for TF32 (an "ieee" body never reaches the kernel)
+    assert any("with tf32=True" in r for r in L.not_supported_reasons(a, w, out))
+    assert not any("dtype" in r for r in L.not_supported_reasons(a, w, out, tf32=True))
+    assert any("CUDA" in r for r in L.not_supported_reasons(a, w, out, tf32=True))
+    assert L.linear_into(a, w, None, out, tf32=True) is False  # nothing launched
+    assert any("multiple of 32" in r for r in L.not_supported_reasons(a[:, :16], w[:, :16], out, tf32=True))
+    assert any("up to 512" in r for r in L.not_supported_reasons(torch.zeros(4, 544), torch.zeros(32, 544), out,
+                                                                 tf32=True))
+    assert any("aligned column pairs" in r
+               for r in L.not_supported_reasons(a, w, torch.zeros(4, 33)[:, 1:], tf32=True))
+    # the split-K form: fp32 K' a multiple of 32, BN 64 only (its default config)
+    a2, w2, parts = torch.zeros(4, 2048), torch.zeros(512, 2048), torch.zeros(4, 4, 512)
+    assert any("with tf32=True" in r for r in L.splitk_not_supported_reasons(a2, w2, parts))
+    assert not any("dtype" in r or "block_n" in r or "split" in r
+                   for r in L.splitk_not_supported_reasons(a2, w2, parts, tf32=True))
+    assert any("block_n 128" in r and "(64,)" in r
+               for r in L.splitk_not_supported_reasons(a2, w2, parts, (4, 128), tf32=True))
+    assert any("multiples of 32" in r
+               for r in L.splitk_not_supported_reasons(a2[:, :2016], w2[:, :2016], parts, tf32=True))
+    assert L.linear_splitk_into(a2, w2, parts, tf32=True) is False
 
 
 def test_not_supported_reasons_on_cpu():
@@ -154,8 +182,60 @@ def test_gpu_linear_within_oracle(dtype, m, k, n, bias, gelu):
         assert torch.equal(out, want)
 
 
+# (M, K, N, bias, GELU) for the TF32 form: the body's roles, K = 160 (5 stages: the ring of 4 wraps
+# once), K = 32 (one stage, fewer than the ring holds) and row-tile edges
+TF32_SHAPES = [(400, 512, 512, True, False), (400, 512, 1536, True, False), (416, 512, 1536, False, False),
+               (400, 512, 2048, True, True), (1, 512, 512, True, False), (63, 512, 1536, False, False),
+               (64, 160, 512, True, True), (65, 32, 192, True, False), (130, 256, 96, False, False)]
+
+
+def _tf32_rounded(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) rounded to the nearest TF32 value (10 mantissa bits; ties away from zero, which
+    differs from the hardware's ties-to-even only on exact ties): the operand a TF32 GEMM multiplies."""
+    bits = (x.contiguous().view(torch.int32) + 0x1000) & -8192  # + half of the dropped 13 bits, then clear them
+    return bits.view(torch.float32)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("m,k,n,bias,gelu", TF32_SHAPES)
+def test_gpu_linear_tf32_within_oracle(m, k, n, bias, gelu):
+    """fp32 operands in TF32 against exact TF32 math (operands rounded to nearest TF32, products summed
+    in float64), the 2x rule of SPEC §6 without its TF32 relaxation: a kernel that truncated its
+    operands would fail it. (Not cuBLAS as the baseline: at M = 1 it runs an IEEE fp32 GEMV even with
+    TF32 allowed, an error 3000x smaller; session 18's first run.)"""
+    _skip_unless_runnable()
+    ext, _ = L._extension()
+    g = torch.Generator(device="cpu").manual_seed(m + k + n + 1)
+    a = torch.randn(m, k, generator=g).cuda()
+    w = (torch.randn(n, k, generator=g) * k ** -0.5).cuda()
+    b = (torch.randn(n, generator=g) * 0.1).cuda() if bias else None
+    ref = a.double() @ w.double().t() + (b.double() if bias else 0)
+    if gelu:
+        ref = torch.nn.functional.gelu(ref, approximate="tanh")
+    same = _tf32_rounded(a).double() @ _tf32_rounded(w).double().t() + (b.double() if bias else 0)
+    if gelu:
+        same = torch.nn.functional.gelu(same, approximate="tanh")
+    same = same.float()
+    flags = L.TRIGGER_EARLY | (L.GELU_TANH if gelu else 0) | (0 if bias else L.NO_BIAS)
+    for bn in [x for x in L.TF32_BLOCK_NS if n % x == 0]:
+        for pdl in (False, True):
+            buf = torch.full((m + 5, n), float("nan"), device="cuda")
+            out = buf[:m]
+            ext.dit_linear_into(a, w, b, out, bn, pdl, flags, 1)
+            torch.cuda.synchronize()
+            assert torch.isnan(buf[m:]).all(), f"bn{bn}: wrote past row {m}"
+            print(f"bn{bn} pdl={pdl}: rel {err_rel_fro(out.cpu(), ref.cpu()):.3e}, "
+                  f"exact TF32 {err_rel_fro(same.cpu(), ref.cpu()):.3e}")
+            assert_within_oracle(out.cpu(), same.cpu(), ref.cpu(), f"bn{bn} pdl={pdl}")
+    assert L.linear_into(a, w, b, out, gelu=gelu, tf32=True)
+    want = torch.empty_like(out)
+    ext.dit_linear_into(a, w, b, want, L.block_n_for(n, torch.float32), False, flags, 1)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "tf32"])
 def test_gpu_linear_pdl_chain_graph_replay_bitwise(dtype):
     """proj -> qkv -> conv-shaped GEMMs, each reading the previous output, launched with PDL inside
     a CUDA graph: three replays on new inputs equal the chain run eagerly without PDL, bitwise."""
@@ -170,7 +250,7 @@ def test_gpu_linear_pdl_chain_graph_replay_bitwise(dtype):
     def chain(pdl: bool):
         src = x
         for w, b, o in zip(ws, bs, outs):
-            assert L.linear_into(src, w, b, o, pdl=pdl)
+            assert L.linear_into(src, w, b, o, pdl=pdl, tf32=dtype == torch.float32)
             src = o[:, :512]
 
     inputs = [torch.randn(m, 512, generator=g).to("cuda", dtype) for _ in range(3)]
@@ -195,30 +275,33 @@ SPLITK_SHAPES = [(400, 2048, 512), (1, 2048, 512), (65, 1024, 128), (64, 512, 25
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "tf32"])
 @pytest.mark.parametrize("m,k,n", SPLITK_SHAPES)
 def test_gpu_splitk_partials_within_oracle(dtype, m, k, n):
+    """fp32 (TF32) against exact TF32 math, as test_gpu_linear_tf32_within_oracle."""
     _skip_unless_runnable()
+    tf32 = dtype == torch.float32
     g = torch.Generator(device="cpu").manual_seed(m + k + n + 1)
     a = torch.randn(m, k, generator=g).to("cuda", dtype)
     w = (torch.randn(n, k, generator=g) * k ** -0.5).to("cuda", dtype)
     ref = a.double() @ w.double().t()
-    same = a @ w.t()  # cuBLAS in the dtype: the oracle's baseline
+    # the oracle's baseline: cuBLAS in the dtype, or exact TF32 products
+    same = (_tf32_rounded(a).double() @ _tf32_rounded(w).double().t()).float() if tf32 else a @ w.t()
     ran = 0
     for splits in (1, 2, 4, 8):
         for bn in L.SPLITK_BLOCK_NS:
             config = (splits, bn)
             parts = torch.full((splits, m, n), float("nan"), device="cuda")
-            if L.splitk_not_supported_reasons(a, w, parts, config):
+            if L.splitk_not_supported_reasons(a, w, parts, config, tf32=tf32):
                 continue
             for pdl in (False, True):
                 parts.fill_(float("nan"))
-                assert L.linear_splitk_into(a, w, parts, pdl=pdl, config=config)
+                assert L.linear_splitk_into(a, w, parts, pdl=pdl, config=config, tf32=tf32)
                 torch.cuda.synchronize()
                 assert not torch.isnan(parts).any(), f"{config}: a partial left unwritten"
                 assert_within_oracle(parts.sum(0).to(dtype).cpu(), same.cpu(), ref.cpu(), f"{config} pdl={pdl}")
                 again = torch.empty_like(parts)
-                assert L.linear_splitk_into(a, w, again, pdl=pdl, config=config)
+                assert L.linear_splitk_into(a, w, again, pdl=pdl, config=config, tf32=tf32)
                 assert torch.equal(parts, again)  # no atomics: the same bits every run
                 ran += 1
     assert ran >= 2

@@ -160,7 +160,21 @@ def _fill(bufs, seed):
                          ids=["fp16-inplace", "bf16-inplace", "fp32-inplace", "fp16-v1", "bf16-v1", "fp32-v1", "fp16-v2",
                               "fp16-v3", "fp32-v3", "fp16-v4", "fp32-v4", "fp16-v5", "fp32-v5", "fp16-v9", "bf16-v9"])
 def test_gpu_replay_equals_eager_bitwise(dtype, variant):
-    _, runner = _gpu_runner(dtype, variant=variant)
+    _replay_equals_eager_bitwise(dtype, variant=variant)
+
+
+@pytest.mark.gpu
+def test_gpu_replay_equals_eager_bitwise_tf32_v9(monkeypatch):
+    """v9 for TF32 bodies (the wgmma GEMM's TF32 form, launched with PDL) replays == eager, bitwise."""
+    import torch_cfm.kernels.dit_body as kernels
+
+    monkeypatch.setattr(kernels, "V9_TF32", True)
+    monkeypatch.setattr(kernels, "V9_TF32_MLP", True)
+    _replay_equals_eager_bitwise(torch.float32, variant="v9", precision="tf32")
+
+
+def _replay_equals_eager_bitwise(dtype, **kw):
+    _, runner = _gpu_runner(dtype, **kw)
     ent = runner.entry((4, 50, 64))
     _fill(ent.bufs, 0)
     runner.run(ent)  # captures, replays

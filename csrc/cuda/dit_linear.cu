@@ -35,16 +35,18 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-// A 2D map over the row-major (rows, cols) matrix t (row stride ld elements): boxes of 64 columns x
-// box_rows rows, 128-byte swizzle (the wgmma descriptors' layout), zero fill past the edges.
+// A 2D map over the row-major (rows, cols) matrix t (row stride ld elements): boxes of 128 bytes of
+// columns x box_rows rows, 128-byte swizzle (the wgmma descriptors' layout), zero fill past the edges.
+// fp32 tensors map as TFLOAT32: the TMA unit rounds each element to TF32 (to nearest) as it loads.
 CUtensorMap make_map(const at::Tensor& t, int64_t rows, int64_t cols, int64_t ld, int box_rows) {
   CUtensorMap map;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * t.element_size())};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBK), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(128 / t.element_size()), static_cast<cuuint32_t>(box_rows)};
   const cuuint32_t estrides[2] = {1, 1};
-  const CUtensorMapDataType dt =
-      t.scalar_type() == at::kHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const CUtensorMapDataType dt = t.scalar_type() == at::kHalf    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                 : t.scalar_type() == at::kFloat ? CU_TENSOR_MAP_DATA_TYPE_TFLOAT32
+                                                                 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const CUresult r = encode_fn()(&map, dt, 2, t.data_ptr(), dims, strides, box, estrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -62,7 +64,7 @@ void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor&
   const CUtensorMap map_w = make_map(w, n, k, w.stride(0), BN);
   auto kernel = linear_kernel<T, BN, kMode>;
   const int k_cta = k / splits;
-  const int smem = smem_bytes<BN>(k_cta / kBK);
+  const int smem = smem_bytes<T, BN>(k_cta / stage_k<T>());
   // The shared-memory opt-in is a per-device host-side attribute, set once at the largest size (K = 512)
   // on the first call, which comes before any capture (the body warms up eagerly).
   static std::atomic<uint64_t> opted_in{0};
@@ -71,7 +73,7 @@ void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor&
   const uint64_t bit = uint64_t{1} << (device & 63);
   if (!(opted_in.load() & bit)) {
     TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     smem_bytes<BN>(kMaxStages)) == cudaSuccess,
+                                     smem_bytes<T, BN>(kMaxK / stage_k<T>())) == cudaSuccess,
                 "dit_linear: shared-memory opt-in failed");
     opted_in.fetch_or(bit);
   }
@@ -103,10 +105,10 @@ void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor&
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The TMA loads' needs of both operands (16-bit, row-major): unit column strides, 16-byte aligned bases and rows.
+// The TMA loads' needs of both operands (row-major): unit column strides, 16-byte aligned bases and rows.
 void check_tma_operands(const at::Tensor& a, const at::Tensor& w) {
   TORCH_CHECK(a.stride(1) == 1 && w.stride(1) == 1 && aligned16(a.data_ptr()) && aligned16(w.data_ptr()) &&
-                  (a.stride(0) * 2) % 16 == 0 && (w.stride(0) * 2) % 16 == 0,
+                  (a.stride(0) * a.element_size()) % 16 == 0 && (w.stride(0) * w.element_size()) % 16 == 0,
               "dit_linear: a and w need unit column strides, 16-byte aligned bases and rows (TMA)");
 }
 
@@ -117,19 +119,22 @@ void linear_into(const at::Tensor& a, const at::Tensor& w, const std::optional<a
   TORCH_CHECK(a.is_cuda() && w.is_cuda() && out.is_cuda(), "dit_linear: CUDA tensors");
   TORCH_CHECK(a.dim() == 2 && w.dim() == 2 && out.dim() == 2, "dit_linear: a, w, out must be 2-D");
   const auto dt = a.scalar_type();
-  TORCH_CHECK((dt == at::kHalf || dt == at::kBFloat16) && w.scalar_type() == dt && out.scalar_type() == dt,
-              "dit_linear: a, w, out must share one dtype, fp16 or bf16");
+  TORCH_CHECK((dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat) && w.scalar_type() == dt &&
+                  out.scalar_type() == dt,
+              "dit_linear: a, w, out must share one dtype, fp16, bf16 or fp32 (TF32)");
+  const bool tf32 = dt == at::kFloat;
   const int64_t m = a.size(0), k = a.size(1), n = w.size(0);
   TORCH_CHECK(w.size(1) == k && out.size(0) == m && out.size(1) == n, "dit_linear: shapes (M, K) x (N, K) -> (M, N)");
-  TORCH_CHECK(k > 0 && k % kBK == 0 && k <= kBK * kMaxStages, "dit_linear: K must be a multiple of 64, at most 512");
-  TORCH_CHECK(block_n == 32 || block_n == 64 || block_n == 96 || block_n == 128,
-              "dit_linear: block_n must be 32, 64, 96 or 128");
+  const int64_t sk = 128 / a.element_size();
+  TORCH_CHECK(k > 0 && k % sk == 0 && k <= kMaxK, "dit_linear: K must be a multiple of ", sk, ", at most 512");
+  TORCH_CHECK(block_n == 32 || block_n == 64 || block_n == 96 || (block_n == 128 && !tf32),
+              "dit_linear: block_n must be 32, 64, 96 or (16-bit) 128");
   TORCH_CHECK(n % block_n == 0, "dit_linear: N must be a multiple of block_n");
-  TORCH_CHECK(cluster >= 1 && cluster <= 8, "dit_linear: cluster must be 1 to 8");
+  TORCH_CHECK(cluster >= 1 && cluster <= 8 && (cluster == 1 || !tf32), "dit_linear: cluster must be 1 to 8 (TF32: 1)");
   check_tma_operands(a, w);
   TORCH_CHECK(out.stride(1) == 1, "dit_linear: out needs a unit column stride");
-  TORCH_CHECK(out.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 4 == 0,
-              "dit_linear: out needs 4-byte aligned column pairs");
+  TORCH_CHECK(out.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % (2 * out.element_size()) == 0,
+              "dit_linear: out needs aligned column pairs");
   const bool has_bias = !(flags & kNoBias);
   if (has_bias) {
     TORCH_CHECK(bias.has_value() && bias->is_cuda() && bias->scalar_type() == dt && bias->dim() == 1 &&
@@ -146,7 +151,9 @@ void linear_into(const at::Tensor& a, const at::Tensor& w, const std::optional<a
     launch<T, BN, kOut>(a, w, static_cast<const T*>(b), out, pdl, f, c, 1, stream);  \
     return;                                                                         \
   }
-  if (dt == at::kHalf) {
+  if (tf32) {
+    TORCH_CFM_LINEAR_CASE(float, 32) TORCH_CFM_LINEAR_CASE(float, 64) TORCH_CFM_LINEAR_CASE(float, 96)
+  } else if (dt == at::kHalf) {
     TORCH_CFM_LINEAR_CASE(__half, 32) TORCH_CFM_LINEAR_CASE(__half, 64) TORCH_CFM_LINEAR_CASE(__half, 96)
     TORCH_CFM_LINEAR_CASE(__half, 128)
   } else {
@@ -161,17 +168,19 @@ void linear_splitk_into(const at::Tensor& a, const at::Tensor& w, at::Tensor& pa
   TORCH_CHECK(a.is_cuda() && w.is_cuda() && partials.is_cuda(), "dit_linear: CUDA tensors");
   TORCH_CHECK(a.dim() == 2 && w.dim() == 2 && partials.dim() == 3, "dit_linear: a, w 2-D and partials 3-D");
   const auto dt = a.scalar_type();
-  TORCH_CHECK((dt == at::kHalf || dt == at::kBFloat16) && w.scalar_type() == dt,
-              "dit_linear: a and w must share one dtype, fp16 or bf16");
+  TORCH_CHECK((dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat) && w.scalar_type() == dt,
+              "dit_linear: a and w must share one dtype, fp16, bf16 or fp32 (TF32)");
+  const bool tf32 = dt == at::kFloat;
   TORCH_CHECK(partials.scalar_type() == at::kFloat && partials.is_contiguous(),
               "dit_linear: partials must be a contiguous float32 tensor");
   const int64_t m = a.size(0), k = a.size(1), n = w.size(0);
   TORCH_CHECK(splits >= 1 && splits <= 16, "dit_linear: splits must be 1 to 16");
   TORCH_CHECK(w.size(1) == k && partials.size(0) == splits && partials.size(1) == m && partials.size(2) == n,
               "dit_linear: shapes (M, K) x (N, K) -> (splits, M, N)");
-  TORCH_CHECK(k > 0 && k % (kBK * splits) == 0 && k / splits <= kBK * kMaxStages,
-              "dit_linear: K must split into chunks that are multiples of 64, at most 512");
-  TORCH_CHECK(block_n == 64 || block_n == 128, "dit_linear: split-K block_n must be 64 or 128");
+  const int64_t sk = 128 / a.element_size();
+  TORCH_CHECK(k > 0 && k % (sk * splits) == 0 && k / splits <= kMaxK,
+              "dit_linear: K must split into chunks that are multiples of ", sk, ", at most 512");
+  TORCH_CHECK(block_n == 64 || (block_n == 128 && !tf32), "dit_linear: split-K block_n must be 64 or (16-bit) 128");
   TORCH_CHECK(n % block_n == 0, "dit_linear: N must be a multiple of block_n");
   check_tma_operands(a, w);
   if (m == 0) return;
@@ -183,7 +192,9 @@ void linear_splitk_into(const at::Tensor& a, const at::Tensor& w, at::Tensor& pa
     launch<T, BN, kPartials>(a, w, nullptr, partials, pdl, f, 1, s, stream);      \
     return;                                                                       \
   }
-  if (dt == at::kHalf) {
+  if (tf32) {
+    TORCH_CFM_SPLITK_CASE(float, 64)
+  } else if (dt == at::kHalf) {
     TORCH_CFM_SPLITK_CASE(__half, 64) TORCH_CFM_SPLITK_CASE(__half, 128)
   } else {
     TORCH_CFM_SPLITK_CASE(__nv_bfloat16, 64) TORCH_CFM_SPLITK_CASE(__nv_bfloat16, 128)
@@ -248,7 +259,7 @@ void linear_qkv_cache_into(const at::Tensor& a, const at::Tensor& w, const at::T
     TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->size(0) == n_rows && t->is_contiguous(),
                 "dit_linear: valid and cached int32 (N,)");
   }
-  TORCH_CHECK(k > 0 && k % kBK == 0 && k <= kBK * kMaxStages, "dit_linear: K must be a multiple of 64, at most 512");
+  TORCH_CHECK(k > 0 && k % kBK == 0 && k <= kMaxK, "dit_linear: K must be a multiple of 64, at most 512");
   check_tma_operands(a, w);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(cache.data_ptr()) % 4 == 0 && cache.stride(2) % 2 == 0 &&
                   cache.stride(1) % 2 == 0 && cache.stride(0) % 2 == 0 &&

@@ -9,15 +9,16 @@
 namespace torch_cfm {
 namespace dit_linear {
 
-// out = a @ w.T (+ bias) (GELU, tanh form): a (M, K), w (N, K), out (M, N), one dtype (fp16 or bf16);
-// K a multiple of 64 up to 512, N a multiple of block_n (32, 64, 96 or 128), unit column strides,
-// 16-byte aligned a/w rows and bases. flags: 1 trigger dependents early, 2 GELU (tanh), 4 no bias.
+// out = a @ w.T (+ bias) (GELU, tanh form): a (M, K), w (N, K), out (M, N), one dtype: fp16 or bf16, or
+// fp32 computed in TF32 (operands rounded to nearest TF32); K a multiple of 64 (fp32: 32) up to 512, N a
+// multiple of block_n (32, 64, 96, or 128 for 16-bit), unit column strides, 16-byte aligned a/w rows and bases. flags: 1 trigger dependents early, 2 GELU (tanh), 4 no bias.
 // pdl: launch with programmatic stream serialization (the weights load before the wait).
 void linear_into(const at::Tensor& a, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out,
                  int64_t block_n, bool pdl, int64_t flags, int64_t cluster);
 
 // Split-K: partials[z] = a[:, z K' : (z + 1) K'] @ w[:, z K' : (z + 1) K']^T in fp32, K' = K / splits a
-// multiple of 64 up to 512; partials a contiguous float32 (splits, M, N) tensor, block_n 64 or 128. The sum
+// multiple of 64 (fp32 operands, computed in TF32: 32) up to 512; partials a contiguous float32 (splits, M,
+// N) tensor, block_n 64 or (16-bit) 128. The sum
 // over z (and any bias) is the caller's: the body's row-norm kernel adds them up. flags: 1 only.
 void linear_splitk_into(const at::Tensor& a, const at::Tensor& w, at::Tensor& partials, int64_t block_n, bool pdl,
                         int64_t flags, int64_t splits);

@@ -4,11 +4,16 @@
 //   split-K: partials[z, M, N] = a[:, zK':(z+1)K'] @ w[:, zK':(z+1)K']^T   fp32 out, K' = K / splits <= 512
 //   QKV + cache: q | k | v = a @ w^T + bias; q, k LayerNorm per 64-wide head; q -> out, k and v of each
 //   row's valid frames appended to the in-place attention-cache arena
+//   TF32: out[M, N] = a[M, K] @ w[N, K]^T (+ bias) (GELU), fp32 in and out, operands rounded to TF32 (round
+//   to nearest, as cuBLAS's TF32 GEMMs do) by the TMA unit as it loads them, fp32 accumulation
 // Measured against cuBLAS in bench/wgmma_gemm.py (bench/NOTES.md, session 16); used by the body's
 // variant "v9" (torch_cfm/kernels/dit_linear_cuda.py).
 //
 // Design: one warpgroup per CTA computes a 64 x BN tile. The whole K (<= 512) is resident in shared
-// memory, so nothing is ever overwritten: one mbarrier per 64-wide K stage, no "empty" barriers.
+// memory, so nothing is ever overwritten: one mbarrier per K stage (128 bytes of K: 64 16-bit or 32
+// fp32 elements), no "empty" barriers. fp32 tiles of the whole K do not fit beside a wide weight tile
+// (a alone is 128 KB), so in TF32 only the weight tile is resident and a streams through a ring of
+// kARing stages, each refilled once the wgmma that read it has completed.
 // Thread 0 issues every stage's TMA load of w first, then, after griddepcontrol.wait (a no-op
 // without PDL), every stage's load of a; the warpgroup waits stage by stage and issues 4 wgmma
 // m64nBNk16 per stage straight from shared memory. With kPartials, grid z splits a longer K (the
@@ -32,9 +37,15 @@ namespace torch_cfm {
 namespace dit_linear {
 
 constexpr int kBM = 64;         // rows per CTA (one wgmma m64)
-constexpr int kBK = 64;         // K per stage: 64 x 2 bytes = one 128-byte swizzle row
-constexpr int kMaxStages = 8;   // K <= 512 resident
+constexpr int kBK = 64;         // K per stage of 16-bit operands: 64 x 2 bytes = one 128-byte swizzle row
+constexpr int kMaxK = 512;      // the whole K of a CTA is resident (the weight tile, and a in 16 bits)
+constexpr int kMaxStages = 16;  // K = 512 in fp32: 16 stages of 32
+constexpr int kARing = 4;       // TF32: stages of a in flight
 constexpr int kThreads = 128;   // one warpgroup
+
+// K elements per stage: one 128-byte swizzle row of T
+template <typename T>
+__host__ __device__ constexpr int stage_k() { return 128 / static_cast<int>(sizeof(T)); }
 
 // flags
 constexpr int kTriggerEarly = 1;  // griddepcontrol.launch_dependents right after the loads are issued
@@ -112,12 +123,19 @@ __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.w
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
+// One 32-byte K step of a stage: k16 of 16-bit operands, k8 of tf32.
 template <typename T, int BN>
 __device__ __forceinline__ void wgmma_k16(float* d, uint64_t da, uint64_t db, int scale_d) {
-  if constexpr (std::is_same<T, __half>::value) {
+  if constexpr (std::is_same<T, float>::value) {
+    static_assert(BN <= 96, "TF32 tiles are at most 96 wide");
+    if constexpr (BN == 32) wgmma_m64n32k8_tf32(d, da, db, scale_d);
+    else if constexpr (BN == 64) wgmma_m64n64k8_tf32(d, da, db, scale_d);
+    else wgmma_m64n96k8_tf32(d, da, db, scale_d);
+  } else if constexpr (std::is_same<T, __half>::value) {
     if constexpr (BN == 32) wgmma_m64n32k16_f16(d, da, db, scale_d);
     else if constexpr (BN == 64) wgmma_m64n64k16_f16(d, da, db, scale_d);
     else if constexpr (BN == 96) wgmma_m64n96k16_f16(d, da, db, scale_d);
@@ -136,6 +154,8 @@ template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x);
@@ -143,6 +163,19 @@ template <>
 __device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
 template <>
 __device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <>
+__device__ __forceinline__ float to_float<float>(float x) { return x; }
+
+// Two adjacent output columns (p 4-byte aligned for 16-bit T, 8-byte for fp32).
+template <typename T>
+__device__ __forceinline__ void store_pair(T* p, float x0, float x1) {
+  if constexpr (std::is_same<T, float>::value) {
+    *reinterpret_cast<float2*>(p) = make_float2(x0, x1);
+  } else {
+    T pair[2] = {from_float<T>(x0), from_float<T>(x1)};
+    *reinterpret_cast<uint32_t*>(p) = *reinterpret_cast<uint32_t*>(pair);
+  }
+}
 
 __device__ __forceinline__ float gelu_tanh(float x) {
   return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
@@ -181,14 +214,18 @@ struct QkvCacheArgs {
   float eps = 1e-6f;
 };
 
-template <int BN>
+// Dynamic shared memory for `stages` K stages: the weight tile's stages, a's (16-bit) or a's ring (fp32),
+// + alignment slack for the 1024-byte swizzle atoms.
+template <typename T, int BN>
 constexpr int smem_bytes(int stages) {
-  return stages * (kBM + BN) * kBK * 2 + 1024;  // + alignment slack for the 1024-byte swizzle atoms
+  const int a_stages = std::is_same<T, float>::value ? (stages < kARing ? stages : kARing) : stages;
+  return (stages * BN + a_stages * kBM) * 128 + 1024;
 }
 
 // grid (ceil(M / 64) rounded up to the cluster size, N / BN, splits), kThreads threads,
-// smem_bytes<BN>(k / 64) dynamic shared memory; an optional cluster of 1-8 CTAs along x. k is the K of
-// one CTA (the whole K, or one split's chunk): CTA z reads columns [z k, (z + 1) k) of a and w.
+// smem_bytes<T, BN>(k / stage_k<T>()) dynamic shared memory; an optional cluster of 1-8 CTAs along x (16-bit
+// only). k is the K of one CTA (the whole K, or one split's chunk): CTA z reads columns [z k, (z + 1) k)
+// of a and w. T = float is the TF32 form (kOut and kPartials; the tensor maps round to TF32 as they load).
 // out: (M, ldo) in T (kOut; kQkvCache: the queries), or with kPartials (splits, M, ldo) in fp32, split z
 // at z * M * ldo.
 template <typename T, int BN, int kMode>
@@ -198,15 +235,18 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
                                                               int m, int ldo, int k, int flags,
                                                               const QkvCacheArgs<T> qc) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma needs the sm_90a target
+  constexpr bool kTf32 = std::is_same<T, float>::value;
+  static_assert(!kTf32 || kMode != kQkvCache, "the TF32 form has the plain and split-K epilogues only");
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[kMaxStages];
+  __shared__ __align__(8) uint64_t a_full[kARing];  // TF32: a's ring
   unsigned char* smem =
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
-  constexpr int kABytes = kBM * kBK * 2;
-  constexpr int kWBytes = BN * kBK * 2;
-  const int stages = k / kBK;
-  unsigned char* sw = smem;                     // stages x (BN x 64), each 1024-aligned
-  unsigned char* sa = smem + stages * kWBytes;  // stages x (64 x 64)
+  constexpr int kABytes = kBM * 128;  // one stage: 128 bytes of K per row
+  constexpr int kWBytes = BN * 128;
+  const int stages = k / stage_k<T>();
+  unsigned char* sw = smem;                     // stages x (BN x 128 B), each 1024-aligned
+  unsigned char* sa = smem + stages * kWBytes;  // stages (TF32: kARing slots) x (64 x 128 B)
   const int m0 = blockIdx.x * kBM;
   const int n0 = blockIdx.y * BN;
   const int k0 = blockIdx.z * k;
@@ -217,6 +257,9 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
   const uint32_t csize = cluster_size(), crank = cluster_rank();
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) mbar_init(&full[s], 1);
+    if constexpr (kTf32) {
+      for (int r = 0; r < kARing; ++r) mbar_init(&a_full[r], 1);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   if (csize > 1) {  // every peer's barriers exist before anyone multicasts into them
@@ -228,11 +271,11 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
   if (tid == 0) {
     // Weights never depend on the kernel in front: they load before the PDL wait.
     for (int s = 0; s < stages; ++s) {
-      mbar_expect_tx(&full[s], kABytes + kWBytes);
+      mbar_expect_tx(&full[s], kTf32 ? kWBytes : kABytes + kWBytes);
       if (csize == 1) {
-        tma_load_2d(sw + s * kWBytes, &map_w, k0 + s * kBK, n0, &full[s]);
+        tma_load_2d(sw + s * kWBytes, &map_w, k0 + s * stage_k<T>(), n0, &full[s]);
       } else if (s % csize == crank) {
-        tma_load_2d_multicast(sw + s * kWBytes, &map_w, k0 + s * kBK, n0, &full[s],
+        tma_load_2d_multicast(sw + s * kWBytes, &map_w, k0 + s * stage_k<T>(), n0, &full[s],
                               static_cast<uint16_t>((1u << csize) - 1));
       }
     }
@@ -264,8 +307,16 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
     }
   }
   pdl_wait();  // a (and out, which the kernel in front may still read) only after this
+  constexpr int kSk = stage_k<T>();
   if (tid == 0) {
-    for (int s = 0; s < stages; ++s) tma_load_2d(sa + s * kABytes, &map_a, k0 + s * kBK, m0, &full[s]);
+    if constexpr (kTf32) {  // the first kARing stages of a; the rest as the ring's slots free up
+      for (int s = 0; s < stages && s < kARing; ++s) {
+        mbar_expect_tx(&a_full[s], kABytes);
+        tma_load_2d(sa + s * kABytes, &map_a, k0 + s * kSk, m0, &a_full[s]);
+      }
+    } else {
+      for (int s = 0; s < stages; ++s) tma_load_2d(sa + s * kABytes, &map_a, k0 + s * kSk, m0, &full[s]);
+    }
   }
   if (flags & kTriggerEarly) pdl_trigger();
 
@@ -274,12 +325,27 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
   for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
   for (int s = 0; s < stages; ++s) {
     mbar_wait(&full[s], 0);
+    const int slot = kTf32 ? s % kARing : s;
+    if constexpr (kTf32) mbar_wait(&a_full[slot], (s / kARing) & 1);
     wgmma_fence();
-    const uint64_t da = desc_sw128(smem_u32(sa + s * kABytes));
+    const uint64_t da = desc_sw128(smem_u32(sa + slot * kABytes));
     const uint64_t dw = desc_sw128(smem_u32(sw + s * kWBytes));
 #pragma unroll
-    for (int kk = 0; kk < kBK / 16; ++kk) wgmma_k16<T, BN>(d, da + 2 * kk, dw + 2 * kk, 1);
+    for (int kk = 0; kk < 4; ++kk) wgmma_k16<T, BN>(d, da + 2 * kk, dw + 2 * kk, 1);  // 4 x 32 bytes of K
     wgmma_commit();
+    if constexpr (kTf32) {
+      // Stage s - 1's wgmma has completed once at most one group (stage s's) is pending: every thread
+      // has seen that before thread 0 loads stage s - 1 + kARing into its slot.
+      if (s >= 1 && s - 1 + kARing < stages) {
+        wgmma_wait_1();
+        __syncthreads();
+        if (tid == 0) {
+          const int r = (s - 1) % kARing;
+          mbar_expect_tx(&a_full[r], kABytes);
+          tma_load_2d(sa + r * kABytes, &map_a, k0 + (s - 1 + kARing) * kSk, m0, &a_full[r]);
+        }
+      }
+    }
   }
   wgmma_wait_all();
   if (!(flags & kTriggerEarly)) pdl_trigger();
@@ -354,11 +420,9 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
       }
       if (r < m) {
         if constexpr (kMode == kPartials) {
-          *reinterpret_cast<float2*>(part + static_cast<int64_t>(r) * ldo + col) = make_float2(x0, x1);
+          store_pair(part + static_cast<int64_t>(r) * ldo + col, x0, x1);
         } else {
-          T pair[2] = {from_float<T>(x0), from_float<T>(x1)};
-          *reinterpret_cast<uint32_t*>(static_cast<T*>(out) + static_cast<int64_t>(r) * ldo + col) =
-              *reinterpret_cast<uint32_t*>(pair);
+          store_pair(static_cast<T*>(out) + static_cast<int64_t>(r) * ldo + col, x0, x1);
         }
       }
     }

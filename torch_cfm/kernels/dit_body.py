@@ -63,6 +63,16 @@ V9_FC2 = True
 # (bench/NOTES.md), (8, 50, 400) fp16 arena step, interleaved rounds: 731 µs on vs 735 off (-29
 # predicted); whole solve 7.36 ms (7.40 before).
 V9_QKV_CACHE = True
+# v9 for fp32 bodies computing in TF32: qkv, proj and both conv GEMMs on the kernel's TF32 form (operands
+# rounded to nearest TF32 by the TMA loads; dit_linear_cuda), fc1/fc2 too with V9_TF32_MLP; chosen for
+# TF32 bodies of at most V9_MAX_ROWS rows. Session 18 (bench/NOTES.md), (8, 50, 400) fp32-tf32, interleaved rounds, µs:
+# step v1 1466 -> v9 1402, arena step 1376 -> 1336 (MLP on cuBLAS); whole solve B = 4 13.81 -> 13.39 ms
+# (12.97 with V9_TF32_MLP).
+V9_TF32 = True
+# v9's MLP in TF32 bodies on the kernel too: fc1 + GELU (BN 64) and fc2 as the split-K form
+# (dit_linear_cuda.TF32_SPLITK_CONFIG), as V9_FC1 / V9_FC2 do for 16-bit bodies. Session 18, (8, 50, 400)
+# fp32-tf32, interleaved rounds, µs: v9 1377 -> 1362 with it (v1 1438); arena step 1299 (v1 1352).
+V9_TF32_MLP = True
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
 # (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
@@ -71,13 +81,16 @@ V5_MIN_ROWS_16BIT = 32
 
 def v9_gemm_roles() -> str:
     """The block GEMMs that v9 runs on the wgmma kernel (for explain())."""
-    return ", ".join(["qkv" + (" (+ q/k cache on the arena)" if V9_QKV_CACHE else ""), "proj", "conv"]
-                     + (["fc1"] if V9_FC1 else []) + (["fc2 (split-K)"] if V9_FC2 else []))
+    roles = ", ".join(["qkv" + (" (+ q/k cache on the arena)" if V9_QKV_CACHE else ""), "proj", "conv"]
+                      + (["fc1"] if V9_FC1 else []) + (["fc2 (split-K)"] if V9_FC2 else []))
+    if not V9_TF32:
+        return roles + "; TF32 bodies: cuBLAS (V9_TF32 off)"
+    return roles + "; TF32 bodies too: qkv, proj, conv" + (", fc1, fc2 (split-K)" if V9_TF32_MLP else "")
 
 
 def choose_variant(dtype: torch.dtype, precision: Optional[str], n_rows: Optional[int] = None) -> str:
-    """The body variant for a compute dtype (fp32: by dot precision) and, for 16-bit bodies, the
-    number of rows N (None: the per-dtype choice); DEFAULT_VARIANT overrides."""
+    """The body variant for a compute dtype (fp32: by dot precision) and, for 16-bit and (with
+    ``V9_TF32``) TF32 bodies, the number of rows N (None: the per-dtype choice); DEFAULT_VARIANT overrides."""
     if DEFAULT_VARIANT is not None:
         return DEFAULT_VARIANT
     if dtype in (torch.float16, torch.bfloat16):
@@ -86,6 +99,8 @@ def choose_variant(dtype: torch.dtype, precision: Optional[str], n_rows: Optiona
         if n_rows is not None and n_rows <= V9_MAX_ROWS_16BIT:
             return "v9"
         return VARIANT_BY_PRECISION["fp16" if dtype == torch.float16 else "bf16"]
+    if precision == "tf32" and V9_TF32 and n_rows is not None and n_rows <= V9_MAX_ROWS_16BIT:
+        return "v9"
     return VARIANT_BY_PRECISION["tf32" if precision == "tf32" else "ieee"]
 
 
@@ -770,9 +785,10 @@ def dit_body_triton(
       (:mod:`torch_cfm.kernels.dit_linear_cuda`), launched with PDL so that each loads its weights
       while the kernel in front finishes; fc1 + GELU too (``V9_FC1``), and fc2 (K = 2048) as its
       split-K form, the fp32 partials summed by the row-norm behind it (``V9_FC2``); with
-      ``V9_QKV_CACHE`` the QKV GEMM on the arena does the q/k-cache
-      kernel's work in its epilogue (11 kernels per block); every unsupported call stays on
-      cuBLAS (fp32 bodies: exactly v1).
+      ``V9_QKV_CACHE`` the QKV GEMM on the arena does the q/k-cache kernel's work in its epilogue
+      (11 kernels per block). fp32 bodies computing in TF32 (``V9_TF32``) run the same GEMMs in
+      the kernel's TF32 form (fc1/fc2 with ``V9_TF32_MLP``; no QKV + cache epilogue); IEEE fp32
+      bodies are exactly v1. Every unsupported call stays on cuBLAS.
     """
     if variant is None:
         variant = choose_variant(x_in.dtype, precision, x_in.shape[0])
@@ -809,21 +825,27 @@ def dit_body_triton(
     v2 = variant == "v2"
     # v9: the wgmma GEMMs, and the PDL set measured with them (v1's, call for call, where they cannot
     # run, or where PDL is off: without PDL, v9 measured 3 % slower than v1, session 16)
-    wgmma = (variant == "v9" and cd in (torch.float16, torch.bfloat16) and pdl_supported(dev)
-             and device_reason(dev) is None)
+    # fp32 bodies take its TF32 form (V9_TF32; never for "ieee"): qkv, proj, the conv GEMMs and, with
+    # V9_TF32_MLP, fc1 and the split-K fc2; the QKV + cache epilogue is 16-bit only.
+    tf32 = cd == torch.float32 and precision == "tf32" and V9_TF32
+    wgmma16 = variant == "v9" and cd in (torch.float16, torch.bfloat16)
+    wgmma = (wgmma16 or (variant == "v9" and tf32)) and pdl_supported(dev) and device_reason(dev) is None
+    wgmma16 = wgmma16 and wgmma
     fam = "wgmma" if wgmma else None
     if wgmma:
         linear_pdl = body_pdl(dev, "linear", cd, fam)
 
         def mm(a_, w_, b_, out_):  # the wgmma kernel where it applies, else cuBLAS (v1's call)
-            if not linear_into(a_, w_, b_, out_, pdl=linear_pdl):
+            if not linear_into(a_, w_, b_, out_, pdl=linear_pdl, tf32=tf32):
                 _cublas_mm(a_, w_, b_, out_)
     else:
         mm = _cublas_mm
     # v9's fc2 partial sums (splits, M, C) in fp32, where the split-K form runs
     fc2_parts = None
-    if wgmma and V9_FC2:
-        fc2_parts = torch.empty((dit_linear_cuda.SPLITK_CONFIG[0], m, c), dtype=torch.float32, device=dev)
+    mlp_wgmma = wgmma16 or (wgmma and V9_TF32_MLP)  # the MLP GEMMs on the kernel too
+    if mlp_wgmma and V9_FC2:
+        splits = (dit_linear_cuda.TF32_SPLITK_CONFIG if tf32 else dit_linear_cuda.SPLITK_CONFIG)[0]
+        fc2_parts = torch.empty((splits, m, c), dtype=torch.float32, device=dev)
     if v2:
         cache_shift(att_cache, new_att, valid, cached)
     shift = _OldFramesOnSideStream(att_cache, new_att, valid, cached) if variant == "v4" else None
@@ -852,7 +874,7 @@ def dit_body_triton(
             qk_cache(qkv, (qn_w, qn_b, kn_w, kn_b), qbuf, None, new_att[i], valid, cached,
                      heads=heads, head_dim=head_dim, current_only=True, **common)
             shift.wait(i)
-        elif wgmma and arena and V9_QKV_CACHE and qkv_cache_into(
+        elif wgmma16 and arena and V9_QKV_CACHE and qkv_cache_into(
                 a, qkv_w, qkv_b, (qn_w, qn_b, kn_w, kn_b), qbuf.view(m, inner), new_att[i], valid, cached,
                 t_len=t_len, eps=QK_NORM_EPS, pdl=linear_pdl):
             pass  # the q/k LayerNorm, the queries and the arena's new frames came out of the GEMM's epilogue
@@ -884,7 +906,7 @@ def dit_body_triton(
         # MLP
         if v2:
             gemm(a, fc1_w, fc1_b, fbuf, gelu=True, precision=precision)
-        elif wgmma and V9_FC1 and linear_into(a, fc1_w, fc1_b, fbuf, gelu=True, pdl=linear_pdl):
+        elif mlp_wgmma and V9_FC1 and linear_into(a, fc1_w, fc1_b, fbuf, gelu=True, pdl=linear_pdl, tf32=tf32):
             pass
         elif dev.type == "cuda":
             # GELU (tanh) in the cuBLASLt epilogue; torch applies the same GELU after the GEMM
@@ -894,7 +916,7 @@ def dit_body_triton(
             torch.addmm(fc1_b, a, fc1_w.t(), out=fbuf)
             torch.ops.aten.gelu_(fbuf, approximate="tanh")
         nxt = (i + 1, SHIFT_A, SCALE_A) if i + 1 < depth else (depth, 0, 1)
-        if fc2_parts is not None and linear_splitk_into(fbuf, fc2_w, fc2_parts, pdl=linear_pdl):
+        if fc2_parts is not None and linear_splitk_into(fbuf, fc2_w, fc2_parts, pdl=linear_pdl, tf32=tf32):
             y_fc2, b_fc2 = fc2_parts, fc2_b  # the row-norm adds the partials and the bias
         else:
             torch.addmm(fc2_b, fbuf, fc2_w.t(), out=y)

@@ -19,6 +19,12 @@ chain of dependent GEMMs with distinct weights, fp16, H200:
 fc1 is slower alone, yet in the step it pays (session 17): its early trigger lets the split-K fc2
 behind it load its weights while fc1 runs.
 
+TF32 (``linear_into(..., tf32=True)`` with fp32 operands): the same GEMM for fp32 bodies computing in
+TF32. The tensor maps load fp32 as TFLOAT32, so the TMA unit rounds both operands to nearest TF32 (as
+cuBLAS's TF32 GEMMs do; truncating would bias every product toward zero) and wgmma m64nNk8 tf32
+accumulates in fp32. Only the weight tile of the whole K fits beside a 64-row a tile (a alone is
+128 KB), so a streams through a ring of 4 stages; tiles are at most 96 wide.
+
 Split-K (:func:`linear_splitk_into`): for K above 512 (the block's fc2, K = 2048) grid z splits K
 into chunks of at most 512 and each CTA writes an fp32 partial sum; the body's row-norm kernel adds
 the partials (and the bias) as it reads them.
@@ -46,21 +52,25 @@ GELU_TANH = 2
 NO_BIAS = 4
 MAX_K = 512
 BLOCK_NS = (32, 64, 96, 128)
+TF32_BLOCK_NS = (32, 64, 96)  # fp32: the weight tile of the whole K is resident (96 x 512 x 4 = 192 KB at most)
 V9_MAX_ROWS = 8  # the body uses the kernel (variant v9) for 16-bit bodies of at most this many rows
 SPLITK_BLOCK_NS = (64, 128)
 # (splits, BN) of the split-K form at the body's fc2 (400 x 2048 x 512): 4 x 128 = 112 CTAs of
 # 192 KB shared memory at M = 400, one wave. Session 17 (bench/dit_step.py --sweep-variants fc2),
 # step (8, 50, 400) fp16, µs: 4 x 128 807, 8 x 128 828, 4 x 64 841, 8 x 64 863 (cuBLAS fc2: 830).
 SPLITK_CONFIG = (4, 128)
+# fp32 (TF32): BN 64 (a 128-wide fp32 weight tile of K' = 512 does not fit), 224 CTAs at M = 400
+TF32_SPLITK_CONFIG = (4, 64)
 
 
-def block_n_for(n: int) -> Optional[int]:
+def block_n_for(n: int, dtype: torch.dtype = torch.float16) -> Optional[int]:
     """The tile width for an output of ``n`` columns (bench/wgmma_gemm.py's fastest per role):
-    32 for N = 512 (112 CTAs at M = 400), 96 where it divides N (1536: 112 CTAs), else 128, else 64."""
+    32 for N = 512 (112 CTAs at M = 400), 96 where it divides N (1536: 112 CTAs), else 128 (16-bit
+    only), else 64."""
     if n <= 512 and n % 32 == 0:
         return 32
     for bn in (96, 128, 64):
-        if n % bn == 0:
+        if n % bn == 0 and (bn in TF32_BLOCK_NS or dtype != torch.float32):
             return bn
     return None
 
@@ -114,60 +124,72 @@ def _entry_reasons(device: torch.device, entry: str, what: str) -> list[str]:
     return [why] if why else []
 
 
-def not_supported_reasons(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> list[str]:
-    """Why ``out = a @ w.T`` cannot run on this kernel; empty when it can."""
+def not_supported_reasons(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tf32: bool = False) -> list[str]:
+    """Why ``out = a @ w.T`` cannot run on this kernel; empty when it can. fp32 operands run in TF32
+    (rounded to nearest as they load) and only when the caller asks for it with ``tf32``."""
     reasons = []
-    if a.dtype not in (torch.float16, torch.bfloat16) or w.dtype != a.dtype or out.dtype != a.dtype:
-        reasons.append(f"fp16/bf16 operands of one dtype only, got {a.dtype}, {w.dtype}, {out.dtype}")
+    dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if tf32 else ())
+    if a.dtype not in dtypes or w.dtype != a.dtype or out.dtype != a.dtype:
+        reasons.append(f"{'fp16/bf16/fp32' if tf32 else 'fp16/bf16 (fp32: with tf32=True)'} operands of one dtype "
+                       f"only, got {a.dtype}, {w.dtype}, {out.dtype}")
     if a.dim() != 2 or w.dim() != 2 or out.dim() != 2:
         return reasons + ["2-D operands only"]
     k, n = a.shape[1], w.shape[0]
-    if k == 0 or k % 64 or k > MAX_K:
-        reasons.append(f"K must be a positive multiple of 64 up to {MAX_K}, got {k}")
-    if block_n_for(n) is None:
+    step = 128 // a.element_size()  # one 128-byte stage of K
+    if k == 0 or k % step or k > MAX_K:
+        reasons.append(f"K must be a positive multiple of {step} up to {MAX_K}, got {k}")
+    if block_n_for(n, a.dtype) is None:
         reasons.append(f"N must be a multiple of 32, got {n}")
     reasons += _tma_operand_reasons(a, w)
-    if out.stride(1) != 1 or out.stride(0) % 2 or out.data_ptr() % 4:
-        reasons.append("out needs unit column stride and 4-byte aligned column pairs")
+    if out.stride(1) != 1 or out.stride(0) % 2 or out.data_ptr() % (2 * out.element_size()):
+        reasons.append("out needs unit column stride and aligned column pairs")
     return reasons or _entry_reasons(a.device, "dit_linear_into", "the DiT GEMM")
 
 
+def _splitk_config(dtype: torch.dtype, config: Optional[tuple[int, int]]) -> tuple[int, int]:
+    return config or (TF32_SPLITK_CONFIG if dtype == torch.float32 else SPLITK_CONFIG)
+
+
 def splitk_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, partials: torch.Tensor,
-                                 config: Optional[tuple[int, int]] = None) -> list[str]:
+                                 config: Optional[tuple[int, int]] = None, tf32: bool = False) -> list[str]:
     """Why the split-K form (:func:`linear_splitk_into`) cannot run; empty when it can."""
-    splits, block_n = config or SPLITK_CONFIG
+    splits, block_n = _splitk_config(a.dtype, config)
     reasons = []
-    if a.dtype not in (torch.float16, torch.bfloat16) or w.dtype != a.dtype:
-        reasons.append(f"fp16/bf16 operands of one dtype only, got {a.dtype}, {w.dtype}")
+    dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if tf32 else ())
+    if a.dtype not in dtypes or w.dtype != a.dtype:
+        reasons.append(f"{'fp16/bf16/fp32' if tf32 else 'fp16/bf16 (fp32: with tf32=True)'} operands of one dtype "
+                       f"only, got {a.dtype}, {w.dtype}")
     if a.dim() != 2 or w.dim() != 2 or partials.dim() != 3:
         return reasons + ["2-D a and w, 3-D partials only"]
     (m, k), n = a.shape, w.shape[0]
     if partials.dtype != torch.float32 or tuple(partials.shape) != (splits, m, n) or not partials.is_contiguous():
         reasons.append(f"partials must be contiguous float32 {(splits, m, n)}, got {partials.dtype} "
                        f"{tuple(partials.shape)}")
-    if k == 0 or k % (64 * splits) or k // splits > MAX_K:
-        reasons.append(f"K must split {splits} ways into multiples of 64 up to {MAX_K}, got {k}")
-    if block_n not in SPLITK_BLOCK_NS or n % block_n:
-        reasons.append(f"N must be a multiple of block_n {block_n} (one of {SPLITK_BLOCK_NS}), got {n}")
+    step = 128 // a.element_size()
+    if k == 0 or k % (step * splits) or k // splits > MAX_K:
+        reasons.append(f"K must split {splits} ways into multiples of {step} up to {MAX_K}, got {k}")
+    block_ns = (64,) if a.dtype == torch.float32 else SPLITK_BLOCK_NS
+    if block_n not in block_ns or n % block_n:
+        reasons.append(f"N must be a multiple of block_n {block_n} (one of {block_ns}), got {n}")
     reasons += _tma_operand_reasons(a, w)
     return reasons or _entry_reasons(a.device, "dit_linear_splitk_into", "the split-K GEMM")
 
 
 def linear_splitk_into(a: torch.Tensor, w: torch.Tensor, partials: torch.Tensor, *, pdl: bool = True,
-                       config: Optional[tuple[int, int]] = None) -> bool:
+                       config: Optional[tuple[int, int]] = None, tf32: bool = False) -> bool:
     """``partials[z] = a[:, zK':(z+1)K'] @ w[:, zK':(z+1)K'].T`` in fp32 (K' = K / splits) on the wgmma
     kernel; False (nothing launched) where :func:`splitk_not_supported_reasons` is not empty.
     ``partials.sum(0)`` is ``a @ w.T``; no bias (the reader adds it).
 
     Args:
-        a: (M, K) fp16/bf16.
+        a: (M, K) fp16/bf16, or fp32 with ``tf32`` (computed in TF32, as :func:`linear_into`).
         w: (N, K), the dtype of ``a``.
         partials: (splits, M, N) float32, contiguous, written.
-        config: (splits, BN); None: :data:`SPLITK_CONFIG`.
+        config: (splits, BN); None: :data:`SPLITK_CONFIG` (fp32: :data:`TF32_SPLITK_CONFIG`).
     """
-    if splitk_not_supported_reasons(a, w, partials, config):
+    if splitk_not_supported_reasons(a, w, partials, config, tf32):
         return False
-    splits, block_n = config or SPLITK_CONFIG
+    splits, block_n = _splitk_config(a.dtype, config)
     module, _ = _extension()
     module.dit_linear_splitk_into(a, w, partials, block_n, pdl, TRIGGER_EARLY, splits)
     return True
@@ -222,21 +244,23 @@ def qkv_cache_into(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, norms: 
 
 
 def linear_into(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor, *,
-                gelu: bool = False, pdl: bool = True) -> bool:
+                gelu: bool = False, pdl: bool = True, tf32: bool = False) -> bool:
     """``out = a @ w.T (+ bias)`` (GELU, tanh form, when ``gelu``) on the wgmma kernel; False (nothing
     launched) where :func:`not_supported_reasons` is not empty, for the caller's cuBLAS fallback.
 
     Args:
-        a: (M, K) fp16/bf16, K a multiple of 64 up to 512.
+        a: (M, K) fp16/bf16, K a multiple of 64 up to 512; or fp32 with ``tf32`` (K a multiple of 32).
         w: (N, K), the dtype of ``a``.
         bias: (N,) or None.
         out: (M, N), written.
         pdl: launch with programmatic dependent launch (the weight tile loads before the wait).
+        tf32: allow fp32 operands, computed in TF32 (both rounded to nearest TF32, fp32 accumulation:
+            the numerics of a cuBLAS TF32 GEMM). Never for "ieee" fp32 calls.
     """
-    if not_supported_reasons(a, w, out):
+    if not_supported_reasons(a, w, out, tf32):
         return False
     module, _ = _extension()
     flags = TRIGGER_EARLY | (GELU_TANH if gelu else 0) | (NO_BIAS if bias is None else 0)
-    module.dit_linear_into(a, w, None if bias is None else bias.contiguous(), out, block_n_for(w.shape[0]), pdl,
-                           flags, 1)
+    module.dit_linear_into(a, w, None if bias is None else bias.contiguous(), out, block_n_for(w.shape[0], a.dtype),
+                           pdl, flags, 1)
     return True
