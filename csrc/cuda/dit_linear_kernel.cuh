@@ -129,7 +129,7 @@ __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.lau
 
 // One 32-byte K step of a stage: k16 of 16-bit operands, k8 of tf32.
 template <typename T, int BN>
-__device__ __forceinline__ void wgmma_k16(float* d, uint64_t da, uint64_t db, int scale_d) {
+__device__ __forceinline__ void wgmma_step(float* d, uint64_t da, uint64_t db, int scale_d) {
   if constexpr (std::is_same<T, float>::value) {
     static_assert(BN <= 96, "TF32 tiles are at most 96 wide");
     if constexpr (BN == 32) wgmma_m64n32k8_tf32(d, da, db, scale_d);
@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
     const uint64_t da = desc_sw128(smem_u32(sa + slot * kABytes));
     const uint64_t dw = desc_sw128(smem_u32(sw + s * kWBytes));
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_k16<T, BN>(d, da + 2 * kk, dw + 2 * kk, 1);  // 4 x 32 bytes of K
+    for (int kk = 0; kk < 4; ++kk) wgmma_step<T, BN>(d, da + 2 * kk, dw + 2 * kk, 1);  // 4 x 32 bytes of K
     wgmma_commit();
     if constexpr (kTf32) {
       // Stage s - 1's wgmma has completed once at most one group (stage s's) is pending: every thread
