@@ -388,6 +388,8 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
         plans += [("v1", "sweep_tf32_v1", _module_flags("dit_body", V9_TF32=False)),
                   ("v9", "sweep_tf32_v9", _module_flags("dit_body", V9_TF32=True, V9_TF32_MLP=False)),
                   ("v9", "sweep_tf32_v9_mlp", mlp), ("arena", "sweep_tf32_arena_v9_mlp", mlp),
+                  ("arena", "sweep_tf32_arena_v9_mlp_qkv_cache",
+                   _module_flags("dit_body", V9_TF32=True, V9_TF32_MLP=True, V9_TF32_QKV_CACHE=True)),
                   ("arena", "sweep_tf32_arena_v1", _module_flags("dit_body", V9_TF32=False))]
     if "qkv" in swept:  # the step on the in-place arena: v9's QKV GEMM with the q/k-cache epilogue or not; v1
         plans += [("arena", "sweep_arena_v9_qkv_cache_on", _module_flags("dit_body", V9_QKV_CACHE=True)),

@@ -318,6 +318,12 @@ def test_qkv_cache_not_supported_reasons_on_cpu():
                for r in L.qkv_cache_not_supported_reasons(a, w[:1344], q_out[:, :448],
                                                           torch.zeros(2, 7, 10, 128, dtype=torch.float16), 4))
     assert any("q_out must be contiguous" in r for r in L.qkv_cache_not_supported_reasons(a, w, q_out[:, :256], cache, 4))
+    # fp32 (TF32) only with tf32=True; one-head tiles: an odd number of heads is fine there
+    f32 = [t.float() for t in (a, w, q_out, cache)]
+    assert any("with tf32=True" in r for r in L.qkv_cache_not_supported_reasons(*f32, 4))
+    odd = (torch.zeros(8, 512), torch.zeros(3 * 64 * 7, 512), torch.zeros(8, 64 * 7), torch.zeros(2, 7, 10, 128))
+    assert not any("heads" in r or "dtype" in r for r in L.qkv_cache_not_supported_reasons(*odd, 4, tf32=True))
+    assert any("CUDA" in r for r in L.qkv_cache_not_supported_reasons(*odd, 4, tf32=True))
 
 
 def _layer_norm64(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
@@ -329,13 +335,15 @@ def _layer_norm64(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "tf32"])
 @pytest.mark.parametrize("t_len,valid,cached", [(50, [50, 37, 1, 0], [400, 10, 0, 64]), (7, [7, 3], [0, 5]),
                                                 (64, [64], [3])])
 def test_gpu_qkv_cache_within_oracle(dtype, t_len, valid, cached):
+    """fp32 (TF32): the baseline is exact TF32 products, as test_gpu_linear_tf32_within_oracle."""
     _skip_unless_runnable()
     from torch_cfm.config import QK_NORM_EPS
 
+    tf32 = dtype == torch.float32
     g = torch.Generator(device="cpu").manual_seed(t_len + len(valid))
     n, heads, k = len(valid), 8, 512
     inner = 64 * heads
@@ -351,7 +359,8 @@ def test_gpu_qkv_cache_within_oracle(dtype, t_len, valid, cached):
     cache = poison.clone()
     q_out = torch.full((m, inner), float("nan"), device="cuda", dtype=dtype)
     for pdl in (False, True):
-        assert L.qkv_cache_into(a, w, b, norms, q_out, cache, vt, ct, t_len=t_len, eps=QK_NORM_EPS, pdl=pdl)
+        assert L.qkv_cache_into(a, w, b, norms, q_out, cache, vt, ct, t_len=t_len, eps=QK_NORM_EPS, pdl=pdl,
+                                tf32=tf32)
     torch.cuda.synchronize()
 
     def heads_of(y, qn, kn):  # q, k (per-head LayerNorm), v of the packed (M, 3 inner) GEMM output
@@ -360,7 +369,9 @@ def test_gpu_qkv_cache_within_oracle(dtype, t_len, valid, cached):
 
     nd = [t.double() for t in norms]
     ref = heads_of(a.double() @ w.double().t() + b.double(), nd[:2], nd[2:])
-    y16 = (a @ w.t() + b).float()  # the two-kernel path: GEMM output rounded to the dtype, LayerNorm in fp32
+    # the two-kernel path: GEMM output rounded to the dtype, LayerNorm in fp32
+    y16 = (_tf32_rounded(a).double() @ _tf32_rounded(w).double().t() + b.double()).float() if tf32 else \
+        (a @ w.t() + b).float()
     same = [t.to(dtype) for t in heads_of(y16.to(dtype).float(), [t.float() for t in norms[:2]],
                                           [t.float() for t in norms[2:]])]
     assert_within_oracle(q_out.cpu(), same[0].cpu(), ref[0].cpu(), "queries")

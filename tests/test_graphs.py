@@ -170,6 +170,7 @@ def test_gpu_replay_equals_eager_bitwise_tf32_v9(monkeypatch):
 
     monkeypatch.setattr(kernels, "V9_TF32", True)
     monkeypatch.setattr(kernels, "V9_TF32_MLP", True)
+    monkeypatch.setattr(kernels, "V9_TF32_QKV_CACHE", True)  # the runner's arena: the QKV + cache epilogue
     _replay_equals_eager_bitwise(torch.float32, variant="v9", precision="tf32")
 
 

@@ -223,7 +223,9 @@ void launch_qkv_cache(const at::Tensor& a, const at::Tensor& w, const at::Tensor
   qc.t_len = t_len;
   qc.heads = static_cast<int>(cache.size(1));
   qc.eps = eps;
-  launch<T, 128, kQkvCache>(a, w, static_cast<const T*>(bias.data_ptr()), q_out, pdl, flags, 1, 1, stream, qc);
+  // 16-bit: 128-wide tiles (two heads); fp32 (TF32): one head, the widest tile whose weights fit resident
+  constexpr int kBN = std::is_same<T, float>::value ? 64 : 128;
+  launch<T, kBN, kQkvCache>(a, w, static_cast<const T*>(bias.data_ptr()), q_out, pdl, flags, 1, 1, stream, qc);
 }
 
 }  // namespace
@@ -237,7 +239,9 @@ void linear_qkv_cache_into(const at::Tensor& a, const at::Tensor& w, const at::T
     TORCH_CHECK(t->is_cuda() && t->device() == a.device(), "dit_linear: every tensor on the device of a");
   }
   const auto dt = a.scalar_type();
-  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16, "dit_linear: a must be fp16 or bf16");
+  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat,
+              "dit_linear: a must be fp16, bf16 or fp32 (TF32)");
+  const bool tf32 = dt == at::kFloat;
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&w, &bias, &qn_w, &qn_b, &kn_w, &kn_b, &q_out, &cache}) {
     TORCH_CHECK(t->scalar_type() == dt, "dit_linear: w, bias, norms, q_out and cache share a's dtype");
   }
@@ -247,7 +251,7 @@ void linear_qkv_cache_into(const at::Tensor& a, const at::Tensor& w, const at::T
   const int64_t inner = heads * 64;
   TORCH_CHECK(cache.size(3) == 128 && cache.stride(3) == 1, "dit_linear: cache (N, heads, P, 2 x 64), unit channel stride");
   TORCH_CHECK(w.size(0) == 3 * inner && w.size(1) == k, "dit_linear: w (3 x heads x 64, K)");
-  TORCH_CHECK(inner % 128 == 0, "dit_linear: heads must be even (128-wide tiles of whole heads)");
+  TORCH_CHECK(tf32 || inner % 128 == 0, "dit_linear: heads must be even (128-wide tiles of whole heads)");
   TORCH_CHECK(t_len > 0 && m == n_rows * t_len, "dit_linear: a has N x t_len rows");
   TORCH_CHECK(q_out.size(0) == m && q_out.size(1) == inner && q_out.is_contiguous(),
               "dit_linear: q_out contiguous (M, heads x 64)");
@@ -259,17 +263,22 @@ void linear_qkv_cache_into(const at::Tensor& a, const at::Tensor& w, const at::T
     TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->size(0) == n_rows && t->is_contiguous(),
                 "dit_linear: valid and cached int32 (N,)");
   }
-  TORCH_CHECK(k > 0 && k % kBK == 0 && k <= kMaxK, "dit_linear: K must be a multiple of 64, at most 512");
+  const int64_t sk = 128 / a.element_size();
+  TORCH_CHECK(k > 0 && k % sk == 0 && k <= kMaxK, "dit_linear: K must be a multiple of ", sk, ", at most 512");
   check_tma_operands(a, w);
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(cache.data_ptr()) % 4 == 0 && cache.stride(2) % 2 == 0 &&
+  const int64_t pair_bytes = 2 * a.element_size();
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(cache.data_ptr()) % pair_bytes == 0 && cache.stride(2) % 2 == 0 &&
                   cache.stride(1) % 2 == 0 && cache.stride(0) % 2 == 0 &&
-                  reinterpret_cast<uintptr_t>(q_out.data_ptr()) % 4 == 0,
-              "dit_linear: q_out and cache need 4-byte aligned column pairs");
+                  reinterpret_cast<uintptr_t>(q_out.data_ptr()) % pair_bytes == 0,
+              "dit_linear: q_out and cache need aligned column pairs");
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   const int f = static_cast<int>(flags & kTriggerEarly);
-  if (dt == at::kHalf) {
+  if (tf32) {
+    launch_qkv_cache<float>(a, w, bias, qn_w, qn_b, kn_w, kn_b, q_out, cache, valid, cached, static_cast<int>(t_len),
+                            static_cast<float>(eps), pdl, f, stream);
+  } else if (dt == at::kHalf) {
     launch_qkv_cache<__half>(a, w, bias, qn_w, qn_b, kn_w, kn_b, q_out, cache, valid, cached, static_cast<int>(t_len),
                              static_cast<float>(eps), pdl, f, stream);
   } else {

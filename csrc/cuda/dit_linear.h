@@ -26,7 +26,8 @@ void linear_splitk_into(const at::Tensor& a, const at::Tensor& w, at::Tensor& pa
 // The block's QKV GEMM on the in-place attention-cache arena (kQkvCache in dit_linear_kernel.cuh): q | k | v
 // = a @ w.T + bias, q and k LayerNormed per 64-wide head (affine qn_* / kn_*, eps); q -> q_out (M, heads x 64),
 // k and v of row r = n t_len + t, t < valid[n], to frame cached[n] + valid[n] - 1 - t of cache (N, heads, P,
-// 128). valid / cached: clamped int32 (N,). flags: 1 only.
+// 128). valid / cached: clamped int32 (N,). fp16/bf16 (128-wide tiles: heads even), or fp32 computed in TF32
+// (64-wide tiles). flags: 1 only.
 void linear_qkv_cache_into(const at::Tensor& a, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& qn_w,
                            const at::Tensor& qn_b, const at::Tensor& kn_w, const at::Tensor& kn_b, at::Tensor& q_out,
                            at::Tensor& cache, const at::Tensor& valid, const at::Tensor& cached, int64_t t_len,

@@ -225,7 +225,7 @@ constexpr int smem_bytes(int stages) {
 // grid (ceil(M / 64) rounded up to the cluster size, N / BN, splits), kThreads threads,
 // smem_bytes<T, BN>(k / stage_k<T>()) dynamic shared memory; an optional cluster of 1-8 CTAs along x (16-bit
 // only). k is the K of one CTA (the whole K, or one split's chunk): CTA z reads columns [z k, (z + 1) k)
-// of a and w. T = float is the TF32 form (kOut and kPartials; the tensor maps round to TF32 as they load).
+// of a and w. T = float is the TF32 form (the tensor maps round to TF32 as they load).
 // out: (M, ldo) in T (kOut; kQkvCache: the queries), or with kPartials (splits, M, ldo) in fp32, split z
 // at z * M * ldo.
 template <typename T, int BN, int kMode>
@@ -236,7 +236,6 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
                                                               const QkvCacheArgs<T> qc) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma needs the sm_90a target
   constexpr bool kTf32 = std::is_same<T, float>::value;
-  static_assert(!kTf32 || kMode != kQkvCache, "the TF32 form has the plain and split-K epilogues only");
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[kMaxStages];
   __shared__ __align__(8) uint64_t a_full[kARing];  // TF32: a's ring
@@ -400,8 +399,7 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
         }
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) {
-          T pair[2] = {from_float<T>(x[2 * jj]), from_float<T>(x[2 * jj + 1])};
-          *reinterpret_cast<uint32_t*>(dst + 8 * jj + 2 * (lane % 4)) = *reinterpret_cast<uint32_t*>(pair);
+          store_pair(dst + 8 * jj + 2 * (lane % 4), x[2 * jj], x[2 * jj + 1]);
         }
       }
     }

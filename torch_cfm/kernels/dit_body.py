@@ -73,6 +73,9 @@ V9_TF32 = True
 # (dit_linear_cuda.TF32_SPLITK_CONFIG), as V9_FC1 / V9_FC2 do for 16-bit bodies. Session 18, (8, 50, 400)
 # fp32-tf32, interleaved rounds, µs: v9 1377 -> 1362 with it (v1 1438); arena step 1299 (v1 1352).
 V9_TF32_MLP = True
+# ... and its QKV GEMM on the arena with the q/k-cache epilogue (V9_QKV_CACHE's, in 64-wide fp32 tiles:
+# 168 CTAs at M = 400 where the plain TF32 qkv runs 112). Built in session 18, not yet run on a GPU: off.
+V9_TF32_QKV_CACHE = True
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
 # (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
@@ -85,7 +88,8 @@ def v9_gemm_roles() -> str:
                       + (["fc1"] if V9_FC1 else []) + (["fc2 (split-K)"] if V9_FC2 else []))
     if not V9_TF32:
         return roles + "; TF32 bodies: cuBLAS (V9_TF32 off)"
-    return roles + "; TF32 bodies too: qkv, proj, conv" + (", fc1, fc2 (split-K)" if V9_TF32_MLP else "")
+    tf32_qkv = "qkv" + (" (+ q/k cache on the arena)" if V9_QKV_CACHE and V9_TF32_QKV_CACHE else "")
+    return roles + f"; TF32 bodies too: {tf32_qkv}, proj, conv" + (", fc1, fc2 (split-K)" if V9_TF32_MLP else "")
 
 
 def choose_variant(dtype: torch.dtype, precision: Optional[str], n_rows: Optional[int] = None) -> str:
@@ -787,8 +791,8 @@ def dit_body_triton(
       split-K form, the fp32 partials summed by the row-norm behind it (``V9_FC2``); with
       ``V9_QKV_CACHE`` the QKV GEMM on the arena does the q/k-cache kernel's work in its epilogue
       (11 kernels per block). fp32 bodies computing in TF32 (``V9_TF32``) run the same GEMMs in
-      the kernel's TF32 form (fc1/fc2 with ``V9_TF32_MLP``; no QKV + cache epilogue); IEEE fp32
-      bodies are exactly v1. Every unsupported call stays on cuBLAS.
+      the kernel's TF32 form (fc1/fc2 with ``V9_TF32_MLP``, the QKV + cache epilogue with
+      ``V9_TF32_QKV_CACHE``); IEEE fp32 bodies are exactly v1. Every unsupported call stays on cuBLAS.
     """
     if variant is None:
         variant = choose_variant(x_in.dtype, precision, x_in.shape[0])
@@ -826,7 +830,7 @@ def dit_body_triton(
     # v9: the wgmma GEMMs, and the PDL set measured with them (v1's, call for call, where they cannot
     # run, or where PDL is off: without PDL, v9 measured 3 % slower than v1, session 16)
     # fp32 bodies take its TF32 form (V9_TF32; never for "ieee"): qkv, proj, the conv GEMMs and, with
-    # V9_TF32_MLP, fc1 and the split-K fc2; the QKV + cache epilogue is 16-bit only.
+    # V9_TF32_MLP, fc1 and the split-K fc2; with V9_TF32_QKV_CACHE the QKV + cache epilogue on the arena.
     tf32 = cd == torch.float32 and precision == "tf32" and V9_TF32
     wgmma16 = variant == "v9" and cd in (torch.float16, torch.bfloat16)
     wgmma = (wgmma16 or (variant == "v9" and tf32)) and pdl_supported(dev) and device_reason(dev) is None
@@ -874,9 +878,9 @@ def dit_body_triton(
             qk_cache(qkv, (qn_w, qn_b, kn_w, kn_b), qbuf, None, new_att[i], valid, cached,
                      heads=heads, head_dim=head_dim, current_only=True, **common)
             shift.wait(i)
-        elif wgmma16 and arena and V9_QKV_CACHE and qkv_cache_into(
+        elif wgmma and arena and V9_QKV_CACHE and (wgmma16 or V9_TF32_QKV_CACHE) and qkv_cache_into(
                 a, qkv_w, qkv_b, (qn_w, qn_b, kn_w, kn_b), qbuf.view(m, inner), new_att[i], valid, cached,
-                t_len=t_len, eps=QK_NORM_EPS, pdl=linear_pdl):
+                t_len=t_len, eps=QK_NORM_EPS, pdl=linear_pdl, tf32=tf32):
             pass  # the q/k LayerNorm, the queries and the arena's new frames came out of the GEMM's epilogue
         else:
             mm(a, qkv_w, qkv_b, qkv)

@@ -196,38 +196,43 @@ def linear_splitk_into(a: torch.Tensor, w: torch.Tensor, partials: torch.Tensor,
 
 
 def qkv_cache_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, q_out: torch.Tensor, cache: torch.Tensor,
-                                    t_len: int) -> list[str]:
+                                    t_len: int, tf32: bool = False) -> list[str]:
     """Why :func:`qkv_cache_into` cannot run; empty when it can."""
     reasons = []
-    if a.dtype not in (torch.float16, torch.bfloat16) or any(t.dtype != a.dtype for t in (w, q_out, cache)):
-        reasons.append(f"fp16/bf16 operands of one dtype only, got {a.dtype}, {w.dtype}, {q_out.dtype}, {cache.dtype}")
+    dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if tf32 else ())
+    if a.dtype not in dtypes or any(t.dtype != a.dtype for t in (w, q_out, cache)):
+        reasons.append(f"{'fp16/bf16/fp32' if tf32 else 'fp16/bf16 (fp32: with tf32=True)'} operands of one dtype "
+                       f"only, got {a.dtype}, {w.dtype}, {q_out.dtype}, {cache.dtype}")
     if a.dim() != 2 or w.dim() != 2 or q_out.dim() != 2 or cache.dim() != 4:
         return reasons + ["a, w, q_out 2-D and cache 4-D only"]
     (m, k), heads = a.shape, cache.shape[1]
     if cache.shape[3] != 128 or cache.stride(3) != 1:
         reasons.append(f"head_dim 64 (cache channels 128, unit stride) only, got {cache.shape[3]}")
-    if heads % 2 or w.shape[0] != 3 * 64 * heads:
-        reasons.append(f"an even number of heads and w of 3 x heads x 64 rows, got {heads} heads, {w.shape[0]} rows")
+    wide = a.dtype != torch.float32  # 16-bit tiles hold two heads, fp32 tiles one
+    if (wide and heads % 2) or w.shape[0] != 3 * 64 * heads:
+        reasons.append(f"{'an even number of heads and ' if wide else ''}w of 3 x heads x 64 rows, got {heads} heads, "
+                       f"{w.shape[0]} rows")
     if t_len <= 0 or m != cache.shape[0] * t_len:
         reasons.append(f"a must have N x t_len = {cache.shape[0]} x {t_len} rows, got {m}")
-    if k == 0 or k % 64 or k > MAX_K:
-        reasons.append(f"K must be a positive multiple of 64 up to {MAX_K}, got {k}")
+    step = 128 // a.element_size()
+    if k == 0 or k % step or k > MAX_K:
+        reasons.append(f"K must be a positive multiple of {step} up to {MAX_K}, got {k}")
     reasons += _tma_operand_reasons(a, w)
     if not q_out.is_contiguous() or tuple(q_out.shape) != (m, 64 * heads):
         reasons.append("q_out must be contiguous (M, heads x 64)")
-    if cache.data_ptr() % 4 or any(st % 2 for st in cache.stride()[:3]):
-        reasons.append("cache needs 4-byte aligned column pairs")
+    if cache.data_ptr() % (2 * cache.element_size()) or any(st % 2 for st in cache.stride()[:3]):
+        reasons.append("cache needs aligned column pairs")
     return reasons or _entry_reasons(a.device, "dit_linear_qkv_cache_into", "the QKV + cache GEMM")
 
 
 def qkv_cache_into(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, norms: tuple[torch.Tensor, ...],
                    q_out: torch.Tensor, cache: torch.Tensor, valid: torch.Tensor, cached: torch.Tensor, *,
-                   t_len: int, eps: float, pdl: bool = True) -> bool:
+                   t_len: int, eps: float, pdl: bool = True, tf32: bool = False) -> bool:
     """The block's QKV GEMM on the in-place arena, q/k-cache epilogue included; False (nothing launched)
     where :func:`qkv_cache_not_supported_reasons` is not empty.
 
     Args:
-        a: (N·T, K) fp16/bf16 block input rows.
+        a: (N·T, K) fp16/bf16 block input rows, or fp32 with ``tf32`` (as :func:`linear_into`).
         w: (3·H·64, K) packed q | k | v weight; bias (3·H·64,).
         norms: (qn_w, qn_b, kn_w, kn_b), each (64,): the per-head q/k LayerNorm affine.
         q_out: (N·T, H·64) normalised queries, written for every row.
@@ -235,7 +240,7 @@ def qkv_cache_into(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, norms: 
             frames of row n go to [L_n, L_n + T_n), reversed too (the q/k-cache kernel's APPEND mode).
         valid, cached: clamped int32 (N,) T_n and L_n.
     """
-    if qkv_cache_not_supported_reasons(a, w, q_out, cache, t_len):
+    if qkv_cache_not_supported_reasons(a, w, q_out, cache, t_len, tf32):
         return False
     module, _ = _extension()
     module.dit_linear_qkv_cache_into(a, w, bias.contiguous(), *(t.contiguous() for t in norms), q_out, cache,
