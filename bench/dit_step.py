@@ -391,6 +391,11 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
                   ("arena", "sweep_tf32_arena_v9_mlp_qkv_cache",
                    _module_flags("dit_body", V9_TF32=True, V9_TF32_MLP=True, V9_TF32_QKV_CACHE=True)),
                   ("arena", "sweep_tf32_arena_v1", _module_flags("dit_body", V9_TF32=False))]
+    if "projnorm" in swept:  # v9's proj GEMM with the row-norm in its epilogue, or the two kernels
+        plans += [("v9", "sweep_v9_projnorm_on", _module_flags("dit_body", V9_PROJ_ROWNORM=True)),
+                  ("v9", "sweep_v9_projnorm_off", _module_flags("dit_body", V9_PROJ_ROWNORM=False)),
+                  ("arena", "sweep_arena_v9_projnorm_on", _module_flags("dit_body", V9_PROJ_ROWNORM=True)),
+                  ("arena", "sweep_arena_v9_projnorm_off", _module_flags("dit_body", V9_PROJ_ROWNORM=False))]
     if "qkv" in swept:  # the step on the in-place arena: v9's QKV GEMM with the q/k-cache epilogue or not; v1
         plans += [("arena", "sweep_arena_v9_qkv_cache_on", _module_flags("dit_body", V9_QKV_CACHE=True)),
                   ("arena", "sweep_arena_v9_qkv_cache_off", _module_flags("dit_body", V9_QKV_CACHE=False)),
@@ -736,7 +741,8 @@ def main(argv=None) -> int:
                          "v9: the wgmma GEMMs against v1 under PDL sets; fc2: v9's split-K fc2 configs; "
                          "rownorm: the row-norm kernel's rows per program and warps on the default body; "
                          "qkv: the arena step with and without v9's QKV + cache epilogue; "
-                         "tf32: v9's TF32 GEMMs against v1 for fp32-tf32 bodies)")
+                         "tf32: v9's TF32 GEMMs against v1 for fp32-tf32 bodies; projnorm: v9's proj GEMM with "
+                         "the row-norm in its epilogue, on and off)")
     ap.add_argument("--variants", default=",".join(VARIANTS + ("arena",)),
                     help="fused-body variants timed besides the default one (comma list, or 'none'); 'arena': "
                          "the step on the in-place cache arena")

@@ -451,6 +451,7 @@ def test_gpu_fused_within_oracle(dtype, precision, variant, monkeypatch):
     monkeypatch.setattr(kernels, "DEFAULT_VARIANT", variant)
     monkeypatch.setattr(kernels, "V9_TF32", True)  # v9's fp32-tf32 case runs the wgmma GEMM's TF32 form,
     monkeypatch.setattr(kernels, "V9_TF32_MLP", True)  # its MLP (fc1 + GELU, split-K fc2) included
+    monkeypatch.setattr(kernels, "V9_PROJ_ROWNORM", True)  # the proj GEMM with the row-norm in its epilogue
     fast, same, ref, valid, cached, t, l_len = _gpu_case(dtype, precision)
     parts = [valid_parts(*(o.cpu() for o in outs), valid, cached, t, l_len) for outs in (fast, same, ref)]
     for k, name in enumerate(("velocity", "cnn_cache", "att_cache")):

@@ -390,3 +390,77 @@ def test_gpu_qkv_cache_within_oracle(dtype, t_len, valid, cached):
             assert_within_oracle(got.cpu(), base.cpu(), want.cpu(), f"row {row} {name}")
     untouched = ~expect_written.cuda()[:, None, :, None].expand_as(cache)
     assert torch.equal(cache[untouched], poison[untouched]), "a frame outside [L_n, L_n + T_n) was written"
+
+
+def test_rownorm_epilogue_not_supported_reasons_on_cpu():
+    m, t_len, c = 12, 4, 512
+    a, w = torch.zeros(m, 512, dtype=torch.float16), torch.zeros(c, 512, dtype=torch.float16)
+    h, table = torch.zeros(m, c), torch.zeros(1, 2, 9, c)
+    out = torch.zeros(3 * (t_len + 2), c, dtype=torch.float16)
+    ok = dict(out_t=t_len + 2, out_off=2, head=True)
+    assert any("CUDA" in r for r in L.rownorm_not_supported_reasons(a, w, h, table, out, t_len, **ok))
+    assert not any("C must" in r or "out must" in r for r in L.rownorm_not_supported_reasons(a, w, h, table, out,
+                                                                                              t_len, **ok))
+    assert L.linear_rownorm_into(a, w, torch.zeros(c, dtype=torch.float16), h, table, out, gate=0, shift=c, scale=2 * c,
+                                 t_len=t_len, eps=1e-6, out_t=t_len + 2, out_off=2, head=(None, 0)) is False
+    assert any("C must be a multiple of 64 up to 512" in r for r in L.rownorm_not_supported_reasons(
+        a, torch.zeros(576, 512, dtype=torch.float16), torch.zeros(m, 576), table, out, t_len))
+    assert any("out_off >= 2 with head frames" in r
+               for r in L.rownorm_not_supported_reasons(a, w, h, table, out, t_len, out_t=t_len + 2, head=True))
+    assert any("N x t_len rows" in r for r in L.rownorm_not_supported_reasons(a, w, h, table, out, 5))
+    assert any("h must be contiguous float32" in r
+               for r in L.rownorm_not_supported_reasons(a, w, h.half(), table, out, t_len))
+    assert any("with tf32=True" in r for r in L.rownorm_not_supported_reasons(a.float(), w.float(), h, table,
+                                                                              out.float(), t_len))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "tf32"])
+@pytest.mark.parametrize("n,t_len,c,rows_in_table,cnn", [(8, 50, 512, 8, True), (3, 7, 128, 1, False),
+                                                          (2, 33, 64, 2, True), (1, 1, 512, 1, True)])
+def test_gpu_linear_rownorm_epilogue_within_oracle(dtype, n, t_len, c, rows_in_table, cnn):
+    """The proj GEMM with the row-norm in its epilogue (clusters of C / 64 CTAs: 8, 2 and 1) against
+    float64 torch math of GEMM + gate + residual + LayerNorm + adaLN + head frames. Baseline: the GEMM
+    in the dtype (cuBLAS; exact TF32 products for fp32), the rest in float32 torch ops. Every out row
+    outside the N x (t_len + 2) written ones stays as it was, and h is written for every row."""
+    _skip_unless_runnable()
+    from torch_cfm.config import BLOCK_LN_EPS
+
+    tf32 = dtype == torch.float32
+    g = torch.Generator(device="cpu").manual_seed(n * 100 + t_len + c)
+    m, k, out_t = n * t_len, 512, t_len + 2
+    a = torch.randn(m, k, generator=g).to("cuda", dtype)
+    w = (torch.randn(c, k, generator=g) * k ** -0.5).to("cuda", dtype)
+    b = (torch.randn(c, generator=g) * 0.1).to("cuda", dtype)
+    h0 = torch.randn(m, c, generator=g).cuda()
+    table = torch.randn(rows_in_table, 2, 9, c, generator=g).cuda()  # gate, shift, 1 + scale at vectors 3, 4, 5
+    gate, shift, scale = 3 * c, 4 * c, 5 * c
+    old_cnn = torch.randn(n, 2 * c, 2, generator=g).to("cuda", dtype) if cnn else None
+    poison = torch.randn(n * out_t + 3, c, generator=g).to("cuda", dtype)
+    out, h = poison.clone(), h0.clone()
+    assert L.linear_rownorm_into(a, w, b, h, table, out, gate=gate, shift=shift, scale=scale, t_len=t_len,
+                                 eps=BLOCK_LN_EPS, out_t=out_t, out_off=2, head=(old_cnn, c // 2 if cnn else 0),
+                                 tf32=tf32)
+    torch.cuda.synchronize()
+
+    def boundary(y, wide):  # y (M, C) in `wide` precision: gate, residual, LayerNorm, adaLN
+        tab = table.to(wide).flatten(1)[torch.arange(m, device="cuda") // t_len % rows_in_table]
+        hh = h0.to(wide) + tab[:, gate:gate + c] * y
+        z = torch.nn.functional.layer_norm(hh, (c,), eps=BLOCK_LN_EPS) * tab[:, scale:scale + c] + tab[:, shift:shift + c]
+        return hh, z
+
+    ref_h, ref_z = boundary(a.double() @ w.double().t() + b.double(), torch.float64)
+    y_same = (_tf32_rounded(a).double() @ _tf32_rounded(w).double().t() + b.double()).float() if tf32 else \
+        (a @ w.t() + b).float()
+    same_h, same_z = boundary(y_same, torch.float32)
+    assert_within_oracle(h.cpu(), same_h.cpu(), ref_h.cpu(), "h")
+    rows = (torch.arange(n)[:, None] * out_t + 2 + torch.arange(t_len)[None, :]).flatten().cuda()
+    assert_within_oracle(out[rows].cpu(), same_z.to(dtype).cpu(), ref_z.cpu(), "out rows")
+    heads = (torch.arange(n)[:, None] * out_t + torch.arange(2)[None, :]).flatten().cuda()
+    want_heads = (old_cnn[:, c // 2:c // 2 + c, :].permute(0, 2, 1).reshape(2 * n, c) if cnn
+                  else torch.zeros(2 * n, c, device="cuda", dtype=dtype))
+    assert torch.equal(out[heads], want_heads), "head frames"
+    untouched = torch.ones(out.shape[0], dtype=torch.bool, device="cuda")
+    untouched[rows] = False
+    untouched[heads] = False
+    assert torch.equal(out[untouched], poison[untouched]), "a row outside the written ones changed"

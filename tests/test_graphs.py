@@ -164,14 +164,15 @@ def test_gpu_replay_equals_eager_bitwise(dtype, variant):
 
 
 @pytest.mark.gpu
-def test_gpu_replay_equals_eager_bitwise_tf32_v9(monkeypatch):
-    """v9 for TF32 bodies (the wgmma GEMM's TF32 form, launched with PDL) replays == eager, bitwise."""
+@pytest.mark.parametrize("dtype,precision", [(torch.float16, None), (torch.float32, "tf32")], ids=["fp16", "tf32"])
+def test_gpu_replay_equals_eager_bitwise_v9_flags(monkeypatch, dtype, precision):
+    """v9 with every optional part on (the TF32 form, its MLP and QKV + cache epilogue, the proj GEMM
+    with the row-norm in its epilogue; all launched with PDL): replays == eager, bitwise."""
     import torch_cfm.kernels.dit_body as kernels
 
-    monkeypatch.setattr(kernels, "V9_TF32", True)
-    monkeypatch.setattr(kernels, "V9_TF32_MLP", True)
-    monkeypatch.setattr(kernels, "V9_TF32_QKV_CACHE", True)  # the runner's arena: the QKV + cache epilogue
-    _replay_equals_eager_bitwise(torch.float32, variant="v9", precision="tf32")
+    for flag in ("V9_TF32", "V9_TF32_MLP", "V9_TF32_QKV_CACHE", "V9_PROJ_ROWNORM"):
+        monkeypatch.setattr(kernels, flag, True)
+    _replay_equals_eager_bitwise(dtype, variant="v9", precision=precision)
 
 
 def _replay_equals_eager_bitwise(dtype, **kw):

@@ -6,6 +6,9 @@
 //   row's valid frames appended to the in-place attention-cache arena
 //   TF32: out[M, N] = a[M, K] @ w[N, K]^T (+ bias) (GELU), fp32 in and out, operands rounded to TF32 (round
 //   to nearest, as cuBLAS's TF32 GEMMs do) by the TMA unit as it loads them, fp32 accumulation
+//   row-norm: y = a @ w^T + bias; h += gate * y (fp32 residual); out = LayerNorm(h) * scale + shift, the
+//   body's row-norm kernel at the attention boundary, with each row's statistics summed over a cluster
+//   of the N / BN column tiles through distributed shared memory
 // Measured against cuBLAS in bench/wgmma_gemm.py (bench/NOTES.md, session 16); used by the body's
 // variant "v9" (torch_cfm/kernels/dit_linear_cuda.py).
 //
@@ -119,6 +122,19 @@ __device__ __forceinline__ uint32_t cluster_size() {
 
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_sync() {
+  cluster_arrive();
+  cluster_wait();
+}
+
+// The float at `p`'s offset in the shared memory of cluster CTA `rank` (distributed shared memory).
+__device__ __forceinline__ float ld_cluster_f32(const float* p, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_u32(p)), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -194,6 +210,7 @@ __global__ void probe_kernel(int* flag) {
 constexpr int kOut = 0;       // out (M, ldo) in T
 constexpr int kPartials = 1;  // split-K: fp32 partial sums (splits, M, ldo)
 constexpr int kQkvCache = 2;  // the QKV GEMM of a block on the in-place cache arena (see QkvCacheArgs)
+constexpr int kRowNorm = 3;   // the GEMM in front of a row-norm, the row-norm in its epilogue (see RowNormArgs)
 
 // kQkvCache: the columns of w are q | k | v, each heads x 64 wide. Queries (every row) are LayerNormed
 // per head and written to out (M, heads * 64); keys (LayerNormed) and values of row r = n * t_len + t
@@ -211,6 +228,29 @@ struct QkvCacheArgs {
   const int* valid = nullptr;   // (N,) clamped T_n
   const int* cached = nullptr;  // (N,) clamped L_n
   int t_len = 1, heads = 1;
+  float eps = 1e-6f;
+};
+
+// kRowNorm (the body's proj GEMM and the row-norm behind it, kernels/dit_body.py's `rownorm` with a gate,
+// the residual, adaLN modulation and head frames): the launch is a cluster of the N / BN column tiles of
+// each 64-row block (N = C <= 8 BN), so that the CTAs of a cluster hold whole rows. Row r = n t_len + t:
+//   y = acc + bias;  h[r] += gate[n] * y (written back);  z = (h[r] - mean) * rstd * scale[n] + shift[n]
+//   out row n out_t + out_off + t <- z; for t == 0 also out rows n out_t + {0, 1} <- the old conv cache
+//   cnn[n, cbase + c, {0, 1}] (zeros without one)
+// where gate / shift / scale are the table row of n (table + n * stride_tab) at the element offsets given
+// (the table stores 1 + scale), mean and rstd fp32 over the C columns, summed across the cluster.
+template <typename T>
+struct RowNormArgs {
+  float* h = nullptr;            // (M, C) fp32 residual stream, read and written
+  const float* table = nullptr;  // modulation table rows
+  int64_t stride_tab = 0;        // elements between the rows of sequences n, n + 1 (0: one row for all)
+  int gate_off = 0, shift_off = 0, scale_off = 0;
+  int out_t = 1, out_off = 0;    // out row of token (n, t): n * out_t + out_off + t
+  const T* cnn = nullptr;        // (N, >= cbase + C, 2) old conv cache, or null (zeros) [head frames]
+  int64_t cnn_s_n = 0, cnn_s_c = 0, cnn_s_j = 0;
+  int cnn_cbase = 0;
+  int head = 0;                  // 1: write the 2 head frames of each sequence
+  int t_len = 1;
   float eps = 1e-6f;
 };
 
@@ -233,7 +273,7 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
                                                               const __grid_constant__ CUtensorMap map_w,
                                                               const T* __restrict__ bias, void* __restrict__ out,
                                                               int m, int ldo, int k, int flags,
-                                                              const QkvCacheArgs<T> qc) {
+                                                              const QkvCacheArgs<T> qc, const RowNormArgs<T> rn) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma needs the sm_90a target
   constexpr bool kTf32 = std::is_same<T, float>::value;
   extern __shared__ unsigned char smem_raw[];
@@ -253,7 +293,8 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
 
   // A cluster (launch attribute, 1-8 CTAs along grid x = consecutive row tiles of one column tile)
   // shares the weight tile: CTA r loads the stages s with s % size == r and multicasts them to all.
-  const uint32_t csize = cluster_size(), crank = cluster_rank();
+  // (kRowNorm's cluster, along y, shares row statistics instead: no multicast.)
+  const uint32_t csize = kMode == kRowNorm ? 1 : cluster_size(), crank = kMode == kRowNorm ? 0 : cluster_rank();
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) mbar_init(&full[s], 1);
     if constexpr (kTf32) {
@@ -404,9 +445,95 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
       }
     }
   }
+  if constexpr (kMode == kRowNorm) {
+    // This thread's values of rows r0 and r0 + 8: columns col0 + 8j + {0, 1}, j < BN / 8. Row sums go
+    // through shared memory to the cluster: red[0] the sums, red[1] the squared deviations (two arrays,
+    // so that no CTA overwrites what a peer may still be reading).
+    __shared__ float red[2][kBM];
+    const uint32_t tiles = cluster_size();  // C / BN
+    const int c_all = ldo;                  // C: the GEMM's N, the width of h and out
+    float x[2][BN / 4];
+    const float* tab[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h;
+      const int n = (r < m ? r : m - 1) / rn.t_len;
+      tab[h] = rn.table + n * rn.stride_tab;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = col0 + 8 * j;
+        float y0 = (d[4 * j + 2 * h] + bias_v[2 * j]) * tab[h][rn.gate_off + col];
+        float y1 = (d[4 * j + 2 * h + 1] + bias_v[2 * j + 1]) * tab[h][rn.gate_off + col + 1];
+        if (r < m) {
+          float* hp = rn.h + static_cast<int64_t>(r) * c_all + col;
+          const float2 old = *reinterpret_cast<const float2*>(hp);
+          y0 += old.x;
+          y1 += old.y;
+          store_pair(hp, y0, y1);
+        }
+        x[h][2 * j] = y0;
+        x[h][2 * j + 1] = y1;
+      }
+    }
+    float mean[2], rstd[2];
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {  // 0: the mean, 1: the variance (about the mean)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < BN / 4; ++i) {
+          const float v = pass == 0 ? x[h][i] : x[h][i] - mean[h];
+          s += pass == 0 ? v : v * v;
+        }
+        s += __shfl_xor_sync(0xffffffffu, s, 1);  // the 4 lanes of a row
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (lane % 4 == 0) red[pass][16 * warp + lane / 4 + 8 * h] = s;
+      }
+      cluster_sync();  // every CTA's red[pass] is written (and visible cluster-wide)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float total = 0.f;
+        for (uint32_t c = 0; c < tiles; ++c) total += ld_cluster_f32(&red[pass][16 * warp + lane / 4 + 8 * h], c);
+        if (pass == 0) {
+          mean[h] = total / c_all;
+        } else {
+          rstd[h] = rsqrtf(total / c_all + rn.eps);
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h;
+      if (r >= m) continue;
+      const int n = r / rn.t_len, t = r - n * rn.t_len;
+      T* orow = static_cast<T*>(out) + (static_cast<int64_t>(n) * rn.out_t + rn.out_off + t) * c_all;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int col = col0 + 8 * j;
+        const float z0 = (x[h][2 * j] - mean[h]) * rstd[h] * tab[h][rn.scale_off + col] + tab[h][rn.shift_off + col];
+        const float z1 =
+            (x[h][2 * j + 1] - mean[h]) * rstd[h] * tab[h][rn.scale_off + col + 1] + tab[h][rn.shift_off + col + 1];
+        store_pair(orow + col, z0, z1);
+        if (rn.head && t == 0) {  // history frames 0, 1 of sequence n <- the old conv cache (zeros without)
+#pragma unroll
+          for (int f = 0; f < 2; ++f) {
+            float v0 = 0.f, v1 = 0.f;
+            if (rn.cnn != nullptr) {
+              const T* src = rn.cnn + n * rn.cnn_s_n + (rn.cnn_cbase + col) * rn.cnn_s_c + f * rn.cnn_s_j;
+              v0 = to_float(src[0]);
+              v1 = to_float(src[rn.cnn_s_c]);
+            }
+            store_pair(static_cast<T*>(out) + (static_cast<int64_t>(n) * rn.out_t + f) * c_all + col, v0, v1);
+          }
+        }
+      }
+    }
+    cluster_sync();  // no CTA leaves while a peer may still read its red[1]
+  }
   float* part = kMode == kPartials ? static_cast<float*>(out) + static_cast<int64_t>(blockIdx.z) * m * ldo : nullptr;
 #pragma unroll
-  for (int j = 0; j < (kMode == kQkvCache ? 0 : BN / 8); ++j) {
+  for (int j = 0; j < (kMode == kQkvCache || kMode == kRowNorm ? 0 : BN / 8); ++j) {
     const int col = col0 + 8 * j;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

@@ -32,7 +32,8 @@ from ..packing import (GATE_A, GATE_C, GATE_M, MOD_VECTORS, PER_BLOCK, SCALE_A, 
                        SHIFT_A, SHIFT_C, SHIFT_M)
 from ._launch import launch_kwargs, on_device, pdl_prologue, pdl_supported
 from . import dit_linear_cuda
-from .dit_linear_cuda import V9_MAX_ROWS, device_reason, linear_into, linear_splitk_into, qkv_cache_into
+from .dit_linear_cuda import (V9_MAX_ROWS, device_reason, linear_into, linear_rownorm_into, linear_splitk_into,
+                              qkv_cache_into)
 from .cfm_attention import AttentionConfig
 from .dit_attention import attention_cache
 
@@ -78,6 +79,13 @@ V9_TF32_MLP = True
 # no spills), but the device budget ran out before its tests (tests/test_dit_linear_cuda.py -k "qkv and
 # tf32", tests/test_graphs.py -k tf32_v9) and its A/B (bench/dit_step.py --sweep-variants tf32): off.
 V9_TF32_QKV_CACHE = False
+# v9: the proj GEMM with the row-norm behind it (gate, residual, adaLN, the conv-1 history's head frames) in
+# its epilogue, one launch per 64-row block cluster of C / 64 CTAs that add up the LayerNorm statistics
+# through distributed shared memory (dit_linear_cuda.linear_rownorm_into): one kernel fewer per block (10).
+# Built and compiled in session 18 (80 registers, no spills); no device time was left to run its tests
+# (tests/test_dit_linear_cuda.py -k rownorm_epilogue, tests/test_dit_body.py -k v9) or the A/B
+# (bench/dit_step.py --sweep-variants projnorm): off.
+V9_PROJ_ROWNORM = False
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
 # (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
@@ -86,12 +94,13 @@ V5_MIN_ROWS_16BIT = 32
 
 def v9_gemm_roles() -> str:
     """The block GEMMs that v9 runs on the wgmma kernel (for explain())."""
-    roles = ", ".join(["qkv" + (" (+ q/k cache on the arena)" if V9_QKV_CACHE else ""), "proj", "conv"]
+    proj = "proj" + (" (+ the row-norm behind it)" if V9_PROJ_ROWNORM else "")
+    roles = ", ".join(["qkv" + (" (+ q/k cache on the arena)" if V9_QKV_CACHE else ""), proj, "conv"]
                       + (["fc1"] if V9_FC1 else []) + (["fc2 (split-K)"] if V9_FC2 else []))
     if not V9_TF32:
         return roles + "; TF32 bodies: cuBLAS (V9_TF32 off)"
     tf32_qkv = "qkv" + (" (+ q/k cache on the arena)" if V9_QKV_CACHE and V9_TF32_QKV_CACHE else "")
-    return roles + f"; TF32 bodies too: {tf32_qkv}, proj, conv" + (", fc1, fc2 (split-K)" if V9_TF32_MLP else "")
+    return roles + f"; TF32 bodies too: {tf32_qkv}, {proj}, conv" + (", fc1, fc2 (split-K)" if V9_TF32_MLP else "")
 
 
 def choose_variant(dtype: torch.dtype, precision: Optional[str], n_rows: Optional[int] = None) -> str:
@@ -794,7 +803,9 @@ def dit_body_triton(
       ``V9_QKV_CACHE`` the QKV GEMM on the arena does the q/k-cache kernel's work in its epilogue
       (11 kernels per block). fp32 bodies computing in TF32 (``V9_TF32``) run the same GEMMs in
       the kernel's TF32 form (fc1/fc2 with ``V9_TF32_MLP``, the QKV + cache epilogue with
-      ``V9_TF32_QKV_CACHE``); IEEE fp32 bodies are exactly v1. Every unsupported call stays on cuBLAS.
+      ``V9_TF32_QKV_CACHE``); with ``V9_PROJ_ROWNORM`` the proj GEMM does the row-norm behind it in
+      its epilogue (10 kernels per block). IEEE fp32 bodies are exactly v1. Every unsupported call
+      stays on cuBLAS.
     """
     if variant is None:
         variant = choose_variant(x_in.dtype, precision, x_in.shape[0])
@@ -894,11 +905,18 @@ def dit_body_triton(
             o = torch.ops.torch_cfm.cfm_attention.default(
                 qbuf.permute(0, 2, 1, 3), kv[..., :head_dim], kv[..., head_dim:], key_lengths, None, None,
                 att_precision)
-            mm(o.transpose(1, 2).reshape(m, inner), proj_w, proj_b, y)
-        # residual + gate_a, LN, modulation (c) -> conv-1 history (frames 0,1 from the conv cache)
-        rownorm(y, h, hist1, valid, table=mod_table, gate=_mod_off(i, GATE_A, c),
-                shift=_mod_off(i, SHIFT_C, c), scale=_mod_off(i, SCALE_C, c),
-                out_t=t_len + CONV_HISTORY, out_off=CONV_HISTORY, head=(cnn_i, 0), pdl_family=fam, **common)
+            o_rows = o.transpose(1, 2).reshape(m, inner)
+        # residual + gate_a, LN, modulation (c) -> conv-1 history (frames 0,1 from the conv cache): in the
+        # proj GEMM's epilogue (v9, V9_PROJ_ROWNORM) or by the row-norm kernel after it
+        boundary = dict(gate=_mod_off(i, GATE_A, c), shift=_mod_off(i, SHIFT_C, c), scale=_mod_off(i, SCALE_C, c),
+                        out_t=t_len + CONV_HISTORY, out_off=CONV_HISTORY, head=(cnn_i, 0))
+        fused_proj = (variant != "v5" and wgmma and V9_PROJ_ROWNORM and linear_rownorm_into(
+            o_rows, proj_w, proj_b, h, mod_table, hist1, t_len=t_len, eps=BLOCK_LN_EPS, pdl=linear_pdl, tf32=tf32,
+            **boundary))
+        if not fused_proj:
+            if variant != "v5":
+                mm(o_rows, proj_w, proj_b, y)
+            rownorm(y, h, hist1, valid, table=mod_table, pdl_family=fam, **boundary, **common)
         mm(hist1, c1_w, None, z)
         # conv-1 tap sum + bias, affine LN, Mish -> conv-2 history; emit conv-1 cache
         rownorm(z, h, hist2, valid, taps=True, bias=c1_b, has_res=False, write_h=False,

@@ -25,6 +25,11 @@ cuBLAS's TF32 GEMMs do; truncating would bias every product toward zero) and wgm
 accumulates in fp32. Only the weight tile of the whole K fits beside a 64-row a tile (a alone is
 128 KB), so a streams through a ring of 4 stages; tiles are at most 96 wide.
 
+Row-norm (:func:`linear_rownorm_into`): the proj GEMM with the body's row-norm behind it (gate,
+residual, LayerNorm, adaLN, head frames) in its epilogue; a cluster of the C / 64 column tiles of each
+64-row block sums the rows' statistics through distributed shared memory. Built in session 18, not
+yet run on a GPU (``dit_body.V9_PROJ_ROWNORM`` is off).
+
 Split-K (:func:`linear_splitk_into`): for K above 512 (the block's fc2, K = 2048) grid z splits K
 into chunks of at most 512 and each CTA writes an fp32 partial sum; the body's row-norm kernel adds
 the partials (and the bias) as it reads them.
@@ -268,4 +273,74 @@ def linear_into(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], 
     flags = TRIGGER_EARLY | (GELU_TANH if gelu else 0) | (NO_BIAS if bias is None else 0)
     module.dit_linear_into(a, w, None if bias is None else bias.contiguous(), out, block_n_for(w.shape[0], a.dtype),
                            pdl, flags, 1)
+    return True
+
+
+ROWNORM_BLOCK_N = 64  # the row-norm epilogue's tile width: a cluster of C / 64 <= 8 CTAs holds whole rows
+
+
+def rownorm_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, h: torch.Tensor, table: torch.Tensor,
+                                  out: torch.Tensor, t_len: int, tf32: bool = False, out_t: Optional[int] = None,
+                                  out_off: int = 0, head: bool = False) -> list[str]:
+    """Why :func:`linear_rownorm_into` cannot run; empty when it can (arguments as there; ``head``:
+    whether head frames are asked for)."""
+    reasons = []
+    dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if tf32 else ())
+    if a.dtype not in dtypes or w.dtype != a.dtype or out.dtype != a.dtype:
+        reasons.append(f"{'fp16/bf16/fp32' if tf32 else 'fp16/bf16 (fp32: with tf32=True)'} operands of one dtype "
+                       f"only, got {a.dtype}, {w.dtype}, {out.dtype}")
+    if a.dim() != 2 or w.dim() != 2 or h.dim() != 2 or out.dim() != 2:
+        return reasons + ["a, w, h, out 2-D only"]
+    (m, k), c = a.shape, w.shape[0]
+    if c % ROWNORM_BLOCK_N or not ROWNORM_BLOCK_N <= c <= 8 * ROWNORM_BLOCK_N:
+        reasons.append(f"C must be a multiple of {ROWNORM_BLOCK_N} up to {8 * ROWNORM_BLOCK_N} (one cluster per "
+                       f"row block), got {c}")
+    step = 128 // a.element_size()
+    if k == 0 or k % step or k > MAX_K:
+        reasons.append(f"K must be a positive multiple of {step} up to {MAX_K}, got {k}")
+    if h.dtype != torch.float32 or not h.is_contiguous() or tuple(h.shape) != (m, c):
+        reasons.append(f"h must be contiguous float32 {(m, c)}")
+    if table.dtype != torch.float32 or not table.is_contiguous():
+        reasons.append("table must be contiguous float32")
+    if t_len <= 0 or m % t_len:
+        reasons.append(f"a must have N x t_len rows, got {m} rows for t_len {t_len}")
+    out_t = t_len if out_t is None else out_t
+    if not out.is_contiguous() or out.shape[1] != c:
+        reasons.append(f"out must be contiguous (rows, {c})")
+    elif t_len > 0 and (out_t < t_len + out_off or out.shape[0] < (m // t_len) * out_t or out_off < (2 if head else 0)):
+        reasons.append(f"out must hold N x out_t rows with t_len + out_off <= out_t (out_off >= 2 with head frames), "
+                       f"got {out.shape[0]} rows, out_t {out_t}, out_off {out_off}")
+    reasons += _tma_operand_reasons(a, w)
+    return reasons or _entry_reasons(a.device, "dit_linear_rownorm_into", "the GEMM + row-norm")
+
+
+def linear_rownorm_into(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, h: torch.Tensor, table: torch.Tensor,
+                        out: torch.Tensor, *, gate: int, shift: int, scale: int, t_len: int, eps: float,
+                        out_t: Optional[int] = None, out_off: int = 0,
+                        head: Optional[tuple[Optional[torch.Tensor], int]] = None,
+                        pdl: bool = True, tf32: bool = False) -> bool:
+    """The GEMM in front of a row-norm, the row-norm in its epilogue: what ``out = a @ w.T + bias``
+    followed by :func:`torch_cfm.kernels.dit_body.rownorm` (gate, residual, adaLN) computes, in one
+    launch; False (nothing launched) where :func:`rownorm_not_supported_reasons` is not empty.
+
+    Each 64-row block runs as a cluster of the C / 64 column tiles, which add up their rows' LayerNorm
+    statistics (fp32) through distributed shared memory.
+
+    Args:
+        a: (N·t_len, K) fp16/bf16 (fp32 with ``tf32``); w: (C, K); bias: (C,), all one dtype.
+        h: (N·t_len, C) float32 residual stream: h += table[n, gate:] * (a @ w.T + bias), written back.
+        table: float32 modulation table (R, ...), R = 1 (one row for all) or N; gate / shift / scale are
+            element offsets into a row (the table stores 1 + scale).
+        out: rows of C; token (n, t) goes to row n·out_t + out_off + t (out_t: t_len when None).
+        head: (old conv cache (N, ≥ cbase + C, 2) or None, cbase): rows n·out_t + {0, 1} get its frames
+            (zeros without one); needs out_off ≥ 2.
+    """
+    if rownorm_not_supported_reasons(a, w, h, table, out, t_len, tf32, out_t, out_off, head is not None):
+        return False
+    cnn, cbase = head if head is not None else (None, 0)
+    stride_tab = 0 if table.shape[0] == 1 else table.stride(0)
+    module, _ = _extension()
+    module.dit_linear_rownorm_into(a, w, bias.contiguous(), h, table, stride_tab, gate, shift, scale, out,
+                                   t_len if out_t is None else out_t, out_off, cnn, cbase, head is not None, t_len,
+                                   eps, pdl, TRIGGER_EARLY)
     return True
