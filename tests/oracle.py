@@ -7,7 +7,6 @@ absolute error and the relative Frobenius error, each measured against a float64
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
