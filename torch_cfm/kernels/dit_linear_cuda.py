@@ -121,6 +121,15 @@ def _tma_operand_reasons(a: torch.Tensor, w: torch.Tensor) -> list[str]:
             if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16]
 
 
+def _dtype_reasons(tensors: tuple[torch.Tensor, ...], tf32: bool) -> list[str]:
+    """The operands' dtype rule: one dtype, fp16 or bf16, or fp32 (computed in TF32) when ``tf32``."""
+    dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if tf32 else ())
+    if tensors[0].dtype in dtypes and all(t.dtype == tensors[0].dtype for t in tensors):
+        return []
+    return [f"{'fp16/bf16/fp32' if tf32 else 'fp16/bf16 (fp32: with tf32=True)'} operands of one dtype only, got "
+            + ", ".join(str(t.dtype) for t in tensors)]
+
+
 def _entry_reasons(device: torch.device, entry: str, what: str) -> list[str]:
     """Why the extension entry point ``entry`` cannot run on ``device`` (empty: it can)."""
     why = device_reason(device)
@@ -132,11 +141,7 @@ def _entry_reasons(device: torch.device, entry: str, what: str) -> list[str]:
 def not_supported_reasons(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, tf32: bool = False) -> list[str]:
     """Why ``out = a @ w.T`` cannot run on this kernel; empty when it can. fp32 operands run in TF32
     (rounded to nearest as they load) and only when the caller asks for it with ``tf32``."""
-    reasons = []
-    dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if tf32 else ())
-    if a.dtype not in dtypes or w.dtype != a.dtype or out.dtype != a.dtype:
-        reasons.append(f"{'fp16/bf16/fp32' if tf32 else 'fp16/bf16 (fp32: with tf32=True)'} operands of one dtype "
-                       f"only, got {a.dtype}, {w.dtype}, {out.dtype}")
+    reasons = _dtype_reasons((a, w, out), tf32)
     if a.dim() != 2 or w.dim() != 2 or out.dim() != 2:
         return reasons + ["2-D operands only"]
     k, n = a.shape[1], w.shape[0]
@@ -159,11 +164,7 @@ def splitk_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, partials: tor
                                  config: Optional[tuple[int, int]] = None, tf32: bool = False) -> list[str]:
     """Why the split-K form (:func:`linear_splitk_into`) cannot run; empty when it can."""
     splits, block_n = _splitk_config(a.dtype, config)
-    reasons = []
-    dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if tf32 else ())
-    if a.dtype not in dtypes or w.dtype != a.dtype:
-        reasons.append(f"{'fp16/bf16/fp32' if tf32 else 'fp16/bf16 (fp32: with tf32=True)'} operands of one dtype "
-                       f"only, got {a.dtype}, {w.dtype}")
+    reasons = _dtype_reasons((a, w), tf32)
     if a.dim() != 2 or w.dim() != 2 or partials.dim() != 3:
         return reasons + ["2-D a and w, 3-D partials only"]
     (m, k), n = a.shape, w.shape[0]
@@ -203,11 +204,7 @@ def linear_splitk_into(a: torch.Tensor, w: torch.Tensor, partials: torch.Tensor,
 def qkv_cache_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, q_out: torch.Tensor, cache: torch.Tensor,
                                     t_len: int, tf32: bool = False) -> list[str]:
     """Why :func:`qkv_cache_into` cannot run; empty when it can."""
-    reasons = []
-    dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if tf32 else ())
-    if a.dtype not in dtypes or any(t.dtype != a.dtype for t in (w, q_out, cache)):
-        reasons.append(f"{'fp16/bf16/fp32' if tf32 else 'fp16/bf16 (fp32: with tf32=True)'} operands of one dtype "
-                       f"only, got {a.dtype}, {w.dtype}, {q_out.dtype}, {cache.dtype}")
+    reasons = _dtype_reasons((a, w, q_out, cache), tf32)
     if a.dim() != 2 or w.dim() != 2 or q_out.dim() != 2 or cache.dim() != 4:
         return reasons + ["a, w, q_out 2-D and cache 4-D only"]
     (m, k), heads = a.shape, cache.shape[1]
@@ -284,11 +281,7 @@ def rownorm_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, h: torch.Ten
                                   out_off: int = 0, head: bool = False) -> list[str]:
     """Why :func:`linear_rownorm_into` cannot run; empty when it can (arguments as there; ``head``:
     whether head frames are asked for)."""
-    reasons = []
-    dtypes = (torch.float16, torch.bfloat16) + ((torch.float32,) if tf32 else ())
-    if a.dtype not in dtypes or w.dtype != a.dtype or out.dtype != a.dtype:
-        reasons.append(f"{'fp16/bf16/fp32' if tf32 else 'fp16/bf16 (fp32: with tf32=True)'} operands of one dtype "
-                       f"only, got {a.dtype}, {w.dtype}, {out.dtype}")
+    reasons = _dtype_reasons((a, w, out), tf32)
     if a.dim() != 2 or w.dim() != 2 or h.dim() != 2 or out.dim() != 2:
         return reasons + ["a, w, h, out 2-D only"]
     (m, k), c = a.shape, w.shape[0]
