@@ -446,7 +446,8 @@ def test_gpu_linear_rownorm_epilogue_within_oracle(dtype, n, t_len, c, rows_in_t
     def boundary(y, wide):  # y (M, C) in `wide` precision: gate, residual, LayerNorm, adaLN
         tab = table.to(wide).flatten(1)[torch.arange(m, device="cuda") // t_len % rows_in_table]
         hh = h0.to(wide) + tab[:, gate:gate + c] * y
-        z = torch.nn.functional.layer_norm(hh, (c,), eps=BLOCK_LN_EPS) * tab[:, scale:scale + c] + tab[:, shift:shift + c]
+        z = torch.nn.functional.layer_norm(hh, (c,), eps=BLOCK_LN_EPS)
+        z = z * tab[:, scale:scale + c] + tab[:, shift:shift + c]
         return hh, z
 
     ref_h, ref_z = boundary(a.double() @ w.double().t() + b.double(), torch.float64)
