@@ -116,6 +116,13 @@ void check_tma_operands(const at::Tensor& a, const at::Tensor& w) {
               "dit_linear: a and w need unit column strides, 16-byte aligned bases and rows (TMA)");
 }
 
+// K of a (M, K) in whole 128-byte stages (64 16-bit or 32 fp32 elements) per split, at most kMaxK per CTA.
+void check_k(const at::Tensor& a, int64_t splits) {
+  const int64_t k = a.size(1), sk = 128 / a.element_size();
+  TORCH_CHECK(k > 0 && k % (sk * splits) == 0 && k / splits <= kMaxK, "dit_linear: K must split ", splits,
+              " way(s) into chunks that are multiples of ", sk, ", at most ", kMaxK);
+}
+
 }  // namespace
 
 void linear_into(const at::Tensor& a, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out,
@@ -129,8 +136,7 @@ void linear_into(const at::Tensor& a, const at::Tensor& w, const std::optional<a
   const bool tf32 = dt == at::kFloat;
   const int64_t m = a.size(0), k = a.size(1), n = w.size(0);
   TORCH_CHECK(w.size(1) == k && out.size(0) == m && out.size(1) == n, "dit_linear: shapes (M, K) x (N, K) -> (M, N)");
-  const int64_t sk = 128 / a.element_size();
-  TORCH_CHECK(k > 0 && k % sk == 0 && k <= kMaxK, "dit_linear: K must be a multiple of ", sk, ", at most 512");
+  check_k(a, 1);
   TORCH_CHECK(block_n == 32 || block_n == 64 || block_n == 96 || (block_n == 128 && !tf32),
               "dit_linear: block_n must be 32, 64, 96 or (16-bit) 128");
   TORCH_CHECK(n % block_n == 0, "dit_linear: N must be a multiple of block_n");
@@ -181,9 +187,7 @@ void linear_splitk_into(const at::Tensor& a, const at::Tensor& w, at::Tensor& pa
   TORCH_CHECK(splits >= 1 && splits <= 16, "dit_linear: splits must be 1 to 16");
   TORCH_CHECK(w.size(1) == k && partials.size(0) == splits && partials.size(1) == m && partials.size(2) == n,
               "dit_linear: shapes (M, K) x (N, K) -> (splits, M, N)");
-  const int64_t sk = 128 / a.element_size();
-  TORCH_CHECK(k > 0 && k % (sk * splits) == 0 && k / splits <= kMaxK,
-              "dit_linear: K must split into chunks that are multiples of ", sk, ", at most 512");
+  check_k(a, splits);
   TORCH_CHECK(block_n == 64 || (block_n == 128 && !tf32), "dit_linear: split-K block_n must be 64 or (16-bit) 128");
   TORCH_CHECK(n % block_n == 0, "dit_linear: N must be a multiple of block_n");
   check_tma_operands(a, w);
@@ -267,8 +271,7 @@ void linear_qkv_cache_into(const at::Tensor& a, const at::Tensor& w, const at::T
     TORCH_CHECK(t->scalar_type() == at::kInt && t->dim() == 1 && t->size(0) == n_rows && t->is_contiguous(),
                 "dit_linear: valid and cached int32 (N,)");
   }
-  const int64_t sk = 128 / a.element_size();
-  TORCH_CHECK(k > 0 && k % sk == 0 && k <= kMaxK, "dit_linear: K must be a multiple of ", sk, ", at most 512");
+  check_k(a, 1);
   check_tma_operands(a, w);
   const int64_t pair_bytes = 2 * a.element_size();
   TORCH_CHECK(reinterpret_cast<uintptr_t>(cache.data_ptr()) % pair_bytes == 0 && cache.stride(2) % 2 == 0 &&
@@ -322,8 +325,7 @@ void linear_rownorm_into(const at::Tensor& a, const at::Tensor& w, const at::Ten
                     cnn->size(0) == n_rows && cnn->size(2) == 2 && cnn_cbase >= 0 && cnn_cbase + c <= cnn->size(1),
                 "dit_linear: cnn (N, >= cbase + C, 2) of a's dtype");
   }
-  const int64_t sk = 128 / a.element_size();
-  TORCH_CHECK(k > 0 && k % sk == 0 && k <= kMaxK, "dit_linear: K must be a multiple of ", sk, ", at most 512");
+  check_k(a, 1);
   check_tma_operands(a, w);
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());

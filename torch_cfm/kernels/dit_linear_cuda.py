@@ -130,6 +130,16 @@ def _dtype_reasons(tensors: tuple[torch.Tensor, ...], tf32: bool) -> list[str]:
             + ", ".join(str(t.dtype) for t in tensors)]
 
 
+def _k_reasons(a: torch.Tensor, splits: int = 1) -> list[str]:
+    """K must come in whole 128-byte stages (64 16-bit or 32 fp32 elements), at most MAX_K per CTA."""
+    k, step = a.shape[1], 128 // a.element_size()
+    if k and k % (step * splits) == 0 and k // splits <= MAX_K:
+        return []
+    if splits == 1:
+        return [f"K must be a positive multiple of {step} up to {MAX_K}, got {k}"]
+    return [f"K must split {splits} ways into multiples of {step} up to {MAX_K}, got {k}"]
+
+
 def _entry_reasons(device: torch.device, entry: str, what: str) -> list[str]:
     """Why the extension entry point ``entry`` cannot run on ``device`` (empty: it can)."""
     why = device_reason(device)
@@ -144,10 +154,8 @@ def not_supported_reasons(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, t
     reasons = _dtype_reasons((a, w, out), tf32)
     if a.dim() != 2 or w.dim() != 2 or out.dim() != 2:
         return reasons + ["2-D operands only"]
-    k, n = a.shape[1], w.shape[0]
-    step = 128 // a.element_size()  # one 128-byte stage of K
-    if k == 0 or k % step or k > MAX_K:
-        reasons.append(f"K must be a positive multiple of {step} up to {MAX_K}, got {k}")
+    n = w.shape[0]
+    reasons += _k_reasons(a)
     if block_n_for(n, a.dtype) is None:
         reasons.append(f"N must be a multiple of 32, got {n}")
     reasons += _tma_operand_reasons(a, w)
@@ -167,13 +175,11 @@ def splitk_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, partials: tor
     reasons = _dtype_reasons((a, w), tf32)
     if a.dim() != 2 or w.dim() != 2 or partials.dim() != 3:
         return reasons + ["2-D a and w, 3-D partials only"]
-    (m, k), n = a.shape, w.shape[0]
+    m, n = a.shape[0], w.shape[0]
     if partials.dtype != torch.float32 or tuple(partials.shape) != (splits, m, n) or not partials.is_contiguous():
         reasons.append(f"partials must be contiguous float32 {(splits, m, n)}, got {partials.dtype} "
                        f"{tuple(partials.shape)}")
-    step = 128 // a.element_size()
-    if k == 0 or k % (step * splits) or k // splits > MAX_K:
-        reasons.append(f"K must split {splits} ways into multiples of {step} up to {MAX_K}, got {k}")
+    reasons += _k_reasons(a, splits)
     block_ns = (64,) if a.dtype == torch.float32 else SPLITK_BLOCK_NS
     if block_n not in block_ns or n % block_n:
         reasons.append(f"N must be a multiple of block_n {block_n} (one of {block_ns}), got {n}")
@@ -207,7 +213,7 @@ def qkv_cache_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, q_out: tor
     reasons = _dtype_reasons((a, w, q_out, cache), tf32)
     if a.dim() != 2 or w.dim() != 2 or q_out.dim() != 2 or cache.dim() != 4:
         return reasons + ["a, w, q_out 2-D and cache 4-D only"]
-    (m, k), heads = a.shape, cache.shape[1]
+    m, heads = a.shape[0], cache.shape[1]
     if cache.shape[3] != 128 or cache.stride(3) != 1:
         reasons.append(f"head_dim 64 (cache channels 128, unit stride) only, got {cache.shape[3]}")
     wide = a.dtype != torch.float32  # 16-bit tiles hold two heads, fp32 tiles one
@@ -216,9 +222,7 @@ def qkv_cache_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, q_out: tor
                        f"{w.shape[0]} rows")
     if t_len <= 0 or m != cache.shape[0] * t_len:
         reasons.append(f"a must have N x t_len = {cache.shape[0]} x {t_len} rows, got {m}")
-    step = 128 // a.element_size()
-    if k == 0 or k % step or k > MAX_K:
-        reasons.append(f"K must be a positive multiple of {step} up to {MAX_K}, got {k}")
+    reasons += _k_reasons(a)
     reasons += _tma_operand_reasons(a, w)
     if not q_out.is_contiguous() or tuple(q_out.shape) != (m, 64 * heads):
         reasons.append("q_out must be contiguous (M, heads x 64)")
@@ -284,13 +288,11 @@ def rownorm_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, h: torch.Ten
     reasons = _dtype_reasons((a, w, out), tf32)
     if a.dim() != 2 or w.dim() != 2 or h.dim() != 2 or out.dim() != 2:
         return reasons + ["a, w, h, out 2-D only"]
-    (m, k), c = a.shape, w.shape[0]
+    m, c = a.shape[0], w.shape[0]
     if c % ROWNORM_BLOCK_N or not ROWNORM_BLOCK_N <= c <= 8 * ROWNORM_BLOCK_N:
         reasons.append(f"C must be a multiple of {ROWNORM_BLOCK_N} up to {8 * ROWNORM_BLOCK_N} (one cluster per "
                        f"row block), got {c}")
-    step = 128 // a.element_size()
-    if k == 0 or k % step or k > MAX_K:
-        reasons.append(f"K must be a positive multiple of {step} up to {MAX_K}, got {k}")
+    reasons += _k_reasons(a)
     if h.dtype != torch.float32 or not h.is_contiguous() or tuple(h.shape) != (m, c):
         reasons.append(f"h must be contiguous float32 {(m, c)}")
     if table.dtype != torch.float32 or not table.is_contiguous():
