@@ -317,6 +317,17 @@ def _module_flags(module: str, **values):
     return ctx
 
 
+@contextlib.contextmanager
+def _projnorm_without_pdl():
+    """v9's proj GEMM with the row-norm epilogue on, its launch without programmatic dependent launch."""
+    from torch_cfm.kernels import dit_body
+
+    fused = dit_body.linear_rownorm_into
+    with _module_flags("dit_body", V9_PROJ_ROWNORM=True,
+                       linear_rownorm_into=lambda *a, **kw: fused(*a, **{**kw, "pdl": False}))():
+        yield
+
+
 def _body_pdl_kernels(kernels: frozenset):
     """Context manager factory: the body's PDL launches limited to ``kernels`` (dit_body.PDL_KERNELS_OVERRIDE)."""
     @contextlib.contextmanager
@@ -384,7 +395,8 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
         plans += [("default", f"sweep_rownorm_r{r}_w{w}", _module_flags("dit_body", ROWNORM_LAUNCH_OVERRIDE=(r, w)))
                   for r, w in SWEEP_ROWNORM]
     if "tf32" in swept:  # fp32-tf32 bodies: v9 with the wgmma GEMM's TF32 form against v1, plain and on the arena
-        mlp = _module_flags("dit_body", V9_TF32=True, V9_TF32_MLP=True)
+        # each plan pins the flags it compares, whatever the tree's defaults are
+        mlp = _module_flags("dit_body", V9_TF32=True, V9_TF32_MLP=True, V9_TF32_QKV_CACHE=False)
         plans += [("v1", "sweep_tf32_v1", _module_flags("dit_body", V9_TF32=False)),
                   ("v9", "sweep_tf32_v9", _module_flags("dit_body", V9_TF32=True, V9_TF32_MLP=False)),
                   ("v9", "sweep_tf32_v9_mlp", mlp), ("arena", "sweep_tf32_arena_v9_mlp", mlp),
@@ -395,7 +407,8 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
         plans += [("v9", "sweep_v9_projnorm_on", _module_flags("dit_body", V9_PROJ_ROWNORM=True)),
                   ("v9", "sweep_v9_projnorm_off", _module_flags("dit_body", V9_PROJ_ROWNORM=False)),
                   ("arena", "sweep_arena_v9_projnorm_on", _module_flags("dit_body", V9_PROJ_ROWNORM=True)),
-                  ("arena", "sweep_arena_v9_projnorm_off", _module_flags("dit_body", V9_PROJ_ROWNORM=False))]
+                  ("arena", "sweep_arena_v9_projnorm_off", _module_flags("dit_body", V9_PROJ_ROWNORM=False)),
+                  ("v9", "sweep_v9_projnorm_nopdl", _projnorm_without_pdl)]
     if "qkv" in swept:  # the step on the in-place arena: v9's QKV GEMM with the q/k-cache epilogue or not; v1
         plans += [("arena", "sweep_arena_v9_qkv_cache_on", _module_flags("dit_body", V9_QKV_CACHE=True)),
                   ("arena", "sweep_arena_v9_qkv_cache_off", _module_flags("dit_body", V9_QKV_CACHE=False)),
@@ -429,6 +442,10 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
                             got = time_cuda_graph(fused, calls=args.calls, repeats=args.repeats,
                                                   context=tf32_ctx(dtype, precision), samples=pooled[tag])
                         p50s[tag].append(got["us_p50"])
+                        if args.sweep_kernels and len(p50s[tag]) == 1:
+                            with context(), torch.no_grad(), tf32_ctx(dtype, precision)():
+                                kernel_breakdown(fused, os.path.join(
+                                    args.out, f"dit_step_kernels_{n}x{t}x{l_len}_{dname}_{tag}.txt"))
                     except Exception as exc:  # noqa: BLE001
                         errors[tag] = f"{type(exc).__name__}: {str(exc)[:300]}"
                     del jitter
@@ -743,6 +760,8 @@ def main(argv=None) -> int:
                          "qkv: the arena step with and without v9's QKV + cache epilogue; "
                          "tf32: v9's TF32 GEMMs against v1 for fp32-tf32 bodies; projnorm: v9's proj GEMM with "
                          "the row-norm in its epilogue, on and off)")
+    ap.add_argument("--sweep-kernels", action="store_true",
+                    help="also write each sweep plan's per-kernel table (eager, torch.profiler) under --out")
     ap.add_argument("--variants", default=",".join(VARIANTS + ("arena",)),
                     help="fused-body variants timed besides the default one (comma list, or 'none'); 'arena': "
                          "the step on the in-place cache arena")

@@ -75,16 +75,16 @@ V9_TF32 = True
 # fp32-tf32, interleaved rounds, µs: v9 1377 -> 1362 with it (v1 1438); arena step 1299 (v1 1352).
 V9_TF32_MLP = True
 # ... and its QKV GEMM on the arena with the q/k-cache epilogue (V9_QKV_CACHE's, in 64-wide fp32 tiles:
-# 168 CTAs at M = 400 where the plain TF32 qkv runs 112). Built and compiled in session 18 (110 registers,
-# no spills), but the device budget ran out before its tests (tests/test_dit_linear_cuda.py -k "qkv and
-# tf32", tests/test_graphs.py -k tf32_v9) and its A/B (bench/dit_step.py --sweep-variants tf32): off.
+# 168 CTAs at M = 400 where the plain TF32 qkv runs 112). Its GPU tests pass (session 19), but it is slower:
+# (8, 50, 400) fp32-tf32 arena step, interleaved rounds, µs: 1371 on vs 1347 off (bench/NOTES.md): off.
 V9_TF32_QKV_CACHE = False
 # v9: the proj GEMM with the row-norm behind it (gate, residual, adaLN, the conv-1 history's head frames) in
 # its epilogue, one launch per 64-row block cluster of C / 64 CTAs that add up the LayerNorm statistics
 # through distributed shared memory (dit_linear_cuda.linear_rownorm_into): one kernel fewer per block (10).
-# Built and compiled in session 18 (80 registers, no spills); no device time was left to run its tests
-# (tests/test_dit_linear_cuda.py -k rownorm_epilogue, tests/test_dit_body.py -k v9) or the A/B
-# (bench/dit_step.py --sweep-variants projnorm): off.
+# Its GPU tests pass (session 19), but as first built its epilogue interleaved global loads with stores
+# (one dependent round trip per column pair): 11.7 µs per call against 3.6 + 2.0 for the GEMM and the
+# row-norm kernel, and the fp16 step 1027 vs 812 µs. The epilogue now issues each phase's loads before
+# its stores (compiled, no spills; not yet run on a GPU: bench/wgmma_gemm.py --parts rownorm): off.
 V9_PROJ_ROWNORM = False
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
