@@ -317,6 +317,12 @@ INTERP_CASES += [dict(c, name=f"{c['name']}_arena", variant="v1", arena=True)
 INTERP_CASES += [dict(name="wide_f16_arena", dtype=torch.float16, n=2, t=5, l_len=70, valid=[5, 1], cached=[70, 33],
                       variant="v1", wide=True, arena=True)]
 
+# the row-norm kernel with its head / emit frame loads issued early (dit_body.ROWNORM_EARLY_FRAMES)
+INTERP_CASES += [dict(c, name=f"{c['name']}_early", variant="v1", early_frames=True)
+                 for c in _INTERP_BASE if c["name"] in ("ragged_f32", "nocache_f32", "t1_f32")]
+INTERP_CASES += [dict(name="wide_f16_arena_early", dtype=torch.float16, n=2, t=5, l_len=70, valid=[5, 1],
+                      cached=[70, 33], variant="v1", wide=True, arena=True, early_frames=True)]
+
 
 def _interp_args(case):
     config = WIDE if case.get("wide") else TINY
@@ -349,10 +355,12 @@ def _run_arena(x_in, w, table, cnn, att, valid, cached, out, case):
 
 
 def _child(out_path: str, shard: int = 0, shards: int = 1) -> None:
+    from torch_cfm.kernels import dit_body as kernels
     from torch_cfm.ops.dit_body import _empty_outputs, dit_body_fused_into
 
     results = {}
     for case in INTERP_CASES[shard::shards]:
+        kernels.ROWNORM_EARLY_FRAMES = case.get("early_frames", False)
         _, x_in, w, table, cnn, att, valid, cached = _interp_args(case)
         s = check_dit_body(x_in, w, table, cnn, att, valid, cached, "ieee")
         out = tuple(o.fill_(float("nan")) for o in _empty_outputs(x_in, s))  # poisoned

@@ -383,7 +383,7 @@ def _dit_block_kernel(
                     _rownorm_rows(tile * ROWS, y_ptr, C, M * C, proj_b, h_ptr, tab_ptr, stride_tab, gate_a, shift_c,
                                   scale_c, h_ptr, h_ptr, hist1_ptr, T + 2, 2, cnn_ptr, s_cnn_n, s_cnn_c, s_cnn_j, 0,
                                   h_ptr, h_ptr, 0, 0, 0, 0, valid_ptr, M, T, C, eps_block,
-                                  False, True, True, True, True, 0, True, HAS_CNN, False, S_PROJ, ROWS, BLOCK_C, False)
+                                  False, True, True, True, True, 0, True, HAS_CNN, False, S_PROJ, ROWS, BLOCK_C, False, False)
                     if FLOW:
                         _flow_signal(dep_ptr, 3, tile * ROWS, tile * ROWS + ROWS, T, NR)
         if (PHASE_MASK >> 4) & 1:
@@ -402,7 +402,7 @@ def _dit_block_kernel(
                     _rownorm_rows(tile * ROWS, z_ptr, 3 * C, 0, c1_b, h_ptr, tab_ptr, stride_tab, 0, 0, 0, cn_w, cn_b,
                                   hist2_ptr, T + 2, 2, cnn_ptr, s_cnn_n, s_cnn_c, s_cnn_j, C,
                                   hist1_ptr, ncnn_ptr, s_ncnn_n, s_ncnn_c, s_ncnn_j, 0, valid_ptr, M, T, C, eps_conv,
-                                  True, True, False, False, False, 1, True, HAS_CNN, True, 1, ROWS, BLOCK_C, False)
+                                  True, True, False, False, False, 1, True, HAS_CNN, True, 1, ROWS, BLOCK_C, False, False)
                     if FLOW:
                         _flow_signal(dep_ptr, 5, tile * ROWS, tile * ROWS + ROWS, T, NR)
         if (PHASE_MASK >> 6) & 1:
@@ -421,7 +421,7 @@ def _dit_block_kernel(
                     _rownorm_rows(tile * ROWS, z2_ptr, 3 * C, 0, c2_b, h_ptr, tab_ptr, stride_tab, gate_c, shift_m,
                                   scale_m, h_ptr, h_ptr, a_ptr, T, 0, h_ptr, 0, 0, 0, 0,
                                   hist2_ptr, ncnn_ptr, s_ncnn_n, s_ncnn_c, s_ncnn_j, C, valid_ptr, M, T, C, eps_block,
-                                  True, True, True, True, True, 0, False, False, True, 1, ROWS, BLOCK_C, False)
+                                  True, True, True, True, True, 0, False, False, True, 1, ROWS, BLOCK_C, False, False)
                     if FLOW:
                         _flow_signal(dep_ptr, 7, tile * ROWS, tile * ROWS + ROWS, T, NR)
         if (PHASE_MASK >> 8) & 1:
@@ -456,7 +456,7 @@ def _dit_block_kernel(
                     _rownorm_rows(tile * ROWS, y2_ptr, C, M * C, fc2_b, h_ptr, tab_ptr, stride_tab, gate_m, shift_n,
                                   scale_n, h_ptr, h_ptr, a_ptr, T, 0, h_ptr, 0, 0, 0, 0,
                                   h_ptr, h_ptr, 0, 0, 0, 0, valid_ptr, M, T, C, eps_block,
-                                  False, True, True, True, True, 0, False, False, False, S_FC2, ROWS, BLOCK_C, False)
+                                  False, True, True, True, True, 0, False, False, False, S_FC2, ROWS, BLOCK_C, False, False)
         # old frames of the new cache: an even share of the copy tiles in each phase of
         # [COPY_LO, COPY_HI), taken by the programs after this phase's last work tile
         if (phase >= COPY_LO) & (phase < COPY_HI):

@@ -167,6 +167,7 @@ def _rownorm_rows(
     TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_GATE: tl.constexpr, NORM: tl.constexpr, HEAD: tl.constexpr, HAS_CNN: tl.constexpr,
     EMIT: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_FRAMES: tl.constexpr,
 ):
     """One row-norm tile: ROWS token rows from ``row0`` (arguments as commented above). Launched
     by ``_dit_rownorm_kernel`` (one tile per program) and run inside the persistent block kernel
@@ -206,6 +207,14 @@ def _rownorm_rows(
         for s in tl.static_range(1, SPLITS):
             y += tl.load(y_ptr + s * split_stride + rows64[:, None] * stride_y + cols[None, :], mask=ok,
                          other=0.0).to(tl.float32)
+    first = row_ok & (t == 0)
+    fmask = first[:, None] & col_ok[None, :]
+    if EARLY_FRAMES:  # the first rows' frame loads issued with y's, before any store (ROWNORM_EARLY_FRAMES)
+        if HEAD:
+            head0, head1 = _head_frames(cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j, head_cbase, n, cols, fmask,
+                                        HAS_CNN, ROWS, BLOCK_C)
+        if EMIT:
+            emit0, emit1 = _emit_frames(emit_src_ptr, valid_ptr, n, first, cols, fmask, T, C)
     if HAS_BIAS:
         y += bias
     if HAS_GATE:
@@ -230,23 +239,41 @@ def _rownorm_rows(
     orow = n * out_t + out_off + t
     tl.store(out_ptr + orow[:, None] * C + cols[None, :], z.to(out_ptr.dtype.element_ty), mask=ok)
 
-    first = row_ok & (t == 0)
-    fmask = first[:, None] & col_ok[None, :]
     if HEAD:  # history frames 0, 1 <- old conv cache (zeros without one)
-        for j in tl.static_range(2):
-            if HAS_CNN:
-                hv = tl.load(cnn_ptr + n[:, None] * stride_cnn_n + (head_cbase + cols)[None, :] * stride_cnn_c
-                             + j * stride_cnn_j, mask=fmask, other=0.0)
-            else:
-                hv = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
-            tl.store(out_ptr + (n * out_t + j)[:, None] * C + cols[None, :], hv.to(out_ptr.dtype.element_ty),
-                     mask=fmask)
+        if not EARLY_FRAMES:
+            head0, head1 = _head_frames(cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j, head_cbase, n, cols, fmask,
+                                        HAS_CNN, ROWS, BLOCK_C)
+        tl.store(out_ptr + (n * out_t)[:, None] * C + cols[None, :], head0.to(out_ptr.dtype.element_ty), mask=fmask)
+        tl.store(out_ptr + (n * out_t + 1)[:, None] * C + cols[None, :], head1.to(out_ptr.dtype.element_ty), mask=fmask)
     if EMIT:  # new conv cache = history frames T_n, T_n + 1 (the last 2 of [cache ; chunk[:T_n]])
-        tn = tl.load(valid_ptr + n, mask=first, other=0).to(tl.int64)
-        for j in tl.static_range(2):
-            ev = tl.load(emit_src_ptr + (n * (T + 2) + tn + j)[:, None] * C + cols[None, :], mask=fmask, other=0.0)
-            tl.store(emit_ptr + n[:, None] * stride_emit_n + (emit_cbase + cols)[None, :] * stride_emit_c
-                     + j * stride_emit_j, ev.to(emit_ptr.dtype.element_ty), mask=fmask)
+        if not EARLY_FRAMES:
+            emit0, emit1 = _emit_frames(emit_src_ptr, valid_ptr, n, first, cols, fmask, T, C)
+        dst = emit_ptr + n[:, None] * stride_emit_n + (emit_cbase + cols)[None, :] * stride_emit_c
+        tl.store(dst, emit0.to(emit_ptr.dtype.element_ty), mask=fmask)
+        tl.store(dst + stride_emit_j, emit1.to(emit_ptr.dtype.element_ty), mask=fmask)
+
+
+@triton.jit
+def _head_frames(cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j, head_cbase, n, cols, fmask,
+                 HAS_CNN: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The old conv cache's 2 frames (channels head_cbase + cols) of each row's sequence n, masked to
+    ``fmask`` (zeros without a cache)."""
+    if HAS_CNN:
+        src = cnn_ptr + n[:, None] * stride_cnn_n + (head_cbase + cols)[None, :] * stride_cnn_c
+        f0 = tl.load(src, mask=fmask, other=0.0)
+        f1 = tl.load(src + stride_cnn_j, mask=fmask, other=0.0)
+    else:
+        f0 = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
+        f1 = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
+    return f0, f1
+
+
+@triton.jit
+def _emit_frames(emit_src_ptr, valid_ptr, n, first, cols, fmask, T, C):
+    """History frames T_n and T_n + 1 of each first row's sequence n (the new conv cache), masked to ``fmask``."""
+    tn = tl.load(valid_ptr + n, mask=first, other=0).to(tl.int64)
+    src = emit_src_ptr + (n * (T + 2) + tn)[:, None] * C + cols[None, :]
+    return tl.load(src, mask=fmask, other=0.0), tl.load(src + C, mask=fmask, other=0.0)
 
 
 @triton.jit
@@ -258,6 +285,7 @@ def _dit_rownorm_kernel(
     TAPS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_H: tl.constexpr,
     HAS_GATE: tl.constexpr, NORM: tl.constexpr, HEAD: tl.constexpr, HAS_CNN: tl.constexpr,
     EMIT: tl.constexpr, SPLITS: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_FRAMES: tl.constexpr,
 ):
     """One block boundary, ROWS token rows per program (arguments: :func:`_rownorm_rows`)."""
     _rownorm_rows(
@@ -265,7 +293,7 @@ def _dit_rownorm_kernel(
         scale_off, lnw_ptr, lnb_ptr, out_ptr, out_t, out_off, cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j,
         head_cbase, emit_src_ptr, emit_ptr, stride_emit_n, stride_emit_c, stride_emit_j, emit_cbase, valid_ptr,
         M, T, C, eps, TAPS, HAS_BIAS, HAS_RES, WRITE_H, HAS_GATE, NORM, HEAD, HAS_CNN, EMIT, SPLITS, ROWS, BLOCK_C,
-        USE_PDL)
+        USE_PDL, EARLY_FRAMES)
 
 
 @triton.jit
@@ -498,6 +526,13 @@ def _dit_cache_shift_kernel(
 # (rows per program, num_warps) of the row-norm kernel for every launch; None: rownorm_launch's rule.
 # For the bench's A/B (bench/dit_step.py --sweep-variants rownorm).
 ROWNORM_LAUNCH_OVERRIDE: Optional[tuple[int, int]] = None
+# The row-norm kernel's head / emit frame loads (the rows with t == 0: the old conv cache's frames, and the
+# history frames T_n, T_n + 1 behind valid[n]) issued with y's loads instead of after the row's stores. A
+# load may not move past a store that could alias it, so late they add 1 (head) or 2 (emit) dependent
+# round trips to those programs, the kernel's slowest (3 of the 4 row-norms per block have them).
+# Session 19: built and checked in the interpreter (tests/test_dit_body.py, "early" cases), not yet timed
+# (bench/dit_step.py --sweep-variants frames): off.
+ROWNORM_EARLY_FRAMES = False
 
 
 def rownorm_launch(block_c: int) -> tuple[int, int]:
@@ -555,6 +590,7 @@ def rownorm(
             TAPS=taps, HAS_BIAS=bias is not None, HAS_RES=has_res, WRITE_H=write_h,
             HAS_GATE=gate is not None, NORM=0 if ln_affine is None else 1, HEAD=head is not None,
             HAS_CNN=cnn is not None, EMIT=emit is not None, SPLITS=splits, ROWS=rows, BLOCK_C=block_c, USE_PDL=pdl,
+            EARLY_FRAMES=ROWNORM_EARLY_FRAMES,
             num_warps=warps, **launch_kwargs(pdl))
 
 
