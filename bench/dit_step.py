@@ -403,10 +403,10 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
                   ("arena", "sweep_tf32_arena_v9_mlp_qkv_cache",
                    _module_flags("dit_body", V9_TF32=True, V9_TF32_MLP=True, V9_TF32_QKV_CACHE=True)),
                   ("arena", "sweep_tf32_arena_v1", _module_flags("dit_body", V9_TF32=False))]
-    if "frames" in swept:  # the row-norm kernel's head / emit frame loads early or after the row's stores
-        for variant, tag in (("default", "sweep_frames"), ("arena", "sweep_arena_frames")):
-            plans += [(variant, f"{tag}_early", _module_flags("dit_body", ROWNORM_EARLY_FRAMES=True)),
-                      (variant, f"{tag}_late", _module_flags("dit_body", ROWNORM_EARLY_FRAMES=False))]
+    if "early" in swept:  # dit_body.EARLY_LOADS on and off
+        for variant, tag in (("default", "sweep_loads"), ("arena", "sweep_arena_loads")):
+            plans += [(variant, f"{tag}_early", _module_flags("dit_body", EARLY_LOADS=True)),
+                      (variant, f"{tag}_late", _module_flags("dit_body", EARLY_LOADS=False))]
     if "projnorm" in swept:  # v9's proj GEMM with the row-norm in its epilogue, or the two kernels
         plans += [("v9", "sweep_v9_projnorm_on", _module_flags("dit_body", V9_PROJ_ROWNORM=True)),
                   ("v9", "sweep_v9_projnorm_off", _module_flags("dit_body", V9_PROJ_ROWNORM=False)),
@@ -763,8 +763,8 @@ def main(argv=None) -> int:
                          "rownorm: the row-norm kernel's rows per program and warps on the default body; "
                          "qkv: the arena step with and without v9's QKV + cache epilogue; "
                          "tf32: v9's TF32 GEMMs against v1 for fp32-tf32 bodies; projnorm: v9's proj GEMM with "
-                         "the row-norm in its epilogue, on and off; frames: the row-norm kernel's head / emit frame loads "
-                         "early and late)")
+                         "the row-norm in its epilogue, on and off; early: the row-norm and q/k-cache kernels with every load "
+                         "before the first store, on and off)")
     ap.add_argument("--sweep-kernels", action="store_true",
                     help="also write each sweep plan's per-kernel table (eager, torch.profiler) under --out")
     ap.add_argument("--variants", default=",".join(VARIANTS + ("arena",)),

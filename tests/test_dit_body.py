@@ -317,11 +317,12 @@ INTERP_CASES += [dict(c, name=f"{c['name']}_arena", variant="v1", arena=True)
 INTERP_CASES += [dict(name="wide_f16_arena", dtype=torch.float16, n=2, t=5, l_len=70, valid=[5, 1], cached=[70, 33],
                       variant="v1", wide=True, arena=True)]
 
-# the row-norm kernel with its head / emit frame loads issued early (dit_body.ROWNORM_EARLY_FRAMES)
-INTERP_CASES += [dict(c, name=f"{c['name']}_early", variant="v1", early_frames=True)
+# dit_body.EARLY_LOADS: the row-norm kernel's head / emit frames and the q/k-cache kernel's k, v loaded
+# before the first store
+INTERP_CASES += [dict(c, name=f"{c['name']}_early", variant="v1", early_loads=True)
                  for c in _INTERP_BASE if c["name"] in ("ragged_f32", "nocache_f32", "t1_f32")]
 INTERP_CASES += [dict(name="wide_f16_arena_early", dtype=torch.float16, n=2, t=5, l_len=70, valid=[5, 1],
-                      cached=[70, 33], variant="v1", wide=True, arena=True, early_frames=True)]
+                      cached=[70, 33], variant="v1", wide=True, arena=True, early_loads=True)]
 
 
 def _interp_args(case):
@@ -360,7 +361,7 @@ def _child(out_path: str, shard: int = 0, shards: int = 1) -> None:
 
     results = {}
     for case in INTERP_CASES[shard::shards]:
-        kernels.ROWNORM_EARLY_FRAMES = case.get("early_frames", False)
+        kernels.EARLY_LOADS = case.get("early_loads", False)
         _, x_in, w, table, cnn, att, valid, cached = _interp_args(case)
         s = check_dit_body(x_in, w, table, cnn, att, valid, cached, "ieee")
         out = tuple(o.fill_(float("nan")) for o in _empty_outputs(x_in, s))  # poisoned

@@ -209,7 +209,7 @@ def _rownorm_rows(
                          other=0.0).to(tl.float32)
     first = row_ok & (t == 0)
     fmask = first[:, None] & col_ok[None, :]
-    if EARLY_FRAMES:  # the first rows' frame loads issued with y's, before any store (ROWNORM_EARLY_FRAMES)
+    if EARLY_FRAMES:  # the first rows' frame loads issued with y's, before any store (EARLY_LOADS)
         if HEAD:
             head0, head1 = _head_frames(cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j, head_cbase, n, cols, fmask,
                                         HAS_CNN, ROWS, BLOCK_C)
@@ -306,7 +306,7 @@ def _dit_qk_cache_kernel(
     valid_ptr, cached_ptr,      # (N,) int32 clamped T_n, L_n
     T, L, H, eps,
     HAS_OLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_F: tl.constexpr, CUR_ONLY: tl.constexpr,
-    APPEND: tl.constexpr, USE_PDL: tl.constexpr,
+    APPEND: tl.constexpr, USE_PDL: tl.constexpr, EARLY_LOADS: tl.constexpr,
 ):
     """q/k LayerNorm, queries out, and the new cache of one (row, head, frame tile). APPEND (the
     in-place arena, :func:`dit_body_triton` with ``arena=True``): the cache already holds the row's
@@ -340,24 +340,30 @@ def _dit_qk_cache_kernel(
         vo = tl.load(o_base + (HEAD_DIM + d)[None, :] * s_old_e, mask=om, other=0.0).to(tl.float32)
     pdl_prologue(USE_PDL)
 
-    # queries: LayerNorm over D (affine), every current frame (padding queries included)
     qm = is_q[:, None]
-    x = tl.load(qkv_ptr + row + (h * HEAD_DIM + d)[None, :], mask=qm, other=0.0).to(tl.float32)
-    mu = tl.sum(x, axis=1) / HEAD_DIM
-    xc = x - mu[:, None]
+    cm = in_cur[:, None]
+    xq = tl.load(qkv_ptr + row + (h * HEAD_DIM + d)[None, :], mask=qm, other=0.0).to(tl.float32)
+    if EARLY_LOADS:  # k and v with q, before the queries' store (dit_body.EARLY_LOADS)
+        xk = tl.load(qkv_ptr + row + (inner + h * HEAD_DIM + d)[None, :], mask=cm, other=0.0).to(tl.float32)
+        vv = tl.load(qkv_ptr + row + (2 * inner + h * HEAD_DIM + d)[None, :], mask=cm, other=0.0).to(tl.float32)
+
+    # queries: LayerNorm over D (affine), every current frame (padding queries included)
+    mu = tl.sum(xq, axis=1) / HEAD_DIM
+    xc = xq - mu[:, None]
     rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / HEAD_DIM + eps)
     qv = xc * rstd[:, None] * qn_w + qn_b
     q_off = ((n * T + f) * inner)[:, None] + (h * HEAD_DIM + d)[None, :]
     tl.store(q_out_ptr + q_off, qv.to(q_out_ptr.dtype.element_ty), mask=qm)
 
     # keys/values of the new cache: current frames (k normalised), then old frames, then zeros
-    cm = in_cur[:, None]
-    x = tl.load(qkv_ptr + row + (inner + h * HEAD_DIM + d)[None, :], mask=cm, other=0.0).to(tl.float32)
-    mu = tl.sum(x, axis=1) / HEAD_DIM
-    xc = x - mu[:, None]
+    if not EARLY_LOADS:
+        xk = tl.load(qkv_ptr + row + (inner + h * HEAD_DIM + d)[None, :], mask=cm, other=0.0).to(tl.float32)
+    mu = tl.sum(xk, axis=1) / HEAD_DIM
+    xc = xk - mu[:, None]
     rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / HEAD_DIM + eps)
     kv = xc * rstd[:, None] * kn_w + kn_b
-    vv = tl.load(qkv_ptr + row + (2 * inner + h * HEAD_DIM + d)[None, :], mask=cm, other=0.0).to(tl.float32)
+    if not EARLY_LOADS:
+        vv = tl.load(qkv_ptr + row + (2 * inner + h * HEAD_DIM + d)[None, :], mask=cm, other=0.0).to(tl.float32)
     if HAS_OLD:
         kv = tl.where(cm, kv, ko)
         vv = tl.where(cm, vv, vo)
@@ -526,13 +532,14 @@ def _dit_cache_shift_kernel(
 # (rows per program, num_warps) of the row-norm kernel for every launch; None: rownorm_launch's rule.
 # For the bench's A/B (bench/dit_step.py --sweep-variants rownorm).
 ROWNORM_LAUNCH_OVERRIDE: Optional[tuple[int, int]] = None
-# The row-norm kernel's head / emit frame loads (the rows with t == 0: the old conv cache's frames, and the
-# history frames T_n, T_n + 1 behind valid[n]) issued with y's loads instead of after the row's stores. A
-# load may not move past a store that could alias it, so late they add 1 (head) or 2 (emit) dependent
-# round trips to those programs, the kernel's slowest (3 of the 4 row-norms per block have them).
-# Session 19: built and checked in the interpreter (tests/test_dit_body.py, "early" cases), not yet timed
-# (bench/dit_step.py --sweep-variants frames): off.
-ROWNORM_EARLY_FRAMES = False
+# Loads issued before the first store where the kernel would otherwise load after storing: the row-norm
+# kernel's head / emit frames (rows with t == 0: the old conv cache's frames, and the history frames
+# T_n, T_n + 1 behind valid[n]) with y's loads, and the q/k-cache kernel's k and v with q. A load may
+# not move past a store that could alias it, so late loads add dependent memory round trips: 1 (head)
+# or 2 (emit) to the row-norm programs that have them, the kernel's slowest (3 of the 4 row-norms per
+# block), and 1 to every q/k-cache program. Session 19: built and checked in the interpreter
+# (tests/test_dit_body.py, "early" cases), not yet timed (bench/dit_step.py --sweep-variants early): off.
+EARLY_LOADS = False
 
 
 def rownorm_launch(block_c: int) -> tuple[int, int]:
@@ -590,7 +597,7 @@ def rownorm(
             TAPS=taps, HAS_BIAS=bias is not None, HAS_RES=has_res, WRITE_H=write_h,
             HAS_GATE=gate is not None, NORM=0 if ln_affine is None else 1, HEAD=head is not None,
             HAS_CNN=cnn is not None, EMIT=emit is not None, SPLITS=splits, ROWS=rows, BLOCK_C=block_c, USE_PDL=pdl,
-            EARLY_FRAMES=ROWNORM_EARLY_FRAMES,
+            EARLY_FRAMES=EARLY_LOADS,
             num_warps=warps, **launch_kwargs(pdl))
 
 
@@ -621,7 +628,7 @@ def qk_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], q_out: torch.Te
             new, new.stride(0), new.stride(1), new.stride(2), new.stride(3),
             valid, cached, t_len, l_len, heads, QK_NORM_EPS,
             HAS_OLD=old is not None and l_len > 0, HEAD_DIM=head_dim, BLOCK_F=block_f, CUR_ONLY=current_only,
-            APPEND=append, USE_PDL=pdl, num_warps=4, **launch_kwargs(pdl))
+            APPEND=append, USE_PDL=pdl, EARLY_LOADS=EARLY_LOADS, num_warps=4, **launch_kwargs(pdl))
 
 
 def cfg_euler(x: torch.Tensor, v: torch.Tensor, staged: torch.Tensor, dt: float, cfg_rate: float) -> None:
