@@ -338,8 +338,10 @@ def _layer_norm64(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "tf32"])
 @pytest.mark.parametrize("t_len,valid,cached", [(50, [50, 37, 1, 0], [400, 10, 0, 64]), (7, [7, 3], [0, 5]),
                                                 (64, [64], [3])])
-def test_gpu_qkv_cache_within_oracle(dtype, t_len, valid, cached):
-    """fp32 (TF32): the baseline is exact TF32 products, as test_gpu_linear_tf32_within_oracle."""
+@pytest.mark.parametrize("early_loads", [False, True], ids=["late", "early"])
+def test_gpu_qkv_cache_within_oracle(dtype, t_len, valid, cached, early_loads):
+    """fp32 (TF32): the baseline is exact TF32 products, as test_gpu_linear_tf32_within_oracle.
+    ``early_loads``: the epilogue's row lengths loaded before its first store (dit_body.EARLY_LOADS)."""
     _skip_unless_runnable()
     from torch_cfm.config import QK_NORM_EPS
 
@@ -360,7 +362,7 @@ def test_gpu_qkv_cache_within_oracle(dtype, t_len, valid, cached):
     q_out = torch.full((m, inner), float("nan"), device="cuda", dtype=dtype)
     for pdl in (False, True):
         assert L.qkv_cache_into(a, w, b, norms, q_out, cache, vt, ct, t_len=t_len, eps=QK_NORM_EPS, pdl=pdl,
-                                tf32=tf32)
+                                tf32=tf32, early_loads=early_loads)
     torch.cuda.synchronize()
 
     def heads_of(y, qn, kn):  # q, k (per-head LayerNorm), v of the packed (M, 3 inner) GEMM output

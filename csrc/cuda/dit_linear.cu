@@ -281,7 +281,7 @@ void linear_qkv_cache_into(const at::Tensor& a, const at::Tensor& w, const at::T
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const int f = static_cast<int>(flags & kTriggerEarly);
+  const int f = static_cast<int>(flags & (kTriggerEarly | kEarlyLoads));
   if (tf32) {
     launch_qkv_cache<float>(a, w, bias, qn_w, qn_b, kn_w, kn_b, q_out, cache, valid, cached, static_cast<int>(t_len),
                             static_cast<float>(eps), pdl, f, stream);

@@ -54,6 +54,7 @@ __host__ __device__ constexpr int stage_k() { return 128 / static_cast<int>(size
 constexpr int kTriggerEarly = 1;  // griddepcontrol.launch_dependents right after the loads are issued
 constexpr int kGeluTanh = 2;      // GELU, tanh form (the body's fc1 and cuBLASLt's GELU epilogue)
 constexpr int kNoBias = 4;        // bias is not read (may be null)
+constexpr int kEarlyLoads = 8;    // kQkvCache: the rows' T_n / L_n loaded before the epilogue's first store
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -397,6 +398,21 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
   // columns 8j + 2(lane%4) + {0,1} of the first row, 4j + {2,3} the same columns of the second.
   const int r0 = m0 + 16 * warp + lane / 4;
   if constexpr (kMode == kQkvCache) {
+    // kEarlyLoads: k/v tiles load the two rows' T_n and L_n here. Loaded where they are used, after the
+    // previous head's stores, they cost a dependent round trip per head (no load moves past a store
+    // that may alias it; see kRowNorm's epilogue below).
+    const bool early = (flags & kEarlyLoads) != 0;
+    int valid_n[2] = {0, 0}, cached_n[2] = {0, 0};
+    if (early && kind > 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = r0 + 8 * h;
+        if (r < m) {
+          valid_n[h] = qc.valid[r / qc.t_len];
+          cached_n[h] = qc.cached[r / qc.t_len];
+        }
+      }
+    }
 #pragma unroll
     for (int hh = 0; hh < BN / 64; ++hh) {
 #pragma unroll
@@ -433,9 +449,9 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
           dst = static_cast<T*>(out) + static_cast<int64_t>(r) * ldo + (head0 + hh) * 64;
         } else {
           const int n = r / qc.t_len, t = r - n * qc.t_len;
-          const int tn = qc.valid[n];
+          const int tn = early ? valid_n[h] : qc.valid[n];
           if (t >= tn) continue;  // padding frames are not cached
-          const int64_t pos = qc.cached[n] + tn - 1 - t;
+          const int64_t pos = (early ? cached_n[h] : qc.cached[n]) + tn - 1 - t;
           dst = qc.cache + n * qc.s_n + (head0 + hh) * qc.s_h + pos * qc.s_f + (kind == 2 ? 64 : 0);
         }
 #pragma unroll

@@ -534,7 +534,8 @@ def _dit_cache_shift_kernel(
 ROWNORM_LAUNCH_OVERRIDE: Optional[tuple[int, int]] = None
 # Loads issued before the first store where the kernel would otherwise load after storing: the row-norm
 # kernel's head / emit frames (rows with t == 0: the old conv cache's frames, and the history frames
-# T_n, T_n + 1 behind valid[n]) with y's loads, and the q/k-cache kernel's k and v with q. A load may
+# T_n, T_n + 1 behind valid[n]) with y's loads, the q/k-cache kernel's k and v with q, and the QKV + cache
+# epilogue's T_n / L_n (dit_linear_cuda.qkv_cache_into(early_loads=...)). A load may
 # not move past a store that could alias it, so late loads add dependent memory round trips: 1 (head)
 # or 2 (emit) to the row-norm programs that have them, the kernel's slowest (3 of the 4 row-norms per
 # block), and 1 to every q/k-cache program. Session 19: built and checked in the interpreter
@@ -936,7 +937,7 @@ def dit_body_triton(
             shift.wait(i)
         elif wgmma and arena and V9_QKV_CACHE and (wgmma16 or V9_TF32_QKV_CACHE) and qkv_cache_into(
                 a, qkv_w, qkv_b, (qn_w, qn_b, kn_w, kn_b), qbuf.view(m, inner), new_att[i], valid, cached,
-                t_len=t_len, eps=QK_NORM_EPS, pdl=linear_pdl, tf32=tf32):
+                t_len=t_len, eps=QK_NORM_EPS, pdl=linear_pdl, tf32=tf32, early_loads=EARLY_LOADS):
             pass  # the q/k LayerNorm, the queries and the arena's new frames came out of the GEMM's epilogue
         else:
             mm(a, qkv_w, qkv_b, qkv)

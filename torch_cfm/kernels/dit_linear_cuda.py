@@ -55,6 +55,7 @@ from .cfm_attention_cuda import _extension
 TRIGGER_EARLY = 1  # griddepcontrol.launch_dependents as soon as the operand loads are issued
 GELU_TANH = 2
 NO_BIAS = 4
+EARLY_LOADS = 8  # qkv_cache_into: the rows' lengths loaded before the epilogue's first store
 MAX_K = 512
 BLOCK_NS = (32, 64, 96, 128)
 TF32_BLOCK_NS = (32, 64, 96)  # fp32: the weight tile of the whole K is resident (96 x 512 x 4 = 192 KB at most)
@@ -233,7 +234,7 @@ def qkv_cache_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, q_out: tor
 
 def qkv_cache_into(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, norms: tuple[torch.Tensor, ...],
                    q_out: torch.Tensor, cache: torch.Tensor, valid: torch.Tensor, cached: torch.Tensor, *,
-                   t_len: int, eps: float, pdl: bool = True, tf32: bool = False) -> bool:
+                   t_len: int, eps: float, pdl: bool = True, tf32: bool = False, early_loads: bool = False) -> bool:
     """The block's QKV GEMM on the in-place arena, q/k-cache epilogue included; False (nothing launched)
     where :func:`qkv_cache_not_supported_reasons` is not empty.
 
@@ -245,12 +246,13 @@ def qkv_cache_into(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, norms: 
         cache: arena block (N, H, P, 128) holding L_n old frames in reversed key order; the T_n current
             frames of row n go to [L_n, L_n + T_n), reversed too (the q/k-cache kernel's APPEND mode).
         valid, cached: clamped int32 (N,) T_n and L_n.
+        early_loads: load each row's T_n and L_n before the epilogue's first store (kernels.dit_body.EARLY_LOADS).
     """
     if qkv_cache_not_supported_reasons(a, w, q_out, cache, t_len, tf32):
         return False
     module, _ = _extension()
     module.dit_linear_qkv_cache_into(a, w, bias.contiguous(), *(t.contiguous() for t in norms), q_out, cache,
-                                     valid, cached, t_len, eps, pdl, TRIGGER_EARLY)
+                                     valid, cached, t_len, eps, pdl, TRIGGER_EARLY | (EARLY_LOADS if early_loads else 0))
     return True
 
 
