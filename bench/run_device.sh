@@ -40,12 +40,16 @@
 #                  (check, repeated calls, per-role dependent chains with and without PDL; WGMMA_ARGS)
 #   ncu-block      Nsight Compute of single v7 phases at (8,50,400) fp16 (NCU_PHASES, default
 #                  "attention fc2 norm_m block"): stall reasons, occupancy, instruction-cache misses
-# Default: tests memcheck attention dit-full. The device copy has no .git: pass BENCH_COMMIT.
+# 'all': tests memcheck attention dit-full; no stage: an error. The device copy has no .git: pass BENCH_COMMIT.
 # Each stage has its own time limit (LIMIT_<STAGE> seconds, e.g. LIMIT_TESTS=400).
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=("$@"); [ ${#STAGES[@]} -eq 0 ] && STAGES=(tests memcheck attention dit-full)
+# No stage named: refuse (session 19 spent a whole device call on the old default by mistake); "all" runs
+# the full set.
+STAGES=("$@")
+if [ ${#STAGES[@]} -eq 0 ]; then echo "run_device.sh: name the stages (or 'all' for tests memcheck attention dit-full)"; exit 2; fi
+[ "${STAGES[*]}" = "all" ] && STAGES=(tests memcheck attention dit-full)
 # xdist workers: one per core of the GPU box (16; 12 until session 10, not yet run with 16). Most of the
 # GPU tests' time is Triton compiling on the host (≈ 20 s per attention variant test, session 10)
 PYTEST="python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n ${PYTEST_WORKERS:-16} -rfE --tb=short --durations=30"
