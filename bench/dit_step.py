@@ -763,8 +763,7 @@ def main(argv=None) -> int:
                          "rownorm: the row-norm kernel's rows per program and warps on the default body; "
                          "qkv: the arena step with and without v9's QKV + cache epilogue; "
                          "tf32: v9's TF32 GEMMs against v1 for fp32-tf32 bodies; projnorm: v9's proj GEMM with "
-                         "the row-norm in its epilogue, on and off; early: the row-norm and q/k-cache kernels with every load "
-                         "before the first store, on and off)")
+                         "the row-norm in its epilogue, on and off; early: dit_body.EARLY_LOADS on and off)")
     ap.add_argument("--sweep-kernels", action="store_true",
                     help="also write each sweep plan's per-kernel table (eager, torch.profiler) under --out")
     ap.add_argument("--variants", default=",".join(VARIANTS + ("arena",)),
