@@ -461,6 +461,22 @@ def test_gpu_fused_within_oracle(dtype, precision, variant, monkeypatch):
     monkeypatch.setattr(kernels, "V9_TF32", True)  # v9's fp32-tf32 case runs the wgmma GEMM's TF32 form,
     monkeypatch.setattr(kernels, "V9_TF32_MLP", True)  # its MLP (fc1 + GELU, split-K fc2) included
     monkeypatch.setattr(kernels, "V9_PROJ_ROWNORM", True)  # the proj GEMM with the row-norm in its epilogue
+    _assert_fused_within_oracle(dtype, precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ("v1", "v9"))
+@pytest.mark.parametrize("dtype,precision", [(torch.float16, None), (torch.float32, "tf32")], ids=["fp16", "fp32-tf32"])
+def test_gpu_fused_within_oracle_early_loads(dtype, precision, variant, monkeypatch):
+    """dit_body.EARLY_LOADS: the row-norm and q/k-cache kernels with their late loads moved up."""
+    import torch_cfm.kernels.dit_body as kernels
+
+    monkeypatch.setattr(kernels, "DEFAULT_VARIANT", variant)
+    monkeypatch.setattr(kernels, "EARLY_LOADS", True)
+    _assert_fused_within_oracle(dtype, precision)
+
+
+def _assert_fused_within_oracle(dtype, precision):
     fast, same, ref, valid, cached, t, l_len = _gpu_case(dtype, precision)
     parts = [valid_parts(*(o.cpu() for o in outs), valid, cached, t, l_len) for outs in (fast, same, ref)]
     for k, name in enumerate(("velocity", "cnn_cache", "att_cache")):
