@@ -467,3 +467,131 @@ def test_gpu_linear_rownorm_epilogue_within_oracle(dtype, n, t_len, c, rows_in_t
     untouched[rows] = False
     untouched[heads] = False
     assert torch.equal(out[untouched], poison[untouched]), "a row outside the written ones changed"
+
+
+def test_conv_tiles_order_and_cache():
+    """conv_tiles: row 192 i + 64 k + o of the tiled weight is the packed taps weight's row k C + 64 i + o
+    (channel tile i, tap k); the cached copy is made once and again after an in-place change."""
+    c = 128
+    w = torch.randn(3 * c, c)
+    tiles = L.conv_tiles(w)
+    for i in range(c // 64):
+        for k in range(3):
+            assert torch.equal(tiles[192 * i + 64 * k: 192 * i + 64 * (k + 1)], w[k * c + 64 * i: k * c + 64 * (i + 1)])
+    first = L._conv_tiles_cached(w)
+    assert L._conv_tiles_cached(w) is first
+    w.mul_(2)
+    again = L._conv_tiles_cached(w)
+    assert again is not first and torch.equal(again, L.conv_tiles(w))
+
+
+def test_conv_rownorm_not_supported_reasons_on_cpu():
+    n, t_len, c = 3, 4, 512
+    hist, w = torch.zeros(n * (t_len + 2), c, dtype=torch.float16), torch.zeros(3 * c, c, dtype=torch.float16)
+    out = torch.zeros(n * (t_len + 2), c, dtype=torch.float16)
+    ok = dict(out_t=t_len + 2, out_off=2, head=True)
+    reasons = L.conv_rownorm_not_supported_reasons(hist, w, out, t_len, False, **ok)
+    assert any("CUDA" in r for r in reasons) and len(reasons) == 1, reasons
+    valid = torch.full((n,), t_len, dtype=torch.int32)
+    assert L.conv_rownorm_into(hist, w, torch.zeros(c, dtype=torch.float16), out, valid, t_len=t_len, eps=1e-5,
+                               ln_affine=(torch.ones(c, dtype=torch.float16), torch.zeros(c, dtype=torch.float16)),
+                               head=(None, c), **{k: v for k, v in ok.items() if k != "head"}) is False
+    with pytest.raises(ValueError, match="h and table .* or ln_affine"):
+        L.conv_rownorm_into(hist, w, torch.zeros(c, dtype=torch.float16), out, valid, t_len=t_len, eps=1e-5)
+    assert any("N x (t_len + 2) rows" in r for r in L.conv_rownorm_not_supported_reasons(hist, w, out, 5, False))
+    assert any("w_taps must be (3C, C)" in r for r in L.conv_rownorm_not_supported_reasons(hist, w[:c], out, t_len,
+                                                                                            False))
+    assert any("C must be a multiple of 64 up to 512" in r for r in L.conv_rownorm_not_supported_reasons(
+        torch.zeros(n * (t_len + 2), 576, dtype=torch.float16), torch.zeros(3 * 576, 576, dtype=torch.float16),
+        torch.zeros(n * (t_len + 2), 576, dtype=torch.float16), t_len, False))
+    assert any("out_off >= 2 with head frames" in r
+               for r in L.conv_rownorm_not_supported_reasons(hist, w, out, t_len, False, out_t=t_len + 2, head=True))
+    assert any("fp16/bf16" in r for r in L.conv_rownorm_not_supported_reasons(hist.float(), w.float(), out.float(),
+                                                                               t_len, False))
+
+
+def _conv_oracle_inputs(dtype, n, t_len, c, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    hist = torch.randn(n * (t_len + 2), c, generator=g).to("cuda", dtype)
+    w_taps = (torch.randn(3 * c, c, generator=g) * (3 * c) ** -0.5).to("cuda", dtype)
+    bias = (torch.randn(c, generator=g) * 0.1).to("cuda", dtype)
+    return g, hist, w_taps, bias
+
+
+def _conv_taps(hist, w_taps, n, t_len, wide):
+    """sum_k hist[n (T + 2) + t + k] . W[:, :, k] for every token (n, t), in `wide` precision: (N T, C)."""
+    c = hist.shape[1]
+    hh = hist.to(wide).view(n, t_len + 2, c)
+    ww = w_taps.to(wide).view(3, c, c)
+    return sum(hh[:, k:k + t_len] @ ww[k].t() for k in range(3)).reshape(n * t_len, c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("conv", ["conv1", "conv2"])
+@pytest.mark.parametrize("n,t_len,c,valid", [(8, 50, 512, [50, 37, 1, 0, 50, 2, 49, 50]), (3, 7, 128, [7, 3, 0]),
+                                             (2, 60, 64, [60, 1]), (5, 1, 512, [1, 0, 1, 1, 0])])
+def test_gpu_conv_rownorm_within_oracle(dtype, conv, n, t_len, c, valid):
+    """A conv with the row-norm behind it in one kernel (history row tiles overlapping by 2 rows: tiles
+    that start inside a sequence, sequences spanning tiles; clusters of 8, 2 and 1 CTAs) against float64
+    torch math of the tap sum + bias and conv 1's affine LayerNorm + Mish or conv 2's gate, residual,
+    LayerNorm and adaLN. Baseline: the tap products in the dtype (cuBLAS), the rest in float32. Also: the
+    head frames (conv 1), the emitted conv-cache frames T_n, T_n + 1, h (conv 2), and every out row
+    outside the written ones and every other cache channel as they were."""
+    _skip_unless_runnable()
+    from torch_cfm.config import BLOCK_LN_EPS, CONV_LN_EPS
+
+    g, hist, w_taps, bias = _conv_oracle_inputs(dtype, n, t_len, c, seed=n * 1000 + t_len + c)
+    m = n * t_len
+    vt = torch.tensor(valid, dtype=torch.int32, device="cuda")
+    old_cnn = torch.randn(n, 2 * c, 2, generator=g).to("cuda", dtype)
+    new_cnn0 = torch.randn(n, 2 * c, 2, generator=g).to("cuda", dtype)
+    new_cnn = new_cnn0.clone()
+    conv1 = conv == "conv1"
+    out_t, out_off = (t_len + 2, 2) if conv1 else (t_len, 0)
+    poison = torch.randn(n * out_t + 3, c, generator=g).to("cuda", dtype)
+    out = poison.clone()
+    if conv1:
+        ln = ((torch.randn(c, generator=g) * 0.2 + 1).to("cuda", dtype), (torch.randn(c, generator=g) * 0.1).to("cuda", dtype))
+        assert L.conv_rownorm_into(hist, w_taps, bias, out, vt, t_len=t_len, eps=CONV_LN_EPS, out_t=out_t,
+                                   out_off=out_off, ln_affine=ln, head=(old_cnn, c), emit=(new_cnn, 0))
+    else:
+        h0 = torch.randn(m, c, generator=g).cuda()
+        h = h0.clone()
+        table = torch.randn(n, 3 * c, generator=g).cuda()  # gate | shift | 1 + scale
+        assert L.conv_rownorm_into(hist, w_taps, bias, out, vt, t_len=t_len, eps=BLOCK_LN_EPS, h=h, table=table,
+                                   gate=0, shift=c, scale=2 * c, emit=(new_cnn, c))
+    torch.cuda.synchronize()
+
+    def boundary(taps, wide):
+        y = taps + bias.to(wide)
+        if conv1:
+            z = torch.nn.functional.layer_norm(y, (c,), eps=CONV_LN_EPS) * ln[0].to(wide) + ln[1].to(wide)
+            return None, z * torch.tanh(torch.nn.functional.softplus(z))
+        tab = table.to(wide)[torch.arange(m, device="cuda") // t_len]
+        hh = h0.to(wide) + tab[:, :c] * y
+        z = torch.nn.functional.layer_norm(hh, (c,), eps=BLOCK_LN_EPS)
+        return hh, z * tab[:, 2 * c:] + tab[:, c:2 * c]
+
+    ref_h, ref_z = boundary(_conv_taps(hist, w_taps, n, t_len, torch.float64), torch.float64)
+    taps16 = sum((hist.view(n, t_len + 2, c)[:, k:k + t_len].reshape(m, c) @ w_taps.view(3, c, c)[k].t()).float()
+                 for k in range(3))  # the tap GEMM's outputs, each rounded to the dtype as the two-kernel path does
+    same_h, same_z = boundary(taps16, torch.float32)
+    rows = (torch.arange(n)[:, None] * out_t + out_off + torch.arange(t_len)[None, :]).flatten().cuda()
+    assert_within_oracle(out[rows].cpu(), same_z.to(dtype).cpu(), ref_z.cpu(), "out rows")
+    if not conv1:
+        assert_within_oracle(h.cpu(), same_h.cpu(), ref_h.cpu(), "h")
+    written = torch.zeros(out.shape[0], dtype=torch.bool, device="cuda")
+    written[rows] = True
+    if conv1:
+        heads = (torch.arange(n)[:, None] * out_t + torch.arange(2)[None, :]).flatten().cuda()
+        assert torch.equal(out[heads], old_cnn[:, c:2 * c, :].permute(0, 2, 1).reshape(2 * n, c)), "head frames"
+        written[heads] = True
+    assert torch.equal(out[~written], poison[~written]), "a row outside the written ones changed"
+    base = 0 if conv1 else c
+    hist3 = hist.view(n, t_len + 2, c)
+    for i, tn in enumerate(valid):
+        assert torch.equal(new_cnn[i, base:base + c, :], hist3[i, tn:tn + 2].t()), f"emitted frames of row {i}"
+    others = torch.ones(2 * c, dtype=torch.bool)
+    others[base:base + c] = False
+    assert torch.equal(new_cnn[:, others], new_cnn0[:, others]), "another cache channel changed"
