@@ -217,6 +217,44 @@ def _kernel_us(fn) -> dict[str, float]:
     return {name: round(us / cnt, 2) for name, (cnt, us) in agg.items()}
 
 
+def _time_chains(env, plans, link, length, rounds, repeats, final, reset, meta) -> list:
+    """Rows of µs per link of the chain ``link(plan, 0..length-1)`` of each plan, captured ``rounds`` times
+    in a new order each round and pooled. After round 0 each plan runs once more eagerly, from ``reset()``,
+    for its end-of-chain output (``final``, compared with the last plan's) and its eager kernel times."""
+    label = f"{meta['op']} {meta['dtype']}"
+    samples = {p: [] for p in plans}
+    finals, kernels = {}, {}
+    for rnd in range(rounds):
+        order = list(plans)
+        random.Random(rnd).shuffle(order)
+        for plan in order:
+            steps = [link(plan, i) for i in range(length)]
+
+            def run_chain(steps=steps):
+                for step in steps:
+                    step()
+
+            raw = []
+            t = time_cuda_graph(run_chain, calls=1, repeats=repeats, samples=raw)
+            samples[plan].extend(v / length for v in raw)
+            if rnd == 0:
+                reset()
+                run_chain()
+                finals[plan] = final.double().clone()
+                kernels[plan] = _kernel_us(run_chain)
+            print(f"{label} round {rnd} {plan:12s} {t['us_p50'] / length:.2f} us/boundary", flush=True)
+    rows, ref = [], finals[plans[-1]]
+    for plan in plans:
+        diff = ((finals[plan] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        p = percentiles(samples[plan])
+        rows.append(make_row(env, provider="wgmma", variant=plan, timing="cuda_graph",
+                             **{**meta, "shape": {**meta["shape"], "mode": f"chain{length}"}},
+                             rel_diff_vs_two_launches=diff, eager_kernel_us=kernels[plan], **p))
+        print(f"{label} {plan:12s} {p['us_p50']:.2f} us/boundary (vs {plans[-1]}: rel diff {diff:.1e}); "
+              f"eager kernels {kernels[plan]}", flush=True)
+    return rows
+
+
 def rownorm_rows(env, dtypes, weight_mb, rounds, repeats, n_seq=8, t_len=50, c=512) -> list:
     """µs per proj boundary (proj GEMM, gate, residual, LayerNorm, adaLN) of a dependent chain, each
     link with its own weights: the GEMM with the row-norm in its epilogue (``linear_rownorm_into``,
@@ -252,37 +290,8 @@ def rownorm_rows(env, dtypes, weight_mb, rounds, repeats, n_seq=8, t_len=50, c=5
                                              pdl_family="wgmma", **offs))
 
         plans = ("fused", "fused_nopdl", "two_launches")
-        samples = {p: [] for p in plans}
-        finals, kernels = {}, {}
-        for rnd in range(rounds):
-            order = list(plans)
-            random.Random(rnd).shuffle(order)
-            for plan in order:
-                steps = [link(plan, i) for i in range(length)]
-
-                def run_chain(steps=steps):
-                    for step in steps:
-                        step()
-
-                raw = []
-                t = time_cuda_graph(run_chain, calls=1, repeats=repeats, samples=raw)
-                samples[plan].extend(v / length for v in raw)
-                if rnd == 0:
-                    h.copy_(h0)
-                    run_chain()
-                    finals[plan] = bufs[(length - 1) % 2].double().clone()
-                    kernels[plan] = _kernel_us(run_chain)
-                print(f"rownorm {dname} round {rnd} {plan:12s} {t['us_p50'] / length:.2f} us/boundary", flush=True)
-        ref = finals["two_launches"]
-        for plan in plans:
-            diff = ((finals[plan] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-            p = percentiles(samples[plan])
-            rows.append(make_row(env, op="gemm_rownorm", provider="wgmma", variant=plan,
-                                 shape={"M": m, "K": c, "N": c, "mode": f"chain{length}", "role": "proj"},
-                                 dtype=dname, timing="cuda_graph", rel_diff_vs_two_launches=diff,
-                                 eager_kernel_us=kernels[plan], **p))
-            print(f"rownorm {dname} {plan:12s} {p['us_p50']:.2f} us/boundary (vs two launches: rel diff "
-                  f"{diff:.1e}); eager kernels {kernels[plan]}", flush=True)
+        rows += _time_chains(env, plans, link, length, rounds, repeats, bufs[(length - 1) % 2], lambda: h.copy_(h0),
+                             dict(op="gemm_rownorm", shape={"M": m, "K": c, "N": c, "role": "proj"}, dtype=dname))
     return rows
 
 
@@ -328,36 +337,8 @@ def convnorm_rows(env, dtypes, weight_mb, rounds, repeats, n_seq=8, t_len=50, c=
             link(plan, 0)()
         for i in range(length):
             dit_linear_cuda._conv_tiles_cached(weights[i])
-        samples = {p: [] for p in plans}
-        finals, kernels = {}, {}
-        for rnd in range(rounds):
-            order = list(plans)
-            random.Random(rnd).shuffle(order)
-            for plan in order:
-                steps = [link(plan, i) for i in range(length)]
-
-                def run_chain(steps=steps):
-                    for step in steps:
-                        step()
-
-                raw = []
-                t = time_cuda_graph(run_chain, calls=1, repeats=repeats, samples=raw)
-                samples[plan].extend(v / length for v in raw)
-                if rnd == 0:
-                    run_chain()
-                    finals[plan] = bufs[(length - 1) % 2].double().clone()
-                    kernels[plan] = _kernel_us(run_chain)
-                print(f"convnorm {dname} round {rnd} {plan:12s} {t['us_p50'] / length:.2f} us/boundary", flush=True)
-        ref = finals["two_launches"]
-        for plan in plans:
-            diff = ((finals[plan] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-            p = percentiles(samples[plan])
-            rows.append(make_row(env, op="conv_rownorm", provider="wgmma", variant=plan,
-                                 shape={"M": mh, "K": c, "N": c, "mode": f"chain{length}", "role": "conv1"},
-                                 dtype=dname, timing="cuda_graph", rel_diff_vs_two_launches=diff,
-                                 eager_kernel_us=kernels[plan], **p))
-            print(f"convnorm {dname} {plan:12s} {p['us_p50']:.2f} us/boundary (vs two launches: rel diff "
-                  f"{diff:.1e}); eager kernels {kernels[plan]}", flush=True)
+        rows += _time_chains(env, plans, link, length, rounds, repeats, bufs[(length - 1) % 2], lambda: None,
+                             dict(op="conv_rownorm", shape={"M": mh, "K": c, "N": c, "role": "conv1"}, dtype=dname))
     return rows
 
 

@@ -124,6 +124,22 @@ void check_k(const at::Tensor& a, int64_t splits) {
               " way(s) into chunks that are multiples of ", sk, ", at most ", kMaxK);
 }
 
+// The row-norm epilogues' output rows (token (n, t) -> out row n out_t + out_off + t) and head frames.
+template <typename T>
+void set_out_rows(RowNormArgs<T>& rn, int64_t out_t, int64_t out_off, const std::optional<at::Tensor>& cnn,
+                  int64_t cnn_cbase, bool head) {
+  rn.out_t = static_cast<int>(out_t);
+  rn.out_off = static_cast<int>(out_off);
+  rn.head = head ? 1 : 0;
+  if (head && cnn.has_value()) {
+    rn.cnn = static_cast<const T*>(cnn->data_ptr());
+    rn.cnn_s_n = cnn->stride(0);
+    rn.cnn_s_c = cnn->stride(1);
+    rn.cnn_s_j = cnn->stride(2);
+    rn.cnn_cbase = static_cast<int>(cnn_cbase);
+  }
+}
+
 }  // namespace
 
 void linear_into(const at::Tensor& a, const at::Tensor& w, const std::optional<at::Tensor>& bias, at::Tensor& out,
@@ -341,16 +357,7 @@ void linear_rownorm_into(const at::Tensor& a, const at::Tensor& w, const at::Ten
     rn.gate_off = static_cast<int>(gate_off);
     rn.shift_off = static_cast<int>(shift_off);
     rn.scale_off = static_cast<int>(scale_off);
-    rn.out_t = static_cast<int>(out_t);
-    rn.out_off = static_cast<int>(out_off);
-    rn.head = head ? 1 : 0;
-    if (head && cnn.has_value()) {
-      rn.cnn = static_cast<const T*>(cnn->data_ptr());
-      rn.cnn_s_n = cnn->stride(0);
-      rn.cnn_s_c = cnn->stride(1);
-      rn.cnn_s_j = cnn->stride(2);
-      rn.cnn_cbase = static_cast<int>(cnn_cbase);
-    }
+    set_out_rows(rn, out_t, out_off, cnn, cnn_cbase, head);
     rn.t_len = static_cast<int>(t_len);
     rn.eps = static_cast<float>(eps);
     launch<T, 64, kRowNorm>(a, w, static_cast<const T*>(bias.data_ptr()), out, pdl, f, tiles, 1, stream,
@@ -432,16 +439,7 @@ void conv_rownorm_into(const at::Tensor& hist, const at::Tensor& w_tiles, const 
       rn.ln_b = static_cast<const T*>(ln_b->data_ptr());
     }
     rn.bias = static_cast<const T*>(bias.data_ptr());
-    rn.out_t = static_cast<int>(out_t);
-    rn.out_off = static_cast<int>(out_off);
-    rn.head = head ? 1 : 0;
-    if (head && cnn.has_value()) {
-      rn.cnn = static_cast<const T*>(cnn->data_ptr());
-      rn.cnn_s_n = cnn->stride(0);
-      rn.cnn_s_c = cnn->stride(1);
-      rn.cnn_s_j = cnn->stride(2);
-      rn.cnn_cbase = static_cast<int>(cnn_cbase);
-    }
+    set_out_rows(rn, out_t, out_off, cnn, cnn_cbase, head);
     rn.hist = static_cast<const T*>(hist.data_ptr());
     if (emit.has_value()) {
       rn.emit = static_cast<T*>(emit->data_ptr());
