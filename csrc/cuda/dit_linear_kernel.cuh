@@ -123,6 +123,9 @@ __device__ __forceinline__ uint32_t cluster_size() {
 
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
 __device__ __forceinline__ void cluster_sync() {
   cluster_arrive();
   cluster_wait();
@@ -273,7 +276,7 @@ struct RowNormArgs {
 // rows 16 warp + lane / 4 (+ 8) (x[0], x[1]); the 4 lanes of a row, then the cluster's CTAs (its columns,
 // through distributed shared memory: red[pass] of every peer) add them up; c_all values per row. Two
 // passes, mean then the squared deviations about it, in two arrays so that no CTA overwrites what a peer
-// may still be reading. The caller keeps every CTA resident until its peers are done (a last cluster_sync).
+// may still be reading. The caller keeps every CTA resident until its peers are done (a last cluster barrier).
 template <int kV>
 __device__ __forceinline__ void cluster_row_stats(const float (&x)[2][kV], float (&red)[2][kBM], int c_all, float eps,
                                                   float (&mean)[2], float (&rstd)[2]) {
@@ -550,12 +553,10 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = r0 + 8 * h;
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {
         x[h][2 * j] += (d[4 * j + 2 * h] + bias_v[2 * j]) * gate[h][2 * j];
         x[h][2 * j + 1] += (d[4 * j + 2 * h + 1] + bias_v[2 * j + 1]) * gate[h][2 * j + 1];
-        if (r < m) store_pair(rn.h + static_cast<int64_t>(r) * c_all + col0 + 8 * j, x[h][2 * j], x[h][2 * j + 1]);
       }
     }
     // the adaLN factors, loaded here so that they arrive during the statistics' cluster barriers
@@ -571,6 +572,15 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
     }
     float mean[2], rstd[2];
     cluster_row_stats<BN / 4>(x, red, c_all, rn.eps, mean, rstd);
+    // h only now: the statistics' release barriers would otherwise wait for these stores to drain
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 8 * h;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        if (r < m) store_pair(rn.h + static_cast<int64_t>(r) * c_all + col0 + 8 * j, x[h][2 * j], x[h][2 * j + 1]);
+      }
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = r0 + 8 * h;
@@ -602,7 +612,10 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
         }
       }
     }
-    cluster_sync();  // no CTA leaves while a peer may still read its red[1]
+    // No CTA leaves while a peer may still read its red[1]. Relaxed: this barrier orders no memory (every
+    // peer has consumed its remote loads before arriving), and a release would wait for the stores above.
+    cluster_arrive_relaxed();
+    cluster_wait();
   }
   if constexpr (kMode == kConvNorm) {
     // The CTA holds, for history rows p = m0 + lr (lr < 64) and its 64 output channels cbase + cl, the
@@ -621,7 +634,9 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
     const int c_all = ldo;           // C
     const int hist_t = rn.t_len + 2;
     const int cbase = blockIdx.y * 64;
-    float* taps = reinterpret_cast<float*>(sw);
+    // sw as an offset from the shared array itself, so that the compiler sees shared memory (LDS / STS,
+    // not generic loads and stores)
+    float* taps = reinterpret_cast<float*>(smem_raw + (sw - smem_raw));
     __syncthreads();  // every warp's wgmmas, which read sw, have completed
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -683,14 +698,19 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
       for (int h = 0; h < 2; ++h) {
 #pragma unroll
         for (int i = 0; i < 16; ++i) x[h][i] = old[h][i] + gate_v[h][i] * x[h][i];
+      }
+    }
+    float mean[2], rstd[2];
+    cluster_row_stats<16>(x, red, c_all, rn.eps, mean, rstd);
+    if (rn.gate) {  // h after the statistics (see kRowNorm)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
         if (tok[h] < 0) continue;
         float* hp = rn.h + static_cast<int64_t>(tok[h]) * c_all + cbase + 2 * (lane % 4);
 #pragma unroll
         for (int jj = 0; jj < 8; ++jj) store_pair(hp + 8 * jj, x[h][2 * jj], x[h][2 * jj + 1]);
       }
     }
-    float mean[2], rstd[2];
-    cluster_row_stats<16>(x, red, c_all, rn.eps, mean, rstd);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (tok[h] < 0) continue;
@@ -743,7 +763,10 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
         }
       }
     }
-    cluster_sync();  // no CTA leaves while a peer may still read its red[1]
+    // No CTA leaves while a peer may still read its red[1]. Relaxed: this barrier orders no memory (every
+    // peer has consumed its remote loads before arriving), and a release would wait for the stores above.
+    cluster_arrive_relaxed();
+    cluster_wait();
   }
   float* part = kMode == kPartials ? static_cast<float*>(out) + static_cast<int64_t>(blockIdx.z) * m * ldo : nullptr;
 #pragma unroll

@@ -89,7 +89,7 @@ V9_PROJ_ROWNORM = False
 # v9, 16-bit: each conv as one kernel, the taps GEMM over the history with the tap sum, the row-norm behind it
 # (conv 1: affine LN + Mish; conv 2: gate, residual, LN, adaLN) and the conv-cache frames in its epilogue,
 # clustered as V9_PROJ_ROWNORM's (dit_linear_cuda.conv_rownorm_into): two kernels fewer per block (8 with
-# V9_PROJ_ROWNORM). Built in session 19 (189 registers, no spills, 225 KB of shared memory), not yet run on
+# V9_PROJ_ROWNORM). Built in session 19 (193 registers, no spills, 225 KB of shared memory), not yet run on
 # a GPU (tests/test_dit_linear_cuda.py -k conv_rownorm, bench/dit_step.py --sweep-variants convnorm): off.
 V9_CONV_ROWNORM = False
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
