@@ -58,14 +58,14 @@ CUtensorMap make_map(const at::Tensor& t, int64_t rows, int64_t cols, int64_t ld
 // out: (M, N) in T (kQkvCache: the queries (M, N / 3)), or with kPartials the fp32 (splits, M, N)
 // partial sums (one K chunk per split).
 // kRowNorm: out is the row-norm's output rows; the cluster (all N / BN column tiles) runs along y.
-template <typename T, int BN, int kMode>
+template <typename T, int BN, int kMode, bool kEarly = false>
 void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor& out, bool pdl, int flags, int cluster,
             int splits, cudaStream_t stream, const QkvCacheArgs<T>& qc = QkvCacheArgs<T>(),
             const RowNormArgs<T>& rn = RowNormArgs<T>()) {
   const int m = static_cast<int>(a.size(0)), k = static_cast<int>(a.size(1)), n = static_cast<int>(w.size(0));
   const CUtensorMap map_a = make_map(a, m, k, a.stride(0), kBM);
   const CUtensorMap map_w = make_map(w, n, k, w.stride(0), BN);
-  auto kernel = linear_kernel<T, BN, kMode>;
+  auto kernel = linear_kernel<T, BN, kMode, kEarly>;
   const int k_cta = k / splits;
   const int smem = smem_bytes<T, BN, kMode>(k_cta / stage_k<T>());
   // The shared-memory opt-in is a per-device host-side attribute, set once at the largest size (K = 512)
@@ -250,7 +250,12 @@ void launch_qkv_cache(const at::Tensor& a, const at::Tensor& w, const at::Tensor
   qc.eps = eps;
   // 16-bit: 128-wide tiles (two heads); fp32 (TF32): one head, the widest tile whose weights fit resident
   constexpr int kBN = std::is_same<T, float>::value ? 64 : 128;
-  launch<T, kBN, kQkvCache>(a, w, static_cast<const T*>(bias.data_ptr()), q_out, pdl, flags, 1, 1, stream, qc);
+  if (flags & kEarlyLoads) {
+    launch<T, kBN, kQkvCache, true>(a, w, static_cast<const T*>(bias.data_ptr()), q_out, pdl, flags & kTriggerEarly, 1,
+                                    1, stream, qc);
+  } else {
+    launch<T, kBN, kQkvCache>(a, w, static_cast<const T*>(bias.data_ptr()), q_out, pdl, flags, 1, 1, stream, qc);
+  }
 }
 
 }  // namespace

@@ -329,7 +329,7 @@ constexpr int smem_bytes(int stages) {
 // of a and w. T = float is the TF32 form (the tensor maps round to TF32 as they load).
 // out: (M, ldo) in T (kOut; kQkvCache: the queries), or with kPartials (splits, M, ldo) in fp32, split z
 // at z * M * ldo.
-template <typename T, int BN, int kMode>
+template <typename T, int BN, int kMode, bool kEarly = false>
 __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant__ CUtensorMap map_a,
                                                               const __grid_constant__ CUtensorMap map_w,
                                                               const T* __restrict__ bias, void* __restrict__ out,
@@ -460,12 +460,12 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
   // columns 8j + 2(lane%4) + {0,1} of the first row, 4j + {2,3} the same columns of the second.
   const int r0 = m0 + 16 * warp + lane / 4;
   if constexpr (kMode == kQkvCache) {
-    // kEarlyLoads: k/v tiles load the two rows' T_n and L_n here. Loaded where they are used, after the
-    // previous head's stores, they cost a dependent round trip per head (no load moves past a store
-    // that may alias it; see kRowNorm's epilogue below).
-    const bool early = (flags & kEarlyLoads) != 0;
+    // kEarly (the host's kEarlyLoads flag): k/v tiles load the two rows' T_n and L_n here. Loaded where
+    // they are used, after the previous head's stores, they cost a dependent round trip per head (no load
+    // moves past a store that may alias it; see kRowNorm's epilogue below). A template parameter, so that
+    // the default instantiation is the code measured before it existed.
     int valid_n[2] = {0, 0}, cached_n[2] = {0, 0};
-    if (early && kind > 0) {
+    if (kEarly && kind > 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = r0 + 8 * h;
@@ -511,9 +511,9 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
           dst = static_cast<T*>(out) + static_cast<int64_t>(r) * ldo + (head0 + hh) * 64;
         } else {
           const int n = r / qc.t_len, t = r - n * qc.t_len;
-          const int tn = early ? valid_n[h] : qc.valid[n];
+          const int tn = kEarly ? valid_n[h] : qc.valid[n];
           if (t >= tn) continue;  // padding frames are not cached
-          const int64_t pos = (early ? cached_n[h] : qc.cached[n]) + tn - 1 - t;
+          const int64_t pos = (kEarly ? cached_n[h] : qc.cached[n]) + tn - 1 - t;
           dst = qc.cache + n * qc.s_n + (head0 + hh) * qc.s_h + pos * qc.s_f + (kind == 2 ? 64 : 0);
         }
 #pragma unroll

@@ -214,14 +214,18 @@ def _rownorm_rows(
         for s in tl.static_range(1, SPLITS):
             y += tl.load(y_ptr + s * split_stride + rows64[:, None] * stride_y + cols[None, :], mask=ok,
                          other=0.0).to(tl.float32)
-    first = row_ok & (t == 0)
-    fmask = first[:, None] & col_ok[None, :]
     if EARLY_FRAMES:  # the first rows' frame loads issued with y's, before any store (EARLY_LOADS)
+        first = row_ok & (t == 0)
+        fmask = first[:, None] & col_ok[None, :]
         if HEAD:
-            head0, head1 = _head_frames(cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j, head_cbase, n, cols, fmask,
-                                        HAS_CNN, ROWS, BLOCK_C)
+            head0 = _head_frame(cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j, head_cbase, n, cols, fmask, 0,
+                                HAS_CNN, ROWS, BLOCK_C)
+            head1 = _head_frame(cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j, head_cbase, n, cols, fmask, 1,
+                                HAS_CNN, ROWS, BLOCK_C)
         if EMIT:
-            emit0, emit1 = _emit_frames(emit_src_ptr, valid_ptr, n, first, cols, fmask, T, C)
+            tn = tl.load(valid_ptr + n, mask=first, other=0).to(tl.int64)
+            emit0 = _emit_frame(emit_src_ptr, n, tn, cols, fmask, T, C, 0)
+            emit1 = _emit_frame(emit_src_ptr, n, tn, cols, fmask, T, C, 1)
     if HAS_BIAS:
         y += bias
     if HAS_GATE:
@@ -246,41 +250,54 @@ def _rownorm_rows(
     orow = n * out_t + out_off + t
     tl.store(out_ptr + orow[:, None] * C + cols[None, :], z.to(out_ptr.dtype.element_ty), mask=ok)
 
+    # Without EARLY_FRAMES each frame is loaded right before its store (the order measured on the GPU)
+    if not EARLY_FRAMES:
+        first = row_ok & (t == 0)
+        fmask = first[:, None] & col_ok[None, :]
     if HEAD:  # history frames 0, 1 <- old conv cache (zeros without one)
-        if not EARLY_FRAMES:
-            head0, head1 = _head_frames(cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j, head_cbase, n, cols, fmask,
-                                        HAS_CNN, ROWS, BLOCK_C)
-        tl.store(out_ptr + (n * out_t)[:, None] * C + cols[None, :], head0.to(out_ptr.dtype.element_ty), mask=fmask)
-        tl.store(out_ptr + (n * out_t + 1)[:, None] * C + cols[None, :], head1.to(out_ptr.dtype.element_ty), mask=fmask)
+        for j in tl.static_range(2):
+            if EARLY_FRAMES:
+                if j == 0:
+                    hv = head0
+                else:
+                    hv = head1
+            else:
+                hv = _head_frame(cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j, head_cbase, n, cols, fmask, j,
+                                 HAS_CNN, ROWS, BLOCK_C)
+            tl.store(out_ptr + (n * out_t + j)[:, None] * C + cols[None, :], hv.to(out_ptr.dtype.element_ty),
+                     mask=fmask)
     if EMIT:  # new conv cache = history frames T_n, T_n + 1 (the last 2 of [cache ; chunk[:T_n]])
         if not EARLY_FRAMES:
-            emit0, emit1 = _emit_frames(emit_src_ptr, valid_ptr, n, first, cols, fmask, T, C)
-        dst = emit_ptr + n[:, None] * stride_emit_n + (emit_cbase + cols)[None, :] * stride_emit_c
-        tl.store(dst, emit0.to(emit_ptr.dtype.element_ty), mask=fmask)
-        tl.store(dst + stride_emit_j, emit1.to(emit_ptr.dtype.element_ty), mask=fmask)
+            tn = tl.load(valid_ptr + n, mask=first, other=0).to(tl.int64)
+        for j in tl.static_range(2):
+            if EARLY_FRAMES:
+                if j == 0:
+                    ev = emit0
+                else:
+                    ev = emit1
+            else:
+                ev = _emit_frame(emit_src_ptr, n, tn, cols, fmask, T, C, j)
+            tl.store(emit_ptr + n[:, None] * stride_emit_n + (emit_cbase + cols)[None, :] * stride_emit_c
+                     + j * stride_emit_j, ev.to(emit_ptr.dtype.element_ty), mask=fmask)
 
 
 @triton.jit
-def _head_frames(cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j, head_cbase, n, cols, fmask,
-                 HAS_CNN: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """The old conv cache's 2 frames (channels head_cbase + cols) of each row's sequence n, masked to
+def _head_frame(cnn_ptr, stride_cnn_n, stride_cnn_c, stride_cnn_j, head_cbase, n, cols, fmask, j,
+                HAS_CNN: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Frame j of the old conv cache (channels head_cbase + cols) of each row's sequence n, masked to
     ``fmask`` (zeros without a cache)."""
     if HAS_CNN:
-        src = cnn_ptr + n[:, None] * stride_cnn_n + (head_cbase + cols)[None, :] * stride_cnn_c
-        f0 = tl.load(src, mask=fmask, other=0.0)
-        f1 = tl.load(src + stride_cnn_j, mask=fmask, other=0.0)
+        f = tl.load(cnn_ptr + n[:, None] * stride_cnn_n + (head_cbase + cols)[None, :] * stride_cnn_c
+                    + j * stride_cnn_j, mask=fmask, other=0.0)
     else:
-        f0 = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
-        f1 = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
-    return f0, f1
+        f = tl.zeros([ROWS, BLOCK_C], dtype=tl.float32)
+    return f
 
 
 @triton.jit
-def _emit_frames(emit_src_ptr, valid_ptr, n, first, cols, fmask, T, C):
-    """History frames T_n and T_n + 1 of each first row's sequence n (the new conv cache), masked to ``fmask``."""
-    tn = tl.load(valid_ptr + n, mask=first, other=0).to(tl.int64)
-    src = emit_src_ptr + (n * (T + 2) + tn)[:, None] * C + cols[None, :]
-    return tl.load(src, mask=fmask, other=0.0), tl.load(src + C, mask=fmask, other=0.0)
+def _emit_frame(emit_src_ptr, n, tn, cols, fmask, T, C, j):
+    """History frame T_n + j of each first row's sequence n (for the new conv cache), masked to ``fmask``."""
+    return tl.load(emit_src_ptr + (n * (T + 2) + tn + j)[:, None] * C + cols[None, :], mask=fmask, other=0.0)
 
 
 @triton.jit
