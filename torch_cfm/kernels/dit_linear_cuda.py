@@ -290,6 +290,19 @@ def linear_into(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], 
 ROWNORM_BLOCK_N = 64  # the row-norm epilogue's tile width: a cluster of C / 64 <= 8 CTAs holds whole rows
 
 
+def _out_rows_reasons(out: torch.Tensor, c: int, n_rows: int, t_len: int, out_t: Optional[int], out_off: int,
+                      head: bool) -> list[str]:
+    """The row-norm epilogues' output rule: contiguous rows of C, token (n, t) at row n·out_t + out_off + t,
+    rows n·out_t + {0, 1} for the head frames."""
+    out_t = t_len if out_t is None else out_t
+    if not out.is_contiguous() or out.shape[1] != c:
+        return [f"out must be contiguous (rows, {c})"]
+    if t_len > 0 and (out_t < t_len + out_off or out.shape[0] < n_rows * out_t or out_off < (2 if head else 0)):
+        return [f"out must hold N x out_t rows with t_len + out_off <= out_t (out_off >= 2 with head frames), "
+                f"got {out.shape[0]} rows, out_t {out_t}, out_off {out_off}"]
+    return []
+
+
 def rownorm_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, h: torch.Tensor, table: torch.Tensor,
                                   out: torch.Tensor, t_len: int, tf32: bool = False, out_t: Optional[int] = None,
                                   out_off: int = 0, head: bool = False) -> list[str]:
@@ -309,12 +322,7 @@ def rownorm_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, h: torch.Ten
         reasons.append("table must be contiguous float32")
     if t_len <= 0 or m % t_len:
         reasons.append(f"a must have N x t_len rows, got {m} rows for t_len {t_len}")
-    out_t = t_len if out_t is None else out_t
-    if not out.is_contiguous() or out.shape[1] != c:
-        reasons.append(f"out must be contiguous (rows, {c})")
-    elif t_len > 0 and (out_t < t_len + out_off or out.shape[0] < (m // t_len) * out_t or out_off < (2 if head else 0)):
-        reasons.append(f"out must hold N x out_t rows with t_len + out_off <= out_t (out_off >= 2 with head frames), "
-                       f"got {out.shape[0]} rows, out_t {out_t}, out_off {out_off}")
+    reasons += _out_rows_reasons(out, c, m // t_len if t_len > 0 else 0, t_len, out_t, out_off, head)
     reasons += _tma_operand_reasons(a, w)
     return reasons or _entry_reasons(a.device, "dit_linear_rownorm_into", "the GEMM + row-norm")
 
@@ -399,13 +407,7 @@ def conv_rownorm_not_supported_reasons(hist: torch.Tensor, w_taps: torch.Tensor,
         reasons.append("hist must be contiguous")
     if t_len <= 0 or m % (t_len + 2):
         reasons.append(f"hist must have N x (t_len + 2) rows, got {m} rows for t_len {t_len}")
-    out_t = t_len if out_t is None else out_t
-    if not out.is_contiguous() or out.shape[1] != c:
-        reasons.append(f"out must be contiguous (rows, {c})")
-    elif t_len > 0 and (out_t < t_len + out_off or out.shape[0] < (m // (t_len + 2)) * out_t
-                        or out_off < (2 if head else 0)):
-        reasons.append(f"out must hold N x out_t rows with t_len + out_off <= out_t (out_off >= 2 with head frames), "
-                       f"got {out.shape[0]} rows, out_t {out_t}, out_off {out_off}")
+    reasons += _out_rows_reasons(out, c, m // (t_len + 2) if t_len > 0 else 0, t_len, out_t, out_off, head)
     reasons += _tma_operand_reasons(hist, w_taps)
     return reasons or _entry_reasons(hist.device, "dit_conv_rownorm_into", "the conv + row-norm")
 
