@@ -407,12 +407,6 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
         for variant, tag in (("default", "sweep_loads"), ("arena", "sweep_arena_loads")):
             plans += [(variant, f"{tag}_early", _module_flags("dit_body", EARLY_LOADS=True)),
                       (variant, f"{tag}_late", _module_flags("dit_body", EARLY_LOADS=False))]
-    if "convnorm" in swept:  # v9's conv GEMMs with the row-norm in their epilogue (+ the proj form: 8 per block)
-        for variant, tag in (("v9", "sweep_v9"), ("arena", "sweep_arena_v9")):
-            plans += [(variant, f"{tag}_convnorm_on", _module_flags("dit_body", V9_CONV_ROWNORM=True)),
-                      (variant, f"{tag}_convnorm_off", _module_flags("dit_body", V9_CONV_ROWNORM=False)),
-                      (variant, f"{tag}_convnorm_projnorm",
-                       _module_flags("dit_body", V9_CONV_ROWNORM=True, V9_PROJ_ROWNORM=True))]
     if "projnorm" in swept:  # v9's proj GEMM with the row-norm in its epilogue, or the two kernels
         plans += [("v9", "sweep_v9_projnorm_on", _module_flags("dit_body", V9_PROJ_ROWNORM=True)),
                   ("v9", "sweep_v9_projnorm_off", _module_flags("dit_body", V9_PROJ_ROWNORM=False)),
@@ -769,8 +763,7 @@ def main(argv=None) -> int:
                          "rownorm: the row-norm kernel's rows per program and warps on the default body; "
                          "qkv: the arena step with and without v9's QKV + cache epilogue; "
                          "tf32: v9's TF32 GEMMs against v1 for fp32-tf32 bodies; projnorm: v9's proj GEMM with "
-                         "the row-norm in its epilogue, on and off; convnorm: the conv GEMMs with the row-norm in their "
-                         "epilogue (16-bit), on, off, and with projnorm; early: dit_body.EARLY_LOADS on and off)")
+                         "the row-norm in its epilogue, on and off; early: dit_body.EARLY_LOADS on and off)")
     ap.add_argument("--sweep-kernels", action="store_true",
                     help="also write each sweep plan's per-kernel table (eager, torch.profiler) under --out")
     ap.add_argument("--variants", default=",".join(VARIANTS + ("arena",)),

@@ -21,8 +21,6 @@ Three parts (the extension built for sm_90a, as bench/run_device.sh does):
    adaLN) as a chain in the same way, the GEMM with the row-norm in its epilogue (``linear_rownorm_into``,
    a cluster per 64-row block) against the GEMM + the Triton row-norm kernel; µs per boundary, and each
    plan's eager kernel times (op "gemm_rownorm").
-5. convnorm (not in the default parts): the conv-1 boundary the same way, the conv with the row-norm in its
-   epilogue (``conv_rownorm_into``) against the tap GEMM + the Triton row-norm kernel (op "conv_rownorm").
 
 Rows (``op`` = "wgmma_gemm", provider "cublas" or "wgmma", variant "bn<BN>[/c<cluster>][/pdl]", shape
 {M, K, N, mode}) go to ``<out>/wgmma_gemm.json`` and a markdown table.
@@ -295,60 +293,13 @@ def rownorm_rows(env, dtypes, weight_mb, rounds, repeats, n_seq=8, t_len=50, c=5
     return rows
 
 
-def convnorm_rows(env, dtypes, weight_mb, rounds, repeats, n_seq=8, t_len=50, c=512) -> list:
-    """µs per conv-1 boundary (taps GEMM over the history, tap sum + bias, affine LayerNorm, Mish, head and
-    emitted conv-cache frames) of a dependent chain, each link with its own weights; its output is the next
-    link's history: the conv with the row-norm in its epilogue (``conv_rownorm_into``) against
-    ``linear_into`` (the tap GEMM) + ``dit_body.rownorm(taps=True)`` (v9's two launches)."""
-    from torch_cfm.kernels import dit_body, dit_linear_cuda
-
-    rows = []
-    mh = n_seq * (t_len + 2)
-    for dname in dtypes:
-        dtype = DTYPES[dname]
-        length = max(32, -(-weight_mb * 2 ** 20 // (3 * c * c * 2)))
-        g = torch.Generator(device="cpu").manual_seed(13)
-        weights = [(torch.randn(3 * c, c, generator=g) * (3 * c) ** -0.5).to("cuda", dtype) for _ in range(length)]
-        biases = [(torch.randn(c, generator=g) * 0.01).to("cuda", dtype) for _ in range(length)]
-        ln_w = (torch.randn(c, generator=g) * 0.1 + 1).to("cuda", dtype)
-        ln_b = (torch.randn(c, generator=g) * 0.1).to("cuda", dtype)
-        x0 = torch.randn(mh, c, generator=g).to("cuda", dtype)
-        cnn = torch.randn(n_seq, 2 * c, 2, generator=g).to("cuda", dtype)
-        new_cnn = torch.zeros_like(cnn)
-        valid = torch.full((n_seq,), t_len, dtype=torch.int32, device="cuda")
-        h = torch.zeros(n_seq * t_len, c, device="cuda")  # not read (no residual)
-        z = torch.empty(mh, 3 * c, device="cuda", dtype=dtype)
-        bufs = [torch.empty(mh, c, device="cuda", dtype=dtype) for _ in range(2)]
-        common = dict(out_t=t_len + 2, out_off=2, head=(cnn, c))
-
-        def link(plan, i):
-            src, dst = (x0 if i == 0 else bufs[(i - 1) % 2]), bufs[i % 2]
-            if plan == "fused":
-                return lambda: dit_linear_cuda.conv_rownorm_into(
-                    src, weights[i], biases[i], dst, valid, t_len=t_len, eps=1e-5, ln_affine=(ln_w, ln_b),
-                    emit=(new_cnn, 0), **common)
-            return lambda: (dit_linear_cuda.linear_into(src, weights[i], None, z),
-                            dit_body.rownorm(z, h, dst, valid, n_rows=n_seq, t_len=t_len, taps=True, bias=biases[i],
-                                             has_res=False, write_h=False, ln_affine=(ln_w, ln_b), eps=1e-5,
-                                             emit=(src, new_cnn, 0), pdl_family="wgmma", **common))
-
-        plans = ("fused", "two_launches")
-        for plan in plans:  # conv_tiles of every weight, made before any capture
-            link(plan, 0)()
-        for i in range(length):
-            dit_linear_cuda._conv_tiles_cached(weights[i])
-        rows += _time_chains(env, plans, link, length, rounds, repeats, bufs[(length - 1) % 2], lambda: None,
-                             dict(op="conv_rownorm", shape={"M": mh, "K": c, "N": c, "role": "conv1"}, dtype=dname))
-    return rows
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--dtypes", default="fp16")
     ap.add_argument("--block-n", default="32,64,96,128")
     ap.add_argument("--clusters", default="1,7", help="CTAs per cluster sharing a weight tile (1 = no multicast)")
-    ap.add_argument("--parts", default="check,repeat,chain", help="comma list of check, repeat, chain, rownorm, convnorm")
+    ap.add_argument("--parts", default="check,repeat,chain", help="comma list of check, repeat, chain, rownorm")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--chain-mb", type=int, default=80, help="MB of distinct weights per chain (L2: 50 MB)")
@@ -371,8 +322,6 @@ def main(argv=None) -> int:
         rows += repeat_rows(mod, env, dtypes, block_ns, clusters, args.calls, args.repeats)
     if "rownorm" in parts:
         rows += rownorm_rows(env, dtypes, args.chain_mb, args.rounds, args.repeats)
-    if "convnorm" in parts:
-        rows += convnorm_rows(env, dtypes, args.chain_mb, args.rounds, args.repeats)
     if "chain" in parts:
         rows += chain_rows(mod, env, dtypes, block_ns, clusters, args.chain_mb, args.rounds, args.repeats)
     os.makedirs(args.out, exist_ok=True)

@@ -461,7 +461,6 @@ def test_gpu_fused_within_oracle(dtype, precision, variant, monkeypatch):
     monkeypatch.setattr(kernels, "V9_TF32", True)  # v9's fp32-tf32 case runs the wgmma GEMM's TF32 form,
     monkeypatch.setattr(kernels, "V9_TF32_MLP", True)  # its MLP (fc1 + GELU, split-K fc2) included
     monkeypatch.setattr(kernels, "V9_PROJ_ROWNORM", True)  # the proj GEMM with the row-norm in its epilogue
-    monkeypatch.setattr(kernels, "V9_CONV_ROWNORM", True)  # and the conv GEMMs (16-bit)
     _assert_fused_within_oracle(dtype, precision)
 
 

@@ -67,7 +67,7 @@ void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor&
   const CUtensorMap map_w = make_map(w, n, k, w.stride(0), BN);
   auto kernel = linear_kernel<T, BN, kMode, kEarly>;
   const int k_cta = k / splits;
-  const int smem = smem_bytes<T, BN, kMode>(k_cta / stage_k<T>());
+  const int smem = smem_bytes<T, BN>(k_cta / stage_k<T>());
   // The shared-memory opt-in is a per-device host-side attribute, set once at the largest size (K = 512)
   // on the first call, which comes before any capture (the body warms up eagerly).
   static std::atomic<uint64_t> opted_in{0};
@@ -76,14 +76,13 @@ void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor&
   const uint64_t bit = uint64_t{1} << (device & 63);
   if (!(opted_in.load() & bit)) {
     TORCH_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     smem_bytes<T, BN, kMode>(kMaxK / stage_k<T>())) == cudaSuccess,
+                                     smem_bytes<T, BN>(kMaxK / stage_k<T>())) == cudaSuccess,
                 "dit_linear: shared-memory opt-in failed");
     opted_in.fetch_or(bit);
   }
   cudaLaunchConfig_t config = {};
-  // kConvNorm: tiles of 64 history rows every 62 (each output row needs the 2 rows in front of it)
-  const int row_tiles = kMode == kConvNorm ? std::max(1, (m - 2 + kBM - 3) / (kBM - 2)) : (m + kBM - 1) / kBM;
-  const bool along_y = kMode == kRowNorm || kMode == kConvNorm;
+  const int row_tiles = (m + kBM - 1) / kBM;
+  const bool along_y = kMode == kRowNorm;
   config.gridDim = dim3(along_y ? row_tiles : (row_tiles + cluster - 1) / cluster * cluster, n / BN, splits);
   config.blockDim = dim3(kThreads, 1, 1);
   config.dynamicSmemBytes = smem;
@@ -122,22 +121,6 @@ void check_k(const at::Tensor& a, int64_t splits) {
   const int64_t k = a.size(1), sk = 128 / a.element_size();
   TORCH_CHECK(k > 0 && k % (sk * splits) == 0 && k / splits <= kMaxK, "dit_linear: K must split ", splits,
               " way(s) into chunks that are multiples of ", sk, ", at most ", kMaxK);
-}
-
-// The row-norm epilogues' output rows (token (n, t) -> out row n out_t + out_off + t) and head frames.
-template <typename T>
-void set_out_rows(RowNormArgs<T>& rn, int64_t out_t, int64_t out_off, const std::optional<at::Tensor>& cnn,
-                  int64_t cnn_cbase, bool head) {
-  rn.out_t = static_cast<int>(out_t);
-  rn.out_off = static_cast<int>(out_off);
-  rn.head = head ? 1 : 0;
-  if (head && cnn.has_value()) {
-    rn.cnn = static_cast<const T*>(cnn->data_ptr());
-    rn.cnn_s_n = cnn->stride(0);
-    rn.cnn_s_c = cnn->stride(1);
-    rn.cnn_s_j = cnn->stride(2);
-    rn.cnn_cbase = static_cast<int>(cnn_cbase);
-  }
 }
 
 }  // namespace
@@ -362,7 +345,16 @@ void linear_rownorm_into(const at::Tensor& a, const at::Tensor& w, const at::Ten
     rn.gate_off = static_cast<int>(gate_off);
     rn.shift_off = static_cast<int>(shift_off);
     rn.scale_off = static_cast<int>(scale_off);
-    set_out_rows(rn, out_t, out_off, cnn, cnn_cbase, head);
+    rn.out_t = static_cast<int>(out_t);
+    rn.out_off = static_cast<int>(out_off);
+    rn.head = head ? 1 : 0;
+    if (head && cnn.has_value()) {
+      rn.cnn = static_cast<const T*>(cnn->data_ptr());
+      rn.cnn_s_n = cnn->stride(0);
+      rn.cnn_s_c = cnn->stride(1);
+      rn.cnn_s_j = cnn->stride(2);
+      rn.cnn_cbase = static_cast<int>(cnn_cbase);
+    }
     rn.t_len = static_cast<int>(t_len);
     rn.eps = static_cast<float>(eps);
     launch<T, 64, kRowNorm>(a, w, static_cast<const T*>(bias.data_ptr()), out, pdl, f, tiles, 1, stream,
@@ -371,95 +363,6 @@ void linear_rownorm_into(const at::Tensor& a, const at::Tensor& w, const at::Ten
   if (dt == at::kFloat) {
     run(float{});
   } else if (dt == at::kHalf) {
-    run(__half{});
-  } else {
-    run(__nv_bfloat16{});
-  }
-}
-
-void conv_rownorm_into(const at::Tensor& hist, const at::Tensor& w_tiles, const at::Tensor& bias, at::Tensor& out,
-                       int64_t out_t, int64_t out_off, const at::Tensor& valid, int64_t t_len, double eps,
-                       const std::optional<at::Tensor>& h, const std::optional<at::Tensor>& table, int64_t stride_tab,
-                       int64_t gate_off, int64_t shift_off, int64_t scale_off, const std::optional<at::Tensor>& ln_w,
-                       const std::optional<at::Tensor>& ln_b, const std::optional<at::Tensor>& cnn, int64_t cnn_cbase,
-                       bool head, const std::optional<at::Tensor>& emit, int64_t emit_cbase, bool pdl, int64_t flags) {
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&hist, &w_tiles, &bias, &out, &valid}) {
-    TORCH_CHECK(t->is_cuda() && t->device() == hist.device(), "dit_linear: every tensor on the device of hist");
-  }
-  const auto dt = hist.scalar_type();
-  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16, "dit_linear: the conv + row-norm form is fp16/bf16 only");
-  TORCH_CHECK(w_tiles.scalar_type() == dt && bias.scalar_type() == dt && out.scalar_type() == dt,
-              "dit_linear: w_tiles, bias and out share hist's dtype");
-  TORCH_CHECK(hist.dim() == 2 && w_tiles.dim() == 2 && out.dim() == 2 && hist.is_contiguous() && out.is_contiguous(),
-              "dit_linear: hist and out contiguous 2-D, w_tiles 2-D");
-  const int64_t m = hist.size(0), c = hist.size(1);
-  TORCH_CHECK(c % 64 == 0 && c / 64 >= 1 && c / 64 <= 8, "dit_linear: C must be 64 to 512, a multiple of 64");
-  TORCH_CHECK(w_tiles.size(0) == 3 * c && w_tiles.size(1) == c, "dit_linear: w_tiles (3 C, C)");
-  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == c && bias.is_contiguous(), "dit_linear: bias (C,)");
-  TORCH_CHECK(t_len > 0 && m % (t_len + 2) == 0, "dit_linear: hist has N x (t_len + 2) rows");
-  const int64_t n_rows = m / (t_len + 2);
-  TORCH_CHECK(out.size(1) == c && out_t >= t_len + out_off && out_off >= (head ? 2 : 0) && out.size(0) >= n_rows * out_t,
-              "dit_linear: out (>= N x out_t, C), t_len + out_off <= out_t, out_off >= 2 with head frames");
-  TORCH_CHECK(valid.scalar_type() == at::kInt && valid.dim() == 1 && valid.size(0) == n_rows && valid.is_contiguous(),
-              "dit_linear: valid int32 (N,)");
-  const bool gate = h.has_value();
-  if (gate) {
-    TORCH_CHECK(table.has_value() && h->is_cuda() && table->is_cuda() && h->scalar_type() == at::kFloat &&
-                    table->scalar_type() == at::kFloat && h->is_contiguous() && h->dim() == 2 &&
-                    h->size(0) == n_rows * t_len && h->size(1) == c && table->stride(-1) == 1 && stride_tab >= 0 &&
-                    std::max({gate_off, shift_off, scale_off}) + c + (n_rows - 1) * stride_tab <= table->numel(),
-                "dit_linear: h (N x t_len, C) float32 and a float32 table whose rows and offsets lie inside it");
-  } else {
-    TORCH_CHECK(ln_w.has_value() && ln_b.has_value() && ln_w->scalar_type() == dt && ln_b->scalar_type() == dt &&
-                    ln_w->numel() == c && ln_b->numel() == c && ln_w->is_contiguous() && ln_b->is_contiguous(),
-                "dit_linear: without h, the LayerNorm affine ln_w, ln_b (C,) of hist's dtype");
-  }
-  for (const std::optional<at::Tensor>* t : {&cnn, &emit}) {
-    if (t->has_value()) {
-      const int64_t base = t == &cnn ? cnn_cbase : emit_cbase;
-      TORCH_CHECK((*t)->is_cuda() && (*t)->device() == hist.device() && (*t)->scalar_type() == dt &&
-                      (*t)->dim() == 3 && (*t)->size(0) == n_rows && (*t)->size(2) == 2 && base >= 0 &&
-                      base + c <= (*t)->size(1),
-                  "dit_linear: cnn / emit (N, >= cbase + C, 2) of hist's dtype");
-    }
-  }
-  check_k(hist, 1);
-  check_tma_operands(hist, w_tiles);
-  if (m == 0) return;
-  const c10::cuda::CUDAGuard guard(hist.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  auto run = [&](auto tag) {
-    using T = decltype(tag);
-    RowNormArgs<T> rn;
-    rn.gate = gate ? 1 : 0;
-    if (gate) {
-      rn.h = h->data_ptr<float>();
-      rn.table = table->data_ptr<float>();
-      rn.stride_tab = stride_tab;
-      rn.gate_off = static_cast<int>(gate_off);
-      rn.shift_off = static_cast<int>(shift_off);
-      rn.scale_off = static_cast<int>(scale_off);
-    } else {
-      rn.ln_w = static_cast<const T*>(ln_w->data_ptr());
-      rn.ln_b = static_cast<const T*>(ln_b->data_ptr());
-    }
-    rn.bias = static_cast<const T*>(bias.data_ptr());
-    set_out_rows(rn, out_t, out_off, cnn, cnn_cbase, head);
-    rn.hist = static_cast<const T*>(hist.data_ptr());
-    if (emit.has_value()) {
-      rn.emit = static_cast<T*>(emit->data_ptr());
-      rn.emit_s_n = emit->stride(0);
-      rn.emit_s_c = emit->stride(1);
-      rn.emit_s_j = emit->stride(2);
-      rn.emit_cbase = static_cast<int>(emit_cbase);
-    }
-    rn.valid = valid.data_ptr<int>();
-    rn.t_len = static_cast<int>(t_len);
-    rn.eps = static_cast<float>(eps);
-    launch<T, kConvBN, kConvNorm>(hist, w_tiles, nullptr, out, pdl, static_cast<int>(flags & kTriggerEarly),
-                                  static_cast<int>(c / 64), 1, stream, QkvCacheArgs<T>(), rn);
-  };
-  if (dt == at::kHalf) {
     run(__half{});
   } else {
     run(__nv_bfloat16{});

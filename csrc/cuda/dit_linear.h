@@ -45,22 +45,6 @@ void linear_rownorm_into(const at::Tensor& a, const at::Tensor& w, const at::Ten
                          const std::optional<at::Tensor>& cnn, int64_t cnn_cbase, bool head, int64_t t_len, double eps,
                          bool pdl, int64_t flags);
 
-// A causal conv (k = 3) over history rows with the row-norm behind it in its epilogue (kConvNorm in
-// dit_linear_kernel.cuh). hist (N (t_len + 2), C) contiguous: each sequence's 2 cached frames, then its chunk;
-// w_tiles (3 C, C): for channel tile i (64 channels), rows 192 i + 64 j + o = W[64 i + o, :, j]. Token (n, t)
-// gets y = sum_j hist[n (t_len + 2) + t + j] . W[:, :, j] + bias, then with h (conv 2): h[n t_len + t] +=
-// table[n][gate_off:] * y and out row n out_t + out_off + t = LayerNorm(h row) * table[n][scale_off:] +
-// table[n][shift_off:]; without h (conv 1): Mish(LayerNorm(y) * ln_w + ln_b). Statistics fp32 over C (one
-// cluster of C / 64 CTAs per row tile), eps. With head, out rows n out_t + {0, 1} <- cnn[n, cnn_cbase:, {0, 1}]
-// (zeros without cnn); with emit, emit[n, emit_cbase:, j] <- hist[n (t_len + 2) + valid[n] + j], j = 0, 1.
-// fp16/bf16 only; C a multiple of 64 up to 512. flags: 1 only.
-void conv_rownorm_into(const at::Tensor& hist, const at::Tensor& w_tiles, const at::Tensor& bias, at::Tensor& out,
-                       int64_t out_t, int64_t out_off, const at::Tensor& valid, int64_t t_len, double eps,
-                       const std::optional<at::Tensor>& h, const std::optional<at::Tensor>& table, int64_t stride_tab,
-                       int64_t gate_off, int64_t shift_off, int64_t scale_off, const std::optional<at::Tensor>& ln_w,
-                       const std::optional<at::Tensor>& ln_b, const std::optional<at::Tensor>& cnn, int64_t cnn_cbase,
-                       bool head, const std::optional<at::Tensor>& emit, int64_t emit_cbase, bool pdl, int64_t flags);
-
 // Whether this build carries the sm_90a kernel code for the current device (a one-time probe launch).
 bool available();
 

@@ -159,14 +159,12 @@ __device__ __forceinline__ void wgmma_step(float* d, uint64_t da, uint64_t db, i
     if constexpr (BN == 32) wgmma_m64n32k16_f16(d, da, db, scale_d);
     else if constexpr (BN == 64) wgmma_m64n64k16_f16(d, da, db, scale_d);
     else if constexpr (BN == 96) wgmma_m64n96k16_f16(d, da, db, scale_d);
-    else if constexpr (BN == 128) wgmma_m64n128k16_f16(d, da, db, scale_d);
-    else wgmma_m64n192k16_f16(d, da, db, scale_d);
+    else wgmma_m64n128k16_f16(d, da, db, scale_d);
   } else {
     if constexpr (BN == 32) wgmma_m64n32k16_bf16(d, da, db, scale_d);
     else if constexpr (BN == 64) wgmma_m64n64k16_bf16(d, da, db, scale_d);
     else if constexpr (BN == 96) wgmma_m64n96k16_bf16(d, da, db, scale_d);
-    else if constexpr (BN == 128) wgmma_m64n128k16_bf16(d, da, db, scale_d);
-    else wgmma_m64n192k16_bf16(d, da, db, scale_d);
+    else wgmma_m64n128k16_bf16(d, da, db, scale_d);
   }
 }
 
@@ -217,8 +215,6 @@ constexpr int kOut = 0;       // out (M, ldo) in T
 constexpr int kPartials = 1;  // split-K: fp32 partial sums (splits, M, ldo)
 constexpr int kQkvCache = 2;  // the QKV GEMM of a block on the in-place cache arena (see QkvCacheArgs)
 constexpr int kRowNorm = 3;   // the GEMM in front of a row-norm, the row-norm in its epilogue (see RowNormArgs)
-constexpr int kConvNorm = 4;  // a causal conv (k = 3) over the history rows, the row-norm behind it in its epilogue
-constexpr int kConvBN = 192;  // kConvNorm's tile: taps 0 | 1 | 2 of 64 output channels
 
 // kQkvCache: the columns of w are q | k | v, each heads x 64 wide. Queries (every row) are LayerNormed
 // per head and written to out (M, heads * 64); keys (LayerNormed) and values of row r = n * t_len + t
@@ -260,19 +256,9 @@ struct RowNormArgs {
   int head = 0;                  // 1: write the 2 head frames of each sequence
   int t_len = 1;
   float eps = 1e-6f;
-  // kConvNorm only (see there)
-  const T* bias = nullptr;             // (C,) conv bias
-  int gate = 1;                        // 1: gate, residual and adaLN from the table; 0: the affine LayerNorm
-  const T* ln_w = nullptr;             // (C,) LayerNorm affine, then Mish [gate == 0]
-  const T* ln_b = nullptr;
-  const T* hist = nullptr;             // the GEMM's a: (N (T + 2), C) history rows, contiguous
-  T* emit = nullptr;                   // (N, >= emit_cbase + C, 2) new conv cache <- hist frames T_n, T_n + 1
-  int64_t emit_s_n = 0, emit_s_c = 0, emit_s_j = 0;
-  int emit_cbase = 0;
-  const int* valid = nullptr;          // (N,) clamped T_n
 };
 
-// LayerNorm statistics of a cluster's rows (kRowNorm, kConvNorm): this thread holds kV values of each of
+// LayerNorm statistics of a cluster's rows (kRowNorm): this thread holds kV values of each of
 // rows 16 warp + lane / 4 (+ 8) (x[0], x[1]); the 4 lanes of a row, then the cluster's CTAs (its columns,
 // through distributed shared memory: red[pass] of every peer) add them up; c_all values per row. Two
 // passes, mean then the squared deviations about it, in two arrays so that no CTA overwrites what a peer
@@ -310,16 +296,11 @@ __device__ __forceinline__ void cluster_row_stats(const float (&x)[2][kV], float
   }
 }
 
-// Dynamic shared memory for `stages` K stages: the weight tile's stages, a's (16-bit) or a's ring (fp32, conv),
+// Dynamic shared memory for `stages` K stages: the weight tile's stages, a's (16-bit) or a's ring (fp32),
 // + alignment slack for the 1024-byte swizzle atoms.
-template <typename T, int BN, int kMode = kOut>
-__host__ __device__ constexpr bool a_ring() {  // a streams through kARing slots (the weight tile leaves no room for all of a)
-  return std::is_same<T, float>::value || kMode == kConvNorm;
-}
-
-template <typename T, int BN, int kMode = kOut>
+template <typename T, int BN>
 constexpr int smem_bytes(int stages) {
-  const int a_stages = a_ring<T, BN, kMode>() ? (stages < kARing ? stages : kARing) : stages;
+  const int a_stages = std::is_same<T, float>::value ? (stages < kARing ? stages : kARing) : stages;
   return (stages * BN + a_stages * kBM) * 128 + 1024;
 }
 
@@ -336,31 +317,29 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
                                                               int m, int ldo, int k, int flags,
                                                               const QkvCacheArgs<T> qc, const RowNormArgs<T> rn) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma needs the sm_90a target
-  constexpr bool kRing = a_ring<T, BN, kMode>();
+  constexpr bool kTf32 = std::is_same<T, float>::value;
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[kMaxStages];
-  __shared__ __align__(8) uint64_t a_full[kARing];  // kRing: a's ring
+  __shared__ __align__(8) uint64_t a_full[kARing];  // TF32: a's ring
   unsigned char* smem =
       reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
   constexpr int kABytes = kBM * 128;  // one stage: 128 bytes of K per row
   constexpr int kWBytes = BN * 128;
   const int stages = k / stage_k<T>();
   unsigned char* sw = smem;                     // stages x (BN x 128 B), each 1024-aligned
-  unsigned char* sa = smem + stages * kWBytes;  // stages (kRing: kARing slots) x (64 x 128 B)
-  // kConvNorm's row tiles overlap by the 2 history rows in front of each output row
-  const int m0 = blockIdx.x * (kMode == kConvNorm ? kBM - 2 : kBM);
+  unsigned char* sa = smem + stages * kWBytes;  // stages (TF32: kARing slots) x (64 x 128 B)
+  const int m0 = blockIdx.x * kBM;
   const int n0 = blockIdx.y * BN;
   const int k0 = blockIdx.z * k;
   const int tid = threadIdx.x;
 
   // A cluster (launch attribute, 1-8 CTAs along grid x = consecutive row tiles of one column tile)
   // shares the weight tile: CTA r loads the stages s with s % size == r and multicasts them to all.
-  // (kRowNorm's and kConvNorm's clusters, along y, share row statistics instead: no multicast.)
-  constexpr bool kStatsCluster = kMode == kRowNorm || kMode == kConvNorm;
-  const uint32_t csize = kStatsCluster ? 1 : cluster_size(), crank = kStatsCluster ? 0 : cluster_rank();
+  // (kRowNorm's clusters, along y, share row statistics instead: no multicast.)
+  const uint32_t csize = kMode == kRowNorm ? 1 : cluster_size(), crank = kMode == kRowNorm ? 0 : cluster_rank();
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) mbar_init(&full[s], 1);
-    if constexpr (kRing) {
+    if constexpr (kTf32) {
       for (int r = 0; r < kARing; ++r) mbar_init(&a_full[r], 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -374,7 +353,7 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
   if (tid == 0) {
     // Weights never depend on the kernel in front: they load before the PDL wait.
     for (int s = 0; s < stages; ++s) {
-      mbar_expect_tx(&full[s], kRing ? kWBytes : kABytes + kWBytes);
+      mbar_expect_tx(&full[s], kTf32 ? kWBytes : kABytes + kWBytes);
       if (csize == 1) {
         tma_load_2d(sw + s * kWBytes, &map_w, k0 + s * stage_k<T>(), n0, &full[s]);
       } else if (s % csize == crank) {
@@ -385,9 +364,9 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
   }
   const int warp = tid / 32, lane = tid % 32;
   const int col0 = n0 + 2 * (lane % 4);
-  float bias_v[BN / 4];  // this thread's bias pairs: columns col0 + 8j + {0, 1} (kConvNorm: in the epilogue)
+  float bias_v[BN / 4];  // this thread's bias pairs: columns col0 + 8j + {0, 1}
 #pragma unroll
-  for (int j = 0; j < (kMode == kConvNorm ? 0 : BN / 8); ++j) {
+  for (int j = 0; j < BN / 8; ++j) {
     bias_v[2 * j] = (flags & kNoBias) ? 0.f : to_float(bias[col0 + 8 * j]);
     bias_v[2 * j + 1] = (flags & kNoBias) ? 0.f : to_float(bias[col0 + 8 * j + 1]);
   }
@@ -412,7 +391,7 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
   pdl_wait();  // a (and out, which the kernel in front may still read) only after this
   constexpr int kSk = stage_k<T>();
   if (tid == 0) {
-    if constexpr (kRing) {  // the first kARing stages of a; the rest as the ring's slots free up
+    if constexpr (kTf32) {  // the first kARing stages of a; the rest as the ring's slots free up
       for (int s = 0; s < stages && s < kARing; ++s) {
         mbar_expect_tx(&a_full[s], kABytes);
         tma_load_2d(sa + s * kABytes, &map_a, k0 + s * kSk, m0, &a_full[s]);
@@ -428,15 +407,15 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
   for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
   for (int s = 0; s < stages; ++s) {
     mbar_wait(&full[s], 0);
-    const int slot = kRing ? s % kARing : s;
-    if constexpr (kRing) mbar_wait(&a_full[slot], (s / kARing) & 1);
+    const int slot = kTf32 ? s % kARing : s;
+    if constexpr (kTf32) mbar_wait(&a_full[slot], (s / kARing) & 1);
     wgmma_fence();
     const uint64_t da = desc_sw128(smem_u32(sa + slot * kABytes));
     const uint64_t dw = desc_sw128(smem_u32(sw + s * kWBytes));
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) wgmma_step<T, BN>(d, da + 2 * kk, dw + 2 * kk, 1);  // 4 x 32 bytes of K
     wgmma_commit();
-    if constexpr (kRing) {
+    if constexpr (kTf32) {
       // Stage s - 1's wgmma has completed once at most one group (stage s's) is pending: every thread
       // has seen that before thread 0 loads stage s - 1 + kARing into its slot.
       if (s >= 1 && s - 1 + kARing < stages) {
@@ -617,160 +596,9 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
     cluster_arrive_relaxed();
     cluster_wait();
   }
-  if constexpr (kMode == kConvNorm) {
-    // The CTA holds, for history rows p = m0 + lr (lr < 64) and its 64 output channels cbase + cl, the
-    // three taps' products Y_j[p] = hist[p] . W[cbase + cl, :, j]. History row p is frame s = p mod (T + 2)
-    // of sequence n; for s >= 2 it is token t = s - 2, whose conv output is Y_0[p - 2] + Y_1[p - 1] + Y_2[p]
-    // + bias. Taps 0 and 1 go through shared memory (the weight tiles' space, free once every wgmma has
-    // completed) to be read 2 and 1 rows down; local rows 0 and 1 are the tile in front's (tiles overlap
-    // by 2 rows). Then the row-norm over C, with the C / 64 channel tiles of the row tile as one cluster:
-    //   rn.gate == 1 (conv 2): h[r] += gate[n] * y (written back); z = LN(h[r]) * scale[n] + shift[n]
-    //   rn.gate == 0 (conv 1): z = Mish(LN(y) * ln_w + ln_b)
-    // out row n out_t + out_off + t <- z; for t == 0 the head frames as kRowNorm's, and the new conv cache
-    // emit[n, emit_cbase + c, j] <- hist[n (T + 2) + T_n + j, c], j = 0, 1 (T_n = valid[n]).
-    static_assert(BN == kConvBN && !std::is_same<T, float>::value, "kConvNorm: 16-bit, 3 x 64 columns");
-    __shared__ float red[2][kBM];
-    constexpr int kLd = 2 * 64 + 8;  // floats per row of the two shifted taps (padded against bank conflicts)
-    const int c_all = ldo;           // C
-    const int hist_t = rn.t_len + 2;
-    const int cbase = blockIdx.y * 64;
-    // sw as an offset from the shared array itself, so that the compiler sees shared memory (LDS / STS,
-    // not generic loads and stores)
-    float* taps = reinterpret_cast<float*>(smem_raw + (sw - smem_raw));
-    __syncthreads();  // every warp's wgmmas, which read sw, have completed
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int lr = 16 * warp + lane / 4 + 8 * h;
-        *reinterpret_cast<float2*>(taps + lr * kLd + 8 * j + 2 * (lane % 4)) =
-            make_float2(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-      }
-    }
-    __syncthreads();
-    // This thread's values: rows lr = 16 warp + lane / 4 (+ 8), channels cbase + cl(i), cl(i) = 8 (i / 2) +
-    // 2 (lane % 4) + i % 2. tok: the token row n T + t, or -1 where the row is no output of this tile.
-    float x[2][16];
-    int tok[2], seq[2], tt[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int lr = 16 * warp + lane / 4 + 8 * h, p = m0 + lr;
-      const int pc = p < m ? p : m - 1;
-      seq[h] = pc / hist_t;
-      const int frame = pc - seq[h] * hist_t;
-      tt[h] = frame - 2;
-      tok[h] = (lr >= 2 && p < m && frame >= 2) ? seq[h] * rn.t_len + tt[h] : -1;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int cl = 8 * (i / 2) + 2 * (lane % 4) + i % 2;
-        float v = d[4 * (16 + i / 2) + 2 * h + i % 2];
-        if (lr >= 2) v += taps[(lr - 1) * kLd + 64 + cl] + taps[(lr - 2) * kLd + cl];
-        x[h][i] = v;
-      }
-    }
-    // Every global load before the first store (see kRowNorm's epilogue).
-    float mul[2][16], add[2][16], gate_v[2][16], old[2][16];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float* tab = rn.table + seq[h] * rn.stride_tab;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int c = cbase + 8 * (i / 2) + 2 * (lane % 4) + i % 2;
-        x[h][i] += to_float(rn.bias[c]);
-        if (rn.gate) {
-          gate_v[h][i] = tab[rn.gate_off + c];
-          mul[h][i] = tab[rn.scale_off + c];
-          add[h][i] = tab[rn.shift_off + c];
-          old[h][i] = tok[h] >= 0 ? rn.h[static_cast<int64_t>(tok[h]) * c_all + c] : 0.f;
-        } else {
-          mul[h][i] = to_float(rn.ln_w[c]);
-          add[h][i] = to_float(rn.ln_b[c]);
-        }
-      }
-    }
-    int tn[2] = {0, 0};  // T_n of rows with t == 0 (their emitted frames)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (rn.emit != nullptr && tok[h] >= 0 && tt[h] == 0) tn[h] = rn.valid[seq[h]];
-    }
-    if (rn.gate) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) x[h][i] = old[h][i] + gate_v[h][i] * x[h][i];
-      }
-    }
-    float mean[2], rstd[2];
-    cluster_row_stats<16>(x, red, c_all, rn.eps, mean, rstd);
-    if (rn.gate) {  // h after the statistics (see kRowNorm)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (tok[h] < 0) continue;
-        float* hp = rn.h + static_cast<int64_t>(tok[h]) * c_all + cbase + 2 * (lane % 4);
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) store_pair(hp + 8 * jj, x[h][2 * jj], x[h][2 * jj + 1]);
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (tok[h] < 0) continue;
-      const int n = seq[h], t = tt[h];
-      T* orow = static_cast<T*>(out) + (static_cast<int64_t>(n) * rn.out_t + rn.out_off + t) * c_all + cbase +
-                2 * (lane % 4);
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        float z[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int i = 2 * jj + e;
-          z[e] = (x[h][i] - mean[h]) * rstd[h] * mul[h][i] + add[h][i];
-          if (!rn.gate) {  // Mish: z tanh(softplus(z)) = z q / (q + 2), q = e^z (e^z + 2)
-            const float ez = __expf(fminf(z[e], 20.f)), q = ez * (ez + 2.f);
-            z[e] = z[e] > 20.f ? z[e] : z[e] * q / (q + 2.f);
-          }
-        }
-        store_pair(orow + 8 * jj, z[0], z[1]);
-      }
-      if (t == 0 && (rn.head || rn.emit != nullptr)) {
-        float frames[4][16];  // head frames 0, 1, then emitted frames T_n, T_n + 1: all loads, then all stores
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const int c = cbase + 8 * (i / 2) + 2 * (lane % 4) + i % 2;
-#pragma unroll
-          for (int f = 0; f < 2; ++f) {
-            frames[f][i] = rn.head && rn.cnn != nullptr
-                               ? to_float(rn.cnn[n * rn.cnn_s_n + (rn.cnn_cbase + c) * rn.cnn_s_c + f * rn.cnn_s_j])
-                               : 0.f;
-            frames[2 + f][i] = rn.emit != nullptr
-                                   ? to_float(rn.hist[(static_cast<int64_t>(n) * hist_t + tn[h] + f) * c_all + c])
-                                   : 0.f;
-          }
-        }
-#pragma unroll
-        for (int f = 0; f < 2; ++f) {
-          if (rn.head) {
-            T* frow = static_cast<T*>(out) + (static_cast<int64_t>(n) * rn.out_t + f) * c_all + cbase + 2 * (lane % 4);
-#pragma unroll
-            for (int jj = 0; jj < 8; ++jj) store_pair(frow + 8 * jj, frames[f][2 * jj], frames[f][2 * jj + 1]);
-          }
-          if (rn.emit != nullptr) {
-#pragma unroll
-            for (int i = 0; i < 16; ++i) {
-              const int c = cbase + 8 * (i / 2) + 2 * (lane % 4) + i % 2;
-              rn.emit[n * rn.emit_s_n + (rn.emit_cbase + c) * rn.emit_s_c + f * rn.emit_s_j] = from_float<T>(frames[2 + f][i]);
-            }
-          }
-        }
-      }
-    }
-    // No CTA leaves while a peer may still read its red[1]. Relaxed: this barrier orders no memory (every
-    // peer has consumed its remote loads before arriving), and a release would wait for the stores above.
-    cluster_arrive_relaxed();
-    cluster_wait();
-  }
   float* part = kMode == kPartials ? static_cast<float*>(out) + static_cast<int64_t>(blockIdx.z) * m * ldo : nullptr;
 #pragma unroll
-  for (int j = 0; j < (kMode == kQkvCache || kMode == kRowNorm || kMode == kConvNorm ? 0 : BN / 8); ++j) {
+  for (int j = 0; j < (kMode == kQkvCache || kMode == kRowNorm ? 0 : BN / 8); ++j) {
     const int col = col0 + 8 * j;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

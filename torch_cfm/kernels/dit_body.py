@@ -32,8 +32,8 @@ from ..packing import (GATE_A, GATE_C, GATE_M, MOD_VECTORS, PER_BLOCK, SCALE_A, 
                        SHIFT_A, SHIFT_C, SHIFT_M)
 from ._launch import launch_kwargs, on_device, pdl_prologue, pdl_supported
 from . import dit_linear_cuda
-from .dit_linear_cuda import (V9_MAX_ROWS, conv_rownorm_into, device_reason, linear_into, linear_rownorm_into,
-                              linear_splitk_into, qkv_cache_into)
+from .dit_linear_cuda import (V9_MAX_ROWS, device_reason, linear_into, linear_rownorm_into, linear_splitk_into,
+                              qkv_cache_into)
 from .cfm_attention import AttentionConfig
 from .dit_attention import attention_cache
 
@@ -86,12 +86,6 @@ V9_TF32_QKV_CACHE = False
 # row-norm kernel, and the fp16 step 1027 vs 812 µs. The epilogue now issues each phase's loads before
 # its stores (compiled, no spills; not yet run on a GPU: bench/wgmma_gemm.py --parts rownorm): off.
 V9_PROJ_ROWNORM = False
-# v9, 16-bit: each conv as one kernel, the taps GEMM over the history with the tap sum, the row-norm behind it
-# (conv 1: affine LN + Mish; conv 2: gate, residual, LN, adaLN) and the conv-cache frames in its epilogue,
-# clustered as V9_PROJ_ROWNORM's (dit_linear_cuda.conv_rownorm_into): two kernels fewer per block (8 with
-# V9_PROJ_ROWNORM). Built in session 19 (193 registers, no spills, 225 KB of shared memory), not yet run on
-# a GPU (tests/test_dit_linear_cuda.py -k conv_rownorm, bench/dit_step.py --sweep-variants convnorm): off.
-V9_CONV_ROWNORM = False
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
 # (8, 50, 400) the runs disagree (-5 % .. +17 %); for TF32 v5 is 6-11 % slower at both sizes.
@@ -101,8 +95,7 @@ V5_MIN_ROWS_16BIT = 32
 def v9_gemm_roles() -> str:
     """The block GEMMs that v9 runs on the wgmma kernel (for explain())."""
     proj = "proj" + (" (+ the row-norm behind it)" if V9_PROJ_ROWNORM else "")
-    conv = "conv" + (" (+ the row-norm behind it)" if V9_CONV_ROWNORM else "")
-    roles = ", ".join(["qkv" + (" (+ q/k cache on the arena)" if V9_QKV_CACHE else ""), proj, conv]
+    roles = ", ".join(["qkv" + (" (+ q/k cache on the arena)" if V9_QKV_CACHE else ""), proj, "conv"]
                       + (["fc1"] if V9_FC1 else []) + (["fc2 (split-K)"] if V9_FC2 else []))
     if not V9_TF32:
         return roles + "; TF32 bodies: cuBLAS (V9_TF32 off)"
@@ -872,9 +865,8 @@ def dit_body_triton(
       (11 kernels per block). fp32 bodies computing in TF32 (``V9_TF32``) run the same GEMMs in
       the kernel's TF32 form (fc1/fc2 with ``V9_TF32_MLP``, the QKV + cache epilogue with
       ``V9_TF32_QKV_CACHE``); with ``V9_PROJ_ROWNORM`` the proj GEMM does the row-norm behind it in
-      its epilogue (10 kernels per block), and with ``V9_CONV_ROWNORM`` (16-bit) each conv is one
-      kernel, the row-norm behind it in its epilogue (8). IEEE fp32 bodies are exactly v1. Every
-      unsupported call stays on cuBLAS (or the GEMM and the row-norm kernel).
+      its epilogue (10 kernels per block). IEEE fp32 bodies are exactly v1. Every unsupported call
+      stays on cuBLAS.
     """
     if variant is None:
         variant = choose_variant(x_in.dtype, precision, x_in.shape[0])
@@ -986,24 +978,16 @@ def dit_body_triton(
             if variant != "v5":
                 mm(o_rows, proj_w, proj_b, y)
             rownorm(y, h, hist1, valid, table=mod_table, pdl_family=fam, **boundary, **common)
-        # conv 1 (taps GEMM), tap sum + bias, affine LN, Mish -> conv-2 history; emit conv-1 cache: one kernel
-        # (v9, V9_CONV_ROWNORM) or the GEMM and the row-norm kernel
-        conv1 = dict(out_t=t_len + CONV_HISTORY, out_off=CONV_HISTORY, head=(cnn_i, c))
-        if not (wgmma16 and V9_CONV_ROWNORM and conv_rownorm_into(
-                hist1, c1_w, c1_b, hist2, valid, t_len=t_len, eps=CONV_LN_EPS, ln_affine=(cn_w, cn_b),
-                emit=(new_cnn[i], 0), pdl=linear_pdl, **conv1)):
-            mm(hist1, c1_w, None, z)
-            rownorm(z, h, hist2, valid, taps=True, bias=c1_b, has_res=False, write_h=False, ln_affine=(cn_w, cn_b),
-                    eps=CONV_LN_EPS, emit=(hist1, new_cnn[i], 0), pdl_family=fam, **conv1, **common)
-        # conv 2, tap sum + bias, residual + gate_c, LN, modulation (m); emit conv-2 cache
-        conv2 = dict(table=mod_table, gate=_mod_off(i, GATE_C, c), shift=_mod_off(i, SHIFT_M, c),
-                     scale=_mod_off(i, SCALE_M, c))
-        if not (wgmma16 and V9_CONV_ROWNORM and conv_rownorm_into(
-                hist2, c2_w, c2_b, a, valid, t_len=t_len, eps=BLOCK_LN_EPS, h=h, emit=(new_cnn[i], c),
-                pdl=linear_pdl, **conv2)):
-            mm(hist2, c2_w, None, z)
-            rownorm(z, h, a, valid, taps=True, bias=c2_b, emit=(hist2, new_cnn[i], c), pdl_family=fam, **conv2,
-                    **common)
+        mm(hist1, c1_w, None, z)
+        # conv-1 tap sum + bias, affine LN, Mish -> conv-2 history; emit conv-1 cache
+        rownorm(z, h, hist2, valid, taps=True, bias=c1_b, has_res=False, write_h=False,
+                ln_affine=(cn_w, cn_b), eps=CONV_LN_EPS, out_t=t_len + CONV_HISTORY, out_off=CONV_HISTORY,
+                head=(cnn_i, c), emit=(hist1, new_cnn[i], 0), pdl_family=fam, **common)
+        mm(hist2, c2_w, None, z)
+        # conv-2 tap sum + bias, residual + gate_c, LN, modulation (m); emit conv-2 cache
+        rownorm(z, h, a, valid, taps=True, bias=c2_b, table=mod_table, gate=_mod_off(i, GATE_C, c),
+                shift=_mod_off(i, SHIFT_M, c), scale=_mod_off(i, SCALE_M, c),
+                emit=(hist2, new_cnn[i], c), pdl_family=fam, **common)
         # MLP
         if v2:
             gemm(a, fc1_w, fc1_b, fbuf, gelu=True, precision=precision)

@@ -28,15 +28,9 @@ accumulates in fp32. Only the weight tile of the whole K fits beside a 64-row a 
 Row-norm (:func:`linear_rownorm_into`): the proj GEMM with the body's row-norm behind it (gate,
 residual, LayerNorm, adaLN, head frames) in its epilogue; a cluster of the C / 64 column tiles of each
 64-row block sums the rows' statistics through distributed shared memory. Its GPU tests pass; as first
-built (session 18) it was 2× slower than the two kernels it replaces, and its epilogue was reordered in
-session 19 (``dit_body.V9_PROJ_ROWNORM`` is off until timed).
-
-Conv + row-norm (:func:`conv_rownorm_into`): a causal conv (k = 3) as one wgmma GEMM of N = 192 (the
-three taps of 64 output channels, weights in :func:`conv_tiles` order) over 64 history rows, the tap
-sum (taps 0 and 1 shifted through shared memory) and the row-norm behind it (conv 1: affine LayerNorm +
-Mish; conv 2: gate, residual, LayerNorm, adaLN) plus the conv-cache frames in its epilogue, clustered
-as the proj form. 16-bit only. Built in session 19, not yet run on a GPU (``dit_body.V9_CONV_ROWNORM``
-is off).
+built (session 18) it was 2× slower than the two kernels it replaces; with its epilogue reordered
+(session 19: each phase's loads before its stores) it is 5.75 against 5.02 µs per boundary in a chain
+(session 20), so ``dit_body.V9_PROJ_ROWNORM`` stays off.
 
 Split-K (:func:`linear_splitk_into`): for K above 512 (the block's fc2, K = 2048) grid z splits K
 into chunks of at most 512 and each CTA writes an fp32 partial sum; the body's row-norm kernel adds
@@ -290,19 +284,6 @@ def linear_into(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], 
 ROWNORM_BLOCK_N = 64  # the row-norm epilogue's tile width: a cluster of C / 64 <= 8 CTAs holds whole rows
 
 
-def _out_rows_reasons(out: torch.Tensor, c: int, n_rows: int, t_len: int, out_t: Optional[int], out_off: int,
-                      head: bool) -> list[str]:
-    """The row-norm epilogues' output rule: contiguous rows of C, token (n, t) at row n·out_t + out_off + t,
-    rows n·out_t + {0, 1} for the head frames."""
-    out_t = t_len if out_t is None else out_t
-    if not out.is_contiguous() or out.shape[1] != c:
-        return [f"out must be contiguous (rows, {c})"]
-    if t_len > 0 and (out_t < t_len + out_off or out.shape[0] < n_rows * out_t or out_off < (2 if head else 0)):
-        return [f"out must hold N x out_t rows with t_len + out_off <= out_t (out_off >= 2 with head frames), "
-                f"got {out.shape[0]} rows, out_t {out_t}, out_off {out_off}"]
-    return []
-
-
 def rownorm_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, h: torch.Tensor, table: torch.Tensor,
                                   out: torch.Tensor, t_len: int, tf32: bool = False, out_t: Optional[int] = None,
                                   out_off: int = 0, head: bool = False) -> list[str]:
@@ -322,7 +303,12 @@ def rownorm_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, h: torch.Ten
         reasons.append("table must be contiguous float32")
     if t_len <= 0 or m % t_len:
         reasons.append(f"a must have N x t_len rows, got {m} rows for t_len {t_len}")
-    reasons += _out_rows_reasons(out, c, m // t_len if t_len > 0 else 0, t_len, out_t, out_off, head)
+    out_t = t_len if out_t is None else out_t
+    if not out.is_contiguous() or out.shape[1] != c:
+        reasons.append(f"out must be contiguous (rows, {c})")
+    elif t_len > 0 and (out_t < t_len + out_off or out.shape[0] < (m // t_len) * out_t or out_off < (2 if head else 0)):
+        reasons.append(f"out must hold N x out_t rows with t_len + out_off <= out_t (out_off >= 2 with head frames), "
+                       f"got {out.shape[0]} rows, out_t {out_t}, out_off {out_off}")
     reasons += _tma_operand_reasons(a, w)
     return reasons or _entry_reasons(a.device, "dit_linear_rownorm_into", "the GEMM + row-norm")
 
@@ -356,98 +342,4 @@ def linear_rownorm_into(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, h:
     module.dit_linear_rownorm_into(a, w, bias.contiguous(), h, table, stride_tab, gate, shift, scale, out,
                                    t_len if out_t is None else out_t, out_off, cnn, cbase, head is not None, t_len,
                                    eps, pdl, TRIGGER_EARLY)
-    return True
-
-
-CONV_TILE = 64  # output channels per CTA of the conv + row-norm form (its GEMM tile: the 3 taps, 192 wide)
-_CONV_TILES = None  # torch.utils.weak.WeakIdKeyDictionary: packed taps weight -> (its _version, conv_tiles)
-
-
-def conv_tiles(w_taps: torch.Tensor) -> torch.Tensor:
-    """The body's packed conv weight (3C, C), row k·C + o = W[o, :, k], reordered for
-    :func:`conv_rownorm_into`: row 192·i + 64·k + o' = W[64·i + o', :, k] (channel tile i, tap k)."""
-    c = w_taps.shape[1]
-    return w_taps.view(3, c // CONV_TILE, CONV_TILE, c).transpose(0, 1).reshape(3 * c, c)
-
-
-def _conv_tiles_cached(w_taps: torch.Tensor) -> Optional[torch.Tensor]:
-    """:func:`conv_tiles` of ``w_taps``, made once per tensor (and again after an in-place change); None
-    while the stream is capturing and none is cached (a copy inside a graph would replay every time)."""
-    global _CONV_TILES
-    if _CONV_TILES is None:
-        from torch.utils.weak import WeakIdKeyDictionary
-
-        _CONV_TILES = WeakIdKeyDictionary()
-    hit = _CONV_TILES.get(w_taps)
-    if hit is not None and hit[0] == w_taps._version:
-        return hit[1]
-    if w_taps.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    tiles = conv_tiles(w_taps).contiguous()
-    _CONV_TILES[w_taps] = (w_taps._version, tiles)
-    return tiles
-
-
-def conv_rownorm_not_supported_reasons(hist: torch.Tensor, w_taps: torch.Tensor, out: torch.Tensor, t_len: int,
-                                       gate: bool, out_t: Optional[int] = None, out_off: int = 0,
-                                       head: bool = False) -> list[str]:
-    """Why :func:`conv_rownorm_into` cannot run; empty when it can (arguments as there; ``gate``: whether
-    h and the table are given, ``head``: whether head frames are asked for)."""
-    reasons = _dtype_reasons((hist, w_taps, out), tf32=False)
-    if hist.dim() != 2 or w_taps.dim() != 2 or out.dim() != 2:
-        return reasons + ["hist, w_taps, out 2-D only"]
-    m, c = hist.shape
-    if c % CONV_TILE or not CONV_TILE <= c <= 8 * CONV_TILE:
-        reasons.append(f"C must be a multiple of {CONV_TILE} up to {8 * CONV_TILE} (one cluster per row tile), "
-                       f"got {c}")
-    if tuple(w_taps.shape) != (3 * c, c):
-        reasons.append(f"w_taps must be (3C, C) = {(3 * c, c)}, got {tuple(w_taps.shape)}")
-    reasons += _k_reasons(hist)
-    if not hist.is_contiguous():
-        reasons.append("hist must be contiguous")
-    if t_len <= 0 or m % (t_len + 2):
-        reasons.append(f"hist must have N x (t_len + 2) rows, got {m} rows for t_len {t_len}")
-    reasons += _out_rows_reasons(out, c, m // (t_len + 2) if t_len > 0 else 0, t_len, out_t, out_off, head)
-    reasons += _tma_operand_reasons(hist, w_taps)
-    return reasons or _entry_reasons(hist.device, "dit_conv_rownorm_into", "the conv + row-norm")
-
-
-def conv_rownorm_into(hist: torch.Tensor, w_taps: torch.Tensor, bias: torch.Tensor, out: torch.Tensor,
-                      valid: torch.Tensor, *, t_len: int, eps: float, out_t: Optional[int] = None, out_off: int = 0,
-                      h: Optional[torch.Tensor] = None, table: Optional[torch.Tensor] = None, gate: int = 0,
-                      shift: int = 0, scale: int = 0,
-                      ln_affine: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                      head: Optional[tuple[Optional[torch.Tensor], int]] = None,
-                      emit: Optional[tuple[torch.Tensor, int]] = None, pdl: bool = True) -> bool:
-    """A causal conv (k = 3) over the history rows with the row-norm behind it in its epilogue: what the
-    body's tap GEMM followed by :func:`torch_cfm.kernels.dit_body.rownorm` (``taps=True``) computes, in one
-    launch; False (nothing launched) where :func:`conv_rownorm_not_supported_reasons` is not empty.
-
-    Args:
-        hist: (N·(t_len+2), C) fp16/bf16 history, contiguous: each sequence's 2 cached frames, then its chunk.
-        w_taps: (3C, C) the body's packed conv weight (row k·C + o = W[o, :, k]); bias (C,).
-        out: rows of C; token (n, t) goes to row n·out_t + out_off + t (out_t: t_len when None).
-        valid: (N,) int32 clamped T_n (the emitted frames are T_n, T_n + 1 of the history).
-        h, table, gate, shift, scale: conv 2: h (N·t_len, C) float32 += table[n, gate:] · y (written back),
-            then LayerNorm(h) · table[n, scale:] + table[n, shift:] (element offsets into a table row).
-        ln_affine: conv 1 (without h): (ln_w, ln_b), then Mish.
-        head: (old conv cache (N, ≥ cbase + C, 2) or None, cbase): rows n·out_t + {0, 1} get its frames.
-        emit: (new conv cache (N, ≥ cbase + C, 2), cbase) <- history frames T_n, T_n + 1 of each sequence.
-    """
-    gated = h is not None
-    if gated == (ln_affine is not None) or (gated and table is None):
-        raise ValueError("conv_rownorm_into: pass h and table (conv 2) or ln_affine (conv 1), not both")
-    if conv_rownorm_not_supported_reasons(hist, w_taps, out, t_len, gated, out_t, out_off, head is not None):
-        return False
-    tiles = _conv_tiles_cached(w_taps)
-    if tiles is None:
-        return False
-    cnn, cbase = head if head is not None else (None, 0)
-    dst, ecbase = emit if emit is not None else (None, 0)
-    ln_w, ln_b = ln_affine if ln_affine is not None else (None, None)
-    stride_tab = 0 if table is None or table.shape[0] == 1 else table.stride(0)
-    module, _ = _extension()
-    module.dit_conv_rownorm_into(hist, tiles, bias.contiguous(), out, t_len if out_t is None else out_t, out_off, valid,
-                                 t_len, eps, h, table, stride_tab, gate, shift, scale, ln_w, ln_b, cnn, cbase,
-                                 head is not None, dst, ecbase, pdl, TRIGGER_EARLY)
     return True
