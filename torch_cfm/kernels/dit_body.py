@@ -83,8 +83,9 @@ V9_TF32_QKV_CACHE = False
 # through distributed shared memory (dit_linear_cuda.linear_rownorm_into): one kernel fewer per block (10).
 # Its GPU tests pass (session 19), but as first built its epilogue interleaved global loads with stores
 # (one dependent round trip per column pair): 11.7 µs per call against 3.6 + 2.0 for the GEMM and the
-# row-norm kernel, and the fp16 step 1027 vs 812 µs. The epilogue now issues each phase's loads before
-# its stores (compiled, no spills; not yet run on a GPU: bench/wgmma_gemm.py --parts rownorm): off.
+# row-norm kernel, and the fp16 step 1027 vs 812 µs. With each phase's loads before its stores (session 20,
+# bench/wgmma_gemm.py --parts rownorm): 5.75 µs per boundary in a chain against 5.02 for the two launches
+# (whose row-norm hides under the next GEMM's weight loads with PDL), step 883 vs 819 µs: off.
 V9_PROJ_ROWNORM = False
 # v5 for 16-bit bodies of at least this many rows. Session 6 (bench/NOTES.md): at (32, 50, 400)
 # fp16 v5 beat v1 by 4-9 % in five separate runs and in interleaved rounds, bf16 by 6 %; at
