@@ -101,3 +101,27 @@ def test_dit_block_bench_parses_configs_and_needs_cuda():
         res = subprocess.run([sys.executable, os.path.join(BENCH, "dit_block.py")], capture_output=True, text=True,
                              timeout=300)
         assert res.returncode == 2 and "needs a CUDA device" in res.stdout
+
+
+def test_ingest_floor_model(tmp_path):
+    """bench/ingest_floor.py: one tiling's bytes per SM by hand, the search never worse than the tile the
+    wgmma kernel uses, the floor falling as the ingest rate rises, and the script's table written."""
+    sys.path.insert(0, BENCH)
+    try:
+        import ingest_floor as F
+    finally:
+        sys.path.remove(BENCH)
+    # proj at (8, 50, 400) fp16: 400 x 512 x 512 in 64 x 128 tiles split 4 ways = 7 * 4 * 4 = 112 tiles, one
+    # wave; each takes 64 + 128 rows of 128 K-columns in fp16, plus 1/132 of the 4 fp32 partial outputs
+    got = F.gemm_ingest_bytes(400, 512, 512, 2, F.Tile(64, 128, 4))
+    assert got == pytest.approx((64 + 128) * 128 * 2 + 400 * 512 * 4 * 4 / 132)
+    # 140 tiles of 64 x 32 (K whole) need two waves on 132 SMs
+    assert F.gemm_ingest_bytes(400, 512, 640, 2, F.Tile(64, 32, 1)) == 2 * (64 + 32) * 512 * 2
+    us, tile, _ = F.best_gemm(400, 512, 2048, 2, 50.0, 1.0)  # fc1
+    assert tile.rows * tile.cols <= F.MAX_ACC
+    assert us <= 1.0 + (64 + 128) * 512 * 2 / 50e3  # the shipped kernel's fc1 tile: 64 x 128, whole K
+    cfg = F.DiTConfig()
+    slow, fast = (F.step_floor_us(cfg, 8, 50, 400, "fp16", r, 1.0) for r in (50.0, 67.0))
+    assert fast < slow
+    assert F.main(["--rates", "50", "--syncs", "1.0", "--out", str(tmp_path)]) == 0
+    assert "| 8, 50, 400 | fp16 |" in (tmp_path / "ingest_floor.md").read_text()
