@@ -52,13 +52,22 @@ if [ ${#STAGES[@]} -eq 0 ]; then echo "run_device.sh: name the stages (or 'all' 
 [ "${STAGES[*]}" = "all" ] && STAGES=(tests memcheck attention dit-full)
 # xdist workers: one per core of the GPU box (16; 12 until session 10, not yet run with 16). Most of the
 # GPU tests' time is Triton compiling on the host (≈ 20 s per attention variant test, session 10)
-PYTEST="python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n ${PYTEST_WORKERS:-16} -rfE --tb=short --durations=30"
+PYTEST_ONE="python3 -m pytest -q -p no:cacheprovider -p no:benchmark -rfE --tb=short --durations=30"
+PYTEST="$PYTEST_ONE -n ${PYTEST_WORKERS:-16}"
 GPU_TESTS=${GPU_TESTS:-"tests/test_cfm_attention_contract.py tests/test_failures.py tests/test_compile_rules.py tests/test_aoti.py
   tests/test_cfm_attention_triton.py tests/test_cfm_attention_graphs.py tests/test_cfm_attention_numerics.py
   tests/test_dit_body.py tests/test_dit_body_graphs.py tests/test_graphs.py"}
 
 limit() { local v="LIMIT_${1//-/_}"; v=${v^^}; echo "${!v:-$2}"; }
 summary() { tail -3 "$1"; grep -E "^(FAILED|ERROR) " "$1" | head -40; }
+# Tests marked "timing" assert a time ratio, which 16 workers sharing one GPU and its host inflate (session 20:
+# 1.455x under xdist against a 1.25x bound, passing alone). The stages that run GPU tests leave them out of
+# the parallel run and run them after it, in one process: timing_tests <log name> <pytest selection...>
+timing_tests() {
+  local log="$OUT/$1"; shift
+  timeout -s INT "$(limit timing 150)" $PYTEST_ONE -p no:xdist -m "gpu and timing" "$@" > "$log" 2>&1
+  echo "timing tests (one process):"; summary "$log"
+}
 
 # The H200 box's default CXX (/opt/gcc/bin/g++) links libstdc++ statically: the extension and the
 # AOTInductor packages built with it crash the process whenever their C++ code throws (setup.py
@@ -78,11 +87,13 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-1
     echo "== $stage"; date -u
     case "$stage" in
       tests)  # SIGINT at the limit so pytest still prints its summary of what ran
-        timeout -s INT "$(limit tests 420)" $PYTEST > "$OUT/tests.log" 2>&1; summary "$OUT/tests.log" ;;
+        timeout -s INT "$(limit tests 420)" $PYTEST -m "not timing" > "$OUT/tests.log" 2>&1; summary "$OUT/tests.log"
+        timing_tests tests_timing.log tests ;;
       tests-gpu)
-        timeout -s INT "$(limit tests-gpu 200)" $PYTEST -m gpu ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} $GPU_TESTS \
+        timeout -s INT "$(limit tests-gpu 200)" $PYTEST -m "gpu and not timing" ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} $GPU_TESTS \
           > "$OUT/tests_gpu.log" 2>&1
-        summary "$OUT/tests_gpu.log" ;;
+        summary "$OUT/tests_gpu.log"
+        timing_tests tests_gpu_timing.log ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} $GPU_TESTS ;;
       tests-cpu-ops)
         timeout -s INT "$(limit tests-cpu-ops 120)" $PYTEST -m "not gpu" tests/test_cfm_attention_contract.py \
           tests/test_failures.py > "$OUT/tests_cpu_ops.log" 2>&1

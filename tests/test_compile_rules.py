@@ -840,6 +840,7 @@ def elapsed_ms(run) -> float:
 
 
 @pytest.mark.gpu
+@pytest.mark.timing
 def test_gpu_compiled_step_close_to_calling_the_fused_path():
     """Loose timing guard, eager launches (the 5 % target is the CUDA-graph row "torch_cfm/compiled"
     vs "torch_cfm/hook" of bench/dit_step.py): compiled vs direct call."""
@@ -886,6 +887,7 @@ def test_gpu_compiled_step_close_to_calling_the_fused_path():
 
 
 @pytest.mark.gpu
+@pytest.mark.timing
 def test_gpu_compiled_step_within_5_percent_in_a_cuda_graph():
     """Issue 5's target, timed as served (each path captured in a CUDA graph, so host overhead
     is out): the torch.compile(backend="torch_cfm") step vs the fused path called directly.
