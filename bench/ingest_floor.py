@@ -17,11 +17,20 @@ Everything else is assumed as favourable as it can be:
 - each GEMM gets its best tile (a rows × b columns with a·b ≤ 32768 fp32 accumulators per SM) and
   split-K factor s, in ceil(tiles / SMs) waves, with only the consumer's re-read of the fp32
   partials charged for the split;
-- row-norms, GELU, the q/k norm and the cache writes cost nothing (assumed fused away);
+- GELU, the q/k norm and the cache writes cost nothing;
 - attention reads each K/V frame once, spread over every SM.
 
 Phases per block: qkv, attention, proj, conv 1 and conv 2 (three taps over the T + 2 history rows),
-fc1, fc2. The result is a lower bound on any design that keeps these operand precisions.
+fc1, fc2. Two structures:
+- ``fused``: the four row-norm boundaries cost nothing. This is a lower bound on any design that keeps
+  these operand precisions.
+- ``norm phases``: each boundary is a phase of its own, as in the shipped body (11-12 kernels per
+  block). It reads the rows it normalises: the GEMM output and the fp32 residual, or the three conv
+  taps.
+
+Both are floors of the in-place (arena) step. The functional step also copies the old cache frames
+into the new cache tensor (SPEC §2). That is HBM traffic, 52 µs at (8, 50, 400) fp16 and 210 µs at
+N = 32 (SPEC §7's copy rate), which a copy engine could overlap with the compute.
 
     python3 bench/ingest_floor.py [--rates 50,55,67] [--syncs 1.0,0.5] [--out bench/results]
 """
@@ -85,26 +94,36 @@ def best_gemm(m: int, k: int, n: int, elem: int, rate_gbs: float, sync_us: float
     return best
 
 
-def block_phases(cfg: DiTConfig, n: int, t: int, l_len: int, elem: int, rate_gbs: float,
-                 sync_us: float) -> list[tuple[str, float, Optional[Tile], float]]:
-    """(phase, µs, tile or None, bytes per SM) for the 7 dependent phases of one block."""
+def block_phases(cfg: DiTConfig, n: int, t: int, l_len: int, elem: int, rate_gbs: float, sync_us: float,
+                 norm_phases: bool = False) -> list[tuple[str, float, Optional[Tile], float]]:
+    """(phase, µs, tile or None, bytes per SM) for the 7 dependent phases of one block, 11 with
+    ``norm_phases`` (the row-norm boundaries in front of qkv, conv 1, conv 2 and fc1)."""
     c, m, hist = cfg.hidden, n * t, n * (t + cfg.conv_cache_frames)
     gemms = {"qkv": (m, c, 3 * cfg.inner), "proj": (m, cfg.inner, c),
              "conv1": (hist, c, cfg.conv_kernel * c), "conv2": (hist, c, cfg.conv_kernel * c),
              "fc1": (m, c, cfg.mlp_hidden), "fc2": (m, cfg.mlp_hidden, c)}
     kv_bytes = n * cfg.heads * (l_len + t) * 2 * cfg.head_dim * elem / SMS
+    taps = hist * cfg.conv_kernel * c * elem  # a conv's three tap outputs over the history rows
+    norm_bytes = {"norm>qkv": m * c * (elem + 4), "norm>conv1": m * c * (elem + 4),  # y and the fp32 residual
+                  "norm>conv2": taps, "norm>fc1": taps + m * c * 4}
+    order = ("qkv", "attention", "proj", "conv1", "conv2", "fc1", "fc2")
+    if norm_phases:
+        order = ("norm>qkv", "qkv", "attention", "proj", "norm>conv1", "conv1", "norm>conv2", "conv2", "norm>fc1",
+                 "fc1", "fc2")
     phases = []
-    for name in ("qkv", "attention", "proj", "conv1", "conv2", "fc1", "fc2"):
-        if name == "attention":
-            phases.append((name, sync_us + kv_bytes / (rate_gbs * 1e3), None, kv_bytes))
+    for name in order:
+        if name == "attention" or name in norm_bytes:
+            b = kv_bytes if name == "attention" else norm_bytes[name] / SMS
+            phases.append((name, sync_us + b / (rate_gbs * 1e3), None, b))
         else:
             phases.append((name,) + best_gemm(*gemms[name], elem, rate_gbs, sync_us))
     return phases
 
 
-def step_floor_us(cfg: DiTConfig, n: int, t: int, l_len: int, dname: str, rate_gbs: float, sync_us: float) -> float:
-    """The model's floor of one estimator step (all blocks), µs."""
-    phases = block_phases(cfg, n, t, l_len, OPERAND_BYTES[dname], rate_gbs, sync_us)
+def step_floor_us(cfg: DiTConfig, n: int, t: int, l_len: int, dname: str, rate_gbs: float, sync_us: float,
+                  norm_phases: bool = False) -> float:
+    """The model's floor of one in-place estimator step (all blocks), µs."""
+    phases = block_phases(cfg, n, t, l_len, OPERAND_BYTES[dname], rate_gbs, sync_us, norm_phases)
     return cfg.depth * sum(p[1] for p in phases)
 
 
@@ -120,20 +139,23 @@ def main(argv=None) -> int:
     syncs = [float(s) for s in args.syncs.split(",")]
     dnames = args.dtypes.split(",")
     combos = [(r, s) for r in rates for s in syncs]
-    lines = ["# Step floor under the ingest model, ms (bench/ingest_floor.py)", "",
-             "| N, T, L | dtype | " + " | ".join(f"{r:g} GB/s, sync {s:g} µs" for r, s in combos) + " | issue #4 bar |",
-             "|---|---|" + "---|" * len(combos) + "---|"]
+    lines = ["# Step floor under the ingest model, ms (bench/ingest_floor.py; the in-place step)", "",
+             "| N, T, L | dtype | row-norms | " + " | ".join(f"{r:g} GB/s, sync {s:g} µs" for r, s in combos)
+             + " | issue #4 bar |", "|---|---|---|" + "---|" * len(combos) + "---|"]
     for n, t, l_len in BODY_BENCH_SHAPES:
         for d in dnames:
-            cells = [f"{step_floor_us(cfg, n, t, l_len, d, r, s) / 1e3:.3f}" for r, s in combos]
-            bar = BAR_MS.get((n, t, l_len, d))
-            lines.append(f"| {n}, {t}, {l_len} | {d} | " + " | ".join(cells) + f" | {bar if bar else ''} |")
+            for norms in (False, True):
+                cells = [f"{step_floor_us(cfg, n, t, l_len, d, r, s, norms) / 1e3:.3f}" for r, s in combos]
+                bar = BAR_MS.get((n, t, l_len, d))
+                lines.append(f"| {n}, {t}, {l_len} | {d} | {'norm phases' if norms else 'fused'} | "
+                             + " | ".join(cells) + f" | {bar if bar else ''} |")
     r0, s0 = combos[0]
     lines += ["", f"Per block at (8, 50, 400), {r0:g} GB/s, sync {s0:g} µs (best tile: rows x cols / split-K):", "",
               "| dtype | phase | µs | KB per SM | tile |", "|---|---|---|---|---|"]
     for d in dnames:
-        for name, us, tile, b in block_phases(cfg, 8, 50, 400, OPERAND_BYTES[d], r0, s0):
-            shape = f"{tile.rows} x {tile.cols} / {tile.splits}" if tile else "K/V once over all SMs"
+        for name, us, tile, b in block_phases(cfg, 8, 50, 400, OPERAND_BYTES[d], r0, s0, norm_phases=True):
+            shape = (f"{tile.rows} x {tile.cols} / {tile.splits}" if tile
+                     else "K/V once over all SMs" if name == "attention" else "its rows once")
             lines.append(f"| {d} | {name} | {us:.2f} | {b / 1024:.0f} | {shape} |")
     lines += ["", "Reproduce: `python3 bench/ingest_floor.py "
               + f"--rates {args.rates} --syncs {args.syncs} --dtypes {args.dtypes}`"]

@@ -123,5 +123,9 @@ def test_ingest_floor_model(tmp_path):
     cfg = F.DiTConfig()
     slow, fast = (F.step_floor_us(cfg, 8, 50, 400, "fp16", r, 1.0) for r in (50.0, 67.0))
     assert fast < slow
+    # the row-norm boundaries as phases of their own: 11 phases, each at least one sync
+    phased = F.block_phases(cfg, 8, 50, 400, 2, 50.0, 1.0, norm_phases=True)
+    assert len(phased) == 11 and all(p[1] >= 1.0 for p in phased)
+    assert F.step_floor_us(cfg, 8, 50, 400, "fp16", 50.0, 1.0, norm_phases=True) > slow
     assert F.main(["--rates", "50", "--syncs", "1.0", "--out", str(tmp_path)]) == 0
     assert "| 8, 50, 400 | fp16 |" in (tmp_path / "ingest_floor.md").read_text()
