@@ -11,7 +11,8 @@ limited rate. The model that fitted every GEMM chain of session 16 (bench/NOTES.
   L2 at 132 CTAs: 51-56 GB/s at 128-192 KB per SM, ≈ 67 GB/s marginal). TMA multicast does not raise
   it: each SM still receives the bytes (session 16).
 - ``sync``: one grid-wide dependency, either a kernel boundary under PDL or a grid barrier
-  (0.9-1.0 µs at 132 CTAs, session 9).
+  (0.9-1.0 µs at 132 CTAs, session 9). 0 is a perfect dataflow design, where a phase starts on each
+  tile as soon as that tile's inputs exist, so that only the bytes count.
 
 Everything else is assumed as favourable as it can be:
 - each GEMM gets its best tile (a rows × b columns with a·b ≤ 32768 fp32 accumulators per SM) and
@@ -32,7 +33,7 @@ Both are floors of the in-place (arena) step. The functional step also copies th
 into the new cache tensor (SPEC §2). That is HBM traffic, 52 µs at (8, 50, 400) fp16 and 210 µs at
 N = 32 (SPEC §7's copy rate), which a copy engine could overlap with the compute.
 
-    python3 bench/ingest_floor.py [--rates 50,55,67] [--syncs 1.0,0.5] [--out bench/results]
+    python3 bench/ingest_floor.py [--rates 50,55,67] [--syncs 1.0,0.5,0] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -130,7 +131,8 @@ def step_floor_us(cfg: DiTConfig, n: int, t: int, l_len: int, dname: str, rate_g
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rates", default="50,55,67", help="per-SM ingest rates, GB/s")
-    ap.add_argument("--syncs", default="1.0,0.5", help="µs per grid-wide dependency")
+    ap.add_argument("--syncs", default="1.0,0.5,0",
+                    help="µs per grid-wide dependency (0: perfect dataflow, only the bytes count)")
     ap.add_argument("--dtypes", default="fp16,fp32-tf32")
     ap.add_argument("--out", default=None, help="write ingest_floor.md here")
     args = ap.parse_args(argv)
