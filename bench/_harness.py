@@ -113,6 +113,25 @@ def time_eager(fn: Callable[[], object], *, calls: int = 20, repeats: int = 30, 
     return percentiles(samples)
 
 
+def cuda_kernel_times(fn: Callable[[], object], name_len: int = 90) -> dict[str, list]:
+    """{kernel name (first ``name_len`` characters): [launches, device µs]} over one call of ``fn``,
+    after one warm-up call (torch.profiler, eager: back-to-back kernels, launch gaps excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    agg: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            rec = agg.setdefault(e.name[:name_len], [0, 0.0])
+            rec[0] += 1
+            rec[1] += e.device_time if hasattr(e, "device_time") else e.cuda_time
+    return agg
+
+
 def git_commit(repo: Optional[str] = None) -> str:
     """``git rev-parse HEAD`` of the repository; env ``BENCH_COMMIT`` where the tree has no .git
     (the device machine gets a copy without it: pass ``BENCH_COMMIT=<hash>`` in the command)."""

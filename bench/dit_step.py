@@ -57,8 +57,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root (in-place build)
-from _harness import (dry_run_timer, env_info, make_row, markdown_table, percentiles, provenance_footer,  # noqa: E402
-                      rel_err, tf32_context, time_cuda_graph, time_eager, upsert_rows)
+from _harness import (cuda_kernel_times, dry_run_timer, env_info, make_row, markdown_table, percentiles,  # noqa: E402
+                      provenance_footer, rel_err, tf32_context, time_cuda_graph, time_eager, upsert_rows)
 
 import torch_cfm.compile_rules  # noqa: E402,F401  registers backend "torch_cfm" (no entry point in an in-place build)
 from torch_cfm.config import BODY_BENCH_SHAPES, DiTConfig, cosine_timesteps  # noqa: E402
@@ -112,34 +112,14 @@ def count_kernels(fn: Callable[[], object]) -> Optional[int]:
     """CUDA kernels launched by one call of ``fn`` (torch.profiler)."""
     if DEVICE != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(("Memcpy", "Memset")))
+    return sum(cnt for name, (cnt, _) in cuda_kernel_times(fn).items() if not name.startswith(("Memcpy", "Memset")))
 
 
 def kernel_breakdown(fn: Callable[[], object], path: str, top: int = 25) -> None:
     """Write the per-kernel CUDA time of one call of ``fn`` (torch.profiler) to ``path``."""
     if DEVICE != "cuda":
         return
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    agg: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            rec = agg.setdefault(e.name[:90], [0, 0.0])
-            rec[0] += 1
-            rec[1] += e.device_time if hasattr(e, "device_time") else e.cuda_time
+    agg = cuda_kernel_times(fn)
     total = sum(v[1] for v in agg.values())
     lines = [f"total {total:.1f} us (eager, back-to-back kernels; excludes launch gaps)", "count  us_total  name"]
     for name, (cnt, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:top]:

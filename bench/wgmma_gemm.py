@@ -41,8 +41,8 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from _harness import (env_info, fmt_us, make_row, markdown_table, percentiles, provenance_footer,  # noqa: E402
-                      time_cuda_graph, upsert_rows)
+from _harness import (cuda_kernel_times, env_info, fmt_us, make_row, markdown_table, percentiles,  # noqa: E402
+                      provenance_footer, time_cuda_graph, upsert_rows)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # (role, M, K, N, GELU) at (N, T) = (8, 50): M = 400 token rows, 416 for the conv GEMMs (T + 2 per row)
@@ -199,20 +199,7 @@ def chain_rows(mod, env, dtypes, block_ns, clusters, weight_mb, rounds, repeats)
 
 def _kernel_us(fn) -> dict[str, float]:
     """Eager device µs per kernel name (first 60 characters) over one call of ``fn`` (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    agg: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            rec = agg.setdefault(e.name[:60], [0, 0.0])
-            rec[0] += 1
-            rec[1] += e.device_time if hasattr(e, "device_time") else e.cuda_time
-    return {name: round(us / cnt, 2) for name, (cnt, us) in agg.items()}
+    return {name: round(us / cnt, 2) for name, (cnt, us) in cuda_kernel_times(fn, name_len=60).items()}
 
 
 def _time_chains(env, plans, link, length, rounds, repeats, final, reset, meta) -> list:
