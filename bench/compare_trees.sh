@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# No-regression run on the GPU box: the same benchmarks on two source trees in one device call.
+#
+# Usage (from the new tree's root, on the device):
+#   OLD_TREE=.old OLD_COMMIT=<hash> BENCH_COMMIT=<hash> bash bench/compare_trees.sh
+# OLD_TREE is a checkout of the previous commit (e.g. `git archive <hash> | tar -x -C .old`, carried to
+# the device as an ignored path). Both trees are built at once, then each benchmark runs on the old
+# tree and on the new one back to back (same machine, same minute), and bench/compare_rows.py prints
+# new/old per row. Rows land in $OUT/old and $OUT/new (the benchmarks' own upserted files).
+set -uo pipefail
+OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT/old" "$OUT/new"
+OLD_TREE=$(cd "${OLD_TREE:?set OLD_TREE to the previous commit's tree}" && pwd); NEW_TREE=$PWD
+export PYTHONUNBUFFERED=1 CXX=${TORCH_CFM_CXX:-g++} CC=${TORCH_CFM_CC:-gcc}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
+# The shapes of the comparison: attention at the steady streaming shapes, the estimator step, the
+# whole-solve row and the server's steady tick (B streams = 2B rows).
+ATTN_ARGS=${ATTN_ARGS:-"--shapes 8,50,450;32,50,450 --dtypes fp16,fp32-tf32 --providers torch_cfm --no-eager --repeats 30"}
+STEP_ARGS=${STEP_ARGS:-"--shapes 8,50,400;32,50,400 --dtypes fp16,fp32-tf32 --providers torch_cfm --variants none,arena --no-solve"}
+SOLVE_ARGS=${SOLVE_ARGS:-"--shapes 8,50,400 --dtypes fp16 --providers torch_cfm --variants none --no-steps"}
+SERVER_ARGS=${SERVER_ARGS:-"--streams 16,64 --dtypes fp16"}
+
+build() {  # build <tree> <log>
+  (cd "$1" && MAX_JOBS=8 python3 setup.py build_ext --inplace > "$2" 2>&1) || { tail -30 "$2"; return 1; }
+}
+echo "== build both trees"; date -u
+build "$OLD_TREE" "$OUT/build_old.log" & p1=$!
+build "$NEW_TREE" "$OUT/build_new.log" & p2=$!
+wait $p1 || exit 1; wait $p2 || exit 1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+
+run_side() {  # run_side <old|new> <script relative to the tree> <args...>
+  local side=$1 script=$2; shift 2
+  local tree=$NEW_TREE commit=${BENCH_COMMIT:-new}
+  [ "$side" = old ] && tree=$OLD_TREE commit=${OLD_COMMIT:-old}
+  # serving_tick.py exists only in the new tree; it uses the public API both trees have
+  [ -f "$tree/$script" ] || script=$NEW_TREE/$script
+  (cd "$tree" && PYTHONPATH=$tree BENCH_COMMIT=$commit timeout "${LIMIT_EACH:-200}" python3 "$script" "$@" \
+    --out "$OUT/$side" >> "$OUT/$side.log" 2>&1) || echo "$side $script: exit $?"
+}
+both() { echo "== $*"; date -u; run_side old "$@"; run_side new "$@"; }
+both bench/attention.py $ATTN_ARGS
+both bench/dit_step.py $STEP_ARGS
+both bench/dit_step.py $SOLVE_ARGS
+both bench/serving_tick.py $SERVER_ARGS
+echo "== compare"; date -u
+python3 bench/compare_rows.py "$OUT/old" "$OUT/new" | tee "$OUT/compare.md"
