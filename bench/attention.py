@@ -11,8 +11,9 @@ fresh random inputs, fp16 / bf16 / fp32-tf32 / fp32-ieee, all providers in one r
     flex_compiled_blockmask        torch.compile(flex_attention) with a block mask from the key lengths
     sdpa_flash_NOMASK_lowerbound   flash backend WITHOUT the mask: a reference floor, not a peer
 
-Rows are upserted into ``<out>/attention.json``; a markdown table (shape × provider, p50 µs inside
-a CUDA graph) is printed and written to ``<out>/attention.md``.
+Rows are upserted into ``<out>/attention.json`` (``<out>/attention_sweep.json`` for ``--sweep``),
+which regenerates ``<out>/attention.md`` from the whole file (bench/_harness.py); this run's table
+(shape × provider, p50 µs inside a CUDA graph) is printed.
 
     python3 bench/attention.py                 # everything (the lead's full run)
     python3 bench/attention.py --quick         # torch_cfm + sdpa_cudnn_mask, 2 shapes, fp16
@@ -316,6 +317,7 @@ def run_sweep(shapes, dtypes, args, env) -> list[dict]:
 
 
 def write_table(rows: list[dict], out_dir: str, command: str) -> str:
+    """This run's table (printed); ``<out_dir>/attention.md`` is generated from the data file."""
     graph_rows = [r for r in rows if r["timing"] == "cuda_graph" and not str(r.get("variant", "")).startswith("sweep")]
 
     def row_key(r):
@@ -334,8 +336,6 @@ def write_table(rows: list[dict], out_dir: str, command: str) -> str:
         text += ("\n## eager (no graph), p50 µs\n\n"
                  + markdown_table(eager_rows, row_key, col_key, fmt_us, row_title="N,Q,K dtype") + "\n")
     text += provenance_footer(rows, command)
-    with open(os.path.join(out_dir, "attention.md"), "w") as f:
-        f.write(text)
     return text
 
 
@@ -405,7 +405,6 @@ def main(argv=None) -> int:
         rows += new
         # saved per dtype: a run cut short by its time limit still leaves its numbers
         all_rows = upsert_rows(os.path.join(args.out, "attention.json"), new)
-        write_table(rows, args.out, command)
     print(write_table(rows, args.out, command))
     print(f"{len(rows)} rows in {time.time() - t0:.0f} s; {len(all_rows)} rows in {args.out}/attention.json")
     return 0

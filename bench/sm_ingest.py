@@ -103,14 +103,11 @@ def main(argv=None) -> int:
                     print(f"{source} ctas {ctas:4d} {kb:4d} KB {name:11s} p50 {row.get('us_p50')} us "
                           f"(empty {empty:.2f}) -> {row.get('gb_per_s_per_sm')} GB/s per SM", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    upsert_rows(os.path.join(args.out, "sm_ingest.json"), rows)
-    table = markdown_table(rows, lambda r: f"{r['shape']['source']} ctas={r['shape']['ctas']} "
-                                           f"{r['shape']['kb_per_cta']} KB",
-                           lambda r: r["provider"], lambda r: str(r.get("gb_per_s_per_sm")),
-                           row_title="source, CTAs, KB per CTA")
-    with open(os.path.join(args.out, "sm_ingest.md"), "w") as f:
-        f.write("# GB/s per SM (p50, empty kernel subtracted), one CTA per SM\n\n" + table + "\n"
-                + provenance_footer(rows, command))
+    upsert_rows(os.path.join(args.out, "sm_ingest.json"), rows)  # also writes sm_ingest.md (the whole file)
+    print(markdown_table(rows, lambda r: f"{r['shape']['source']} ctas={r['shape']['ctas']} "
+                                       f"{r['shape']['kb_per_cta']} KB",
+                         lambda r: r["provider"], lambda r: str(r.get("gb_per_s_per_sm")),
+                         row_title="source, CTAs, KB per CTA") + "\n" + provenance_footer(rows, command))
     return 0
 
 
