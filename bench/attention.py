@@ -214,7 +214,7 @@ def run_bench(shapes, dtypes, providers, args, env) -> list[dict]:
 
 
 def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
-    """Kernel variants the sweep times (runs 1-3's grids and results: bench/NOTES_attention.md)."""
+    """Kernel variants the sweep times (the rule's candidates and their neighbours)."""
     from dataclasses import replace
 
     from torch_cfm.kernels.cfm_attention import AttentionConfig as C
@@ -224,8 +224,7 @@ def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
                 C(64, 64, 2, 4, 3, pdl=True, merge="last"), C(64, 64, 2, 4, 2, pdl=True, merge="last"),
                 C(64, 64, 2, 4, 3, pdl=False, merge="last"), C(64, 64, 3, 4, 3, pdl=True, merge="last"),
                 C(64, 64, 1, 8, 3, pdl=True),
-                # 128-key steps: half the serial softmax/wgmma round trips per program (run 1 timed
-                # them with the masked v1 loop only)
+                # 128-key steps: half the serial softmax/wgmma round trips per program
                 C(64, 128, 1, 4, 2, pdl=True), C(64, 128, 1, 4, 3, pdl=True), C(64, 128, 1, 8, 2, pdl=True),
                 C(64, 64, 1, 4, 4, pdl=True)]
     if precision == "tf32":
@@ -233,8 +232,7 @@ def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
                 C(32, 64, 2, 4, 3, pdl=True), C(32, 64, 2, 4, 3, merge="last"), C(32, 64, 2, 4, 2, merge="last"),
                 C(16, 64, 2, 4, 2, merge="last"), C(16, 64, 1, 4, 3),
                 C(32, 64, 1, 8, 3, pdl=True), C(32, 64, 1, 8, 2, pdl=True),  # 2 warps per scheduler
-                # 64-query tiles: wgmma for both tf32 dots (32-query tiles get mma.sync); lost in run 1
-                # with that kernel, not timed with the peeled one
+                # 64-query tiles: wgmma for both tf32 dots (32-query tiles get mma.sync)
                 C(64, 64, 1, 4, 2, pdl=True), C(64, 64, 1, 4, 3, pdl=True), C(64, 32, 1, 4, 3, pdl=True),
                 # wgmma tiles split in 2 key halves (the q32 grid's 128 programs, half the walk each)
                 C(64, 64, 2, 4, 2, pdl=True, merge="last"), C(64, 64, 2, 4, 3, pdl=True, merge="last"),
@@ -243,7 +241,7 @@ def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
                 C(32, 128, 1, 4, 2, pdl=True), C(64, 128, 1, 8, 2, pdl=True), C(32, 32, 1, 4, 3, pdl=True)]
     ieee = [C(32, 64, 1, 4, 2, pdl=False), C(32, 64, 1, 4, 2, pdl=True), C(16, 64, 1, 4, 2),
             C(16, 64, 2, 4, 2, merge="last"), C(32, 64, 2, 4, 2, merge="last")]
-    return ieee + [replace(c, qk_slab=32) for c in ieee]  # q·k in 32-wide head-dim slices (run 10)
+    return ieee + [replace(c, qk_slab=32) for c in ieee]  # q·k in 32-wide head-dim slices
 
 
 def run_sweep(shapes, dtypes, args, env) -> list[dict]:
