@@ -252,7 +252,6 @@ def run_sweep(shapes, dtypes, args, env) -> list[dict]:
     from torch_cfm.kernels._launch import sm_count
 
     rows: list[dict] = []
-    summary: list[str] = []
     for (n, q_len, k_len) in shapes:
         for dname in dtypes:
             dtype, precision = DTYPES[dname]
@@ -305,12 +304,9 @@ def run_sweep(shapes, dtypes, args, env) -> list[dict]:
                     f"  best: {best}"
                     + (f"  BAD rel_err: {bad}" if bad else ""))
             print(line, flush=True)
-            summary.append(line)
             del inp
             # saved as it goes: a run cut short by its time limit still leaves its numbers
             upsert_rows(os.path.join(args.out, "attention_sweep.json"), rows[-len(candidates + cuda_candidates):])
-            with open(os.path.join(args.out, "attention_sweep.txt"), "w") as f:
-                f.write("\n".join(summary) + "\n")
     return rows
 
 
