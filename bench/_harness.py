@@ -12,7 +12,9 @@ Results: one data file per benchmark under ``bench/results/`` (``attention.json`
 ...), a JSON list of rows upserted by their identity key (op, provider, variant, shape, dtype,
 precision, timing, gpu): a rerun replaces the row, the newest row wins. Next to each data file,
 ``<name>.md`` is its table, generated from the whole file by :func:`write_table` (``upsert_rows``
-regenerates it; ``python3 bench/_harness.py --tables`` regenerates every one).
+regenerates it; ``python3 bench/_harness.py --tables`` regenerates every one). A device run
+writes its own data files under ``$OUT``; ``python3 bench/_harness.py --merge "$OUT"`` upserts
+them into ``bench/results/`` (the newest row of each identity wins).
 """
 
 from __future__ import annotations
@@ -403,18 +405,69 @@ def write_tables(results_dir: str) -> list[str]:
     return written
 
 
+def _read_rows(path: str) -> list[dict]:
+    with open(path) as f:
+        if path.endswith(".jsonl"):
+            return [json.loads(line) for line in f if line.strip()]
+        data = json.load(f)
+    return data if isinstance(data, list) else []
+
+
+def merge_results(sources: Sequence[str], results_dir: str) -> dict[str, int]:
+    """Upsert the rows of every data file in ``sources`` (files, or folders such as a device run's
+    ``$OUT``) into ``results_dir/<same name>.json``: rows with the same identity key are replaced
+    when the incoming row is at least as new (``timestamp``). Tables are regenerated. Returns
+    {data file: rows merged}."""
+    files = []
+    for src in sources:
+        if os.path.isdir(src):
+            files += [os.path.join(src, f) for f in sorted(os.listdir(src)) if f.endswith((".json", ".jsonl"))]
+        else:
+            files.append(src)
+    merged: dict[str, int] = {}
+    for path in files:
+        rows = [r for r in _read_rows(path) if isinstance(r, dict) and r.get("op")]
+        if not rows:
+            continue
+        target = os.path.join(results_dir, os.path.splitext(os.path.basename(path))[0] + ".json")
+        if os.path.abspath(target) == os.path.abspath(path):
+            continue
+        existing = _read_rows(target) if os.path.exists(target) else []
+        index = {_identity(r): i for i, r in enumerate(existing)}
+        for row in rows:
+            row.setdefault("variant", "")
+            key = _identity(row)
+            if key not in index:
+                index[key] = len(existing)
+                existing.append(row)
+            elif str(row.get("timestamp") or "") >= str(existing[index[key]].get("timestamp") or ""):
+                existing[index[key]] = row
+        os.makedirs(results_dir, exist_ok=True)
+        with open(target, "w") as f:
+            json.dump(existing, f, indent=1)
+        write_table(target, existing)
+        merged[target] = merged.get(target, 0) + len(rows)
+    return merged
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(description="bench/results tables: one markdown file per data file")
+    ap = argparse.ArgumentParser(description="bench/results: one data file per benchmark and its generated table")
     ap.add_argument("--tables", action="store_true", help="regenerate every <name>.md from <name>.json")
+    ap.add_argument("--merge", nargs="+", metavar="PATH",
+                    help="upsert the rows of these data files / folders (e.g. a device run's $OUT) into --dir")
     ap.add_argument("--dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
-    if not args.tables:
+    if not (args.tables or args.merge):
         ap.print_help()
         return 0
-    for md in write_tables(args.dir):
-        print(md)
+    if args.merge:
+        for target, n in merge_results(args.merge, args.dir).items():
+            print(f"{n} rows -> {target}")
+    if args.tables:
+        for md in write_tables(args.dir):
+            print(md)
     return 0
 
 
