@@ -11,7 +11,7 @@ limited rate. The model that fitted every measured GEMM chain (bench/wgmma_gemm.
   L2 at 132 CTAs: 51-56 GB/s at 128-192 KB per SM, ≈ 67 GB/s marginal). TMA multicast does not raise
   it: each SM still receives the bytes.
 - ``sync``: one grid-wide dependency, either a kernel boundary under PDL or a grid barrier
-  (0.9-1.0 µs at 132 CTAs, bench/dit_block.py). 0 is a perfect dataflow design, where a phase starts on each
+  (0.9-1.0 µs at 132 CTAs, measured with grid barriers). 0 is a perfect dataflow design, where a phase starts on each
   tile as soon as that tile's inputs exist, so that only the bytes count.
 
 Everything else is assumed as favourable as it can be:
