@@ -6,8 +6,15 @@ Timing (SPEC §7 "inside a CUDA graph"): the callable is warmed up on a side str
 allocator pools), then ``calls`` back-to-back calls are captured into one CUDA graph; each repeat
 replays the graph once between two CUDA events and yields µs per call. ``us_p20/p50/p80`` are
 percentiles over the repeats. Eager timing runs the same ``calls`` back to back without a graph
-(host launch overhead included). Rows are JSON objects upserted by their identity key
-(op, provider, variant, shape, dtype, precision, timing, gpu) into a JSON list file.
+(host launch overhead included).
+
+Results: one data file per benchmark under ``bench/results/`` (``attention.json``, ``dit_step.json``,
+...), a JSON list of rows upserted by their identity key (op, provider, variant, shape, dtype,
+precision, timing, gpu): a rerun replaces the row, the newest row wins. Next to each data file,
+``<name>.md`` is its table, generated from the whole file by :func:`write_table` (``upsert_rows``
+regenerates it; ``python3 bench/_harness.py --tables`` regenerates every one). A device run
+writes its own data files under ``$OUT``; ``python3 bench/_harness.py --merge "$OUT"`` upserts
+them into ``bench/results/`` (the newest row of each identity wins).
 """
 
 from __future__ import annotations
@@ -183,8 +190,9 @@ def _identity(row: dict) -> str:
     return json.dumps([row.get(k) for k in IDENTITY], sort_keys=True)
 
 
-def upsert_rows(path: str, rows: Iterable[dict]) -> list[dict]:
-    """Merge ``rows`` into the JSON list at ``path``, replacing rows with the same identity key."""
+def upsert_rows(path: str, rows: Iterable[dict], *, table: bool = True) -> list[dict]:
+    """Merge ``rows`` into the JSON list at ``path``, replacing rows with the same identity key,
+    then (``table``) regenerate the table ``<path without .json>.md`` from the whole file."""
     existing: list[dict] = []
     if os.path.exists(path):
         try:
@@ -203,6 +211,8 @@ def upsert_rows(path: str, rows: Iterable[dict]) -> list[dict]:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(existing, f, indent=1)
+    if table:
+        write_table(path, existing)
     return existing
 
 
@@ -255,3 +265,211 @@ def dry_run_timer(fn: Callable[[], object], *, calls: int = 1, repeats: int = 1,
     if samples is not None:
         samples.append(0.0)
     return {"us_p20": 0.0, "us_p50": 0.0, "us_p80": 0.0}
+
+
+# --- generated tables -----------------------------------------------------------------------------
+
+#: The command that refreshes each data file (a GPU machine; ``bash bench/run_device.sh <stage>``
+#: runs the same with the extension built in place).
+COMMANDS = {
+    "attention": "python3 bench/attention.py --out bench/results   # run_device.sh stage: attention",
+    "attention_sweep": "python3 bench/attention.py --sweep --out bench/results   # stage: sweep",
+    "attention_accuracy": "python3 bench/attention_accuracy.py --out bench/results",
+    "cuda_attention_ablation": "python3 bench/cuda_attention_ablation.py --out bench/results   # stage: cuda-ablation",
+    "dit_step": "python3 bench/dit_step.py --out bench/results   # stages: dit, dit-full, dit-compile",
+    "dit_block": "python3 bench/dit_block.py --out bench/results   # stage: dit-block",
+    "dit_gemm": "python3 bench/dit_gemm.py --out bench/results   # stage: dit-gemm",
+    "wgmma_gemm": "python3 bench/wgmma_gemm.py --out bench/results [--parts rownorm]   # stage: wgmma-gemm",
+    "sm_ingest": "python3 bench/sm_ingest.py --out bench/results   # stage: sm-ingest",
+    "graph_launch": "python3 bench/graph_launch.py --out bench/results --dtype fp16   # stage: graph-launch",
+}
+
+#: Variants shown as columns of the main table; every other variant is a measured alternative
+#: (listed best-first under the main table).
+MAIN_VARIANTS = {
+    "dit_step": ("", "server", "compiled", "forward_chunk", "arena"),
+}
+
+#: Data files whose cell is another field than p50 µs: name -> (field, what it is).
+CELL_FIELDS = {
+    "sm_ingest": ("gb_per_s_per_sm", "GB/s per SM (p50, empty kernel subtracted), one CTA per SM"),
+}
+
+_ALTERNATIVES_SHOWN = 6
+
+
+def _shape_text(shape) -> str:
+    if isinstance(shape, dict):
+        return ",".join(f"{k}={v}" for k, v in shape.items())
+    return str(shape)
+
+
+def _order(row: dict) -> tuple:
+    shape = row.get("shape")
+    values = list(shape.values()) if isinstance(shape, dict) else [shape]
+    return (str(row.get("op")), [(0, v, "") if isinstance(v, (int, float)) else (1, 0, str(v)) for v in values],
+            _dtype_text(row))
+
+
+def _dtype_text(row: dict) -> str:
+    return f"{row.get('dtype')}" + (f"/{row['precision']}" if row.get("precision") else "")
+
+
+def _cell(row: dict, field: str = "us_p50") -> str:
+    if row.get("error"):
+        return "err"
+    p50 = row.get(field)
+    if p50 is None:
+        return ""
+    return f"{p50:.1f}" if p50 < 1000 else f"{p50:.0f}"
+
+
+def _scalar_fields(row: dict, limit: int = 6) -> str:
+    skip = set(ROW_FIELDS)
+    items = [(k, v) for k, v in row.items() if k not in skip and isinstance(v, (int, float, str)) and v is not None]
+    return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in items[:limit])
+
+
+def render_table(name: str, rows: Sequence[dict]) -> str:
+    """Markdown for the data file ``name`` (its stem): per (op, timing) a table of shape x dtype
+    rows by provider columns (p50 µs), the measured alternatives best-first, and the provenance."""
+    rows = sorted((r for r in rows if isinstance(r, dict) and r.get("op")), key=_order)
+    main_variants = MAIN_VARIANTS.get(name, ("",))
+    field, what = CELL_FIELDS.get(name, ("us_p50", "p50 µs per call"))
+    cell = lambda r: _cell(r, field)  # noqa: E731
+    text = [f"# {name}: {what} where timed (generated from `{name}.json` by `bench/_harness.py`; do not edit)\n"]
+    sections: dict[tuple, list[dict]] = {}
+    for r in rows:
+        sections.setdefault((r.get("op"), r.get("timing") or "none"), []).append(r)
+    for (op, timing), part in sorted(sections.items(), key=lambda kv: (kv[0][0], kv[0][1] != "cuda_graph")):
+        def row_key(r):
+            return f"{_shape_text(r.get('shape'))} {_dtype_text(r)}"
+
+        def col_key(r):
+            return (r.get("provider") or "") + (f" ({r['variant']})" if r.get("variant") else "")
+
+        main = [r for r in part if (r.get("variant") or "") in main_variants
+                and (r.get(field) is not None or r.get("error"))]
+        if main:
+            text.append(f"## {op}, timing {timing}\n")
+            text.append(markdown_table(main, row_key, col_key, cell, row_title="shape dtype") + "\n")
+        alts = [r for r in part if r not in main]
+        if alts:
+            text.append(f"## {op}, timing {timing}: measured alternatives "
+                        f"(best {_ALTERNATIVES_SHOWN} per shape, dtype and provider)\n")
+            groups: dict[tuple, list[dict]] = {}
+            for r in alts:
+                groups.setdefault((row_key(r), r.get("provider")), []).append(r)
+            lines = ["| shape dtype | provider | variants (value, or fields) | count |", "|---|---|---|---|"]
+            for (rk, prov), grp in groups.items():
+                timed = sorted((r for r in grp if r.get(field) is not None), key=lambda r: r[field])
+                shown = [f"{r.get('variant') or '-'} {cell(r)}" for r in timed[:_ALTERNATIVES_SHOWN]]
+                if not timed:
+                    shown = [f"{r.get('variant') or '-'}: {_scalar_fields(r)}" for r in grp[:_ALTERNATIVES_SHOWN]]
+                lines.append(f"| {rk} | {prov} | {'; '.join(shown)} | {len(grp)} |")
+            text.append("\n".join(lines) + "\n")
+    gpus = sorted({str(r.get("gpu")) for r in rows})
+    commits = sorted({str(r.get("commit")) for r in rows if r.get("commit")})
+    stamps = sorted(str(r.get("timestamp")) for r in rows if r.get("timestamp"))
+    text.append(f"{len(rows)} rows; GPU {', '.join(gpus) or '?'}; torch "
+                f"{', '.join(sorted({str(r.get('torch')) for r in rows if r.get('torch')})) or '?'}; "
+                f"{len(commits)} commits" + (f", {stamps[0][:10]} to {stamps[-1][:10]}" if stamps else "")
+                + ". Each row carries its own commit and timestamp.\n")
+    text.append(f"Reproduce: `{COMMANDS.get(name, f'python3 bench/{name}.py --out bench/results')}`\n")
+    return "\n".join(text)
+
+
+def write_table(path: str, rows: Optional[Sequence[dict]] = None) -> Optional[str]:
+    """Write ``<path without .json>.md`` from the data file at ``path`` (or ``rows``); returns its
+    path, or None when the file holds no benchmark rows (rows without an ``op``)."""
+    if rows is None:
+        with open(path) as f:
+            rows = json.load(f)
+    if not any(isinstance(r, dict) and r.get("op") for r in rows):
+        return None
+    name = os.path.splitext(os.path.basename(path))[0]
+    md = os.path.splitext(path)[0] + ".md"
+    with open(md, "w") as f:
+        f.write(render_table(name, rows))
+    return md
+
+
+def write_tables(results_dir: str) -> list[str]:
+    """Regenerate the table of every data file (``*.json``) in ``results_dir``."""
+    written = []
+    for fname in sorted(os.listdir(results_dir)):
+        if fname.endswith(".json"):
+            md = write_table(os.path.join(results_dir, fname))
+            if md:
+                written.append(md)
+    return written
+
+
+def _read_rows(path: str) -> list[dict]:
+    with open(path) as f:
+        if path.endswith(".jsonl"):
+            return [json.loads(line) for line in f if line.strip()]
+        data = json.load(f)
+    return data if isinstance(data, list) else []
+
+
+def merge_results(sources: Sequence[str], results_dir: str) -> dict[str, int]:
+    """Upsert the rows of every data file in ``sources`` (files, or folders such as a device run's
+    ``$OUT``) into ``results_dir/<same name>.json``: rows with the same identity key are replaced
+    when the incoming row is at least as new (``timestamp``). Tables are regenerated. Returns
+    {data file: rows merged}."""
+    files = []
+    for src in sources:
+        if os.path.isdir(src):
+            files += [os.path.join(src, f) for f in sorted(os.listdir(src)) if f.endswith((".json", ".jsonl"))]
+        else:
+            files.append(src)
+    merged: dict[str, int] = {}
+    for path in files:
+        rows = [r for r in _read_rows(path) if isinstance(r, dict) and r.get("op")]
+        if not rows:
+            continue
+        target = os.path.join(results_dir, os.path.splitext(os.path.basename(path))[0] + ".json")
+        if os.path.abspath(target) == os.path.abspath(path):
+            continue
+        existing = _read_rows(target) if os.path.exists(target) else []
+        index = {_identity(r): i for i, r in enumerate(existing)}
+        for row in rows:
+            row.setdefault("variant", "")
+            key = _identity(row)
+            if key not in index:
+                index[key] = len(existing)
+                existing.append(row)
+            elif str(row.get("timestamp") or "") >= str(existing[index[key]].get("timestamp") or ""):
+                existing[index[key]] = row
+        os.makedirs(results_dir, exist_ok=True)
+        with open(target, "w") as f:
+            json.dump(existing, f, indent=1)
+        write_table(target, existing)
+        merged[target] = merged.get(target, 0) + len(rows)
+    return merged
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="bench/results: one data file per benchmark and its generated table")
+    ap.add_argument("--tables", action="store_true", help="regenerate every <name>.md from <name>.json")
+    ap.add_argument("--merge", nargs="+", metavar="PATH",
+                    help="upsert the rows of these data files / folders (e.g. a device run's $OUT) into --dir")
+    ap.add_argument("--dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args(argv)
+    if not (args.tables or args.merge):
+        ap.print_help()
+        return 0
+    if args.merge:
+        for target, n in merge_results(args.merge, args.dir).items():
+            print(f"{n} rows -> {target}")
+    if args.tables:
+        for md in write_tables(args.dir):
+            print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

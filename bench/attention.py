@@ -11,8 +11,9 @@ fresh random inputs, fp16 / bf16 / fp32-tf32 / fp32-ieee, all providers in one r
     flex_compiled_blockmask        torch.compile(flex_attention) with a block mask from the key lengths
     sdpa_flash_NOMASK_lowerbound   flash backend WITHOUT the mask: a reference floor, not a peer
 
-Rows are upserted into ``<out>/attention.json``; a markdown table (shape × provider, p50 µs inside
-a CUDA graph) is printed and written to ``<out>/attention.md``.
+Rows are upserted into ``<out>/attention.json`` (``<out>/attention_sweep.json`` for ``--sweep``),
+which regenerates ``<out>/attention.md`` from the whole file (bench/_harness.py); this run's table
+(shape × provider, p50 µs inside a CUDA graph) is printed.
 
     python3 bench/attention.py                 # everything (the lead's full run)
     python3 bench/attention.py --quick         # torch_cfm + sdpa_cudnn_mask, 2 shapes, fp16
@@ -213,7 +214,7 @@ def run_bench(shapes, dtypes, providers, args, env) -> list[dict]:
 
 
 def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
-    """Kernel variants the sweep times (runs 1-3's grids and results: bench/NOTES_attention.md)."""
+    """Kernel variants the sweep times (the rule's candidates and their neighbours)."""
     from dataclasses import replace
 
     from torch_cfm.kernels.cfm_attention import AttentionConfig as C
@@ -223,8 +224,7 @@ def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
                 C(64, 64, 2, 4, 3, pdl=True, merge="last"), C(64, 64, 2, 4, 2, pdl=True, merge="last"),
                 C(64, 64, 2, 4, 3, pdl=False, merge="last"), C(64, 64, 3, 4, 3, pdl=True, merge="last"),
                 C(64, 64, 1, 8, 3, pdl=True),
-                # 128-key steps: half the serial softmax/wgmma round trips per program (run 1 timed
-                # them with the masked v1 loop only)
+                # 128-key steps: half the serial softmax/wgmma round trips per program
                 C(64, 128, 1, 4, 2, pdl=True), C(64, 128, 1, 4, 3, pdl=True), C(64, 128, 1, 8, 2, pdl=True),
                 C(64, 64, 1, 4, 4, pdl=True)]
     if precision == "tf32":
@@ -232,8 +232,7 @@ def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
                 C(32, 64, 2, 4, 3, pdl=True), C(32, 64, 2, 4, 3, merge="last"), C(32, 64, 2, 4, 2, merge="last"),
                 C(16, 64, 2, 4, 2, merge="last"), C(16, 64, 1, 4, 3),
                 C(32, 64, 1, 8, 3, pdl=True), C(32, 64, 1, 8, 2, pdl=True),  # 2 warps per scheduler
-                # 64-query tiles: wgmma for both tf32 dots (32-query tiles get mma.sync); lost in run 1
-                # with that kernel, not timed with the peeled one
+                # 64-query tiles: wgmma for both tf32 dots (32-query tiles get mma.sync)
                 C(64, 64, 1, 4, 2, pdl=True), C(64, 64, 1, 4, 3, pdl=True), C(64, 32, 1, 4, 3, pdl=True),
                 # wgmma tiles split in 2 key halves (the q32 grid's 128 programs, half the walk each)
                 C(64, 64, 2, 4, 2, pdl=True, merge="last"), C(64, 64, 2, 4, 3, pdl=True, merge="last"),
@@ -242,7 +241,7 @@ def sweep_configs(dtype: torch.dtype, precision: Optional[str]):
                 C(32, 128, 1, 4, 2, pdl=True), C(64, 128, 1, 8, 2, pdl=True), C(32, 32, 1, 4, 3, pdl=True)]
     ieee = [C(32, 64, 1, 4, 2, pdl=False), C(32, 64, 1, 4, 2, pdl=True), C(16, 64, 1, 4, 2),
             C(16, 64, 2, 4, 2, merge="last"), C(32, 64, 2, 4, 2, merge="last")]
-    return ieee + [replace(c, qk_slab=32) for c in ieee]  # q·k in 32-wide head-dim slices (run 10)
+    return ieee + [replace(c, qk_slab=32) for c in ieee]  # q·k in 32-wide head-dim slices
 
 
 def run_sweep(shapes, dtypes, args, env) -> list[dict]:
@@ -253,7 +252,6 @@ def run_sweep(shapes, dtypes, args, env) -> list[dict]:
     from torch_cfm.kernels._launch import sm_count
 
     rows: list[dict] = []
-    summary: list[str] = []
     for (n, q_len, k_len) in shapes:
         for dname in dtypes:
             dtype, precision = DTYPES[dname]
@@ -306,16 +304,14 @@ def run_sweep(shapes, dtypes, args, env) -> list[dict]:
                     f"  best: {best}"
                     + (f"  BAD rel_err: {bad}" if bad else ""))
             print(line, flush=True)
-            summary.append(line)
             del inp
             # saved as it goes: a run cut short by its time limit still leaves its numbers
             upsert_rows(os.path.join(args.out, "attention_sweep.json"), rows[-len(candidates + cuda_candidates):])
-            with open(os.path.join(args.out, "attention_sweep.txt"), "w") as f:
-                f.write("\n".join(summary) + "\n")
     return rows
 
 
 def write_table(rows: list[dict], out_dir: str, command: str) -> str:
+    """This run's table (printed); ``<out_dir>/attention.md`` is generated from the data file."""
     graph_rows = [r for r in rows if r["timing"] == "cuda_graph" and not str(r.get("variant", "")).startswith("sweep")]
 
     def row_key(r):
@@ -334,8 +330,6 @@ def write_table(rows: list[dict], out_dir: str, command: str) -> str:
         text += ("\n## eager (no graph), p50 µs\n\n"
                  + markdown_table(eager_rows, row_key, col_key, fmt_us, row_title="N,Q,K dtype") + "\n")
     text += provenance_footer(rows, command)
-    with open(os.path.join(out_dir, "attention.md"), "w") as f:
-        f.write(text)
     return text
 
 
@@ -405,7 +399,6 @@ def main(argv=None) -> int:
         rows += new
         # saved per dtype: a run cut short by its time limit still leaves its numbers
         all_rows = upsert_rows(os.path.join(args.out, "attention.json"), new)
-        write_table(rows, args.out, command)
     print(write_table(rows, args.out, command))
     print(f"{len(rows)} rows in {time.time() - t0:.0f} s; {len(all_rows)} rows in {args.out}/attention.json")
     return 0

@@ -12,7 +12,8 @@ case, SPEC §6 max-abs ratios ``err / (2 · err(fp32 reference) + 1e-6)`` (> 1 f
   slices with fresh accumulators summed in FP32 (``AttentionConfig.qk_slab``), FMA dots, and a
   hand-split 3xTF32 with the cross terms in their own accumulator.
 
-Findings of session 7 (H200): ``bench/NOTES_attention.md`` run 10. JSON per case goes to
+Finding (H200): the error is the q·k sum's; q·k in 32-wide head-dim slices closes most of it
+(docs/performance.md, "fp32 ieee"). JSON per case goes to
 ``<out>/attention_error_sources_{parts,scores}.json``. ``--dry-run``: two cases on CPU under the
 Triton interpreter (a smoke test: its dots are exact, so its ratios say nothing about a GPU).
 

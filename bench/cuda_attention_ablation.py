@@ -4,6 +4,8 @@ ablate = 0 full kernel; 1 without the dots and softmax; 2 without the K/V loads;
 (prologue, Q load, merge, store). Plus the floor of one small kernel per call in the same graph
 (``out.zero_()``). µs per call inside a CUDA graph of 20 calls (bench/_harness.py), bench inputs
 (ragged lengths, seed 0). Results of ablated runs are wrong by design; only the time is kept.
+Rows (``op`` = "cuda_attention_ablation", ``variant`` = the config, ``us_p50`` = the full kernel)
+are upserted into ``<out>/cuda_attention_ablation.json`` (bench/_harness.py).
 
     python3 bench/cuda_attention_ablation.py --out "$OUT"
 """
@@ -11,14 +13,13 @@ ablate = 0 full kernel; 1 without the dots and softmax; 2 without the K/V loads;
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import env_info, time_cuda_graph  # noqa: E402
+from _harness import env_info, make_row, time_cuda_graph, upsert_rows  # noqa: E402
 from attention import DTYPES, HEAD_DIM, HEADS, make_inputs  # noqa: E402
 
 from torch_cfm.kernels import cfm_attention_cuda as cuda_kernel  # noqa: E402
@@ -29,7 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="2,50,450;8,50,450;32,50,450")
     ap.add_argument("--dtypes", default="fp16,fp32-tf32")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     env = env_info()
     rows = []
@@ -48,14 +49,16 @@ def main(argv=None) -> int:
                           cuda_kernel.cfm_attention_cuda(q, k, v, lengths, None, None, out, cfg, ablate=ablate))
                     fn()
                     times.append(time_cuda_graph(fn, repeats=args.repeats)["us_p50"])
-                row = dict(shape=shape, dtype=dname, config=cfg.name, full=times[0], no_compute=times[1],
-                           no_loads=times[2], neither=times[3], zero_kernel=floor, gpu=env.get("gpu"),
-                           commit=env.get("commit"))
+                row = make_row(env, op="cuda_attention_ablation", provider="torch_cfm_cuda", variant=cfg.name,
+                               shape={"N": n, "H": HEADS, "Q": q_len, "K": k_len, "D": HEAD_DIM},
+                               dtype=str(dtype).replace("torch.", ""), precision=precision, timing="cuda_graph",
+                               us_p50=times[0], full=times[0], no_compute=times[1], no_loads=times[2],
+                               neither=times[3], zero_kernel=floor)
                 rows.append(row)
                 print(f"{shape:>10} {dname:<9} {cfg.name:<22} full {times[0]:6.2f}  no-compute {times[1]:6.2f}  "
                       f"no-loads {times[2]:6.2f}  neither {times[3]:6.2f}  (zero_ kernel {floor:.2f})", flush=True)
-            with open(os.path.join(args.out, "cuda_attention_ablation.json"), "w") as f:
-                json.dump(rows, f, indent=1)
+            # saved per shape and dtype: a run cut short by its time limit keeps what it measured
+            upsert_rows(os.path.join(args.out, "cuda_attention_ablation.json"), rows)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Host cost of launching the whole-solve CUDA graphs: the server's arena graph vs the runner's.
 
 A served chunk is serialised as host work (staging, graph key, ``cudaGraphLaunch``) then GPU work;
-session 4 measured ~2.5 ms of ``cudaGraphLaunch`` per server chunk (`results/dit_server_profile.txt`).
+a profile of the server once showed ~2.5 ms of ``cudaGraphLaunch`` per chunk.
 This script captures both graphs of one bucket (B = 4 requests, T = 50, L = 400, random weights)
 and reports, per graph: host µs of ``graph.replay()`` (synchronised before, nothing waited for
 inside), GPU µs of one replay (events), for the server also the host µs of a whole
@@ -11,10 +11,10 @@ dependent launch edges cost at launch.
 
     python3 bench/graph_launch.py --out bench/results --dtype fp16 [--plain-graphs]
 
-Session 5 ran it with debug graphs (the default: ``keep_graph=True`` + debug mode, for the DOT
-dump); on torch 2.11 the dump wrote no file, so those rows have no node counts. ``--plain-graphs``
-captures ordinary graphs, to check whether debug graphs explain why ``solve_chunk`` took 0.69 ms
-of host time here but 2.2-2.7 ms in ``bench/dit_step.py --profile-server`` (bench/NOTES.md).
+The default captures debug graphs (``keep_graph=True`` + debug mode, for the DOT dump); on torch
+2.11 the dump writes no file, so those rows have no node counts. ``--plain-graphs`` captures
+ordinary graphs, to check whether debug graphs explain why ``solve_chunk`` took 0.69 ms of host
+time here but 2.2-2.7 ms in ``bench/dit_step.py --profile-server``.
 
 Writes ``graph_launch.json`` (one row per graph, with provenance) under ``--out``.
 """

@@ -3,15 +3,15 @@
 SPEC §7's floor (``floor_us`` in bench/dit_step.py: FLOPs at the matmul ceiling, or weights and caches
 once through HBM) is 0.09 ms at (8, 50, 400) fp16. It is not what bounds this workload. Every phase of
 a block needs the whole output of the phase before it, and every SM takes in its operands at a
-limited rate. The model that fitted every GEMM chain of session 16 (bench/NOTES.md):
+limited rate. The model that fitted every measured GEMM chain (bench/wgmma_gemm.py; docs/performance.md):
 
     phase µs = sync + (bytes one SM takes in) / rate
 
 - ``rate``: one SM's ingest while all SMs load together (bench/results/sm_ingest.md, bulk copies from
   L2 at 132 CTAs: 51-56 GB/s at 128-192 KB per SM, ≈ 67 GB/s marginal). TMA multicast does not raise
-  it: each SM still receives the bytes (session 16).
+  it: each SM still receives the bytes.
 - ``sync``: one grid-wide dependency, either a kernel boundary under PDL or a grid barrier
-  (0.9-1.0 µs at 132 CTAs, session 9). 0 is a perfect dataflow design, where a phase starts on each
+  (0.9-1.0 µs at 132 CTAs, measured with grid barriers). 0 is a perfect dataflow design, where a phase starts on each
   tile as soon as that tile's inputs exist, so that only the bytes count.
 
 Everything else is assumed as favourable as it can be:
@@ -54,7 +54,7 @@ TILE_ROWS = (64, 128, 192, 256)  # wgmma M granularity
 TILE_COLS = tuple(range(32, 1025, 32))
 SPLITS = (1, 2, 4, 8)
 OPERAND_BYTES = {"fp16": 2, "bf16": 2, "fp32-tf32": 4}  # fp32 operands stay fp32 through the TF32 MMA
-BAR_MS = {(8, 50, 400, "fp16"): 0.30, (32, 50, 400, "fp16"): 0.80, (8, 50, 400, "fp32-tf32"): 0.60}  # issue #4
+BAR_MS = {(8, 50, 400, "fp16"): 0.30, (32, 50, 400, "fp16"): 0.80, (8, 50, 400, "fp32-tf32"): 0.60}  # the step targets (docs/performance.md)
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     combos = [(r, s) for r in rates for s in syncs]
     lines = ["# Step floor under the ingest model, ms (bench/ingest_floor.py; the in-place step)", "",
              "| N, T, L | dtype | row-norms | " + " | ".join(f"{r:g} GB/s, sync {s:g} µs" for r, s in combos)
-             + " | issue #4 bar |", "|---|---|---|" + "---|" * len(combos) + "---|"]
+             + " | target |", "|---|---|---|" + "---|" * len(combos) + "---|"]
     for n, t, l_len in BODY_BENCH_SHAPES:
         for d in dnames:
             for norms in (False, True):

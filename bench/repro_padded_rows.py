@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Session-8 property finding: one fp16 row differs by 1 ulp alone vs in a batch of 2 (GPU only).
+"""A property-test finding: one fp16 row differs by 1 ulp alone vs in a batch of 2 (GPU only).
 
 Rebuilds the failing hypothesis case of ``test_padded_rows_change_no_other_row_cuda`` and times
 nothing: it prints the max diff for each launch option, to tell which one changes the rounding.

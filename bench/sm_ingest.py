@@ -1,10 +1,9 @@
 """How many bytes per µs one SM takes in, by copy method and by how many SMs copy at once
 (``bench/sm_ingest.cu``, JIT-built with torch's cpp_extension on the GPU box).
 
-Why (bench/NOTES.md, session 13): at M = 400 token rows each DiT GEMM is bound by the operand bytes
-one SM must receive (≈ 80 KB per SM for proj, ≈ 320 KB for fc2). The CUDA attention kernel's loads
-ran at ≈ 40 GB/s per SM (NOTES_attention.md, run 14), at which no fused GEMM + row-norm kernel can
-beat cuBLAS + the Triton row-norm. This measures the rate itself: per-thread 16-byte loads into
+Why (docs/performance.md, the ingest floor): at M = 400 token rows each DiT GEMM is bound by the
+operand bytes one SM must receive (≈ 80 KB per SM for proj, ≈ 320 KB for fc2), and the CUDA
+attention kernel's loads ran at ≈ 40 GB/s per SM. This measures the rate itself: per-thread 16-byte loads into
 registers, cp.async into shared memory, and 1D bulk copies (the TMA engine), from L2 (a buffer
 read in every call) and from HBM (a fresh slice of a 2 GB buffer in every captured call).
 
@@ -103,14 +102,11 @@ def main(argv=None) -> int:
                     print(f"{source} ctas {ctas:4d} {kb:4d} KB {name:11s} p50 {row.get('us_p50')} us "
                           f"(empty {empty:.2f}) -> {row.get('gb_per_s_per_sm')} GB/s per SM", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    upsert_rows(os.path.join(args.out, "sm_ingest.json"), rows)
-    table = markdown_table(rows, lambda r: f"{r['shape']['source']} ctas={r['shape']['ctas']} "
-                                           f"{r['shape']['kb_per_cta']} KB",
-                           lambda r: r["provider"], lambda r: str(r.get("gb_per_s_per_sm")),
-                           row_title="source, CTAs, KB per CTA")
-    with open(os.path.join(args.out, "sm_ingest.md"), "w") as f:
-        f.write("# GB/s per SM (p50, empty kernel subtracted), one CTA per SM\n\n" + table + "\n"
-                + provenance_footer(rows, command))
+    upsert_rows(os.path.join(args.out, "sm_ingest.json"), rows)  # also writes sm_ingest.md (the whole file)
+    print(markdown_table(rows, lambda r: f"{r['shape']['source']} ctas={r['shape']['ctas']} "
+                                       f"{r['shape']['kb_per_cta']} KB",
+                         lambda r: r["provider"], lambda r: str(r.get("gb_per_s_per_sm")),
+                         row_title="source, CTAs, KB per CTA") + "\n" + provenance_footer(rows, command))
     return 0
 
 
