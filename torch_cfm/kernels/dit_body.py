@@ -148,9 +148,10 @@ def dit_body_triton(
         _cublas_mm(a_, w_, b_, out_)
 
     fc2_parts = None  # the split-K fc2's fp32 partial sums (splits, M, C)
+    fc2_config = p.fc2_splitk or (dit_linear_cuda.TF32_SPLITK_CONFIG if cd == torch.float32
+                                  else dit_linear_cuda.SPLITK_CONFIG)
     if p.fc2 == "wgmma_splitk":
-        splits = (dit_linear_cuda.TF32_SPLITK_CONFIG if cd == torch.float32 else dit_linear_cuda.SPLITK_CONFIG)[0]
-        fc2_parts = torch.empty((splits, m, c), dtype=torch.float32, device=dev)
+        fc2_parts = torch.empty((fc2_config[0], m, c), dtype=torch.float32, device=dev)
 
     # staged input -> in_proj (bias added in the first boundary kernel)
     y0 = torch.matmul(x_in.transpose(1, 2), weights[0].t()).view(m, c)
@@ -206,7 +207,8 @@ def dit_body_triton(
             torch.addmm(fc1_b, a, fc1_w.t(), out=fbuf)
             torch.ops.aten.gelu_(fbuf, approximate="tanh")
         nxt = (i + 1, SHIFT_A, SCALE_A) if i + 1 < depth else (depth, 0, 1)
-        if fc2_parts is not None and linear_splitk_into(fbuf, fc2_w, fc2_parts, pdl=linear_pdl, tf32=tf32):
+        if fc2_parts is not None and linear_splitk_into(fbuf, fc2_w, fc2_parts, pdl=linear_pdl, config=fc2_config,
+                                                        tf32=tf32):
             y_fc2, b_fc2 = fc2_parts, fc2_b  # the row-norm adds the partials and the bias
         else:
             torch.addmm(fc2_b, fbuf, fc2_w.t(), out=y)
