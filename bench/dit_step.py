@@ -259,22 +259,9 @@ def run_steps(cfg, shapes, dnames, providers, args, env, base) -> list[dict]:
     return rows
 
 
-# v5's fused attention + cache kernel (torch_cfm.kernels.dit_attention.LAUNCH_OVERRIDE); {} = its defaults
+# v5's fused attention + cache kernel (BodyPlan.attention_launch); {} = its defaults
 SWEEP_V5 = ({}, {"num_warps": 8}, {"num_stages": 2}, {"block_k": 32}, {"block_c": 32}, {"block_c": 64}, {"copy_f": 32},
             {"copy_f": 128}, {"block_k": 64}, {"block_c": 64, "copy_f": 128})
-
-
-def _overriding(target: dict, over: dict):
-    """Context manager: ``target`` (a module's override dict) holds ``over`` inside, is empty after."""
-    @contextlib.contextmanager
-    def ctx():
-        target.clear()
-        target.update(over)
-        try:
-            yield
-        finally:
-            target.clear()
-    return ctx
 
 
 def _plan(name: str, **changes):
@@ -284,7 +271,6 @@ def _plan(name: str, **changes):
         base = body_plan(dtype, precision, n_rows, arena=arena) if name == "table" else \
             named_plan(name, dtype, precision)
         return dataclasses.replace(base, **changes)
-    make.is_plan = True
     return make
 
 
@@ -305,13 +291,11 @@ SWEEP_FC2_SPLITK = ((4, 128), (8, 128), (4, 64), (8, 64))
 
 
 def sweep_plans(swept: set) -> list:
-    """(provider variant, row tag, plan factory or launch-override context) of each swept plan."""
+    """(provider variant, row tag, plan factory) of each swept plan."""
     plans = []
     if "v5" in swept:
-        from torch_cfm.kernels import dit_attention
-
-        plans += [("v5", "sweep_v5_" + ("_".join(f"{k}{v}" for k, v in over.items()) or "default"),
-                   _overriding(dit_attention.LAUNCH_OVERRIDE, over)) for over in SWEEP_V5]
+        plans += [("default", "sweep_v5_" + ("_".join(f"{k}{v}" for k, v in over.items()) or "default"),
+                   _plan("v5", attention_launch=tuple(over.items()))) for over in SWEEP_V5]
     if "pdl" in swept:
         plans += [("default", f"sweep_{v}_pdl_{name}", _plan(v, pdl=kernels)) for v in ("v1", "v5")
                   for name, kernels in SWEEP_PDL.items() if name != ("all" if v == "v1" else "rownorm_qk")]
@@ -340,8 +324,7 @@ def sweep_plans(swept: set) -> list:
 
 
 def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
-    """Time the body under each plan of :func:`sweep_plans` (BodyPlan variants run through
-    ``body_plans.use_plan``; v5's launch overrides through kernels.dit_attention.LAUNCH_OVERRIDE).
+    """Time the body under each plan of :func:`sweep_plans` (run through ``body_plans.use_plan``).
 
     With ``--sweep-rounds R`` > 1 every plan is captured and timed R times, the plans in a new
     order each round and the graph's buffers at shifted addresses (a random-size allocation
@@ -366,14 +349,11 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
                 found = [f for f in providers if f[0] == "torch_cfm" and f[1] == ("" if variant in (default, "default") else variant)]
                 if not found:
                     continue
-                if getattr(factory, "is_plan", False):  # a plan factory: run the provider under use_plan(plan)
-                    try:
-                        plan = factory(dtype, precision, n, variant == "arena")
-                    except ValueError:  # no such plan for this dtype family (v9 for IEEE fp32)
-                        continue
-                    todo.append((tag, functools.partial(use_plan, plan), found[0][2]))
-                else:
-                    todo.append((tag, factory, found[0][2]))
+                try:
+                    plan = factory(dtype, precision, n, variant == "arena")
+                except ValueError:  # no such plan for this dtype family (v9 for IEEE fp32)
+                    continue
+                todo.append((tag, functools.partial(use_plan, plan), found[0][2]))
             pooled = {tag: [] for tag, _, _ in todo}
             p50s = {tag: [] for tag, _, _ in todo}
             errors = {}

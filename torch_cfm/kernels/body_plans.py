@@ -43,7 +43,9 @@ class BodyPlan:
 
     ``pdl``: the body kernels launched with PDL (where the device allows it); ``rownorm_launch``:
     (rows per program, num_warps) of the row-norm kernel, None for its rule; ``fc2_splitk``: (splits, BN)
-    of the split-K fc2, None for the dtype's (``dit_linear_cuda.SPLITK_CONFIG``); ``fallback``: the plan run
+    of the split-K fc2, None for the dtype's (``dit_linear_cuda.SPLITK_CONFIG``); ``attention_launch``:
+    (name, value) pairs in place of ``dit_attention.attention_tiles``' launch parameters (the
+    attention_cache kernel); ``fallback``: the plan run
     where the wgmma kernel cannot (not SM90a, or PDL off); ``arena_plan``: the plan run on the in-place
     arena when this one has no arena form (None: it has one); ``evidence``: the measurement behind it.
     """
@@ -60,6 +62,7 @@ class BodyPlan:
     pdl: frozenset = frozenset()
     rownorm_launch: Optional[tuple[int, int]] = None
     fc2_splitk: Optional[tuple[int, int]] = None
+    attention_launch: tuple = ()
     fallback: Optional["BodyPlan"] = None
     arena_plan: Optional["BodyPlan"] = None
     evidence: str = ""

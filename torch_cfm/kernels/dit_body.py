@@ -168,7 +168,7 @@ def dit_body_triton(
             gemm(p.qkv, a, qkv_w, qkv_b, qkv)
             attention_cache(qkv, norms, old, new_att[i], qbuf, valid, cached, heads=heads, head_dim=head_dim,
                             dot_precision=_fused_attention_dot_precision(cd, precision),
-                            pdl=plan_pdl(p, "attention_cache", dev), **common)
+                            pdl=plan_pdl(p, "attention_cache", dev), launch=dict(p.attention_launch), **common)
             gemm(p.proj, qbuf.view(m, inner), proj_w, proj_b, y)
         else:
             if not (arena and p.arena_qkv == "wgmma_qk_cache" and qkv_cache_into(
