@@ -107,3 +107,27 @@ def test_plans_are_checked():
         bp.BodyPlan("x", qkv="triton")
     with pytest.raises(ValueError, match="pdl"):
         bp.BodyPlan("x", pdl=frozenset({"gemm"}))
+
+
+def test_plan_for_explicit_scoped_and_arena():
+    pytest.importorskip("triton")
+    from torch_cfm.kernels.dit_body import plan_for
+
+    x16 = torch.zeros(64, 320, 5, dtype=torch.float16)
+    x8 = torch.zeros(8, 320, 5, dtype=torch.float16)
+    assert plan_for(x16, None) == bp.V5_16BIT
+    assert plan_for(x16, None, arena=True) == bp.V1_16BIT
+    assert plan_for(x8, None) == bp.V1_16BIT  # v9 without the wgmma kernel (CPU): v1, call for call
+    assert plan_for(x8, None, "v5") == bp.V5_16BIT
+    with pytest.raises(ValueError, match="arena"):
+        plan_for(x16, None, "v5", arena=True)
+    with bp.use_plan("v5"):
+        assert plan_for(x8, None) == bp.V5_16BIT
+        assert plan_for(x8, None, arena=True) == bp.V1_16BIT  # a scoped plan without an arena form: its arena plan
+        assert plan_for(x8, None, "v1") == bp.V1_16BIT  # an explicit plan wins
+        with bp.use_plan(bp.V1_16BIT):
+            assert plan_for(x16, None) == bp.V1_16BIT
+        assert plan_for(x16, None) == bp.V5_16BIT
+    assert bp.scoped_plan() is None
+    with pytest.raises(ValueError, match="plan"):
+        plan_for(torch.zeros(2, 320, 5), "ieee", "v9")

@@ -4,8 +4,9 @@ A :class:`BodyPlan` names the kernel of every role of one body call (the QKV GEM
 its q/k-norm + cache write, proj, the two conv-tap GEMMs, fc1 + GELU, fc2, the row-norm boundaries,
 the QKV GEMM on the in-place arena) and the body kernels launched with programmatic dependent launch.
 :data:`TABLE` maps (dtype family, row bucket) to the plan measured fastest there; each plan carries the
-bench result that chose it (``evidence``). Pure data (no Triton import): explain() reads it anywhere. :func:`torch_cfm.kernels.dit_body.dit_body_triton` reads
-one plan and nothing else; benches and tests pass a plan (or a plan's name) to compare others.
+bench result that chose it (``evidence``). :func:`torch_cfm.kernels.dit_body.dit_body_triton` reads one
+plan and nothing else; benches and tests pass a plan (or a plan's name, or :func:`use_plan` around a
+path that takes none) to compare others. Pure data, no Triton import: explain() reads it anywhere.
 
 Adding a plan is one entry: a ``BodyPlan`` constant and its row bucket in :data:`TABLE`.
 """
@@ -45,9 +46,9 @@ class BodyPlan:
     (rows per program, num_warps) of the row-norm kernel, None for its rule; ``fc2_splitk``: (splits, BN)
     of the split-K fc2, None for the dtype's (``dit_linear_cuda.SPLITK_CONFIG``); ``attention_launch``:
     (name, value) pairs in place of ``dit_attention.attention_tiles``' launch parameters (the
-    attention_cache kernel); ``fallback``: the plan run
-    where the wgmma kernel cannot (not SM90a, or PDL off); ``arena_plan``: the plan run on the in-place
-    arena when this one has no arena form (None: it has one); ``evidence``: the measurement behind it.
+    attention_cache kernel); ``fallback``: the plan run where the wgmma kernel cannot (not SM90a, or PDL
+    off); ``arena_plan``: the plan run on the in-place arena when this one has no arena form (None: it
+    has one); ``evidence``: the measurement behind it.
     """
 
     name: str
@@ -70,7 +71,8 @@ class BodyPlan:
     def __post_init__(self) -> None:
         for role, kernels in ROLE_KERNELS.items():
             if getattr(self, role) not in kernels:
-                raise ValueError(f"BodyPlan {self.name!r}: {role} must be one of {kernels}, got {getattr(self, role)!r}")
+                raise ValueError(f"BodyPlan {self.name!r}: {role} must be one of {kernels}, "
+                                 f"got {getattr(self, role)!r}")
         if not self.pdl <= PDL_CAPABLE_KERNELS:
             raise ValueError(f"BodyPlan {self.name!r}: pdl must be a subset of {sorted(PDL_CAPABLE_KERNELS)}, "
                              f"got {sorted(self.pdl)}")
@@ -105,7 +107,8 @@ V9_16BIT = BodyPlan(
     "v9", qkv="wgmma", proj="wgmma", conv="wgmma", fc1="wgmma_gelu", fc2="wgmma_splitk", arena_qkv="wgmma_qk_cache",
     pdl=frozenset({"linear", "rownorm", "qk_cache"}), fallback=V1_16BIT,
     evidence="bench/results/dit_step_kernels_8x50x400_fp16_default_s17.txt: (8,50,400) fp16 v9 776 us vs v1 937; "
-             "arena qkv epilogue 731 vs 735 (s18); (32,50,400) v9 21 % over v1 (dit_step_kernels_32x50x400_fp16_v9_s16)")
+             "arena qkv epilogue 731 vs 735 (s18); (32,50,400) v9 21 % over v1 "
+             "(dit_step_kernels_32x50x400_fp16_v9_s16.txt)")
 V9_TF32 = dataclasses.replace(
     V9_16BIT, arena_qkv="qk_cache", fallback=V1_FP32,
     evidence="bench/results/dit_step_kernels_8x50x400_fp32-tf32_v9_s18.txt, dit_step_s18_tf32_mlp_sweep_call5.json: "

@@ -39,15 +39,18 @@ def wgmma_available(device: torch.device) -> bool:
 def plan_for(x_in: torch.Tensor, precision: Optional[str], plan: Union[BodyPlan, str, None] = None,
              arena: bool = False) -> BodyPlan:
     """The plan one body call runs: ``plan`` (a BodyPlan or a plan name, :func:`body_plans.named_plan`)
-    or, without one, the :func:`body_plans.use_plan` block's or the table's for the call's dtype and rows;
-    with its fallback where the wgmma kernel cannot run."""
-    plan = scoped_plan() if plan is None else plan
-    if plan is None:
-        chosen = body_plan(x_in.dtype, precision, x_in.shape[0], arena=arena)
-    else:
+    or, without one, the :func:`body_plans.use_plan` block's or the table's for the call's dtype and rows
+    (on the arena: their ``arena_plan`` where they have no arena form); with its fallback where the
+    wgmma kernel cannot run."""
+    if plan is not None:
         chosen = named_plan(plan, x_in.dtype, precision)
         if arena and chosen.arena_plan is not None:
             raise ValueError(f"dit_body_triton: arena=True needs a plan with an arena form, got {chosen.name!r}")
+    elif scoped_plan() is not None:
+        chosen = named_plan(scoped_plan(), x_in.dtype, precision)
+        chosen = chosen.arena_plan if arena and chosen.arena_plan is not None else chosen
+    else:
+        chosen = body_plan(x_in.dtype, precision, x_in.shape[0], arena=arena)
     return resolve_plan(chosen, wgmma=not chosen.uses_wgmma or wgmma_available(x_in.device))
 
 
