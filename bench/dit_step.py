@@ -46,6 +46,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
+import functools
 import os
 import shlex
 import sys
@@ -63,7 +65,8 @@ from _harness import (cuda_kernel_times, dry_run_timer, env_info, make_row, mark
 import torch_cfm.compile_rules  # noqa: E402,F401  registers backend "torch_cfm" (no entry point in an in-place build)
 from torch_cfm.config import BODY_BENCH_SHAPES, DiTConfig, cosine_timesteps  # noqa: E402
 from torch_cfm.graphs import CFMGraphRunner  # noqa: E402
-from torch_cfm.kernels.dit_body import PDL_CAPABLE_KERNELS, VARIANTS, choose_variant  # noqa: E402
+from torch_cfm.kernels.body_plans import (NAMED, PDL_CAPABLE_KERNELS, PLAN_NAMES, body_plan,  # noqa: E402
+                                         choose_variant, family, named_plan, use_plan)
 from torch_cfm.models import random_dit  # noqa: E402
 from torch_cfm.ops.dit_body import _empty_outputs, check_dit_body, dit_body_fused_into, stage_input  # noqa: E402
 from torch_cfm.packing import modulation_table, packed_for  # noqa: E402
@@ -143,7 +146,7 @@ def tf32_ctx(dtype: torch.dtype, precision: Optional[str]):
     return tf32_context(dtype, precision, DEVICE)  # DEVICE: "cpu" in --dry-run
 
 
-def step_providers(model, model_dtype, inp, dname, precision, variants=VARIANTS):
+def step_providers(model, model_dtype, inp, dname, precision, variants=PLAN_NAMES):
     """(provider, variant, fn returning the velocity); ``variants``: the non-default bodies timed."""
     dtype = model_dtype
     fns = []
@@ -168,7 +171,7 @@ def step_providers(model, model_dtype, inp, dname, precision, variants=VARIANTS)
 
     default = choose_variant(dtype, precision, x_in.shape[0])
     fns += [("torch_cfm", "", fused())]
-    fns += [("torch_cfm", v, fused(v)) for v in VARIANTS if v != default and v in variants]
+    fns += [("torch_cfm", v, fused(v)) for v in NAMED[family(dtype, precision)] if v != default and v in variants]
     if "arena" in variants:  # the in-place cache arena (the runner's form): the old keys are not copied
         from torch_cfm.models.cache import reverse_keys
         from torch_cfm.ops.dit_body import dit_body_arena_into
@@ -256,73 +259,22 @@ def run_steps(cfg, shapes, dnames, providers, args, env, base) -> list[dict]:
     return rows
 
 
-SWEEP = ({"block_m": 32}, {"block_m": 64}, {"block_m": 64, "num_warps": 8}, {"block_m": 32, "num_stages": 4},
-         {"block_m": 64, "num_stages": 2})
-
-
-# v5's fused attention + cache kernel (torch_cfm.kernels.dit_attention.LAUNCH_OVERRIDE); {} = its defaults
+# v5's fused attention + cache kernel (BodyPlan.attention_launch); {} = its defaults
 SWEEP_V5 = ({}, {"num_warps": 8}, {"num_stages": 2}, {"block_k": 32}, {"block_c": 32}, {"block_c": 64}, {"copy_f": 32},
             {"copy_f": 128}, {"block_k": 64}, {"block_c": 64, "copy_f": 128})
 
 
-def _overriding(target: dict, over: dict):
-    """Context manager: ``target`` (a module's override dict) holds ``over`` inside, is empty after."""
-    @contextlib.contextmanager
-    def ctx():
-        target.clear()
-        target.update(over)
-        try:
-            yield
-        finally:
-            target.clear()
-    return ctx
+def _plan(name: str, **changes):
+    """Sweep plan factory: the dtype family's plan ``name`` ("table": the table's for the rows) with
+    ``changes`` (BodyPlan fields), for :func:`torch_cfm.kernels.body_plans.use_plan`."""
+    def make(dtype, precision, n_rows, arena):
+        base = body_plan(dtype, precision, n_rows, arena=arena) if name == "table" else \
+            named_plan(name, dtype, precision)
+        return dataclasses.replace(base, **changes)
+    return make
 
 
-def _module_flags(module: str, **values):
-    """Context manager factory: ``torch_cfm.kernels.<module>.<name>`` = value for each of ``values``
-    inside, restored after."""
-    @contextlib.contextmanager
-    def ctx():
-        import importlib
-
-        mod = importlib.import_module(f"torch_cfm.kernels.{module}")
-        old = {name: getattr(mod, name) for name in values}
-        for name, value in values.items():
-            setattr(mod, name, value)
-        try:
-            yield
-        finally:
-            for name, value in old.items():
-                setattr(mod, name, value)
-    return ctx
-
-
-@contextlib.contextmanager
-def _projnorm_without_pdl():
-    """v9's proj GEMM with the row-norm epilogue on, its launch without programmatic dependent launch."""
-    from torch_cfm.kernels import dit_body
-
-    fused = dit_body.linear_rownorm_into
-    with _module_flags("dit_body", V9_PROJ_ROWNORM=True,
-                       linear_rownorm_into=lambda *a, **kw: fused(*a, **{**kw, "pdl": False}))():
-        yield
-
-
-def _body_pdl_kernels(kernels: frozenset):
-    """Context manager factory: the body's PDL launches limited to ``kernels`` (dit_body.PDL_KERNELS_OVERRIDE)."""
-    @contextlib.contextmanager
-    def ctx():
-        from torch_cfm.kernels import dit_body
-
-        dit_body.PDL_KERNELS_OVERRIDE = kernels
-        try:
-            yield
-        finally:
-            dit_body.PDL_KERNELS_OVERRIDE = None
-    return ctx
-
-
-# --sweep-variants pdl: which of the body's own kernels launch with PDL (kernels.dit_body.BODY_PDL_KERNELS)
+# --sweep-variants pdl: which of the body's own kernels launch with PDL (BodyPlan.pdl)
 SWEEP_PDL = {"none": frozenset(), "rownorm": frozenset({"rownorm", "cfg_euler"}),
              "rownorm_qk": frozenset({"rownorm", "cfg_euler", "qk_cache"}),
              "all": PDL_CAPABLE_KERNELS}
@@ -334,83 +286,74 @@ SWEEP_V9_PDL = {"none": frozenset(), "linear": frozenset({"linear"}),
 # --sweep-variants rownorm: (rows per program, num_warps) of the row-norm kernel; (1, 4) is the shipped rule
 SWEEP_ROWNORM = ((1, 4), (1, 1), (1, 2), (2, 2), (2, 4), (4, 4))
 
-# --sweep-variants fc2: (splits, BN) of v9's split-K fc2 (kernels.dit_linear_cuda.SPLITK_CONFIG)
+# --sweep-variants fc2: (splits, BN) of v9's split-K fc2 (BodyPlan.fc2_splitk)
 SWEEP_FC2_SPLITK = ((4, 128), (8, 128), (4, 64), (8, 64))
 
 
+def sweep_plans(swept: set) -> list:
+    """(provider variant, row tag, plan factory) of each swept plan."""
+    plans = []
+    if "v5" in swept:
+        plans += [("default", "sweep_v5_" + ("_".join(f"{k}{v}" for k, v in over.items()) or "default"),
+                   _plan("v5", attention_launch=tuple(over.items()))) for over in SWEEP_V5]
+    if "pdl" in swept:
+        plans += [("default", f"sweep_{v}_pdl_{name}", _plan(v, pdl=kernels)) for v in ("v1", "v5")
+                  for name, kernels in SWEEP_PDL.items() if name != ("all" if v == "v1" else "rownorm_qk")]
+    if "v9" in swept:
+        plans += [("default", "sweep_v1_pdl_none", _plan("v1", pdl=frozenset()))]
+        plans += [("default", f"sweep_v9_pdl_{name}", _plan("v9", pdl=kernels)) for name, kernels in SWEEP_V9_PDL.items()]
+    if "fc2" in swept:  # v9's MLP GEMMs on cuBLAS or the wgmma kernel (fc2: split-K at each (splits, BN))
+        plans += [("default", "sweep_v1_pdl_none", _plan("v1", pdl=frozenset())),
+                  ("default", "sweep_v9_mlp_cublas", _plan("v9", fc1="cublas_gelu", fc2="cublas")),
+                  ("default", "sweep_v9_fc1_cublas", _plan("v9", fc1="cublas_gelu"))]
+        plans += [("default", f"sweep_v9_fc2_s{sp}_bn{bn}", _plan("v9", fc2_splitk=(sp, bn)))
+                  for sp, bn in SWEEP_FC2_SPLITK]
+    if "rownorm" in swept:  # the row-norm kernel's (rows per program, num_warps), on the table's plan
+        plans += [("default", f"sweep_rownorm_r{r}_w{w}", _plan("table", rownorm_launch=(r, w)))
+                  for r, w in SWEEP_ROWNORM]
+    if "tf32" in swept:  # fp32-tf32 bodies: v9 with the wgmma GEMM's TF32 form against v1, plain and on the arena
+        plans += [("default", "sweep_tf32_v1", _plan("v1")),
+                  ("default", "sweep_tf32_v9", _plan("v9", fc1="cublas_gelu", fc2="cublas")),
+                  ("default", "sweep_tf32_v9_mlp", _plan("v9")), ("arena", "sweep_tf32_arena_v9_mlp", _plan("v9")),
+                  ("arena", "sweep_tf32_arena_v1", _plan("v1"))]
+    if "qkv" in swept:  # the step on the in-place arena: v9's QKV GEMM with the q/k-cache epilogue or not; v1
+        plans += [("arena", "sweep_arena_v9_qkv_cache_on", _plan("v9", arena_qkv="wgmma_qk_cache")),
+                  ("arena", "sweep_arena_v9_qkv_cache_off", _plan("v9", arena_qkv="qk_cache")),
+                  ("arena", "sweep_arena_v1", _plan("v1"))]
+    return plans
+
+
 def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
-    """Time the v3 step under each tile override of SWEEP (torch_cfm.kernels.dit_gemm.TILE_OVERRIDE),
-    the v5 step under each launch override of SWEEP_V5 (kernels.dit_attention.LAUNCH_OVERRIDE) and,
-    for "pdl", the v1 and v5 steps under each set of SWEEP_PDL.
+    """Time the body under each plan of :func:`sweep_plans` (run through ``body_plans.use_plan``).
 
     With ``--sweep-rounds R`` > 1 every plan is captured and timed R times, the plans in a new
     order each round and the graph's buffers at shifted addresses (a random-size allocation
-    held across the capture): separate captures of one step differ by a few % (session 6), more
-    than the changes an A/B looks for. A row's percentiles pool the repeats of all its rounds;
+    held across the capture): separate captures of one step differ by a few %, more than the
+    changes an A/B looks for. A row's percentiles pool the repeats of all its rounds;
     ``round_p50s`` lists each round's median."""
     import random
 
-    from torch_cfm.kernels import dit_attention, dit_gemm
-
     rows = []
-    swept = set(args.sweep_variants.split(","))
-    plans = []  # (body variant, row tag, context manager factory)
-    for variant, target, overs in (("v3", dit_gemm.TILE_OVERRIDE, SWEEP), ("v5", dit_attention.LAUNCH_OVERRIDE, SWEEP_V5)):
-        if variant in swept:
-            plans += [(variant, f"sweep_{variant}_" + ("_".join(f"{k}{v}" for k, v in over.items()) or "default"),
-                       _overriding(target, over)) for over in overs]
-    if "pdl" in swept:
-        plans += [(v, f"sweep_{v}_pdl_{name}", _body_pdl_kernels(kernels)) for v in ("v1", "v5")
-                  for name, kernels in SWEEP_PDL.items() if name != ("all" if v == "v1" else "rownorm_qk")]
-    if "v9" in swept:
-        plans += [("v1", "sweep_v1_pdl_none", _body_pdl_kernels(frozenset()))]
-        plans += [("v9", f"sweep_v9_pdl_{name}", _body_pdl_kernels(kernels)) for name, kernels in SWEEP_V9_PDL.items()]
-    if "fc2" in swept:  # v9's MLP GEMMs on cuBLAS or the wgmma kernel (fc2: split-K at each (splits, BN))
-        plans += [("v1", "sweep_v1_pdl_none", _body_pdl_kernels(frozenset())),
-                  ("v9", "sweep_v9_mlp_cublas", _module_flags("dit_body", V9_FC1=False, V9_FC2=False)),
-                  ("v9", "sweep_v9_fc1_cublas", _module_flags("dit_body", V9_FC1=False))]
-        plans += [("v9", f"sweep_v9_fc2_s{sp}_bn{bn}", _module_flags("dit_linear_cuda", SPLITK_CONFIG=(sp, bn)))
-                  for sp, bn in SWEEP_FC2_SPLITK]
-    if "rownorm" in swept:  # the row-norm kernel's (rows per program, num_warps), on the default body
-        plans += [("default", f"sweep_rownorm_r{r}_w{w}", _module_flags("dit_body", ROWNORM_LAUNCH_OVERRIDE=(r, w)))
-                  for r, w in SWEEP_ROWNORM]
-    if "tf32" in swept:  # fp32-tf32 bodies: v9 with the wgmma GEMM's TF32 form against v1, plain and on the arena
-        # each plan pins the flags it compares, whatever the tree's defaults are
-        mlp = _module_flags("dit_body", V9_TF32=True, V9_TF32_MLP=True, V9_TF32_QKV_CACHE=False)
-        plans += [("v1", "sweep_tf32_v1", _module_flags("dit_body", V9_TF32=False)),
-                  ("v9", "sweep_tf32_v9", _module_flags("dit_body", V9_TF32=True, V9_TF32_MLP=False)),
-                  ("v9", "sweep_tf32_v9_mlp", mlp), ("arena", "sweep_tf32_arena_v9_mlp", mlp),
-                  ("arena", "sweep_tf32_arena_v9_mlp_qkv_cache",
-                   _module_flags("dit_body", V9_TF32=True, V9_TF32_MLP=True, V9_TF32_QKV_CACHE=True)),
-                  ("arena", "sweep_tf32_arena_v1", _module_flags("dit_body", V9_TF32=False))]
-    if "early" in swept:  # dit_body.EARLY_LOADS on and off
-        for variant, tag in (("default", "sweep_loads"), ("arena", "sweep_arena_loads")):
-            plans += [(variant, f"{tag}_early", _module_flags("dit_body", EARLY_LOADS=True)),
-                      (variant, f"{tag}_late", _module_flags("dit_body", EARLY_LOADS=False))]
-    if "projnorm" in swept:  # v9's proj GEMM with the row-norm in its epilogue, or the two kernels
-        plans += [("v9", "sweep_v9_projnorm_on", _module_flags("dit_body", V9_PROJ_ROWNORM=True)),
-                  ("v9", "sweep_v9_projnorm_off", _module_flags("dit_body", V9_PROJ_ROWNORM=False)),
-                  ("arena", "sweep_arena_v9_projnorm_on", _module_flags("dit_body", V9_PROJ_ROWNORM=True)),
-                  ("arena", "sweep_arena_v9_projnorm_off", _module_flags("dit_body", V9_PROJ_ROWNORM=False)),
-                  ("v9", "sweep_v9_projnorm_nopdl", _projnorm_without_pdl)]
-    if "qkv" in swept:  # the step on the in-place arena: v9's QKV GEMM with the q/k-cache epilogue or not; v1
-        plans += [("arena", "sweep_arena_v9_qkv_cache_on", _module_flags("dit_body", V9_QKV_CACHE=True)),
-                  ("arena", "sweep_arena_v9_qkv_cache_off", _module_flags("dit_body", V9_QKV_CACHE=False)),
-                  ("arena", "sweep_arena_v1", _module_flags("dit_body", DEFAULT_VARIANT="v1"))]
+    plans = sweep_plans(set(args.sweep_variants.split(",")))
     rng = random.Random(0)
     for n, t, l_len in shapes:
         for dname in dnames:
             dtype, precision = DTYPES[dname]
             model = copy.deepcopy(base).to(device=DEVICE, dtype=dtype)
             inp = step_inputs(cfg, n, t, l_len, dtype)
-            providers = step_providers(model, dtype, inp, dname, precision, variants=VARIANTS + ("arena",))
+            providers = step_providers(model, dtype, inp, dname, precision, variants=PLAN_NAMES + ("arena",))
             default = choose_variant(dtype, precision, n)
             todo = []
-            for variant, tag, context in plans:
-                # the default variant is listed under "" (fused() with no variant: the choice at call time)
+            for variant, tag, factory in plans:
+                # the default plan is listed under "" (fused() with no plan: the table's, or use_plan's)
                 found = [f for f in providers if f[0] == "torch_cfm" and f[1] == ("" if variant in (default, "default") else variant)]
-                if found:
-                    todo.append((tag, context, found[0][2]))
+                if not found:
+                    continue
+                try:
+                    plan = factory(dtype, precision, n, variant == "arena")
+                except ValueError:  # no such plan for this dtype family (v9 for IEEE fp32)
+                    continue
+                todo.append((tag, functools.partial(use_plan, plan), found[0][2]))
             pooled = {tag: [] for tag, _, _ in todo}
             p50s = {tag: [] for tag, _, _ in todo}
             errors = {}
@@ -511,7 +454,7 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dic
                       floor_us=round(fl, 2))
         # None: the runner's default, the in-place cache arena (v1's kernels); a name: the functional
         # form with that kernel variant (the per-step copy of the old keys), for the A/B
-        runner_variants = [None] + [v for v in VARIANTS if v in args.variants]
+        runner_variants = [None] + [v for v in NAMED[family(dtype, precision)] if v in args.variants]
         for variant in runner_variants if "torch_cfm" in args.provider_set else []:
             rows.append(_row(env, **solve_fused_row(model, dtype, precision, variant, b, t, l_len, n_steps,
                                                          (mu2, spks2, cond2, x0d, cnnd, attd), mel64, common, args)))
@@ -734,20 +677,19 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-all", action="store_true",
                     help="torch_compile_graph at every shape/dtype (default: SPEC §7 anchor shapes, fp16/fp32-tf32)")
     ap.add_argument("--sweep", action="store_true",
-                    help="also time the plans of --sweep-variants (SWEEP, SWEEP_V5, SWEEP_PDL)")
+                    help="also time the plans of --sweep-variants (sweep_plans)")
     ap.add_argument("--sweep-rounds", type=int, default=1,
                     help="captures per sweep plan, interleaved in a new order each round (A/B at the few-%% level)")
-    ap.add_argument("--sweep-variants", default="v3,v5,pdl",
-                    help="what the sweep covers (comma list: v3, v5 launch overrides; pdl: body PDL kernel sets; "
+    ap.add_argument("--sweep-variants", default="v5,pdl",
+                    help="what the sweep covers (comma list: v5 launch overrides; pdl: body PDL kernel sets; "
                          "v9: the wgmma GEMMs against v1 under PDL sets; fc2: v9's split-K fc2 configs; "
-                         "rownorm: the row-norm kernel's rows per program and warps on the default body; "
+                         "rownorm: the row-norm kernel's rows per program and warps on the table's plan; "
                          "qkv: the arena step with and without v9's QKV + cache epilogue; "
-                         "tf32: v9's TF32 GEMMs against v1 for fp32-tf32 bodies; projnorm: v9's proj GEMM with "
-                         "the row-norm in its epilogue, on and off; early: dit_body.EARLY_LOADS on and off)")
+                         "tf32: v9's TF32 GEMMs against v1 for fp32-tf32 bodies)")
     ap.add_argument("--sweep-kernels", action="store_true",
                     help="also write each sweep plan's per-kernel table (eager, torch.profiler) under --out")
-    ap.add_argument("--variants", default=",".join(VARIANTS + ("arena",)),
-                    help="fused-body variants timed besides the default one (comma list, or 'none'); 'arena': "
+    ap.add_argument("--variants", default=",".join(PLAN_NAMES + ("arena",)),
+                    help="fused-body plans timed besides the table's one (comma list, or 'none'); 'arena': "
                          "the step on the in-place cache arena")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=15)
@@ -756,14 +698,15 @@ def main(argv=None) -> int:
     ap.add_argument("--profile-server", action="store_true",
                     help="print a torch.profiler table of two steady-state CFMServer.solve_chunk calls")
     ap.add_argument("--default-variant", default=None,
-                    help="force the body variant the library would choose (kernels.dit_body.DEFAULT_VARIANT), "
+                    help="run every body not given a plan on this named plan (kernels.body_plans.use_plan), "
                          "e.g. v1 to time the runner/server on v1's kernels")
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test (TRITON_INTERPRET=1, tiny model)")
     args = ap.parse_args(argv)
-    if args.default_variant:
-        from torch_cfm.kernels import dit_body
+    with use_plan(args.default_variant) if args.default_variant else contextlib.nullcontext():
+        return _run(args, argv)
 
-        dit_body.DEFAULT_VARIANT = args.default_variant
+
+def _run(args, argv) -> int:
     args.variants = () if args.variants == "none" else tuple(v for v in args.variants.split(",") if v)
     cfg = DiTConfig()
     if args.dry_run:

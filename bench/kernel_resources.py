@@ -144,48 +144,6 @@ def dit_attention_rows(arch: int, n_rows: int = 8, t_len: int = 50, l_len: int =
     return rows
 
 
-def dit_block_rows(arch: int, n_rows: int = 8, t_len: int = 50, l_len: int = 400,
-                   flow_only: bool = False) -> list[str]:
-    """The v7 block kernel at its default launch config (``dit_block.CONFIG``): the whole-block
-    kernel with grid barriers and with FLOW counters, then (unless ``flow_only``) each phase compiled
-    alone (``PHASE_MASK``), with the cubin size (instruction-cache pressure: every phase's code is
-    cold when the phase starts)."""
-    from torch_cfm.kernels.dit_block import ALL_PHASES, BLOCK_KV, CONFIG, MAX_SPIN, PHASES, SPLIT_FC2, SPLIT_PROJ
-    from torch_cfm.kernels.dit_block import _dit_block_kernel as kernel
-
-    c, heads, d, mlp = 512, 8, 64, 2048
-    h16, f32, i32 = "*fp16", "*fp32", "*i32"
-    args = dict(a_ptr=h16, h_ptr=f32, q_ptr=h16, o_ptr=h16, y_ptr=f32, hist1_ptr=h16, hist2_ptr=h16, z_ptr=h16,
-                f_ptr=h16, y2_ptr=f32, z2_ptr=h16, dep_ptr=i32, blk=0, tab_ptr=f32, stride_tab=0,
-                cnn_ptr=h16, s_cnn_n=4 * c, s_cnn_c=2, s_cnn_j=1,
-                ncnn_ptr=h16, s_ncnn_n=4 * c, s_ncnn_c=2, s_ncnn_j=1,
-                old_ptr=h16, s_old_n=heads * l_len * 2 * d, s_old_h=l_len * 2 * d, s_old_f=2 * d, s_old_e=1,
-                new_ptr=h16, s_new_n=heads * (t_len + l_len) * 2 * d, s_new_h=(t_len + l_len) * 2 * d,
-                s_new_f=2 * d, s_new_e=1, valid_ptr=i32, cached_ptr=i32, bar_ptr=i32, bar_base=0,
-                NR=n_rows, T=t_len, L=l_len, C=c, H=heads, MLP=mlp, qk_scale=0.18, eps_block=1e-6, eps_conv=1e-5,
-                eps_qk=1e-5, ph_lo=0, ph_hi=11)
-    for name in ("qkv_w", "qkv_b", "qn_w", "qn_b", "kn_w", "kn_b", "proj_w", "proj_b", "c1_w", "c1_b", "cn_w", "cn_b",
-                 "c2_w", "c2_b", "fc1_w", "fc1_b", "fc2_w", "fc2_b"):
-        args[name] = h16
-    for j, name in enumerate(("gate_a", "shift_c", "scale_c", "gate_c", "shift_m", "scale_m", "gate_m", "shift_n",
-                              "scale_n")):
-        args[name] = 512 * (j + 2)
-    cfg = {k: v for k, v in CONFIG.items() if k not in ("CTAS", "SPLIT_AT", "SPECIALIZE", "FLOW", "G_MAX")}
-    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-    const = dict(cfg, D=d, BK=64, BKV=BLOCK_KV, BLOCK_C=c, S_PROJ=SPLIT_PROJ, S_FC2=SPLIT_FC2, HAS_CNN=True,
-                 HAS_OLD=True, DOT_PRECISION="tf32", MAX_SPIN_=MAX_SPIN)
-    rows = []
-    variants = [("block", ALL_PHASES, True, False), ("block FLOW", ALL_PHASES, False, True)]
-    if not flow_only:
-        variants += [(ph, 1 << p, False, False) for p, ph in enumerate(PHASES)]
-    for name, mask, sync, flow in variants:
-        compiled = compile_like_launch(kernel, args, dict(const, PHASE_MASK=mask, SYNC=sync, FLOW=flow), warps,
-                                       stages, arch)
-        rows.append(f"dit_block (v7) {n_rows},{t_len},{l_len} fp16 {name}: " + describe(compiled)
-                    + f" cubin={len(compiled.asm['cubin'])}B")
-    return rows
-
-
 def cuda_attention_rows(arch: int) -> list[str]:
     """Registers and spills of every instantiation of the hand-written CUDA attention kernel
     (csrc/cuda/), compiled with the local ``nvcc`` for sm_``arch`` (``a`` suffix from 90 on)."""
@@ -227,13 +185,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     ap.add_argument("--sms", type=int, default=132, help="SM count the heuristics assume")
-    ap.add_argument("--only", default=None, choices=("attention", "dit_attention", "dit_block", "cuda_attention"))
+    ap.add_argument("--only", default=None, choices=("attention", "dit_attention", "cuda_attention"))
     args = ap.parse_args(argv)
     import triton
 
     print(f"triton {triton.__version__}, target sm_{args.arch}")
     groups = dict(attention=lambda: attention_rows(args.arch, args.sms),
-                  dit_attention=lambda: dit_attention_rows(args.arch), dit_block=lambda: dit_block_rows(args.arch),
+                  dit_attention=lambda: dit_attention_rows(args.arch),
                   cuda_attention=lambda: cuda_attention_rows(args.arch))
     for name, rows in groups.items():
         if args.only in (None, name):

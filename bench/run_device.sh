@@ -22,24 +22,17 @@
 #                  DIT_ARGS narrows it, e.g. "--no-solve --variants none --providers torch_cfm")
 #   dit-compile    the torch.compile max-autotune peer at (8,50,400) fp16 with torch_cfm and the
 #                  reference graph in the same run (~3 min of compilation)
-#   dit-gemm       bench/dit_gemm.py: each GEMM role of a block alone, v3's fused Triton GEMM vs cuBLAS
-#                  (DIT_GEMM_ARGS, e.g. "--tiles 64,4,4;128,8,3")
 #   cuda-ablation  bench/cuda_attention_ablation.py: the CUDA attention kernel's configs, whole and with
 #                  loads / dots switched off (CUDA_ABLATION_ARGS)
 #   graph-launch   bench/graph_launch.py: host µs of the solve graphs' launch and of CFMServer.solve_chunk
 #                  (GRAPH_LAUNCH_ARGS, e.g. "--plain-graphs")
 #   ncu-attention  Nsight Compute (full set, SASS source counters) of the attention kernel at
 #                  (8,50,450) fp16 and fp32-tf32 (bench/profile_attention.py), when ncu exists
-#   dit-block      bench/dit_block.py: the v7 block kernel phase by phase, and the grid barrier
-#                  (DIT_BLOCK_ARGS, e.g. '--shapes 8,50,400 --no-split --configs ctas1:CTAS=1;each:SPLIT_AT=2046':
-#                  the *_ARGS variables are split on spaces, not parsed by a shell: no quotes inside)
 #   sm-ingest      bench/sm_ingest.py: bytes per µs one SM takes in (ld.global / cp.async / bulk copies, L2 and
 #                  HBM, 1-132 CTAs; SM_INGEST_ARGS); JIT-builds bench/sm_ingest.cu (≈ 1 min)
 #   wgmma-gemm     bench/wgmma_gemm.py: the wgmma + TMA GEMM (csrc/cuda/dit_linear*) vs cuBLAS at the
 #                  block's K = 512 shapes
 #                  (check, repeated calls, per-role dependent chains with and without PDL; WGMMA_ARGS)
-#   ncu-block      Nsight Compute of single v7 phases at (8,50,400) fp16 (NCU_PHASES, default
-#                  "attention fc2 norm_m block"): stall reasons, occupancy, instruction-cache misses
 # 'all': tests memcheck attention dit-full; no stage: an error. The device copy has no .git: pass BENCH_COMMIT.
 # Each stage has its own time limit (LIMIT_<STAGE> seconds, e.g. LIMIT_TESTS=400).
 set -uo pipefail
@@ -115,9 +108,6 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-1
       dit)
         timeout "$(limit dit 180)" python3 bench/dit_step.py --quick --out "$OUT" > "$OUT/dit.log" 2>&1
         grep -E "^(dit_step|solve)" "$OUT/dit.log" | tail -40 ;;
-      dit-gemm)
-        timeout "$(limit dit-gemm 240)" python3 bench/dit_gemm.py ${DIT_GEMM_ARGS:-} --out "$OUT" > "$OUT/dit_gemm.log" 2>&1
-        tail -45 "$OUT/dit_gemm.log" ;;
       dit-full)
         timeout "$(limit dit-full 1500)" python3 bench/dit_step.py ${DIT_ARGS:-} --out "$OUT" > "$OUT/dit.log" 2>&1
         grep -E "^(dit_step|solve)" "$OUT/dit.log" | tail -60 ;;
@@ -152,22 +142,6 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-1
             > "$OUT/ncu_attention_${d}_sass.txt" 2>&1
           grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy" "$OUT/ncu_attention_${d}_details.txt" | head -8
           rm -f "$OUT/ncu_attention_$d.ncu-rep"  # the text exports come back (results.tgz); the report is large
-        done ;;
-      dit-block)
-        timeout "$(limit dit-block 300)" python3 bench/dit_block.py ${DIT_BLOCK_ARGS:-} --out "$OUT" > "$OUT/dit_block.log" 2>&1
-        grep -vE "^compiled" "$OUT/dit_block.log" | tail -5; cat "$OUT/dit_block.md" ;;
-      ncu-block)
-        NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-        if [ -z "$NCU" ]; then echo "no ncu on this machine"; continue; fi
-        for ph in ${NCU_PHASES:-attention fc2 norm_m block}; do
-          timeout "$(limit ncu-block 120)" "$NCU" --clock-control none -k regex:_dit_block_kernel --launch-skip 3 \
-            --launch-count 1 --set full -f -o "$OUT/ncu_block_$ph" \
-            python3 bench/dit_block.py --shapes 8,50,400 --dtypes fp16 --profile-phase "$ph" > "$OUT/ncu_block_run_$ph.txt" 2>&1
-          tail -2 "$OUT/ncu_block_run_$ph.txt"
-          "$NCU" -i "$OUT/ncu_block_$ph.ncu-rep" --page details > "$OUT/ncu_block_${ph}_details.txt" 2>&1
-          grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|No Instruction|Long Scoreboard" \
-            "$OUT/ncu_block_${ph}_details.txt" | head -10
-          rm -f "$OUT/ncu_block_$ph.ncu-rep"
         done ;;
       *) echo "unknown stage $stage" ;;
     esac

@@ -1,26 +1,17 @@
 #!/usr/bin/env python3
 """The wgmma + TMA GEMM (``csrc/cuda/dit_linear_kernel.cuh``, in torch_cfm._C_cuda) against cuBLAS at the
-DiT block's K = 512 GEMM shapes: route 1 of bench/NOTES.md (session 14, "Where #4 stands"); results and
-conclusions in its session 16.
-
-The question: at M = N·T = 400 rows, does a Hopper GEMM that issues wgmma from TMA-loaded, swizzled
-shared memory reach cuBLAS's ≈ 3.7 µs per dependent proj GEMM (400 × 512 × 512)? Session 14's
-mma.sync kernel took about twice cuBLAS's time without PDL. If this one matches cuBLAS, its PDL form
-(weights loaded before ``griddepcontrol.wait``) is the part cuBLAS cannot do.
+DiT block's K = 512 GEMM shapes (M = N·T = 400 rows): µs per GEMM alone and in dependent chains, where its
+PDL form (weights loaded before ``griddepcontrol.wait``) does what cuBLAS cannot.
 
 Three parts (the extension built for sm_90a, as bench/run_device.sh does):
 1. check: every (role shape, dtype, block_n) against a float64 product, next to cuBLAS's own error;
    rows with M in {1, 64, 65} check the edges (TMA zero fill, masked stores).
-2. repeat: the same GEMM ``--calls`` times in one graph (``bench/dit_gemm.py``'s method).
+2. repeat: the same GEMM ``--calls`` times in one graph.
 3. chain: dependent GEMMs of one role in one graph, each with its own weight matrix (``--chain-mb``
    together, more than L2, as in the step, whose 147 MB of weights stream from HBM), activations
    ping-ponged between two buffers (GEMM i reads the first K columns of GEMM i-1's output); µs per
    GEMM. Plans are captured ``--rounds`` times in a new order each round and the rounds pooled
-   (capture-to-capture spread is 3-8 %, bench/NOTES.md session 6).
-4. rownorm (not in the default parts): the proj boundary of a block (GEMM, gate, residual, LayerNorm,
-   adaLN) as a chain in the same way, the GEMM with the row-norm in its epilogue (``linear_rownorm_into``,
-   a cluster per 64-row block) against the GEMM + the Triton row-norm kernel; µs per boundary, and each
-   plan's eager kernel times (op "gemm_rownorm").
+   (capture-to-capture spread is 3-8 %).
 
 Rows (``op`` = "wgmma_gemm", provider "cublas" or "wgmma", variant "bn<BN>[/c<cluster>][/pdl]", shape
 {M, K, N, mode}) go to ``<out>/wgmma_gemm.json`` and a markdown table.
@@ -41,7 +32,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from _harness import (cuda_kernel_times, env_info, fmt_us, make_row, markdown_table, percentiles,  # noqa: E402
+from _harness import (env_info, fmt_us, make_row, markdown_table, percentiles,  # noqa: E402
                       provenance_footer, time_cuda_graph, upsert_rows)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -197,96 +188,13 @@ def chain_rows(mod, env, dtypes, block_ns, clusters, weight_mb, rounds, repeats)
     return rows
 
 
-def _kernel_us(fn) -> dict[str, float]:
-    """Eager device µs per kernel name (first 60 characters) over one call of ``fn`` (torch.profiler)."""
-    return {name: round(us / cnt, 2) for name, (cnt, us) in cuda_kernel_times(fn, name_len=60).items()}
-
-
-def _time_chains(env, plans, link, length, rounds, repeats, final, reset, meta) -> list:
-    """Rows of µs per link of the chain ``link(plan, 0..length-1)`` of each plan, captured ``rounds`` times
-    in a new order each round and pooled. After round 0 each plan runs once more eagerly, from ``reset()``,
-    for its end-of-chain output (``final``, compared with the last plan's) and its eager kernel times."""
-    label = f"{meta['op']} {meta['dtype']}"
-    samples = {p: [] for p in plans}
-    finals, kernels = {}, {}
-    for rnd in range(rounds):
-        order = list(plans)
-        random.Random(rnd).shuffle(order)
-        for plan in order:
-            steps = [link(plan, i) for i in range(length)]
-
-            def run_chain(steps=steps):
-                for step in steps:
-                    step()
-
-            raw = []
-            t = time_cuda_graph(run_chain, calls=1, repeats=repeats, samples=raw)
-            samples[plan].extend(v / length for v in raw)
-            if rnd == 0:
-                reset()
-                run_chain()
-                finals[plan] = final.double().clone()
-                kernels[plan] = _kernel_us(run_chain)
-            print(f"{label} round {rnd} {plan:12s} {t['us_p50'] / length:.2f} us/boundary", flush=True)
-    rows, ref = [], finals[plans[-1]]
-    for plan in plans:
-        diff = ((finals[plan] - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-        p = percentiles(samples[plan])
-        rows.append(make_row(env, provider="wgmma", variant=plan, timing="cuda_graph",
-                             **{**meta, "shape": {**meta["shape"], "mode": f"chain{length}"}},
-                             rel_diff_vs_two_launches=diff, eager_kernel_us=kernels[plan], **p))
-        print(f"{label} {plan:12s} {p['us_p50']:.2f} us/boundary (vs {plans[-1]}: rel diff {diff:.1e}); "
-              f"eager kernels {kernels[plan]}", flush=True)
-    return rows
-
-
-def rownorm_rows(env, dtypes, weight_mb, rounds, repeats, n_seq=8, t_len=50, c=512) -> list:
-    """µs per proj boundary (proj GEMM, gate, residual, LayerNorm, adaLN) of a dependent chain, each
-    link with its own weights: the GEMM with the row-norm in its epilogue (``linear_rownorm_into``,
-    with and without PDL) against ``linear_into`` + ``dit_body.rownorm`` (v9's two launches)."""
-    from torch_cfm.kernels import dit_body, dit_linear_cuda
-
-    rows = []
-    m = n_seq * t_len
-    for dname in dtypes:
-        dtype = DTYPES[dname]
-        length = max(32, -(-weight_mb * 2 ** 20 // (c * c * 2)))
-        g = torch.Generator(device="cpu").manual_seed(11)
-        weights = [(torch.randn(c, c, generator=g) * c ** -0.5).to("cuda", dtype) for _ in range(length)]
-        biases = [(torch.randn(c, generator=g) * 0.01).to("cuda", dtype) for _ in range(length)]
-        table = (torch.randn(n_seq, 3 * c, generator=g) * 0.1).cuda()
-        table[:, 2 * c:] += 1.0  # 1 + scale
-        x0 = torch.randn(m, c, generator=g).to("cuda", dtype)
-        h0 = torch.randn(m, c, generator=g).cuda()
-        h = h0.clone()
-        valid = torch.full((n_seq,), t_len, dtype=torch.int32, device="cuda")
-        y = torch.empty(m, c, device="cuda", dtype=dtype)
-        bufs = [torch.empty(m, c, device="cuda", dtype=dtype) for _ in range(2)]
-        offs = dict(gate=0, shift=c, scale=2 * c)
-
-        def link(plan, i):
-            src = x0 if i == 0 else bufs[(i - 1) % 2]
-            if plan.startswith("fused"):
-                return lambda: dit_linear_cuda.linear_rownorm_into(
-                    src, weights[i], biases[i], h, table, bufs[i % 2], t_len=t_len, eps=1e-6,
-                    pdl=plan == "fused", **offs)
-            return lambda: (dit_linear_cuda.linear_into(src, weights[i], biases[i], y),
-                            dit_body.rownorm(y, h, bufs[i % 2], valid, n_rows=n_seq, t_len=t_len, table=table,
-                                             pdl_family="wgmma", **offs))
-
-        plans = ("fused", "fused_nopdl", "two_launches")
-        rows += _time_chains(env, plans, link, length, rounds, repeats, bufs[(length - 1) % 2], lambda: h.copy_(h0),
-                             dict(op="gemm_rownorm", shape={"M": m, "K": c, "N": c, "role": "proj"}, dtype=dname))
-    return rows
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--dtypes", default="fp16")
     ap.add_argument("--block-n", default="32,64,96,128")
     ap.add_argument("--clusters", default="1,7", help="CTAs per cluster sharing a weight tile (1 = no multicast)")
-    ap.add_argument("--parts", default="check,repeat,chain", help="comma list of check, repeat, chain, rownorm")
+    ap.add_argument("--parts", default="check,repeat,chain", help="comma list of check, repeat, chain")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--chain-mb", type=int, default=80, help="MB of distinct weights per chain (L2: 50 MB)")
@@ -307,8 +215,6 @@ def main(argv=None) -> int:
         rows += r
     if "repeat" in parts:
         rows += repeat_rows(mod, env, dtypes, block_ns, clusters, args.calls, args.repeats)
-    if "rownorm" in parts:
-        rows += rownorm_rows(env, dtypes, args.chain_mb, args.rounds, args.repeats)
     if "chain" in parts:
         rows += chain_rows(mod, env, dtypes, block_ns, clusters, args.chain_mb, args.rounds, args.repeats)
     os.makedirs(args.out, exist_ok=True)

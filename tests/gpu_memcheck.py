@@ -134,10 +134,10 @@ def body_outputs(model, a: dict) -> tuple:
 
 
 def check_body(dtype: torch.dtype, precision: str, quick: bool) -> int:
-    """Every Triton body variant on ragged chunks; outputs NaN-filled first, then checked finite
+    """Every body plan of the dtype family on ragged chunks; outputs NaN-filled first, then checked finite
     and (velocity) against the float64 oracle with a coarse bound."""
     import dit_oracle as O
-    from torch_cfm.kernels.dit_body import VARIANTS
+    from torch_cfm.kernels.body_plans import NAMED, family
     from torch_cfm.models.dit import random_dit
     from torch_cfm.ops.dit_body import dit_body_fused_into, stage_input
     from torch_cfm.packing import modulation_table, packed_for
@@ -167,7 +167,7 @@ def check_body(dtype: torch.dtype, precision: str, quick: bool) -> int:
             packed = packed_for(model, dtype, "cuda")
             table = modulation_table(packed, a["t"].reshape(-1))
             x_in = stage_input(a["x"], a["mu"], a["spks"], a["cond"], dtype)
-        for variant in VARIANTS:
+        for variant in NAMED[family(dtype, prec)]:
             out = body_outputs(model, a)
             with torch.no_grad():
                 dit_body_fused_into(x_in, packed.body, table, a["cnn_cache"], a["att_cache"], a["valid_lengths"],

@@ -297,32 +297,26 @@ _INTERP_BASE = [
          per_row_t=True),
     dict(name="nokeys_row_f32", dtype=torch.float32, n=2, t=4, l_len=3, valid=[4, 0], cached=[3, 0]),
 ]
-VARIANTS = ("v1", "v2", "v3", "v4", "v5", "v7")  # torch_cfm.kernels.dit_body.VARIANTS (not imported: it imports triton)
+# The plans by name (torch_cfm.kernels.body_plans.NAMED); v9 runs as v1 call for call on CPU (no wgmma kernel)
+VARIANTS = ("v1", "v5")
 INTERP_CASES = [dict(c, name=f"{c['name']}_{v}", variant=v) for v in VARIANTS for c in _INTERP_BASE]
 # The shipped widths (C = 512, H = 8, D = 64), one block: the launch rules of the real model
 # (e.g. one row per rownorm program), which the tiny config never reaches.
 WIDE = DiTConfig(depth=1)
 INTERP_CASES += [dict(name=f"wide_f32_{v}", dtype=torch.float32, n=2, t=3, l_len=2, valid=[3, 2], cached=[2, 1],
-                      variant=v, wide=True) for v in ("v1", "v4", "v5", "v7")]
+                      variant=v, wide=True) for v in ("v1", "v5")]
 # v5 at the shipped widths in fp16: a 16-query tile over T = 5, a key walk of two 64-frame tiles
 INTERP_CASES += [dict(name=f"wide_f16_{v}", dtype=torch.float16, n=2, t=5, l_len=70, valid=[5, 1], cached=[70, 33],
-                      variant=v, wide=True) for v in ("v5", "v7")]
+                      variant=v, wide=True) for v in ("v5",)]
 # several query tiles per (row, head): only the first writes the cache, every one attends
 INTERP_CASES += [dict(name=f"qtiles_f32_{v}", dtype=torch.float32, n=2, t=40, l_len=9, valid=[40, 17],
-                      cached=[9, 3], variant=v) for v in ("v1", "v5", "v7")]
+                      cached=[9, 3], variant=v) for v in ("v1", "v5")]
 
 # the in-place arena (dit_body_arena_into): the same oracle on its output turned back to SPEC layout
 INTERP_CASES += [dict(c, name=f"{c['name']}_arena", variant="v1", arena=True)
                  for c in _INTERP_BASE if c["name"] in ("ragged_f32", "nocache_f32", "ragged_f16", "nokeys_row_f32")]
 INTERP_CASES += [dict(name="wide_f16_arena", dtype=torch.float16, n=2, t=5, l_len=70, valid=[5, 1], cached=[70, 33],
                       variant="v1", wide=True, arena=True)]
-
-# dit_body.EARLY_LOADS (on since session 20): the cases above load the row-norm kernel's head / emit frames
-# and the q/k-cache kernel's k, v before the first store; these run the late-load form it replaced
-INTERP_CASES += [dict(c, name=f"{c['name']}_late", variant="v1", early_loads=False)
-                 for c in _INTERP_BASE if c["name"] in ("ragged_f32", "nocache_f32", "t1_f32")]
-INTERP_CASES += [dict(name="wide_f16_arena_late", dtype=torch.float16, n=2, t=5, l_len=70, valid=[5, 1],
-                      cached=[70, 33], variant="v1", wide=True, arena=True, early_loads=False)]
 
 
 def _interp_args(case):
@@ -356,12 +350,10 @@ def _run_arena(x_in, w, table, cnn, att, valid, cached, out, case):
 
 
 def _child(out_path: str, shard: int = 0, shards: int = 1) -> None:
-    from torch_cfm.kernels import dit_body as kernels
     from torch_cfm.ops.dit_body import _empty_outputs, dit_body_fused_into
 
     results = {}
     for case in INTERP_CASES[shard::shards]:
-        kernels.EARLY_LOADS = case.get("early_loads", True)
         _, x_in, w, table, cnn, att, valid, cached = _interp_args(case)
         s = check_dit_body(x_in, w, table, cnn, att, valid, cached, "ieee")
         out = tuple(o.fill_(float("nan")) for o in _empty_outputs(x_in, s))  # poisoned
@@ -449,32 +441,13 @@ def _gpu_case(dtype, precision, seed=20):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANTS + ("v9",))  # v9: on CPU v1 call for call, so GPU-only here
 @pytest.mark.parametrize("dtype,precision", GPU_PRECISIONS, ids=["fp16", "bf16", "fp32-tf32", "fp32-ieee"])
-def test_gpu_fused_within_oracle(dtype, precision, variant, monkeypatch):
-    import torch_cfm.kernels.dit_body as kernels
+def test_gpu_fused_within_oracle(dtype, precision, variant):
+    from torch_cfm.kernels.body_plans import NAMED, family, use_plan
 
-    if variant == "v3" and precision == "tf32":
-        # Measured on the H200: Triton's TF32 dot gives ~2.0x the relative error of cuBLAS TF32
-        # (8.6e-4 vs 4.2e-4), just outside the oracle; choose_variant never picks v3 for fp32.
-        assert kernels.choose_variant(dtype, precision) != "v3"
-        pytest.skip("v3 is not used for fp32-tf32 (Triton TF32 dot error ~2x cuBLAS TF32)")
-    monkeypatch.setattr(kernels, "DEFAULT_VARIANT", variant)
-    monkeypatch.setattr(kernels, "V9_TF32", True)  # v9's fp32-tf32 case runs the wgmma GEMM's TF32 form,
-    monkeypatch.setattr(kernels, "V9_TF32_MLP", True)  # its MLP (fc1 + GELU, split-K fc2) included
-    monkeypatch.setattr(kernels, "V9_PROJ_ROWNORM", True)  # the proj GEMM with the row-norm in its epilogue
-    _assert_fused_within_oracle(dtype, precision)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ("v1", "v9"))
-@pytest.mark.parametrize("dtype,precision", [(torch.float16, None), (torch.float32, "tf32")], ids=["fp16", "fp32-tf32"])
-def test_gpu_fused_within_oracle_late_loads(dtype, precision, variant, monkeypatch):
-    """dit_body.EARLY_LOADS off: the row-norm and q/k-cache kernels' loads after their first stores (the
-    form measured before session 20, kept for the A/B)."""
-    import torch_cfm.kernels.dit_body as kernels
-
-    monkeypatch.setattr(kernels, "DEFAULT_VARIANT", variant)
-    monkeypatch.setattr(kernels, "EARLY_LOADS", False)
-    _assert_fused_within_oracle(dtype, precision)
+    if variant not in NAMED[family(dtype, precision)]:
+        pytest.skip(f"no {variant} plan for {family(dtype, precision)} bodies")
+    with use_plan(variant):
+        _assert_fused_within_oracle(dtype, precision)
 
 
 def _assert_fused_within_oracle(dtype, precision):
@@ -522,29 +495,6 @@ def test_gpu_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(out[0].float()).all()
-
-
-def test_choose_variant_v5_for_wide_16bit_bodies_only(monkeypatch):
-    import torch_cfm.kernels.dit_body as kernels
-
-    monkeypatch.setattr(kernels, "DEFAULT_VARIANT", None)
-    wide = kernels.V5_MIN_ROWS_16BIT
-    for dtype in (torch.float16, torch.bfloat16):
-        assert kernels.choose_variant(dtype, None, wide) == "v5"
-        assert kernels.choose_variant(dtype, None, wide - 1) == "v1"
-        assert kernels.choose_variant(dtype, None, kernels.V9_MAX_ROWS_16BIT) == "v9"
-        assert kernels.choose_variant(dtype, None, kernels.V9_MAX_ROWS_16BIT + 1) == "v1"
-        assert kernels.choose_variant(dtype, None) == "v1"
-    for precision in ("tf32", "ieee"):  # v5 measured slower for TF32
-        assert kernels.choose_variant(torch.float32, precision, 4 * wide) == "v1"
-    monkeypatch.setattr(kernels, "V9_TF32", True)  # v9 for narrow TF32 bodies, never for IEEE ones
-    assert kernels.choose_variant(torch.float32, "tf32", kernels.V9_MAX_ROWS_16BIT) == "v9"
-    assert kernels.choose_variant(torch.float32, "tf32", kernels.V9_MAX_ROWS_16BIT + 1) == "v1"
-    assert kernels.choose_variant(torch.float32, "ieee", kernels.V9_MAX_ROWS_16BIT) == "v1"
-    monkeypatch.setattr(kernels, "V9_TF32", False)
-    assert kernels.choose_variant(torch.float32, "tf32", kernels.V9_MAX_ROWS_16BIT) == "v1"
-    monkeypatch.setattr(kernels, "DEFAULT_VARIANT", "v4")
-    assert kernels.choose_variant(torch.float16, None, wide) == "v4"
 
 
 if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--child":

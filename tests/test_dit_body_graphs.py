@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -88,84 +90,39 @@ def test_gpu_model_forward_chunk_fused_in_cuda_graph():
         assert torch.equal(a, b)
 
 
-@pytest.mark.gpu
-def test_gpu_v4_side_streams_two_callers_and_capture_bitwise():
-    """v4 copies the old cache frames on a side stream forked per caller stream: two caller
-    streams at once, and a captured graph replayed on new inputs, give v1's results bitwise."""
-    from torch_cfm.ops.dit_body import _empty_outputs, check_dit_body, dit_body_fused_into
-
-    dev = torch.device("cuda")
-    cases = [_op_args(GPU_CFG, torch.float16, dev, seed=s, n=4, t=50, l_len=64) for s in (11, 21)]
-    cases[1] = (cases[1][0], cases[0][1]) + tuple(cases[1][2:])  # one set of weights (a graph constant)
-
-    def run(args, variant, out=None):
-        x_in, w, table, cnn, att, valid, cached = args
-        shapes = check_dit_body(x_in, w, table, cnn, att, valid, cached, "auto")
-        out = _empty_outputs(x_in, shapes) if out is None else out
-        return dit_body_fused_into(x_in, w, table, cnn, att, valid, cached, "auto", out, variant)
-
-    want = [run(a, "v1") for a in cases]
-    torch.cuda.synchronize()
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    got: list = [[], []]
-    for s in streams:
-        s.wait_stream(torch.cuda.current_stream())
-    for _ in range(3):
-        for i, (s, a) in enumerate(zip(streams, cases)):
-            with torch.cuda.stream(s):
-                got[i].append(run(a, "v4"))
-    torch.cuda.synchronize()
-    for i in range(2):
-        for outs in got[i]:
-            for o, w_ in zip(outs, want[i]):
-                assert torch.equal(o, w_), f"caller stream {i}"
-    # captured: the fork/join becomes graph edges
-    static = [a.clone() if isinstance(a, torch.Tensor) else a for a in cases[0]]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run(static, "v4")
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = run(static, "v4")
-    for dst, src in zip(static, cases[1]):
-        if isinstance(dst, torch.Tensor) and dst.shape == src.shape:
-            dst.copy_(src)
-    for o in outs:
-        o.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    for o, w_ in zip(outs, want[1]):
-        assert torch.equal(o, w_)
-
-
-def test_body_pdl_rule_off_on_cpu_and_by_override(monkeypatch):
-    import torch_cfm.kernels.dit_body as kernels
+def test_body_pdl_rule_off_on_cpu_and_by_plan(monkeypatch):
+    import torch_cfm.kernels._launch as launch
+    from torch_cfm.kernels.body_plans import PDL_CAPABLE_KERNELS, body_plan
 
     names = ("rownorm", "qk_cache", "attention_cache", "cfg_euler")
     for name in names:  # the interpreter has no grid dependency control
         for dtype in (torch.float16, torch.float32):
-            assert kernels.body_pdl(torch.device("cpu"), name, dtype) is False
-    monkeypatch.setattr(kernels, "pdl_supported", lambda device: True)
+            assert launch.plan_pdl(body_plan(dtype, "tf32", 16), name, torch.device("cpu")) is False
+    monkeypatch.setattr(launch, "pdl_supported", lambda device: True)
     cuda = torch.device("cuda")
-    # the measured sets (session 6): rownorm + CFG-Euler for fp32 only
-    assert [kernels.body_pdl(cuda, k, torch.float32) for k in names] == [True, False, False, True]
+    # the measured sets: rownorm + CFG-Euler for fp32 only
+    assert [launch.plan_pdl(body_plan(torch.float32, "tf32", 16), k, cuda) for k in names] == [True, False, False, True]
+    assert [launch.plan_pdl(body_plan(torch.float32, "ieee", 2), k, cuda) for k in names] == [True, False, False, True]
     for dtype in (torch.float16, torch.bfloat16):
-        assert not any(kernels.body_pdl(cuda, k, dtype) for k in names)
-    monkeypatch.setattr(kernels, "PDL_KERNELS_OVERRIDE", frozenset({"qk_cache"}))
-    assert kernels.body_pdl(cuda, "qk_cache", torch.float16) is True
-    assert kernels.body_pdl(cuda, "rownorm", torch.float32) is False
+        for rows in (16, 64, None):
+            assert not any(launch.plan_pdl(body_plan(dtype, None, rows), k, cuda) for k in names)
+        v9 = body_plan(dtype, None, 8)
+        assert [launch.plan_pdl(v9, k, cuda) for k in names + ("linear",)] == [True, True, False, False, True]
+    plan = dataclasses.replace(body_plan(torch.float16, None, 16), pdl=frozenset({"qk_cache"}))
+    assert launch.plan_pdl(plan, "qk_cache", cuda) is True
+    assert launch.plan_pdl(plan, "rownorm", cuda) is False
+    assert body_plan(torch.float16, None, 16).pdl <= PDL_CAPABLE_KERNELS
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["v1", "v5", "v9"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_gpu_body_pdl_replays_equal_no_pdl_eager_bitwise(dtype, variant, monkeypatch):
+def test_gpu_body_pdl_replays_equal_no_pdl_eager_bitwise(dtype, variant):
     """The body's own kernels load weights, tables, lengths and old caches before their PDL wait:
     a captured body with PDL, replayed three times on new inputs written just before each replay,
     equals the body without PDL, eager, bitwise."""
     import torch_cfm.kernels.dit_body as kernels
+    from torch_cfm.kernels.body_plans import PDL_CAPABLE_KERNELS, named_plan
     from torch_cfm.ops.dit_body import _empty_outputs, check_dit_body, dit_body_fused_into
 
     dev = torch.device("cuda")
@@ -174,15 +131,18 @@ def test_gpu_body_pdl_replays_equal_no_pdl_eager_bitwise(dtype, variant, monkeyp
     cases = [_op_args(GPU_CFG, dtype, dev, seed=s, n=4, t=50, l_len=64) for s in (13, 23, 33)]
     cases = [cases[0]] + [(c[0], cases[0][1]) + tuple(c[2:]) for c in cases[1:]]  # one set of weights
 
+    base = named_plan(variant, dtype, "tf32")
+    plan = None
+
     def run(args, out=None):
         x_in, w, table, cnn, att, valid, cached = args
         shapes = check_dit_body(x_in, w, table, cnn, att, valid, cached, "tf32")
         out = _empty_outputs(x_in, shapes) if out is None else out
-        return dit_body_fused_into(x_in, w, table, cnn, att, valid, cached, "tf32", out, variant)
+        return dit_body_fused_into(x_in, w, table, cnn, att, valid, cached, "tf32", out, plan)
 
-    monkeypatch.setattr(kernels, "PDL_KERNELS_OVERRIDE", frozenset())
+    plan = dataclasses.replace(base, pdl=frozenset())
     want = [run(c) for c in cases]
-    monkeypatch.setattr(kernels, "PDL_KERNELS_OVERRIDE", kernels.PDL_CAPABLE_KERNELS)
+    plan = dataclasses.replace(base, pdl=PDL_CAPABLE_KERNELS)
     static = [a.clone() if isinstance(a, torch.Tensor) else a for a in cases[0]]
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

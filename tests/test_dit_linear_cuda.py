@@ -100,7 +100,7 @@ def test_splitk_not_supported_reasons_on_cpu():
 _ROWNORM_SPLITS_CHILD = textwrap.dedent("""
     import torch
     from torch_cfm.config import BLOCK_LN_EPS
-    from torch_cfm.kernels import dit_body
+    from torch_cfm.kernels.rownorm import rownorm
     g = torch.Generator().manual_seed(3)
     n, t, c, splits = 3, 5, 64, 4
     m = n * t
@@ -117,10 +117,9 @@ _ROWNORM_SPLITS_CHILD = textwrap.dedent("""
     # the shipped launch rule (8 rows per program at 64 channels), then the bench's overrides: 15 rows
     # are no multiple of 2 or 4, so the last program's masked rows are exercised
     for launch in (None, (1, 1), (2, 2), (4, 4)):
-        dit_body.ROWNORM_LAUNCH_OVERRIDE = launch
         h, out = h0.clone(), torch.full((m, c), float("nan"), dtype=torch.float16)
-        dit_body.rownorm(parts, h, out, valid, n_rows=n, t_len=t, bias=bias, table=table, gate=0, shift=c,
-                         scale=2 * c)
+        rownorm(parts, h, out, valid, n_rows=n, t_len=t, bias=bias, table=table, gate=0, shift=c, scale=2 * c,
+                launch=launch)
         assert torch.allclose(h.double(), want_h, rtol=1e-5, atol=1e-5), (launch, (h.double() - want_h).abs().max())
         assert torch.allclose(out.double(), z, rtol=2e-3, atol=2e-3), (launch, (out.double() - z).abs().max())
     print("ok")
@@ -318,12 +317,9 @@ def test_qkv_cache_not_supported_reasons_on_cpu():
                for r in L.qkv_cache_not_supported_reasons(a, w[:1344], q_out[:, :448],
                                                           torch.zeros(2, 7, 10, 128, dtype=torch.float16), 4))
     assert any("q_out must be contiguous" in r for r in L.qkv_cache_not_supported_reasons(a, w, q_out[:, :256], cache, 4))
-    # fp32 (TF32) only with tf32=True; one-head tiles: an odd number of heads is fine there
+    # 16-bit only (the TF32 plans run the q/k-cache kernel on the arena)
     f32 = [t.float() for t in (a, w, q_out, cache)]
-    assert any("with tf32=True" in r for r in L.qkv_cache_not_supported_reasons(*f32, 4))
-    odd = (torch.zeros(8, 512), torch.zeros(3 * 64 * 7, 512), torch.zeros(8, 64 * 7), torch.zeros(2, 7, 10, 128))
-    assert not any("heads" in r or "dtype" in r for r in L.qkv_cache_not_supported_reasons(*odd, 4, tf32=True))
-    assert any("CUDA" in r for r in L.qkv_cache_not_supported_reasons(*odd, 4, tf32=True))
+    assert any("fp16/bf16" in r for r in L.qkv_cache_not_supported_reasons(*f32, 4))
 
 
 def _layer_norm64(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
@@ -335,17 +331,13 @@ def _layer_norm64(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "tf32"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("t_len,valid,cached", [(50, [50, 37, 1, 0], [400, 10, 0, 64]), (7, [7, 3], [0, 5]),
                                                 (64, [64], [3])])
-@pytest.mark.parametrize("early_loads", [False, True], ids=["late", "early"])
-def test_gpu_qkv_cache_within_oracle(dtype, t_len, valid, cached, early_loads):
-    """fp32 (TF32): the baseline is exact TF32 products, as test_gpu_linear_tf32_within_oracle.
-    ``early_loads``: the epilogue's row lengths loaded before its first store (dit_body.EARLY_LOADS)."""
+def test_gpu_qkv_cache_within_oracle(dtype, t_len, valid, cached):
     _skip_unless_runnable()
     from torch_cfm.config import QK_NORM_EPS
 
-    tf32 = dtype == torch.float32
     g = torch.Generator(device="cpu").manual_seed(t_len + len(valid))
     n, heads, k = len(valid), 8, 512
     inner = 64 * heads
@@ -361,8 +353,7 @@ def test_gpu_qkv_cache_within_oracle(dtype, t_len, valid, cached, early_loads):
     cache = poison.clone()
     q_out = torch.full((m, inner), float("nan"), device="cuda", dtype=dtype)
     for pdl in (False, True):
-        assert L.qkv_cache_into(a, w, b, norms, q_out, cache, vt, ct, t_len=t_len, eps=QK_NORM_EPS, pdl=pdl,
-                                tf32=tf32, early_loads=early_loads)
+        assert L.qkv_cache_into(a, w, b, norms, q_out, cache, vt, ct, t_len=t_len, eps=QK_NORM_EPS, pdl=pdl)
     torch.cuda.synchronize()
 
     def heads_of(y, qn, kn):  # q, k (per-head LayerNorm), v of the packed (M, 3 inner) GEMM output
@@ -372,8 +363,7 @@ def test_gpu_qkv_cache_within_oracle(dtype, t_len, valid, cached, early_loads):
     nd = [t.double() for t in norms]
     ref = heads_of(a.double() @ w.double().t() + b.double(), nd[:2], nd[2:])
     # the two-kernel path: GEMM output rounded to the dtype, LayerNorm in fp32
-    y16 = (_tf32_rounded(a).double() @ _tf32_rounded(w).double().t() + b.double()).float() if tf32 else \
-        (a @ w.t() + b).float()
+    y16 = (a @ w.t() + b).float()
     same = [t.to(dtype) for t in heads_of(y16.to(dtype).float(), [t.float() for t in norms[:2]],
                                           [t.float() for t in norms[2:]])]
     assert_within_oracle(q_out.cpu(), same[0].cpu(), ref[0].cpu(), "queries")
@@ -392,78 +382,3 @@ def test_gpu_qkv_cache_within_oracle(dtype, t_len, valid, cached, early_loads):
             assert_within_oracle(got.cpu(), base.cpu(), want.cpu(), f"row {row} {name}")
     untouched = ~expect_written.cuda()[:, None, :, None].expand_as(cache)
     assert torch.equal(cache[untouched], poison[untouched]), "a frame outside [L_n, L_n + T_n) was written"
-
-
-def test_rownorm_epilogue_not_supported_reasons_on_cpu():
-    m, t_len, c = 12, 4, 512
-    a, w = torch.zeros(m, 512, dtype=torch.float16), torch.zeros(c, 512, dtype=torch.float16)
-    h, table = torch.zeros(m, c), torch.zeros(1, 2, 9, c)
-    out = torch.zeros(3 * (t_len + 2), c, dtype=torch.float16)
-    ok = dict(out_t=t_len + 2, out_off=2, head=True)
-    assert any("CUDA" in r for r in L.rownorm_not_supported_reasons(a, w, h, table, out, t_len, **ok))
-    assert not any("C must" in r or "out must" in r for r in L.rownorm_not_supported_reasons(a, w, h, table, out,
-                                                                                              t_len, **ok))
-    assert L.linear_rownorm_into(a, w, torch.zeros(c, dtype=torch.float16), h, table, out, gate=0, shift=c, scale=2 * c,
-                                 t_len=t_len, eps=1e-6, out_t=t_len + 2, out_off=2, head=(None, 0)) is False
-    assert any("C must be a multiple of 64 up to 512" in r for r in L.rownorm_not_supported_reasons(
-        a, torch.zeros(576, 512, dtype=torch.float16), torch.zeros(m, 576), table, out, t_len))
-    assert any("out_off >= 2 with head frames" in r
-               for r in L.rownorm_not_supported_reasons(a, w, h, table, out, t_len, out_t=t_len + 2, head=True))
-    assert any("N x t_len rows" in r for r in L.rownorm_not_supported_reasons(a, w, h, table, out, 5))
-    assert any("h must be contiguous float32" in r
-               for r in L.rownorm_not_supported_reasons(a, w, h.half(), table, out, t_len))
-    assert any("with tf32=True" in r for r in L.rownorm_not_supported_reasons(a.float(), w.float(), h, table,
-                                                                              out.float(), t_len))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "tf32"])
-@pytest.mark.parametrize("n,t_len,c,rows_in_table,cnn", [(8, 50, 512, 8, True), (3, 7, 128, 1, False),
-                                                          (2, 33, 64, 2, True), (1, 1, 512, 1, True)])
-def test_gpu_linear_rownorm_epilogue_within_oracle(dtype, n, t_len, c, rows_in_table, cnn):
-    """The proj GEMM with the row-norm in its epilogue (clusters of C / 64 CTAs: 8, 2 and 1) against
-    float64 torch math of GEMM + gate + residual + LayerNorm + adaLN + head frames. Baseline: the GEMM
-    in the dtype (cuBLAS; exact TF32 products for fp32), the rest in float32 torch ops. Every out row
-    outside the N x (t_len + 2) written ones stays as it was, and h is written for every row."""
-    _skip_unless_runnable()
-    from torch_cfm.config import BLOCK_LN_EPS
-
-    tf32 = dtype == torch.float32
-    g = torch.Generator(device="cpu").manual_seed(n * 100 + t_len + c)
-    m, k, out_t = n * t_len, 512, t_len + 2
-    a = torch.randn(m, k, generator=g).to("cuda", dtype)
-    w = (torch.randn(c, k, generator=g) * k ** -0.5).to("cuda", dtype)
-    b = (torch.randn(c, generator=g) * 0.1).to("cuda", dtype)
-    h0 = torch.randn(m, c, generator=g).cuda()
-    table = torch.randn(rows_in_table, 2, 9, c, generator=g).cuda()  # gate, shift, 1 + scale at vectors 3, 4, 5
-    gate, shift, scale = 3 * c, 4 * c, 5 * c
-    old_cnn = torch.randn(n, 2 * c, 2, generator=g).to("cuda", dtype) if cnn else None
-    poison = torch.randn(n * out_t + 3, c, generator=g).to("cuda", dtype)
-    out, h = poison.clone(), h0.clone()
-    assert L.linear_rownorm_into(a, w, b, h, table, out, gate=gate, shift=shift, scale=scale, t_len=t_len,
-                                 eps=BLOCK_LN_EPS, out_t=out_t, out_off=2, head=(old_cnn, c // 2 if cnn else 0),
-                                 tf32=tf32)
-    torch.cuda.synchronize()
-
-    def boundary(y, wide):  # y (M, C) in `wide` precision: gate, residual, LayerNorm, adaLN
-        tab = table.to(wide).flatten(1)[torch.arange(m, device="cuda") // t_len % rows_in_table]
-        hh = h0.to(wide) + tab[:, gate:gate + c] * y
-        z = torch.nn.functional.layer_norm(hh, (c,), eps=BLOCK_LN_EPS)
-        z = z * tab[:, scale:scale + c] + tab[:, shift:shift + c]
-        return hh, z
-
-    ref_h, ref_z = boundary(a.double() @ w.double().t() + b.double(), torch.float64)
-    y_same = (_tf32_rounded(a).double() @ _tf32_rounded(w).double().t() + b.double()).float() if tf32 else \
-        (a @ w.t() + b).float()
-    same_h, same_z = boundary(y_same, torch.float32)
-    assert_within_oracle(h.cpu(), same_h.cpu(), ref_h.cpu(), "h")
-    rows = (torch.arange(n)[:, None] * out_t + 2 + torch.arange(t_len)[None, :]).flatten().cuda()
-    assert_within_oracle(out[rows].cpu(), same_z.to(dtype).cpu(), ref_z.cpu(), "out rows")
-    heads = (torch.arange(n)[:, None] * out_t + torch.arange(2)[None, :]).flatten().cuda()
-    want_heads = (old_cnn[:, c // 2:c // 2 + c, :].permute(0, 2, 1).reshape(2 * n, c) if cnn
-                  else torch.zeros(2 * n, c, device="cuda", dtype=dtype))
-    assert torch.equal(out[heads], want_heads), "head frames"
-    untouched = torch.ones(out.shape[0], dtype=torch.bool, device="cuda")
-    untouched[rows] = False
-    untouched[heads] = False
-    assert torch.equal(out[untouched], poison[untouched]), "a row outside the written ones changed"

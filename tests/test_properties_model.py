@@ -544,11 +544,11 @@ def _triton_body(model, a: dict, variant: str):
 
 def interpreter_main(examples: int, shard: int = 0, shards: int = 1) -> None:
     """Entry point of the child process: oracle, empty rows, non-finite containment and padded
-    rows on every Triton body variant and the in-place arena form, run by the interpreter (fp32
+    rows on every Triton body plan and the in-place arena form, run by the interpreter (fp32
     and fp16: the interpreter's bf16 dot is wrong, SPEC §8; depth-1 tiny configs)."""
     from hypothesis import settings
 
-    from torch_cfm.kernels.dit_body import VARIANTS
+    from torch_cfm.kernels.body_plans import PLAN_NAMES
 
     global compute_modes
 
@@ -565,7 +565,7 @@ def interpreter_main(examples: int, shard: int = 0, shards: int = 1) -> None:
               ("padded_rows", specs,
                lambda spec, path, data: check_padded_rows_change_no_other_row("cpu", spec, path, data)))
     # "arena": the in-place form (_triton_body); "v9" differs from v1 only in its CUDA GEMMs (v1 on CPU)
-    for variant in (tuple(v for v in VARIANTS if v != "v9") + ("arena",))[shard::shards]:
+    for variant in (tuple(v for v in PLAN_NAMES if v != "v9") + ("arena",))[shard::shards]:
         for name, strategy, check in checks:
             @settings(max_examples=examples, deadline=None, derandomize=True, database=None)
             @given(spec=strategy, data=st.data())

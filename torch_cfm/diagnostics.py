@@ -50,15 +50,16 @@ def machine_report(device: Optional[torch.device] = None) -> str:
                  f"{policy.ENV_PDL}={os.environ.get(policy.ENV_PDL, '<unset>')}; attention grids of one wave, "
                  "fp32 body row-norm kernels, the body's wgmma GEMMs and the kernels around them)")
     from .kernels import cfm_attention_cuda, dit_linear_cuda
-    from .kernels.dit_body import v9_gemm_roles
+    from .kernels.body_plans import describe_table, wgmma_roles
 
     lines.append(f"  attention:  {policy.ENV_ATTENTION_KERNEL}={os.environ.get(policy.ENV_ATTENTION_KERNEL, '<unset>')}; "
                  f"CUDA kernel {cfm_attention_cuda.build_status()}")
     why_not = dit_linear_cuda.device_reason(device) or (
-        None if policy.pdl_allowed(device) else "PDL is off; v9 runs its wgmma GEMMs only with it")
-    lines.append("  body GEMMs: " + ("wgmma kernel (16-bit bodies of at most "
-                                      f"{dit_linear_cuda.V9_MAX_ROWS} rows: {v9_gemm_roles()}; else cuBLAS)"
+        None if policy.pdl_allowed(device) else "PDL is off; the wgmma plans run their GEMMs only with it")
+    lines.append("  body GEMMs: " + ("wgmma kernel (16-bit and TF32 bodies of at most "
+                                      f"{dit_linear_cuda.V9_MAX_ROWS} rows: {wgmma_roles()}; else cuBLAS)"
                                       if why_not is None else f"cuBLAS ({why_not})"))
+    lines.append(f"  body plans: rows -> plan ({describe_table()}; torch_cfm/kernels/body_plans.py)")
     lines.append("ops:")
     for dtype in _DTYPES:
         d = policy.decide(device, dtype)

@@ -121,14 +121,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("kn_w"), pybind11::arg("kn_b"), pybind11::arg("q_out"), pybind11::arg("cache"),
         pybind11::arg("valid"), pybind11::arg("cached"), pybind11::arg("t_len"), pybind11::arg("eps"),
         pybind11::arg("pdl") = false, pybind11::arg("flags") = 0);
-  m.def("dit_linear_rownorm_into", &torch_cfm::dit_linear::linear_rownorm_into,
-        "the GEMM in front of a row-norm with the row-norm (gate, residual, LayerNorm over a cluster, adaLN, head "
-        "frames) in its epilogue",
-        pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("h"), pybind11::arg("table"),
-        pybind11::arg("stride_tab"), pybind11::arg("gate_off"), pybind11::arg("shift_off"), pybind11::arg("scale_off"),
-        pybind11::arg("out"), pybind11::arg("out_t"), pybind11::arg("out_off"), pybind11::arg("cnn"),
-        pybind11::arg("cnn_cbase"), pybind11::arg("head"), pybind11::arg("t_len"), pybind11::arg("eps"),
-        pybind11::arg("pdl") = false, pybind11::arg("flags") = 0);
   m.def("dit_linear_available", &torch_cfm::dit_linear::available,
         "whether this build runs the SM90a DiT GEMM kernel on the current device (cached probe)");
   m.def("configs", &torch_cfm::cuda_attention::configs,

@@ -8,7 +8,6 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
-#include <algorithm>
 #include <atomic>
 #include <initializer_list>
 #include <mutex>
@@ -57,15 +56,13 @@ CUtensorMap make_map(const at::Tensor& t, int64_t rows, int64_t cols, int64_t ld
 
 // out: (M, N) in T (kQkvCache: the queries (M, N / 3)), or with kPartials the fp32 (splits, M, N)
 // partial sums (one K chunk per split).
-// kRowNorm: out is the row-norm's output rows; the cluster (all N / BN column tiles) runs along y.
-template <typename T, int BN, int kMode, bool kEarly = false>
+template <typename T, int BN, int kMode>
 void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor& out, bool pdl, int flags, int cluster,
-            int splits, cudaStream_t stream, const QkvCacheArgs<T>& qc = QkvCacheArgs<T>(),
-            const RowNormArgs<T>& rn = RowNormArgs<T>()) {
+            int splits, cudaStream_t stream, const QkvCacheArgs<T>& qc = QkvCacheArgs<T>()) {
   const int m = static_cast<int>(a.size(0)), k = static_cast<int>(a.size(1)), n = static_cast<int>(w.size(0));
   const CUtensorMap map_a = make_map(a, m, k, a.stride(0), kBM);
   const CUtensorMap map_w = make_map(w, n, k, w.stride(0), BN);
-  auto kernel = linear_kernel<T, BN, kMode, kEarly>;
+  auto kernel = linear_kernel<T, BN, kMode>;
   const int k_cta = k / splits;
   const int smem = smem_bytes<T, BN>(k_cta / stage_k<T>());
   // The shared-memory opt-in is a per-device host-side attribute, set once at the largest size (K = 512)
@@ -82,8 +79,7 @@ void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor&
   }
   cudaLaunchConfig_t config = {};
   const int row_tiles = (m + kBM - 1) / kBM;
-  const bool along_y = kMode == kRowNorm;
-  config.gridDim = dim3(along_y ? row_tiles : (row_tiles + cluster - 1) / cluster * cluster, n / BN, splits);
+  config.gridDim = dim3((row_tiles + cluster - 1) / cluster * cluster, n / BN, splits);
   config.blockDim = dim3(kThreads, 1, 1);
   config.dynamicSmemBytes = smem;
   config.stream = stream;
@@ -95,15 +91,15 @@ void launch(const at::Tensor& a, const at::Tensor& w, const T* bias, at::Tensor&
   }
   if (cluster > 1) {
     attributes[count].id = cudaLaunchAttributeClusterDimension;
-    attributes[count].val.clusterDim.x = along_y ? 1 : cluster;
-    attributes[count].val.clusterDim.y = along_y ? cluster : 1;
+    attributes[count].val.clusterDim.x = cluster;
+    attributes[count].val.clusterDim.y = 1;
     attributes[count++].val.clusterDim.z = 1;
   }
   config.attrs = attributes;
   config.numAttrs = count;
   const int ldo = static_cast<int>(out.stride(out.dim() - 2));
   const cudaError_t err =
-      cudaLaunchKernelEx(&config, kernel, map_a, map_w, bias, out.data_ptr(), m, ldo, k_cta, flags, qc, rn);
+      cudaLaunchKernelEx(&config, kernel, map_a, map_w, bias, out.data_ptr(), m, ldo, k_cta, flags, qc);
   TORCH_CHECK(err == cudaSuccess, "dit_linear: launch failed: ", cudaGetErrorString(err));
 }
 
@@ -231,14 +227,8 @@ void launch_qkv_cache(const at::Tensor& a, const at::Tensor& w, const at::Tensor
   qc.t_len = t_len;
   qc.heads = static_cast<int>(cache.size(1));
   qc.eps = eps;
-  // 16-bit: 128-wide tiles (two heads); fp32 (TF32): one head, the widest tile whose weights fit resident
-  constexpr int kBN = std::is_same<T, float>::value ? 64 : 128;
-  if (flags & kEarlyLoads) {
-    launch<T, kBN, kQkvCache, true>(a, w, static_cast<const T*>(bias.data_ptr()), q_out, pdl, flags & kTriggerEarly, 1,
-                                    1, stream, qc);
-  } else {
-    launch<T, kBN, kQkvCache>(a, w, static_cast<const T*>(bias.data_ptr()), q_out, pdl, flags, 1, 1, stream, qc);
-  }
+  // 128-wide tiles: two heads
+  launch<T, 128, kQkvCache>(a, w, static_cast<const T*>(bias.data_ptr()), q_out, pdl, flags, 1, 1, stream, qc);
 }
 
 }  // namespace
@@ -252,9 +242,7 @@ void linear_qkv_cache_into(const at::Tensor& a, const at::Tensor& w, const at::T
     TORCH_CHECK(t->is_cuda() && t->device() == a.device(), "dit_linear: every tensor on the device of a");
   }
   const auto dt = a.scalar_type();
-  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat,
-              "dit_linear: a must be fp16, bf16 or fp32 (TF32)");
-  const bool tf32 = dt == at::kFloat;
+  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16, "dit_linear: a must be fp16 or bf16");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&w, &bias, &qn_w, &qn_b, &kn_w, &kn_b, &q_out, &cache}) {
     TORCH_CHECK(t->scalar_type() == dt, "dit_linear: w, bias, norms, q_out and cache share a's dtype");
   }
@@ -264,7 +252,7 @@ void linear_qkv_cache_into(const at::Tensor& a, const at::Tensor& w, const at::T
   const int64_t inner = heads * 64;
   TORCH_CHECK(cache.size(3) == 128 && cache.stride(3) == 1, "dit_linear: cache (N, heads, P, 2 x 64), unit channel stride");
   TORCH_CHECK(w.size(0) == 3 * inner && w.size(1) == k, "dit_linear: w (3 x heads x 64, K)");
-  TORCH_CHECK(tf32 || inner % 128 == 0, "dit_linear: heads must be even (128-wide tiles of whole heads)");
+  TORCH_CHECK(inner % 128 == 0, "dit_linear: heads must be even (128-wide tiles of whole heads)");
   TORCH_CHECK(t_len > 0 && m == n_rows * t_len, "dit_linear: a has N x t_len rows");
   TORCH_CHECK(q_out.size(0) == m && q_out.size(1) == inner && q_out.is_contiguous(),
               "dit_linear: q_out contiguous (M, heads x 64)");
@@ -286,86 +274,13 @@ void linear_qkv_cache_into(const at::Tensor& a, const at::Tensor& w, const at::T
   if (m == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const int f = static_cast<int>(flags & (kTriggerEarly | kEarlyLoads));
-  if (tf32) {
-    launch_qkv_cache<float>(a, w, bias, qn_w, qn_b, kn_w, kn_b, q_out, cache, valid, cached, static_cast<int>(t_len),
-                            static_cast<float>(eps), pdl, f, stream);
-  } else if (dt == at::kHalf) {
+  const int f = static_cast<int>(flags & kTriggerEarly);
+  if (dt == at::kHalf) {
     launch_qkv_cache<__half>(a, w, bias, qn_w, qn_b, kn_w, kn_b, q_out, cache, valid, cached, static_cast<int>(t_len),
                              static_cast<float>(eps), pdl, f, stream);
   } else {
     launch_qkv_cache<__nv_bfloat16>(a, w, bias, qn_w, qn_b, kn_w, kn_b, q_out, cache, valid, cached,
                                     static_cast<int>(t_len), static_cast<float>(eps), pdl, f, stream);
-  }
-}
-
-void linear_rownorm_into(const at::Tensor& a, const at::Tensor& w, const at::Tensor& bias, at::Tensor& h,
-                         const at::Tensor& table, int64_t stride_tab, int64_t gate_off, int64_t shift_off,
-                         int64_t scale_off, at::Tensor& out, int64_t out_t, int64_t out_off,
-                         const std::optional<at::Tensor>& cnn, int64_t cnn_cbase, bool head, int64_t t_len, double eps,
-                         bool pdl, int64_t flags) {
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&a, &w, &bias, &h, &table, &out}) {
-    TORCH_CHECK(t->is_cuda() && t->device() == a.device(), "dit_linear: every tensor on the device of a");
-  }
-  const auto dt = a.scalar_type();
-  TORCH_CHECK(dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat, "dit_linear: a must be fp16, bf16 or fp32 (TF32)");
-  TORCH_CHECK(w.scalar_type() == dt && bias.scalar_type() == dt && out.scalar_type() == dt,
-              "dit_linear: w, bias and out share a's dtype");
-  TORCH_CHECK(h.scalar_type() == at::kFloat && table.scalar_type() == at::kFloat, "dit_linear: h and table are float32");
-  TORCH_CHECK(a.dim() == 2 && w.dim() == 2 && h.dim() == 2 && out.dim() == 2, "dit_linear: a, w, h, out 2-D");
-  const int64_t m = a.size(0), k = a.size(1), c = w.size(0);
-  TORCH_CHECK(w.size(1) == k && h.size(0) == m && h.size(1) == c && h.is_contiguous(), "dit_linear: h contiguous (M, C)");
-  TORCH_CHECK(c % 64 == 0 && c / 64 >= 1 && c / 64 <= 8, "dit_linear: C must be 64 to 512, a multiple of 64");
-  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == c && bias.is_contiguous(), "dit_linear: bias (C,)");
-  TORCH_CHECK(t_len > 0 && m % t_len == 0, "dit_linear: a has N x t_len rows");
-  const int64_t n_rows = m / t_len;
-  TORCH_CHECK(out.is_contiguous() && out.size(1) == c && out_t >= t_len + out_off && out_off >= (head ? 2 : 0) &&
-                  out.size(0) >= n_rows * out_t,
-              "dit_linear: out contiguous (>= N x out_t, C), t_len + out_off <= out_t, out_off >= 2 with head frames");
-  TORCH_CHECK(table.stride(-1) == 1 && gate_off >= 0 && shift_off >= 0 && scale_off >= 0 && stride_tab >= 0 &&
-                  std::max({gate_off, shift_off, scale_off}) + c + (n_rows - 1) * stride_tab <= table.numel(),
-              "dit_linear: the table rows and offsets must lie inside table");
-  if (head && cnn.has_value()) {
-    TORCH_CHECK(cnn->is_cuda() && cnn->device() == a.device() && cnn->scalar_type() == dt && cnn->dim() == 3 &&
-                    cnn->size(0) == n_rows && cnn->size(2) == 2 && cnn_cbase >= 0 && cnn_cbase + c <= cnn->size(1),
-                "dit_linear: cnn (N, >= cbase + C, 2) of a's dtype");
-  }
-  check_k(a, 1);
-  check_tma_operands(a, w);
-  if (m == 0) return;
-  const c10::cuda::CUDAGuard guard(a.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
-  const int f = static_cast<int>(flags & kTriggerEarly), tiles = static_cast<int>(c / 64);
-  auto run = [&](auto tag) {
-    using T = decltype(tag);
-    RowNormArgs<T> rn;
-    rn.h = h.data_ptr<float>();
-    rn.table = table.data_ptr<float>();
-    rn.stride_tab = stride_tab;
-    rn.gate_off = static_cast<int>(gate_off);
-    rn.shift_off = static_cast<int>(shift_off);
-    rn.scale_off = static_cast<int>(scale_off);
-    rn.out_t = static_cast<int>(out_t);
-    rn.out_off = static_cast<int>(out_off);
-    rn.head = head ? 1 : 0;
-    if (head && cnn.has_value()) {
-      rn.cnn = static_cast<const T*>(cnn->data_ptr());
-      rn.cnn_s_n = cnn->stride(0);
-      rn.cnn_s_c = cnn->stride(1);
-      rn.cnn_s_j = cnn->stride(2);
-      rn.cnn_cbase = static_cast<int>(cnn_cbase);
-    }
-    rn.t_len = static_cast<int>(t_len);
-    rn.eps = static_cast<float>(eps);
-    launch<T, 64, kRowNorm>(a, w, static_cast<const T*>(bias.data_ptr()), out, pdl, f, tiles, 1, stream,
-                            QkvCacheArgs<T>(), rn);
-  };
-  if (dt == at::kFloat) {
-    run(float{});
-  } else if (dt == at::kHalf) {
-    run(__half{});
-  } else {
-    run(__nv_bfloat16{});
   }
 }
 

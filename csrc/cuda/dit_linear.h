@@ -26,24 +26,11 @@ void linear_splitk_into(const at::Tensor& a, const at::Tensor& w, at::Tensor& pa
 // The block's QKV GEMM on the in-place attention-cache arena (kQkvCache in dit_linear_kernel.cuh): q | k | v
 // = a @ w.T + bias, q and k LayerNormed per 64-wide head (affine qn_* / kn_*, eps); q -> q_out (M, heads x 64),
 // k and v of row r = n t_len + t, t < valid[n], to frame cached[n] + valid[n] - 1 - t of cache (N, heads, P,
-// 128). valid / cached: clamped int32 (N,). fp16/bf16 (128-wide tiles: heads even), or fp32 computed in TF32
-// (64-wide tiles). flags: 1 only.
+// 128). valid / cached: clamped int32 (N,). fp16/bf16 (128-wide tiles: heads even). flags: 1 only.
 void linear_qkv_cache_into(const at::Tensor& a, const at::Tensor& w, const at::Tensor& bias, const at::Tensor& qn_w,
                            const at::Tensor& qn_b, const at::Tensor& kn_w, const at::Tensor& kn_b, at::Tensor& q_out,
                            at::Tensor& cache, const at::Tensor& valid, const at::Tensor& cached, int64_t t_len,
                            double eps, bool pdl, int64_t flags);
-
-// The GEMM in front of a row-norm with the row-norm in its epilogue (kRowNorm in dit_linear_kernel.cuh): y =
-// a @ w.T + bias (w (C, K), C a multiple of 64 up to 512: one cluster of C / 64 CTAs per 64 rows);
-// h (M, C) fp32 += table[n][gate_off:] * y; out row n out_t + out_off + t = LayerNorm(h row) (eps, fp32
-// statistics) * table[n][scale_off:] + table[n][shift_off:], n = r / t_len, table row n at n * stride_tab;
-// with head, out rows n out_t + {0, 1} <- cnn[n, cnn_cbase:, {0, 1}] (zeros without cnn). a, w, bias,
-// out, cnn: one dtype (fp16/bf16, or fp32 in TF32). flags: 1 only.
-void linear_rownorm_into(const at::Tensor& a, const at::Tensor& w, const at::Tensor& bias, at::Tensor& h,
-                         const at::Tensor& table, int64_t stride_tab, int64_t gate_off, int64_t shift_off,
-                         int64_t scale_off, at::Tensor& out, int64_t out_t, int64_t out_off,
-                         const std::optional<at::Tensor>& cnn, int64_t cnn_cbase, bool head, int64_t t_len, double eps,
-                         bool pdl, int64_t flags);
 
 // Whether this build carries the sm_90a kernel code for the current device (a one-time probe launch).
 bool available();

@@ -6,11 +6,8 @@
 //   row's valid frames appended to the in-place attention-cache arena
 //   TF32: out[M, N] = a[M, K] @ w[N, K]^T (+ bias) (GELU), fp32 in and out, operands rounded to TF32 (round
 //   to nearest, as cuBLAS's TF32 GEMMs do) by the TMA unit as it loads them, fp32 accumulation
-//   row-norm: y = a @ w^T + bias; h += gate * y (fp32 residual); out = LayerNorm(h) * scale + shift, the
-//   body's row-norm kernel at the attention boundary, with each row's statistics summed over a cluster
-//   of the N / BN column tiles through distributed shared memory
-// Measured against cuBLAS in bench/wgmma_gemm.py (bench/NOTES.md, session 16); used by the body's
-// variant "v9" (torch_cfm/kernels/dit_linear_cuda.py).
+// Used by the body's wgmma plans (torch_cfm/kernels/body_plans.py, via torch_cfm/kernels/dit_linear_cuda.py);
+// bench/wgmma_gemm.py times it against cuBLAS.
 //
 // Design: one warpgroup per CTA computes a 64 x BN tile. The whole K (<= 512) is resident in shared
 // memory, so nothing is ever overwritten: one mbarrier per K stage (128 bytes of K: 64 16-bit or 32
@@ -21,10 +18,10 @@
 // without PDL), every stage's load of a; the warpgroup waits stage by stage and issues 4 wgmma
 // m64nBNk16 per stage straight from shared memory. With kPartials, grid z splits a longer K (the
 // body's fc2, K = 2048) into chunks of at most 512 and each CTA writes its fp32 partial sum, which
-// the row-norm kernel behind it adds up (no bias, no GELU). With kQkvCache (the block's QKV GEMM on
-// the in-place arena) the epilogue does the q/k-cache kernel's work: per-head LayerNorm of q and k
+// the row-norm kernel behind it adds up (no bias, no GELU). With kQkvCache (the block's 16-bit QKV GEMM
+// on the in-place arena) the epilogue does the q/k-cache kernel's work: per-head LayerNorm of q and k
 // over 4-lane shuffles, q to out, k and v into the arena. An optional cluster along x multicasts each
-// weight stage to consecutive row tiles (measured slower at these sizes; kept for the bench).
+// weight stage to consecutive row tiles (slower at the body's sizes; the bench times it).
 #pragma once
 
 #include <cuda.h>
@@ -54,7 +51,6 @@ __host__ __device__ constexpr int stage_k() { return 128 / static_cast<int>(size
 constexpr int kTriggerEarly = 1;  // griddepcontrol.launch_dependents right after the loads are issued
 constexpr int kGeluTanh = 2;      // GELU, tanh form (the body's fc1 and cuBLASLt's GELU epilogue)
 constexpr int kNoBias = 4;        // bias is not read (may be null)
-constexpr int kEarlyLoads = 8;    // kQkvCache: the rows' T_n / L_n loaded before the epilogue's first store
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -123,22 +119,7 @@ __device__ __forceinline__ uint32_t cluster_size() {
 
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_sync() {
-  cluster_arrive();
-  cluster_wait();
-}
 
-// The float at `p`'s offset in the shared memory of cluster CTA `rank` (distributed shared memory).
-__device__ __forceinline__ float ld_cluster_f32(const float* p, uint32_t rank) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_u32(p)), "r"(rank));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
-  return v;
-}
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -214,7 +195,6 @@ __global__ void probe_kernel(int* flag) {
 constexpr int kOut = 0;       // out (M, ldo) in T
 constexpr int kPartials = 1;  // split-K: fp32 partial sums (splits, M, ldo)
 constexpr int kQkvCache = 2;  // the QKV GEMM of a block on the in-place cache arena (see QkvCacheArgs)
-constexpr int kRowNorm = 3;   // the GEMM in front of a row-norm, the row-norm in its epilogue (see RowNormArgs)
 
 // kQkvCache: the columns of w are q | k | v, each heads x 64 wide. Queries (every row) are LayerNormed
 // per head and written to out (M, heads * 64); keys (LayerNormed) and values of row r = n * t_len + t
@@ -235,67 +215,6 @@ struct QkvCacheArgs {
   float eps = 1e-6f;
 };
 
-// kRowNorm (the body's proj GEMM and the row-norm behind it, kernels/dit_body.py's `rownorm` with a gate,
-// the residual, adaLN modulation and head frames): the launch is a cluster of the N / BN column tiles of
-// each 64-row block (N = C <= 8 BN), so that the CTAs of a cluster hold whole rows. Row r = n t_len + t:
-//   y = acc + bias;  h[r] += gate[n] * y (written back);  z = (h[r] - mean) * rstd * scale[n] + shift[n]
-//   out row n out_t + out_off + t <- z; for t == 0 also out rows n out_t + {0, 1} <- the old conv cache
-//   cnn[n, cbase + c, {0, 1}] (zeros without one)
-// where gate / shift / scale are the table row of n (table + n * stride_tab) at the element offsets given
-// (the table stores 1 + scale), mean and rstd fp32 over the C columns, summed across the cluster.
-template <typename T>
-struct RowNormArgs {
-  float* h = nullptr;            // (M, C) fp32 residual stream, read and written
-  const float* table = nullptr;  // modulation table rows
-  int64_t stride_tab = 0;        // elements between the rows of sequences n, n + 1 (0: one row for all)
-  int gate_off = 0, shift_off = 0, scale_off = 0;
-  int out_t = 1, out_off = 0;    // out row of token (n, t): n * out_t + out_off + t
-  const T* cnn = nullptr;        // (N, >= cbase + C, 2) old conv cache, or null (zeros) [head frames]
-  int64_t cnn_s_n = 0, cnn_s_c = 0, cnn_s_j = 0;
-  int cnn_cbase = 0;
-  int head = 0;                  // 1: write the 2 head frames of each sequence
-  int t_len = 1;
-  float eps = 1e-6f;
-};
-
-// LayerNorm statistics of a cluster's rows (kRowNorm): this thread holds kV values of each of
-// rows 16 warp + lane / 4 (+ 8) (x[0], x[1]); the 4 lanes of a row, then the cluster's CTAs (its columns,
-// through distributed shared memory: red[pass] of every peer) add them up; c_all values per row. Two
-// passes, mean then the squared deviations about it, in two arrays so that no CTA overwrites what a peer
-// may still be reading. The caller keeps every CTA resident until its peers are done (a last cluster barrier).
-template <int kV>
-__device__ __forceinline__ void cluster_row_stats(const float (&x)[2][kV], float (&red)[2][kBM], int c_all, float eps,
-                                                  float (&mean)[2], float (&rstd)[2]) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint32_t tiles = cluster_size();
-#pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float s = 0.f;
-#pragma unroll
-      for (int i = 0; i < kV; ++i) {
-        const float v = pass == 0 ? x[h][i] : x[h][i] - mean[h];
-        s += pass == 0 ? v : v * v;
-      }
-      s += __shfl_xor_sync(0xffffffffu, s, 1);
-      s += __shfl_xor_sync(0xffffffffu, s, 2);
-      if (lane % 4 == 0) red[pass][16 * warp + lane / 4 + 8 * h] = s;
-    }
-    cluster_sync();  // every CTA's red[pass] is written (and visible cluster-wide)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float total = 0.f;
-      for (uint32_t c = 0; c < tiles; ++c) total += ld_cluster_f32(&red[pass][16 * warp + lane / 4 + 8 * h], c);
-      if (pass == 0) {
-        mean[h] = total / c_all;
-      } else {
-        rstd[h] = rsqrtf(total / c_all + eps);
-      }
-    }
-  }
-}
-
 // Dynamic shared memory for `stages` K stages: the weight tile's stages, a's (16-bit) or a's ring (fp32),
 // + alignment slack for the 1024-byte swizzle atoms.
 template <typename T, int BN>
@@ -310,12 +229,12 @@ constexpr int smem_bytes(int stages) {
 // of a and w. T = float is the TF32 form (the tensor maps round to TF32 as they load).
 // out: (M, ldo) in T (kOut; kQkvCache: the queries), or with kPartials (splits, M, ldo) in fp32, split z
 // at z * M * ldo.
-template <typename T, int BN, int kMode, bool kEarly = false>
+template <typename T, int BN, int kMode>
 __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant__ CUtensorMap map_a,
                                                               const __grid_constant__ CUtensorMap map_w,
                                                               const T* __restrict__ bias, void* __restrict__ out,
                                                               int m, int ldo, int k, int flags,
-                                                              const QkvCacheArgs<T> qc, const RowNormArgs<T> rn) {
+                                                              const QkvCacheArgs<T> qc) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)  // wgmma needs the sm_90a target
   constexpr bool kTf32 = std::is_same<T, float>::value;
   extern __shared__ unsigned char smem_raw[];
@@ -335,8 +254,7 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
 
   // A cluster (launch attribute, 1-8 CTAs along grid x = consecutive row tiles of one column tile)
   // shares the weight tile: CTA r loads the stages s with s % size == r and multicasts them to all.
-  // (kRowNorm's clusters, along y, share row statistics instead: no multicast.)
-  const uint32_t csize = kMode == kRowNorm ? 1 : cluster_size(), crank = kMode == kRowNorm ? 0 : cluster_rank();
+  const uint32_t csize = cluster_size(), crank = cluster_rank();
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) mbar_init(&full[s], 1);
     if constexpr (kTf32) {
@@ -439,12 +357,11 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
   // columns 8j + 2(lane%4) + {0,1} of the first row, 4j + {2,3} the same columns of the second.
   const int r0 = m0 + 16 * warp + lane / 4;
   if constexpr (kMode == kQkvCache) {
-    // kEarly (the host's kEarlyLoads flag): k/v tiles load the two rows' T_n and L_n here. Loaded where
-    // they are used, after the previous head's stores, they cost a dependent round trip per head (no load
-    // moves past a store that may alias it; see kRowNorm's epilogue below). A template parameter, so that
-    // the default instantiation is the code measured before it existed.
+    // k/v tiles load the two rows' T_n and L_n before the first store: loaded where they are used, after
+    // the previous head's stores, they would cost a dependent round trip per head (no load moves past a
+    // store that may alias it).
     int valid_n[2] = {0, 0}, cached_n[2] = {0, 0};
-    if (kEarly && kind > 0) {
+    if (kind > 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = r0 + 8 * h;
@@ -490,9 +407,9 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
           dst = static_cast<T*>(out) + static_cast<int64_t>(r) * ldo + (head0 + hh) * 64;
         } else {
           const int n = r / qc.t_len, t = r - n * qc.t_len;
-          const int tn = kEarly ? valid_n[h] : qc.valid[n];
+          const int tn = valid_n[h];
           if (t >= tn) continue;  // padding frames are not cached
-          const int64_t pos = (kEarly ? cached_n[h] : qc.cached[n]) + tn - 1 - t;
+          const int64_t pos = cached_n[h] + tn - 1 - t;
           dst = qc.cache + n * qc.s_n + (head0 + hh) * qc.s_h + pos * qc.s_f + (kind == 2 ? 64 : 0);
         }
 #pragma unroll
@@ -502,103 +419,9 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(const __grid_constant_
       }
     }
   }
-  if constexpr (kMode == kRowNorm) {
-    // This thread's values of rows r0 and r0 + 8: columns col0 + 8j + {0, 1}, j < BN / 8. Row sums go
-    // through shared memory to the cluster: red[0] the sums, red[1] the squared deviations (two arrays,
-    // so that no CTA overwrites what a peer may still be reading).
-    __shared__ float red[2][kBM];
-    const int c_all = ldo;                  // C: the GEMM's N, the width of h and out
-    // Every global load of a phase is issued before its first store: the compiler may not move a load
-    // past a store that could alias it, so interleaved loads and stores would cost one dependent memory
-    // round trip per column pair (session 19: 11.7 µs per call that way, against 3.6 + 2.0 for the GEMM
-    // and the row-norm kernel it replaces).
-    float x[2][BN / 4], gate[2][BN / 4];
-    const float* tab[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = r0 + 8 * h;
-      const int n = (r < m ? r : m - 1) / rn.t_len;
-      tab[h] = rn.table + n * rn.stride_tab;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int col = col0 + 8 * j;
-        gate[h][2 * j] = tab[h][rn.gate_off + col];
-        gate[h][2 * j + 1] = tab[h][rn.gate_off + col + 1];
-        float2 old = make_float2(0.f, 0.f);
-        if (r < m) old = *reinterpret_cast<const float2*>(rn.h + static_cast<int64_t>(r) * c_all + col);
-        x[h][2 * j] = old.x;
-        x[h][2 * j + 1] = old.y;
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        x[h][2 * j] += (d[4 * j + 2 * h] + bias_v[2 * j]) * gate[h][2 * j];
-        x[h][2 * j + 1] += (d[4 * j + 2 * h + 1] + bias_v[2 * j + 1]) * gate[h][2 * j + 1];
-      }
-    }
-    // the adaLN factors, loaded here so that they arrive during the statistics' cluster barriers
-    float scale[2][BN / 4], shift[2][BN / 4];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int i = 0; i < BN / 4; ++i) {
-        const int col = col0 + 8 * (i / 2) + (i % 2);
-        scale[h][i] = tab[h][rn.scale_off + col];
-        shift[h][i] = tab[h][rn.shift_off + col];
-      }
-    }
-    float mean[2], rstd[2];
-    cluster_row_stats<BN / 4>(x, red, c_all, rn.eps, mean, rstd);
-    // h only now: the statistics' release barriers would otherwise wait for these stores to drain
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = r0 + 8 * h;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        if (r < m) store_pair(rn.h + static_cast<int64_t>(r) * c_all + col0 + 8 * j, x[h][2 * j], x[h][2 * j + 1]);
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = r0 + 8 * h;
-      if (r >= m) continue;
-      const int n = r / rn.t_len, t = r - n * rn.t_len;
-      T* orow = static_cast<T*>(out) + (static_cast<int64_t>(n) * rn.out_t + rn.out_off + t) * c_all;
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int i = 2 * j;
-        store_pair(orow + col0 + 8 * j, (x[h][i] - mean[h]) * rstd[h] * scale[h][i] + shift[h][i],
-                   (x[h][i + 1] - mean[h]) * rstd[h] * scale[h][i + 1] + shift[h][i + 1]);
-      }
-      if (rn.head && t == 0) {  // history frames 0, 1 of sequence n <- the old conv cache (zeros without)
-        float frames[2][BN / 4];  // all loads, then all stores (see above)
-#pragma unroll
-        for (int f = 0; f < 2; ++f) {
-#pragma unroll
-          for (int i = 0; i < BN / 4; ++i) {
-            const int col = col0 + 8 * (i / 2) + (i % 2);
-            frames[f][i] = rn.cnn == nullptr ? 0.f
-                           : to_float(rn.cnn[n * rn.cnn_s_n + (rn.cnn_cbase + col) * rn.cnn_s_c + f * rn.cnn_s_j]);
-          }
-        }
-#pragma unroll
-        for (int f = 0; f < 2; ++f) {
-          T* frow = static_cast<T*>(out) + (static_cast<int64_t>(n) * rn.out_t + f) * c_all;
-#pragma unroll
-          for (int j = 0; j < BN / 8; ++j) store_pair(frow + col0 + 8 * j, frames[f][2 * j], frames[f][2 * j + 1]);
-        }
-      }
-    }
-    // No CTA leaves while a peer may still read its red[1]. Relaxed: this barrier orders no memory (every
-    // peer has consumed its remote loads before arriving), and a release would wait for the stores above.
-    cluster_arrive_relaxed();
-    cluster_wait();
-  }
   float* part = kMode == kPartials ? static_cast<float*>(out) + static_cast<int64_t>(blockIdx.z) * m * ldo : nullptr;
 #pragma unroll
-  for (int j = 0; j < (kMode == kQkvCache || kMode == kRowNorm ? 0 : BN / 8); ++j) {
+  for (int j = 0; j < (kMode == kQkvCache ? 0 : BN / 8); ++j) {
     const int col = col0 + 8 * j;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

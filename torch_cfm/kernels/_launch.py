@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .body_plans import PDL_CAPABLE_KERNELS, BodyPlan
+
 try:  # grid dependency control (PDL) device functions: Triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -43,6 +45,12 @@ def pdl_supported(device: torch.device) -> bool:
     from .. import policy
 
     return _HAS_GDC and policy.pdl_allowed(device)
+
+
+def plan_pdl(plan: BodyPlan, kernel: str, device: torch.device) -> bool:
+    """PDL for the body kernel ``kernel`` under ``plan`` (:attr:`BodyPlan.pdl`) on ``device``."""
+    assert kernel in PDL_CAPABLE_KERNELS, kernel  # a misspelt launcher name would silently mean "off"
+    return kernel in plan.pdl and pdl_supported(device)
 
 
 @triton.jit

@@ -1,6 +1,6 @@
-"""One Triton kernel for a DiT block's attention *and* its new attention cache (body variant "v5").
+"""One Triton kernel for a DiT block's attention *and* its new attention cache (the body plan "v5").
 
-Variant v1 runs two kernels per block between the QKV GEMM and the proj GEMM: ``_dit_qk_cache_kernel``
+The plan v1 runs two kernels per block between the QKV GEMM and the proj GEMM: ``_dit_qk_cache_kernel``
 (q/k LayerNorm over D, the new (N, H, T+L, 2D) cache written whole: current frames, then the
 old ones, then zeros) and ``cfm_attention`` over that new cache. ``_dit_attention_cache_kernel``
 does both in one launch with two kinds of program:
@@ -17,10 +17,8 @@ does both in one launch with two kinds of program:
 
 Every frame of the new cache is written exactly once. Same math and rounding points as v1 (q and
 k rounded to the compute dtype before the dots, the cache stores what the dots read), so it is
-checked against the same SPEC §6 oracle. ``choose_variant`` picks it for 16-bit bodies of
-N >= 32 rows. Measured on an H200 (bench/NOTES.md, sessions 6 and 10): per block at (8,50,400)
-fp16 12.0 µs against v1's 6.1 + 7.3 µs; at (32,50,400) 23 µs against 17.7 + 12.1, where both
-are bound by the new cache's ~55 MB of copy traffic.
+checked against the same SPEC §6 oracle. The tuning table (:mod:`torch_cfm.kernels.body_plans`)
+picks it for 16-bit bodies of N >= 32 rows, where both forms are bound by the new cache's copy traffic.
 """
 
 from __future__ import annotations
@@ -177,22 +175,19 @@ def _dit_attention_cache_kernel(
                  mask=q_ok[:, None])
 
 
-# Launch parameters by compute-dtype family, overridable for sweeps (bench/dit_step.py --sweep):
-# 16-bit: cfm_attention's tiles (64-key steps, 4 warps, 3 stages); fp32: 32-key steps; 16-frame
-# tiles for the current frames; copy programs of 64 (16-bit) / 32 (fp32) frames. Session 10's
-# sweep (results/dit_step_s10_v5.md) moved no step by more than capture-to-capture noise except
-# fp32 block_k 64 at N = 32 (-5 %; v5 is not chosen for fp32 bodies). Compiled for sm_90 with
-# Triton 3.6: 151 registers (fp32: 173, 3xTF32: 242), no spills (results/kernel_resources_dit_attention_s10.txt).
+# Launch parameters by compute-dtype family: 16-bit: cfm_attention's tiles (64-key steps, 4 warps,
+# 3 stages); fp32: 32-key steps; 16-frame tiles for the current frames; copy programs of 64 (16-bit) /
+# 32 (fp32) frames. A body plan may replace any of them (BodyPlan.attention_launch).
 LAUNCH = {"16bit": dict(block_k=64, block_c=16, copy_f=64, num_warps=4, num_stages=3),
           "fp32": dict(block_k=32, block_c=16, copy_f=32, num_warps=4, num_stages=2)}
-LAUNCH_OVERRIDE: dict = {}
 
 
-def attention_tiles(dtype: torch.dtype, head_dim: int, t_len: int) -> dict:
-    """Launch parameters: v1's query tiles (wgmma-sized for 16-bit inputs) and :data:`LAUNCH`."""
+def attention_tiles(dtype: torch.dtype, head_dim: int, t_len: int, launch: Optional[dict] = None) -> dict:
+    """Launch parameters: v1's query tiles (wgmma-sized for 16-bit inputs) and :data:`LAUNCH`,
+    with ``launch``'s entries in place of theirs."""
     block_q = 16 if t_len <= 16 else 32 if (t_len <= 32 or dtype == torch.float32) else 64
     cfg = dict(LAUNCH["fp32" if dtype == torch.float32 else "16bit"], block_q=block_q)
-    cfg.update(LAUNCH_OVERRIDE)
+    cfg.update(launch or {})
     if head_dim > 64:
         cfg["block_k"] = min(cfg["block_k"], 32)
     return cfg
@@ -201,7 +196,7 @@ def attention_tiles(dtype: torch.dtype, head_dim: int, t_len: int) -> dict:
 def attention_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], old: Optional[torch.Tensor],
                     new: torch.Tensor, out: torch.Tensor, valid: torch.Tensor, cached: torch.Tensor, *,
                     n_rows: int, t_len: int, heads: int, head_dim: int, dot_precision: str,
-                    pdl: bool = False) -> None:
+                    pdl: bool = False, launch: Optional[dict] = None) -> None:
     """Launch ``_dit_attention_cache_kernel`` for one block (sync-free, graph-capturable).
 
     Args:
@@ -215,13 +210,15 @@ def attention_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], old: Opt
             "ieee" for float32).
         pdl: launch with programmatic dependent launch (the caller's rule; the lengths are read
             before the wait, so the kernel in front must not write ``valid``/``cached``).
+        launch: launch parameters in place of :func:`attention_tiles`' (block_q, block_k, block_c,
+            copy_f, num_warps, num_stages).
     """
     l_len = 0 if old is None else old.shape[2]
     if n_rows == 0 or t_len + l_len == 0:
         return
     if not out.is_contiguous():
         raise ValueError("attention_cache: out must be a contiguous (N, T, H, D) buffer")
-    cfg = attention_tiles(new.dtype, head_dim, t_len)
+    cfg = attention_tiles(new.dtype, head_dim, t_len, launch)
     q_tiles = triton.cdiv(t_len, cfg["block_q"])
     n_attn = n_rows * heads * q_tiles
     f_chunks = triton.cdiv(t_len + l_len, cfg["copy_f"])

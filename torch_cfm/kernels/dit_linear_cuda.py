@@ -4,20 +4,9 @@
 K = 512, N = 512 / 1536 / 2048). One warpgroup per 64 × BN tile issues wgmma from TMA-loaded,
 128-byte-swizzled shared memory; the whole K stays resident. Launched with programmatic dependent
 launch (PDL), each CTA loads its weight tile *before* ``griddepcontrol.wait``, so the weights stream
-in while the kernel in front of it finishes: the part cuBLAS cannot do.
-
-Measured against cuBLAS (``bench/wgmma_gemm.py``, bench/NOTES.md session 16), µs per GEMM in a
-chain of dependent GEMMs with distinct weights, fp16, H200:
-
-| role (M × K × N) | cuBLAS | this kernel, PDL |
-|---|---|---|
-| proj (400 × 512 × 512), BN 32 | 4.2-4.3 | 2.9 |
-| qkv (400 × 512 × 1536), BN 96 | 4.7 | 4.5-4.6 |
-| conv taps (416 × 512 × 1536), BN 96 | 4.9 | 4.5 |
-| fc1 + GELU (400 × 512 × 2048), BN 128 | 5.5 | 6.2 |
-
-fc1 is slower alone, yet in the step it pays (session 17): its early trigger lets the split-K fc2
-behind it load its weights while fc1 runs.
+in while the kernel in front of it finishes: the part cuBLAS cannot do. ``bench/wgmma_gemm.py`` times
+each role against cuBLAS; fc1 + GELU alone is slower than cuBLAS, but its early trigger lets the
+split-K fc2 behind it load its weights while fc1 runs.
 
 TF32 (``linear_into(..., tf32=True)`` with fp32 operands): the same GEMM for fp32 bodies computing in
 TF32. The tensor maps load fp32 as TFLOAT32, so the TMA unit rounds both operands to nearest TF32 (as
@@ -25,24 +14,17 @@ cuBLAS's TF32 GEMMs do; truncating would bias every product toward zero) and wgm
 accumulates in fp32. Only the weight tile of the whole K fits beside a 64-row a tile (a alone is
 128 KB), so a streams through a ring of 4 stages; tiles are at most 96 wide.
 
-Row-norm (:func:`linear_rownorm_into`): the proj GEMM with the body's row-norm behind it (gate,
-residual, LayerNorm, adaLN, head frames) in its epilogue; a cluster of the C / 64 column tiles of each
-64-row block sums the rows' statistics through distributed shared memory. Its GPU tests pass; as first
-built (session 18) it was 2× slower than the two kernels it replaces; with its epilogue reordered
-(session 19: each phase's loads before its stores) it is 5.75 against 5.02 µs per boundary in a chain
-(session 20), so ``dit_body.V9_PROJ_ROWNORM`` stays off.
-
 Split-K (:func:`linear_splitk_into`): for K above 512 (the block's fc2, K = 2048) grid z splits K
 into chunks of at most 512 and each CTA writes an fp32 partial sum; the body's row-norm kernel adds
 the partials (and the bias) as it reads them.
 
-QKV + cache (:func:`qkv_cache_into`): the block's QKV GEMM on the in-place cache arena with the
-q/k-cache kernel's work in its epilogue (per-head q/k LayerNorm, queries out, k/v appended to the
-arena), one kernel instead of two. The body uses it on the arena while ``dit_body.V9_QKV_CACHE`` is
-set (the default since session 18, when its GPU tests first ran).
+QKV + cache (:func:`qkv_cache_into`): the block's 16-bit QKV GEMM on the in-place cache arena with
+the q/k-cache kernel's work in its epilogue (per-head q/k LayerNorm, queries out, k/v appended to the
+arena), one kernel instead of two.
 
-It is an optional part of ``torch_cfm._C_cuda`` (built for ``TORCH_CUDA_ARCH_LIST=9.0a``); the body
-variant "v9" uses it where :func:`not_supported_reasons` is empty and falls back to cuBLAS otherwise.
+It is an optional part of ``torch_cfm._C_cuda`` (built for ``TORCH_CUDA_ARCH_LIST=9.0a``); the body's
+wgmma plans (:mod:`torch_cfm.kernels.body_plans`) use it where :func:`not_supported_reasons` is empty
+and fall back to cuBLAS otherwise.
 """
 
 from __future__ import annotations
@@ -51,21 +33,20 @@ from typing import Optional
 
 import torch
 
+from .body_plans import WGMMA_MAX_ROWS
 from .cfm_attention_cuda import _extension
 
 # Flags of the kernel (csrc/cuda/dit_linear_kernel.cuh)
 TRIGGER_EARLY = 1  # griddepcontrol.launch_dependents as soon as the operand loads are issued
 GELU_TANH = 2
 NO_BIAS = 4
-EARLY_LOADS = 8  # qkv_cache_into: the rows' lengths loaded before the epilogue's first store
 MAX_K = 512
 BLOCK_NS = (32, 64, 96, 128)
 TF32_BLOCK_NS = (32, 64, 96)  # fp32: the weight tile of the whole K is resident (96 x 512 x 4 = 192 KB at most)
-V9_MAX_ROWS = 8  # the body uses the kernel (variant v9) for 16-bit bodies of at most this many rows
+V9_MAX_ROWS = WGMMA_MAX_ROWS  # the body's wgmma plans cover bodies of at most this many rows
 SPLITK_BLOCK_NS = (64, 128)
 # (splits, BN) of the split-K form at the body's fc2 (400 x 2048 x 512): 4 x 128 = 112 CTAs of
-# 192 KB shared memory at M = 400, one wave. Session 17 (bench/dit_step.py --sweep-variants fc2),
-# step (8, 50, 400) fp16, µs: 4 x 128 807, 8 x 128 828, 4 x 64 841, 8 x 64 863 (cuBLAS fc2: 830).
+# 192 KB shared memory at M = 400, one wave (the fastest of 4/8 splits x BN 64/128 in the step)
 SPLITK_CONFIG = (4, 128)
 # fp32 (TF32): BN 64 (a 128-wide fp32 weight tile of K' = 512 does not fit), 224 CTAs at M = 400
 TF32_SPLITK_CONFIG = (4, 64)
@@ -211,18 +192,16 @@ def linear_splitk_into(a: torch.Tensor, w: torch.Tensor, partials: torch.Tensor,
 
 
 def qkv_cache_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, q_out: torch.Tensor, cache: torch.Tensor,
-                                    t_len: int, tf32: bool = False) -> list[str]:
-    """Why :func:`qkv_cache_into` cannot run; empty when it can."""
-    reasons = _dtype_reasons((a, w, q_out, cache), tf32)
+                                    t_len: int) -> list[str]:
+    """Why :func:`qkv_cache_into` cannot run; empty when it can (fp16/bf16 only)."""
+    reasons = _dtype_reasons((a, w, q_out, cache), False)
     if a.dim() != 2 or w.dim() != 2 or q_out.dim() != 2 or cache.dim() != 4:
         return reasons + ["a, w, q_out 2-D and cache 4-D only"]
     m, heads = a.shape[0], cache.shape[1]
     if cache.shape[3] != 128 or cache.stride(3) != 1:
         reasons.append(f"head_dim 64 (cache channels 128, unit stride) only, got {cache.shape[3]}")
-    wide = a.dtype != torch.float32  # 16-bit tiles hold two heads, fp32 tiles one
-    if (wide and heads % 2) or w.shape[0] != 3 * 64 * heads:
-        reasons.append(f"{'an even number of heads and ' if wide else ''}w of 3 x heads x 64 rows, got {heads} heads, "
-                       f"{w.shape[0]} rows")
+    if heads % 2 or w.shape[0] != 3 * 64 * heads:  # 128-wide tiles hold two heads
+        reasons.append(f"an even number of heads and w of 3 x heads x 64 rows, got {heads} heads, {w.shape[0]} rows")
     if t_len <= 0 or m != cache.shape[0] * t_len:
         reasons.append(f"a must have N x t_len = {cache.shape[0]} x {t_len} rows, got {m}")
     reasons += _k_reasons(a)
@@ -236,25 +215,24 @@ def qkv_cache_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, q_out: tor
 
 def qkv_cache_into(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, norms: tuple[torch.Tensor, ...],
                    q_out: torch.Tensor, cache: torch.Tensor, valid: torch.Tensor, cached: torch.Tensor, *,
-                   t_len: int, eps: float, pdl: bool = True, tf32: bool = False, early_loads: bool = False) -> bool:
+                   t_len: int, eps: float, pdl: bool = True) -> bool:
     """The block's QKV GEMM on the in-place arena, q/k-cache epilogue included; False (nothing launched)
     where :func:`qkv_cache_not_supported_reasons` is not empty.
 
     Args:
-        a: (N·T, K) fp16/bf16 block input rows, or fp32 with ``tf32`` (as :func:`linear_into`).
+        a: (N·T, K) fp16/bf16 block input rows.
         w: (3·H·64, K) packed q | k | v weight; bias (3·H·64,).
         norms: (qn_w, qn_b, kn_w, kn_b), each (64,): the per-head q/k LayerNorm affine.
         q_out: (N·T, H·64) normalised queries, written for every row.
         cache: arena block (N, H, P, 128) holding L_n old frames in reversed key order; the T_n current
             frames of row n go to [L_n, L_n + T_n), reversed too (the q/k-cache kernel's APPEND mode).
         valid, cached: clamped int32 (N,) T_n and L_n.
-        early_loads: load each row's T_n and L_n before the epilogue's first store (kernels.dit_body.EARLY_LOADS).
     """
-    if qkv_cache_not_supported_reasons(a, w, q_out, cache, t_len, tf32):
+    if qkv_cache_not_supported_reasons(a, w, q_out, cache, t_len):
         return False
     module, _ = _extension()
     module.dit_linear_qkv_cache_into(a, w, bias.contiguous(), *(t.contiguous() for t in norms), q_out, cache,
-                                     valid, cached, t_len, eps, pdl, TRIGGER_EARLY | (EARLY_LOADS if early_loads else 0))
+                                     valid, cached, t_len, eps, pdl, TRIGGER_EARLY)
     return True
 
 
@@ -278,68 +256,4 @@ def linear_into(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], 
     flags = TRIGGER_EARLY | (GELU_TANH if gelu else 0) | (NO_BIAS if bias is None else 0)
     module.dit_linear_into(a, w, None if bias is None else bias.contiguous(), out, block_n_for(w.shape[0], a.dtype),
                            pdl, flags, 1)
-    return True
-
-
-ROWNORM_BLOCK_N = 64  # the row-norm epilogue's tile width: a cluster of C / 64 <= 8 CTAs holds whole rows
-
-
-def rownorm_not_supported_reasons(a: torch.Tensor, w: torch.Tensor, h: torch.Tensor, table: torch.Tensor,
-                                  out: torch.Tensor, t_len: int, tf32: bool = False, out_t: Optional[int] = None,
-                                  out_off: int = 0, head: bool = False) -> list[str]:
-    """Why :func:`linear_rownorm_into` cannot run; empty when it can (arguments as there; ``head``:
-    whether head frames are asked for)."""
-    reasons = _dtype_reasons((a, w, out), tf32)
-    if a.dim() != 2 or w.dim() != 2 or h.dim() != 2 or out.dim() != 2:
-        return reasons + ["a, w, h, out 2-D only"]
-    m, c = a.shape[0], w.shape[0]
-    if c % ROWNORM_BLOCK_N or not ROWNORM_BLOCK_N <= c <= 8 * ROWNORM_BLOCK_N:
-        reasons.append(f"C must be a multiple of {ROWNORM_BLOCK_N} up to {8 * ROWNORM_BLOCK_N} (one cluster per "
-                       f"row block), got {c}")
-    reasons += _k_reasons(a)
-    if h.dtype != torch.float32 or not h.is_contiguous() or tuple(h.shape) != (m, c):
-        reasons.append(f"h must be contiguous float32 {(m, c)}")
-    if table.dtype != torch.float32 or not table.is_contiguous():
-        reasons.append("table must be contiguous float32")
-    if t_len <= 0 or m % t_len:
-        reasons.append(f"a must have N x t_len rows, got {m} rows for t_len {t_len}")
-    out_t = t_len if out_t is None else out_t
-    if not out.is_contiguous() or out.shape[1] != c:
-        reasons.append(f"out must be contiguous (rows, {c})")
-    elif t_len > 0 and (out_t < t_len + out_off or out.shape[0] < (m // t_len) * out_t or out_off < (2 if head else 0)):
-        reasons.append(f"out must hold N x out_t rows with t_len + out_off <= out_t (out_off >= 2 with head frames), "
-                       f"got {out.shape[0]} rows, out_t {out_t}, out_off {out_off}")
-    reasons += _tma_operand_reasons(a, w)
-    return reasons or _entry_reasons(a.device, "dit_linear_rownorm_into", "the GEMM + row-norm")
-
-
-def linear_rownorm_into(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, h: torch.Tensor, table: torch.Tensor,
-                        out: torch.Tensor, *, gate: int, shift: int, scale: int, t_len: int, eps: float,
-                        out_t: Optional[int] = None, out_off: int = 0,
-                        head: Optional[tuple[Optional[torch.Tensor], int]] = None,
-                        pdl: bool = True, tf32: bool = False) -> bool:
-    """The GEMM in front of a row-norm, the row-norm in its epilogue: what ``out = a @ w.T + bias``
-    followed by :func:`torch_cfm.kernels.dit_body.rownorm` (gate, residual, adaLN) computes, in one
-    launch; False (nothing launched) where :func:`rownorm_not_supported_reasons` is not empty.
-
-    Each 64-row block runs as a cluster of the C / 64 column tiles, which add up their rows' LayerNorm
-    statistics (fp32) through distributed shared memory.
-
-    Args:
-        a: (N·t_len, K) fp16/bf16 (fp32 with ``tf32``); w: (C, K); bias: (C,), all one dtype.
-        h: (N·t_len, C) float32 residual stream: h += table[n, gate:] * (a @ w.T + bias), written back.
-        table: float32 modulation table (R, ...), R = 1 (one row for all) or N; gate / shift / scale are
-            element offsets into a row (the table stores 1 + scale).
-        out: rows of C; token (n, t) goes to row n·out_t + out_off + t (out_t: t_len when None).
-        head: (old conv cache (N, ≥ cbase + C, 2) or None, cbase): rows n·out_t + {0, 1} get its frames
-            (zeros without one); needs out_off ≥ 2.
-    """
-    if rownorm_not_supported_reasons(a, w, h, table, out, t_len, tf32, out_t, out_off, head is not None):
-        return False
-    cnn, cbase = head if head is not None else (None, 0)
-    stride_tab = 0 if table.shape[0] == 1 else table.stride(0)
-    module, _ = _extension()
-    module.dit_linear_rownorm_into(a, w, bias.contiguous(), h, table, stride_tab, gate, shift, scale, out,
-                                   t_len if out_t is None else out_t, out_off, cnn, cbase, head is not None, t_len,
-                                   eps, pdl, TRIGGER_EARLY)
     return True

@@ -173,11 +173,12 @@ def _dit_body_cpu(x_in, weights, mod_table, cnn_cache=None, att_cache=None, vali
 
 def dit_body_fused_into(x_in, weights, mod_table, cnn_cache, att_cache, valid_lengths, cache_lengths,
                         precision: Optional[str], out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                        variant: Optional[str] = None):
+                        plan=None):
     """The fused path writing into preallocated ``out`` (used by the op and the graph runner).
 
-    ``variant`` picks the kernel variant of :func:`torch_cfm.kernels.dit_body.dit_body_triton`
-    (None = its default); all variants are checked against the same oracle.
+    ``plan`` picks the kernels of :func:`torch_cfm.kernels.dit_body.dit_body_triton`: a
+    :class:`torch_cfm.kernels.body_plans.BodyPlan` or a plan name ("v1", "v5", "v9"); None = the
+    tuning table's. Every plan is checked against the same oracle.
 
     Runs the Triton driver on any device (CPU works under TRITON_INTERPRET=1) with cuBLAS TF32
     set from ``precision`` for float32 ("tf32"/"ieee"; "auto"/None follows torch's setting).
@@ -191,7 +192,7 @@ def dit_body_fused_into(x_in, weights, mod_table, cnn_cache, att_cache, valid_le
     prec, scope = _driver_precision(x_in, precision)
     with scope:
         return dit_body_triton(x_in, list(weights), mod_table.contiguous(), cnn_cache, att_cache, valid, cached,
-                               prec, out, variant)
+                               prec, out, plan)
 
 
 def _driver_precision(x_in: torch.Tensor, precision: Optional[str]):
@@ -203,7 +204,7 @@ def _driver_precision(x_in: torch.Tensor, precision: Optional[str]):
 
 
 def dit_body_arena_into(x_in, weights, mod_table, cnn_cache, att_arena, valid_lengths, cache_lengths,
-                        precision: Optional[str], out: tuple[torch.Tensor, torch.Tensor]):
+                        precision: Optional[str], out: tuple[torch.Tensor, torch.Tensor], plan=None):
     """The fused body on an in-place attention-cache arena (the whole-solve runner's form).
 
     ``att_arena`` (depth, N, H, P, 2D) holds row n's ``cache_lengths[n]`` old keys at frames [0, L_n)
@@ -211,8 +212,8 @@ def dit_body_arena_into(x_in, weights, mod_table, cnn_cache, att_arena, valid_le
     current keys behind them (reversed too) and copies no old frame, so the arena then holds the
     SPEC §2 new cache, reversed, at [0, T_n + L_n). ``out`` = (velocity (N, Cout, T), new conv cache
     (depth, N, 2C, 2)). Lengths are clamped to [0, T] and [0, P - T]. Same math as the op within
-    the SPEC §6 oracle (the attention sums its keys in another order); the kernels of variant v1,
-    or v9 where :func:`torch_cfm.kernels.dit_body.choose_variant` picks it (16-bit, N <= 8).
+    the SPEC §6 oracle (the attention sums its keys in another order). ``plan``: as
+    :func:`dit_body_fused_into` (a plan with an arena form); None: the tuning table's arena plan.
     """
     from ..kernels.dit_body import dit_body_triton
 
@@ -228,7 +229,7 @@ def dit_body_arena_into(x_in, weights, mod_table, cnn_cache, att_arena, valid_le
     prec, scope = _driver_precision(x_in, precision)
     with scope:
         vel, cnn, _ = dit_body_triton(x_in, list(weights), mod_table.contiguous(), cnn_cache, None, valid, cached,
-                                      prec, (out[0], out[1], att_arena), None, arena=True)
+                                      prec, (out[0], out[1], att_arena), plan, arena=True)
     return vel, cnn
 
 
