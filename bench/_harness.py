@@ -277,9 +277,7 @@ COMMANDS = {
     "attention_accuracy": "python3 bench/attention_accuracy.py --out bench/results",
     "cuda_attention_ablation": "python3 bench/cuda_attention_ablation.py --out bench/results   # stage: cuda-ablation",
     "dit_step": "python3 bench/dit_step.py --out bench/results   # stages: dit, dit-full, dit-compile",
-    "dit_block": "python3 bench/dit_block.py --out bench/results   # stage: dit-block",
-    "dit_gemm": "python3 bench/dit_gemm.py --out bench/results   # stage: dit-gemm",
-    "wgmma_gemm": "python3 bench/wgmma_gemm.py --out bench/results [--parts rownorm]   # stage: wgmma-gemm",
+    "wgmma_gemm": "python3 bench/wgmma_gemm.py --out bench/results   # stage: wgmma-gemm",
     "sm_ingest": "python3 bench/sm_ingest.py --out bench/results   # stage: sm-ingest",
     "graph_launch": "python3 bench/graph_launch.py --out bench/results --dtype fp16   # stage: graph-launch",
 }

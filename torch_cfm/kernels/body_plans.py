@@ -90,29 +90,29 @@ class BodyPlan:
         return ", ".join(off) or "cuBLAS GEMMs, Triton row-norm and q/k-cache kernels"
 
 
+# Evidence cites rows of bench/results/dit_step.json by (N, T, L) dtype, variant and commit.
 V1_16BIT = BodyPlan(
     "v1",
-    evidence="bench/results/dit_step.json (32,50,400) fp16/bf16 at 9-31 rows: no other plan measured faster")
+    evidence="dit_step.json (32,50,400) fp16: v1 1645.5 us vs v9 2286.9 (8a7e8d6); bf16 v1 1726.8 (fee2b65)")
 V1_FP32 = dataclasses.replace(
     V1_16BIT, pdl=frozenset({"rownorm", "cfg_euler"}),
-    evidence="bench/results/dit_step_kernels_*_fp32-tf32_default_s6.txt: PDL on the row-norms -1.3 % (8,50,400), "
-             "-1.6 % (32,50,400) fp32-tf32; v5 +6-11 % for TF32 (dit_step_kernels_*_fp32-tf32_v5_s6.txt)")
+    evidence="dit_step.json fp32-tf32 (8,50,400): sweep_v1_pdl_rownorm 1567.4 us vs sweep_v1_pdl_none 1625.3; "
+             "(32,50,400) 3001.4 vs 3056.7 (d734227); v5 slower for TF32: sweep_v5_pdl_rownorm 1774.1 / 3344.9")
 V5_16BIT = BodyPlan(
     "v5", attention="attention_cache", arena_plan=V1_16BIT,
-    evidence="bench/results/dit_step_kernels_32x50x400_fp16_v5_s10.txt, dit_step.json (32,50,400): v5 4-9 % "
-             "under v1 fp16, 6 % bf16")
+    evidence="dit_step.json (32,50,400) fp16: sweep_v5_pdl_none 1528.3 us vs sweep_v1_pdl_rownorm 1682.8 "
+             "(d734227); sweep_v5_l2_off 1526.2 vs sweep_v1_l2_off 1635.0 (a867f09)")
 V5_FP32 = dataclasses.replace(V5_16BIT, pdl=V1_FP32.pdl, arena_plan=V1_FP32,
-                              evidence="A/B only: bench/results/dit_step_kernels_*_fp32-tf32_v5_s6.txt, 6-11 % slower")
+                              evidence="A/B only: dit_step.json fp32-tf32 sweep_v5_* 6-11 % over sweep_v1_* (d734227)")
 V9_16BIT = BodyPlan(
     "v9", qkv="wgmma", proj="wgmma", conv="wgmma", fc1="wgmma_gelu", fc2="wgmma_splitk", arena_qkv="wgmma_qk_cache",
     pdl=frozenset({"linear", "rownorm", "qk_cache"}), fallback=V1_16BIT,
-    evidence="bench/results/dit_step_kernels_8x50x400_fp16_default_s17.txt: (8,50,400) fp16 v9 776 us vs v1 937; "
-             "arena qkv epilogue 731 vs 735 (s18); (32,50,400) v9 21 % over v1 "
-             "(dit_step_kernels_32x50x400_fp16_v9_s16.txt)")
+    evidence="dit_step.json (8,50,400) fp16: sweep_v9_pdl_linear_rownorm_qk 821.4 us vs sweep_v1_pdl_none 929.8 "
+             "(061791a); arena sweep_arena_v9_qkv_cache_on 730.7 vs _off 734.6 (8a7e8d6)")
 V9_TF32 = dataclasses.replace(
     V9_16BIT, arena_qkv="qk_cache", fallback=V1_FP32,
-    evidence="bench/results/dit_step_kernels_8x50x400_fp32-tf32_v9_s18.txt, dit_step_s18_tf32_mlp_sweep_call5.json: "
-             "(8,50,400) fp32-tf32 v9 1362 us vs v1 1438; qkv epilogue on the arena 1371 vs 1347 without (off)")
+    evidence="dit_step.json (8,50,400) fp32-tf32: sweep_tf32_v9_mlp 1415.0 us vs sweep_tf32_v1 1523.2; "
+             "arena qkv epilogue sweep_tf32_arena_v9_mlp_qkv_cache 1370.7 vs sweep_tf32_arena_v9_mlp 1347.4 (3f88bc0)")
 
 # (dtype family) -> ((first row, last row, plan), ...): the buckets cover 0 .. ANY_ROWS
 TABLE: dict[str, tuple[tuple[int, int, BodyPlan], ...]] = {
