@@ -9,8 +9,8 @@
 
 from ..config import DiTConfig
 from .cache import CacheArena, trim_attention_cache, trim_gather_index, trimmed_length
-from .checkpoint import config_from_state_dict, estimator_state_dict, load_checkpoint
-from .dit import DiT, random_dit
+from .checkpoint import config_from_state_dict, estimator_state_dict
+from .dit import DiT, load_checkpoint, random_dit
 from .server import CFMServer
 from .solver import StreamingCFM, euler_timesteps, solve_arena_chunk
 
