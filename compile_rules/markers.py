@@ -16,9 +16,13 @@ this module holds what the rules do with it.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence
 
 import torch
+
+from torch_cfm.ops.dit_body import stage_input
+from torch_cfm.packing import PackedDiT, modulation_table, pack_dit
 
 # The marker op and mark_dit_step live below the models (the model marks its own step); the rules
 # below read them.
@@ -42,9 +46,6 @@ def fused_dit_step(params: Sequence[torch.Tensor], names: Sequence[str], x: torc
         velocity (N, 80, T), new_cnn_cache (depth, N, 2C, 2), new_att_cache (depth, N, H, T+L, 2D)
         in ``dtype``.
     """
-    from torch_cfm.ops.dit_body import stage_input
-    from torch_cfm.packing import modulation_table, pack_dit
-
     packed = pack_dit(dict(zip(names, params)), dtype, x.device)
     x_in = stage_input(x, mu, spks, cond, dtype)
     table = modulation_table(packed, t.reshape(-1))
@@ -67,9 +68,6 @@ def fused_dit_step_prepacked(body: Sequence[torch.Tensor], temb: Sequence[torch.
     Args:
         sizes: (depth, hidden, heads, head_dim, in_channels, out_channels) of the pack.
     """
-    from torch_cfm.ops.dit_body import stage_input
-    from torch_cfm.packing import PackedDiT, modulation_table
-
     depth, hidden, heads, head_dim, in_channels, out_channels = sizes
     packed = PackedDiT(body=list(body), temb=tuple(temb), ada_w=ada_w, ada_b=ada_b, depth=depth,  # type: ignore[arg-type]
                        hidden=hidden, heads=heads, head_dim=head_dim, in_channels=in_channels,
@@ -104,8 +102,6 @@ class PackBinding:
 
     def __init__(self, arg_index: Sequence[int], params: Sequence[torch.Tensor], names: Sequence[str],
                  dtype: torch.dtype, device: torch.device, buffers: Sequence[torch.Tensor]):
-        import weakref
-
         self.arg_index = list(arg_index)
         self.names = list(names)
         self.dtype, self.device = dtype, device
@@ -124,10 +120,6 @@ class PackBinding:
         """Repack into the buffers if the parameters changed; returns True when it did."""
         if not self.stale(args):
             return False
-        import weakref
-
-        from torch_cfm.packing import pack_dit
-
         params = [args[i] for i in self.arg_index]
         with torch.no_grad():
             fresh = packed_tensors(pack_dit(dict(zip(self.names, params)), self.dtype, self.device))

@@ -144,7 +144,7 @@ def test_admission_errors_name_the_limit(cfm):
     fits.open_request("d", torch.randn(80), prompt_len=2)
 
 
-# ------------------------------------------------------------------ GPU (run by the lead on the H200)
+# ------------------------------------------------------------------ GPU
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -47,8 +47,8 @@ TimeLike = Union[float, torch.Tensor]
 
 def _exporting() -> bool:
     """True while torch.export traces. ``torch.compiler.is_exporting()`` itself is folded to True
-    by Dynamo under every torch.compile before torch 2.13 (pytorch/pytorch#164721; seen on the
-    H200's torch 2.11: the model never marked its step), so the flag it reads is read directly."""
+    by Dynamo under every torch.compile before torch 2.13 (pytorch/pytorch#164721; on torch 2.11
+    the model would never mark its step), so the flag it reads is read directly."""
     return bool(getattr(torch.compiler, "_is_exporting_flag", False))
 
 
