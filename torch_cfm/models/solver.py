@@ -171,11 +171,11 @@ def solve_arena_chunk(
             cnn[i].index_copy_(1, rows, new_cnn.to(cnn.dtype))
         write_trimmed(att[i], new_att.contiguous(), index, None if slots is None else rows)
 
-    def step_caches(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_caches(i: int) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         att_in, cnn_in = att[i][:, :, :, :cache_frames], cnn[i]
         if slots is not None:
             att_in, cnn_in = att_in.index_select(1, rows), cnn_in.index_select(1, rows)
-        return att_in, cnn_in
+        return (att_in if cache_frames else None), cnn_in  # no old keys: no attention cache
 
     precision = _fused_route(estimator, att.device, att.dtype if att.dtype == dtype else None, fused, t_len)
     if precision is not None:
@@ -357,7 +357,8 @@ def _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, 
     tables = _schedule_tables(packed, len(ts) - 1, precision)
     prec = precision or None
     staged = stage_input(torch.cat([x, x]), mu2, spks2, cond2, dtype)
-    x32 = x.float().contiguous()  # cfg_euler indexes the state densely
+    # a copy: x may be the caller's static x0, and cfg_euler updates the state in place (densely)
+    x32 = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     outs = None
     for i in range(len(ts) - 1):
         att_in, cnn_in = step_caches(i)
