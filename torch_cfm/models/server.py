@@ -409,8 +409,8 @@ class CFMServer:
                                "opening requests")
         shapes = self.warmup_shapes(chunk_frames=chunk_frames, cache_frames=cache_frames, slot_counts=slot_counts)
         solver = self.solve_fn if isinstance(self.solve_fn, ArenaGraphSolver) else None
-        if solver is not None and solver.max_graphs < len(shapes):
-            solver.max_graphs = len(shapes)
+        if solver is not None:  # keep every warmed key (and any held before)
+            solver.max_graphs = max(solver.max_graphs, len(shapes) + len(solver.entries()))
         calls = solver.calls_per_capture(self.device) if solver is not None else 1
         start = time.perf_counter()
         report = WarmupReport(arena_bytes=sum(a.nbytes() for a in self.arenas))
