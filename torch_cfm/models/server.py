@@ -149,6 +149,8 @@ class CFMServer:
         arenas: list of :class:`CacheArena`, one per bucket (never reallocated).
         solve_fn: the per-bucket solve, default :func:`solve_arena_chunk`; a CUDA-graph runner
             with the same signature may replace it.
+        bytes_per_stream: arena bytes of one request slot (:class:`MemoryPlan`).
+        AdmissionError: the error raised when a stream or the arenas do not fit.
     """
 
     def __init__(self, cfm: StreamingCFM, *, max_requests: int = 4, buckets: Optional[Sequence[int]] = None,
