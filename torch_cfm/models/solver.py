@@ -347,7 +347,7 @@ def _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, 
                        step_caches, write_back, arena: bool = False) -> torch.Tensor:
     """The n Euler steps on the fused body: the schedule's modulation tables computed once per
     weights (not per step), the staged input built once and updated in place by one CFG/Euler
-    kernel per step, the outputs allocated once. The Euler state is float32 (as in the runner).
+    kernel per step, the outputs allocated once. The Euler state is float32.
     ``arena``: ``step_caches`` gives in-place attention arenas (``dit_body_arena_into``) and
     ``write_back`` gets None for the attention cache. Returns the final x (rows, 80, T) in float32."""
     from ..kernels.dit_body import cfg_euler  # Triton is optional: imported on the first fused solve
