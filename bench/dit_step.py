@@ -18,9 +18,9 @@ T new frames, L cached frames), µs per call inside a CUDA graph (and eager), pr
 
 op "cfm_solve_chunk", shape {B, N=2B, T, L}: the whole n-step CFG solve of a chunk:
 
-    torch_cfm             CFMGraphRunner: one graph replay per chunk over its in-place cache
-                          arena; variant "functional_<v>": the runner with body variant <v> and
-                          separate input/output cache buffers (what the fused op's contract takes)
+    torch_cfm             CFMGraphRunner: one graph replay per chunk of the arena solve the
+                          server runs (solve_arena_chunk: keyed arena, appends in place), without
+                          the server's host work
     torch_cfm/server      variant "server": CFMServer(graphs=True) in steady state — one
                           solve_chunk call (staging, ArenaGraphSolver replay of the whole solve
                           on the keyed arena: appends in place, the trim refills dropped frames,
@@ -452,12 +452,9 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dic
         mu2, spks2, cond2, x0d, cnnd, attd = rows2(dtype)
         common = dict(op="cfm_solve_chunk", shape=shape, dtype=dname.split("-")[0], precision=precision,
                       floor_us=round(fl, 2))
-        # None: the runner's default, the in-place cache arena (v1's kernels); a name: the functional
-        # form with that kernel variant (the per-step copy of the old keys), for the A/B
-        runner_variants = [None] + [v for v in NAMED[family(dtype, precision)] if v in args.variants]
-        for variant in runner_variants if "torch_cfm" in args.provider_set else []:
-            rows.append(_row(env, **solve_fused_row(model, dtype, precision, variant, b, t, l_len, n_steps,
-                                                         (mu2, spks2, cond2, x0d, cnnd, attd), mel64, common, args)))
+        if "torch_cfm" in args.provider_set:
+            rows.append(_row(env, **solve_fused_row(model, dtype, precision, b, t, l_len, n_steps,
+                                                    (mu2, spks2, cond2, x0d, cnnd, attd), mel64, common, args)))
         def ref():
             return reference_solve(model, mu2, spks2, cond2, x0d, cnnd, attd, n_steps)
 
@@ -573,33 +570,33 @@ def run_server(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[di
     return rows
 
 
-def solve_fused_row(model, dtype, precision, variant, b, t, l_len, n_steps, tensors, mel64, common, args) -> dict:
-    """One torch_cfm row of the chunk solve: CFMGraphRunner graph replay (kernel ``variant``)."""
+def solve_fused_row(model, dtype, precision, b, t, l_len, n_steps, tensors, mel64, common, args) -> dict:
+    """One torch_cfm row of the chunk solve: CFMGraphRunner graph replay of the arena solve."""
     mu2, spks2, cond2, x0d, cnnd, attd = tensors
     runner = CFMGraphRunner(model, dtype=dtype, device=DEVICE, n_timesteps=n_steps, precision=precision,
-                            batch_buckets=(b,), chunk_buckets=(t,), cache_buckets=(l_len,), variant=variant)
-    row = dict(common, provider="torch_cfm", variant="" if variant is None else f"functional_{variant}",
-               timing="cuda_graph")
+                            batch_buckets=(b,), chunk_buckets=(t,), cache_buckets=(l_len,))
+    row = dict(common, provider="torch_cfm", variant="", timing="cuda_graph")
     try:
         with torch.no_grad():
             mem0 = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
             mel, _, _ = runner.solve(mu2[:b], spks2[:b], cond2[:b], x0d.float(), attd, cnnd)
             ent = runner.entry((b, t, l_len))
-            row["arena_bytes"] = ent.bufs.arena_bytes()
-            row["buffers_bytes"] = ent.bufs.nbytes()
-            row["graph_pool_bytes"] = ent.pool_bytes
-            row["captured"] = ent.graph is not None
-            row["capture_error"] = ent.failed
+            graph = next((e for e in runner.solver.entries() if e.arena_ptr == ent.arena.att.data_ptr()), None)
+            row["arena_bytes"] = ent.arena_bytes()
+            row["buffers_bytes"] = ent.arena.nbytes() + ent.x0.numel() * ent.x0.element_size()
+            row["graph_pool_bytes"] = None if graph is None else graph.pool_bytes
+            row["captured"] = graph is not None and graph.graph is not None
+            row["capture_error"] = None if graph is None else graph.failed
             if DEVICE == "cuda":
                 row["allocated_delta_bytes"] = torch.cuda.memory_allocated() - mem0
             if mel64 is not None:
                 row["rel_err"] = rel_err(mel.float(), mel64)
             row.update(time_replay(lambda: runner.run(ent), args))
-            row["kernels"] = count_kernels(lambda: runner.run_eager(ent.bufs))
+            row["kernels"] = count_kernels(lambda: runner.run_eager(ent))
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    print(f"solve {common['shape']} {dtype} torch_cfm/{variant}: p50 {row.get('us_p50')} us, rel_err "
+    print(f"solve {common['shape']} {dtype} torch_cfm: p50 {row.get('us_p50')} us, rel_err "
           f"{row.get('rel_err')}, arena {row.get('arena_bytes')}, pool {row.get('graph_pool_bytes')}", flush=True)
     del runner
     return row

@@ -168,12 +168,14 @@ def build_runner(model, dtype, precision):
     runner = CFMGraphRunner(model, dtype=dtype, device="cuda", n_timesteps=10, precision=precision,
                             batch_buckets=(B,), chunk_buckets=(T,), cache_buckets=(L,))
     ent = runner.entry((B, T, L))
-    ent.bufs.valid.fill_(T)  # full chunks over settled caches, as in the server row
-    ent.bufs.cached.fill_(L)
-    for buf in (ent.bufs.att if ent.bufs.in_place else ent.bufs.att_in, ent.bufs.staged, ent.bufs.x0):
+    for buf in (ent.arena.att, ent.arena.mu, ent.arena.cond, ent.arena.spks, ent.x0):
         buf.normal_()
-    runner.run(ent)  # captures
-    return runner, ent.graph
+    for _ in range(runner.solver.calls_per_capture(torch.device("cuda"))):  # eager warm-up, then the capture
+        ent.arena.valid_lengths.fill_(T)  # full chunks over settled caches, as in the server row
+        ent.arena.cache_lengths.fill_(L)
+        runner.run(ent)
+    graph = next(e.graph for e in runner.solver.entries() if e.arena_ptr == ent.arena.att.data_ptr())
+    return runner, graph
 
 
 def main(argv=None) -> int:

@@ -10,65 +10,23 @@ Dynamo keeps it, and the ``dit_step`` rule always removes it: either it rewires 
 :func:`fused_dit_step` (policy says fused) or it just drops the marker (reference stays).
 
 Eager code never needs the marker (``mark_dit_step`` is a no-op outside ``torch.compile``).
+The op itself is defined in :mod:`torch_cfm.ops.dit_step_marker` (below the models, which call it);
+this module holds what the rules do with it.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence
 
 import torch
-import torch.fx
 
-MARKER = "_dit_step_marker"
+from torch_cfm.ops.dit_body import stage_input
+from torch_cfm.packing import PackedDiT, modulation_table, pack_dit
 
-_lib = torch.library.Library("torch_cfm", "FRAGMENT")  # noqa: TOR901
-_lib.define(
-    f"{MARKER}(Tensor velocity, Tensor new_cnn_cache, Tensor new_att_cache, Tensor x, Tensor mu, "
-    "Tensor t, Tensor? spks, Tensor? cond, Tensor? cnn_cache, Tensor? att_cache, "
-    "Tensor? valid_lengths, Tensor? cache_lengths, Tensor[] params, str[] names, int fused=-1) -> ()")
-
-
-def _marker_noop(*args, **kwargs) -> None:
-    return None
-
-
-_lib.impl(MARKER, _marker_noop, "CompositeExplicitAutograd")
-_lib.impl(MARKER, _marker_noop, "Meta")
-
-
-def marker_op() -> torch._ops.OpOverload:
-    return getattr(torch.ops.torch_cfm, MARKER).default
-
-
-torch.fx.node.has_side_effect(marker_op())
-
-
-def mark_dit_step(model: torch.nn.Module, outputs: Sequence[torch.Tensor], x: torch.Tensor,
-                  mu: torch.Tensor, t: torch.Tensor, spks: Optional[torch.Tensor],
-                  cond: Optional[torch.Tensor], cnn_cache: Optional[torch.Tensor] = None,
-                  att_cache: Optional[torch.Tensor] = None, *,
-                  valid_lengths: Optional[torch.Tensor] = None,
-                  cache_lengths: Optional[torch.Tensor] = None,
-                  fused: Optional[bool] = None) -> None:
-    """Mark ``outputs = model.forward_chunk(x, mu, t, spks, cond, ...)`` (reference path) as one
-    estimator step for the compile rules. No-op outside ``torch.compile``.
-
-    Args:
-        model: the estimator (parameters named as SPEC §1).
-        outputs: (velocity (N, 80, T), new_cnn_cache (depth, N, 2C, 2), new_att_cache
-            (depth, N, H, T+L, 2D)) of the reference step.
-        x, mu: (N, 80, T); t: (N,) or () times; spks: (N, 80) or None; cond: (N, 80, T) or None.
-        cnn_cache, att_cache, valid_lengths, cache_lengths: as given to ``forward_chunk``.
-        fused: the caller's explicit override (None = policy).
-    """
-    if not torch.compiler.is_compiling():
-        return
-    names, params = zip(*model.named_parameters())
-    velocity, new_cnn, new_att = outputs
-    t = t if isinstance(t, torch.Tensor) else torch.full((x.shape[0],), float(t), device=x.device)
-    marker_op()(velocity, new_cnn, new_att, x, mu, t.reshape(-1), spks, cond, cnn_cache, att_cache,
-                valid_lengths, cache_lengths, list(params), list(names),
-                -1 if fused is None else int(bool(fused)))
+# The marker op and mark_dit_step live below the models (the model marks its own step); the rules
+# below read them.
+from torch_cfm.ops.dit_step_marker import MARKER, mark_dit_step, marker_op  # noqa: F401
 
 
 def fused_dit_step(params: Sequence[torch.Tensor], names: Sequence[str], x: torch.Tensor,
@@ -88,9 +46,6 @@ def fused_dit_step(params: Sequence[torch.Tensor], names: Sequence[str], x: torc
         velocity (N, 80, T), new_cnn_cache (depth, N, 2C, 2), new_att_cache (depth, N, H, T+L, 2D)
         in ``dtype``.
     """
-    from torch_cfm.ops.dit_body import stage_input
-    from torch_cfm.packing import modulation_table, pack_dit
-
     packed = pack_dit(dict(zip(names, params)), dtype, x.device)
     x_in = stage_input(x, mu, spks, cond, dtype)
     table = modulation_table(packed, t.reshape(-1))
@@ -113,9 +68,6 @@ def fused_dit_step_prepacked(body: Sequence[torch.Tensor], temb: Sequence[torch.
     Args:
         sizes: (depth, hidden, heads, head_dim, in_channels, out_channels) of the pack.
     """
-    from torch_cfm.ops.dit_body import stage_input
-    from torch_cfm.packing import PackedDiT, modulation_table
-
     depth, hidden, heads, head_dim, in_channels, out_channels = sizes
     packed = PackedDiT(body=list(body), temb=tuple(temb), ada_w=ada_w, ada_b=ada_b, depth=depth,  # type: ignore[arg-type]
                        hidden=hidden, heads=heads, head_dim=head_dim, in_channels=in_channels,
@@ -150,8 +102,6 @@ class PackBinding:
 
     def __init__(self, arg_index: Sequence[int], params: Sequence[torch.Tensor], names: Sequence[str],
                  dtype: torch.dtype, device: torch.device, buffers: Sequence[torch.Tensor]):
-        import weakref
-
         self.arg_index = list(arg_index)
         self.names = list(names)
         self.dtype, self.device = dtype, device
@@ -170,10 +120,6 @@ class PackBinding:
         """Repack into the buffers if the parameters changed; returns True when it did."""
         if not self.stale(args):
             return False
-        import weakref
-
-        from torch_cfm.packing import pack_dit
-
         params = [args[i] for i in self.arg_index]
         with torch.no_grad():
             fresh = packed_tensors(pack_dit(dict(zip(self.names, params)), self.dtype, self.device))

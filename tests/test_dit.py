@@ -5,9 +5,6 @@ CPU fp32/fp64 with tiny configs; the default config in fp16/bf16 runs on the GPU
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
 
@@ -299,15 +296,14 @@ def test_fused_hook_is_called_when_policy_says_fused(monkeypatch):
         seen["args"], seen["kw"] = args, kw
         return "fused-result"
 
-    fake = types.ModuleType("torch_cfm.ops.dit_body")
-    fake.dit_forward_chunk_fused = fake_fused
-    monkeypatch.setitem(sys.modules, "torch_cfm.ops.dit_body", fake)
+    monkeypatch.setattr(dit_module, "dit_forward_chunk_fused", fake_fused)
     monkeypatch.setattr(policy, "decide", lambda device, dtype, fused=None, **kw: policy.Decision(
         True, "triton", "tf32", True, (), "argument"))
     assert model.forward_chunk(x, mu, t, spks, cond, cnn, att) == "fused-result"
     assert seen["kw"]["precision"] == "tf32" and seen["args"][5] is cnn
-    # the fused module missing -> ImportError -> reference path
-    monkeypatch.setitem(sys.modules, "torch_cfm.ops.dit_body", None)
+    # policy says reference -> the reference path
+    monkeypatch.setattr(policy, "decide", lambda device, dtype, fused=None, **kw: policy.Decision(
+        False, "reference", None, False, (), "argument"))
     out = model.forward_chunk(x, mu, t, spks, cond, cnn, att)
     assert isinstance(out, tuple) and out[0].shape == (2, 80, 5)
 

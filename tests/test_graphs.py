@@ -1,12 +1,15 @@
-"""Whole-solve runner (torch_cfm.graphs): buckets, LRU budget, eager path vs the SPEC oracle,
-CUDA-graph replay == eager fused bitwise, capture-failure fallback (gpu marker).
+"""CUDA graphs of the arena solve (torch_cfm.graphs): the bucketed runner's buckets and LRU
+budget, its solves vs the SPEC oracle, CUDA-graph replay == eager bitwise, capture-failure
+fallback (gpu marker), the graph solver in the server.
 
-The CPU solve runs the Triton kernels under ``TRITON_INTERPRET=1`` in a child process (see
-tests/test_cfm_attention_triton.py for why); the parent checks against ``dit_oracle.solve_request``.
+The CPU solve runs the fused route's Triton kernels under ``TRITON_INTERPRET=1`` in a child
+process (see tests/test_cfm_attention_triton.py for why); the parent checks against
+``dit_oracle.solve_request``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -19,6 +22,7 @@ from oracle import assert_within_oracle
 from test_dit_body import GPU_CFG, TINY
 from torch_cfm.config import cosine_timesteps
 from torch_cfm.graphs import CFMGraphRunner
+from torch_cfm.kernels import body_plans
 from torch_cfm.models import random_dit
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,9 +50,9 @@ def test_buckets_and_lru_eviction():
     assert runner.bucket_for(2, 8, 0) == (2, 8, 0)
     assert runner.bucket_for(5, 8, 0) is None and runner.bucket_for(1, 17, 0) is None
     e1 = runner.entry((1, 8, 0))
-    assert e1.bufs.att.shape == (2, 2, 2, 4, 8, 32) and e1.bufs.staged.shape == (2, 320, 8)  # in place: L + T frames
-    assert e1.bufs.att_in is None and e1.bufs.att_out is None
-    assert e1.bufs.arena_bytes() == 4 * (2 * 2 * 2 * 4 * 8 * 32 + 2 * (2 * 2 * 2 * 128 * 2))
+    assert e1.arena.att.shape == (2, 2, 2, 4, 8, 32) and e1.arena.mu.shape == (1, 80, 8)  # in place: L + T frames
+    assert e1.x0.shape == (1, 80, 8)
+    assert e1.arena_bytes() == 4 * (2 * 2 * 2 * 4 * 8 * 32 + 2 * 2 * 2 * 128 * 2)
     runner.entry((2, 8, 0))
     runner.entry((1, 8, 0))  # touch: (2, 8, 0) is now the least recently used
     runner.entry((4, 16, 8))
@@ -64,9 +68,6 @@ RUNNER_CASES = [
          buckets=dict(batch_buckets=(4,), chunk_buckets=(8,), cache_buckets=(6,))),
     dict(name="exact_nocache", b=1, t=5, l_len=0, valid=None, cached=None,
          buckets=dict(batch_buckets=(1,), chunk_buckets=(5,), cache_buckets=(0,))),
-    # the functional form (att_in -> att_out, an explicit kernel variant) next to the in-place default
-    dict(name="bucketed_ragged_functional", b=2, t=6, l_len=4, valid=[6, 3], cached=[4, 2],
-         buckets=dict(batch_buckets=(4,), chunk_buckets=(8,), cache_buckets=(6,), variant="v1")),
 ]
 
 
@@ -83,7 +84,15 @@ def _runner_solve(case):
 
 
 def _child(out_path: str) -> None:
-    torch.save({c["name"]: _runner_solve(c)[1] for c in RUNNER_CASES}, out_path)
+    """The fused route forced on CPU (the policy never picks it there): the Triton body on the
+    runner's in-place arena, as on the GPU."""
+    from torch_cfm.models import solver
+
+    calls = []
+    solver._fused_route = lambda *args: calls.append(args) or "ieee"
+    results = {c["name"]: _runner_solve(c)[1] for c in RUNNER_CASES}
+    assert calls, "the fused route was not taken"
+    torch.save(results, out_path)
 
 
 @pytest.fixture(scope="module")
@@ -141,67 +150,80 @@ def _gpu_runner(dtype, **kw):
     return model, runner
 
 
-def _fill(bufs, seed):
+def _fill(ent, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    for t in (bufs.staged, bufs.x0, bufs.att if bufs.in_place else bufs.att_in, bufs.cnn_in):
+    arena = ent.arena
+    for t in (arena.mu, arena.cond, arena.spks, arena.att, arena.cnn, ent.x0):
         t.copy_(torch.randn(t.shape, generator=g, device="cuda", dtype=torch.float32))
-    rows, t_len = bufs.valid.shape[0], bufs.staged.shape[2]
-    cache_len = bufs.att.shape[4] - t_len if bufs.in_place else bufs.att_in.shape[4]
-    bufs.valid.copy_(torch.randint(0, t_len + 1, (rows,), generator=g, device="cuda", dtype=torch.int32))
-    bufs.cached.copy_(torch.randint(0, cache_len + 1, (rows,), generator=g, device="cuda", dtype=torch.int32))
+    rows, t_len, cache_len = arena.rows, ent.key[1], ent.key[2]
+    arena.valid_lengths.copy_(torch.randint(0, t_len + 1, (rows,), generator=g, device="cuda", dtype=torch.int32))
+    arena.cache_lengths.copy_(torch.randint(0, cache_len + 1, (rows,), generator=g, device="cuda", dtype=torch.int32))
+    arena.prompt_lengths.zero_()
+    arena.frame_keys.copy_(torch.arange(arena.max_cache_frames, device="cuda", dtype=torch.int32))
+
+
+def _state(ent):
+    return dict({k: v.clone() for k, v in vars(ent.arena).items()}, x0=ent.x0.clone())
+
+
+def _restore(ent, state):
+    for k, v in state.items():
+        (ent.x0 if k == "x0" else getattr(ent.arena, k)).copy_(v)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,variant", [(torch.float16, None), (torch.bfloat16, None), (torch.float32, None),
-                                           (torch.float16, "v1"), (torch.bfloat16, "v1"), (torch.float32, "v1"),
-                                           (torch.float16, "v5"), (torch.float32, "v5"), (torch.float16, "v9"),
-                                           (torch.bfloat16, "v9")],
-                         ids=["fp16-inplace", "bf16-inplace", "fp32-inplace", "fp16-v1", "bf16-v1", "fp32-v1", "fp16-v5",
-                              "fp32-v5", "fp16-v9", "bf16-v9"])
-def test_gpu_replay_equals_eager_bitwise(dtype, variant):
-    _replay_equals_eager_bitwise(dtype, variant=variant)
+@pytest.mark.parametrize("dtype,plan", [(torch.float16, None), (torch.bfloat16, None), (torch.float32, None),
+                                        (torch.float16, "v1"), (torch.bfloat16, "v1"), (torch.float32, "v1"),
+                                        (torch.float16, "v5"), (torch.float32, "v5")],
+                         ids=["fp16", "bf16", "fp32", "fp16-v1", "bf16-v1", "fp32-v1", "fp16-v5", "fp32-v5"])
+def test_gpu_replay_equals_eager_bitwise(dtype, plan):
+    """The table's plan (8 rows: v9 where the wgmma kernel is built), and v1 / v5 forced (their arena forms)."""
+    with body_plans.use_plan(plan) if plan else contextlib.nullcontext():
+        _replay_equals_eager_bitwise(dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,precision", [(torch.float16, None), (torch.float32, "tf32")], ids=["fp16", "tf32"])
-def test_gpu_replay_equals_eager_bitwise_v9_flags(dtype, precision):
-    """The v9 plan of the dtype family (fp16: the QKV + cache epilogue; TF32: the kernel's TF32 form, its
-    MLP included; all launched with PDL): replays == eager, bitwise."""
-    _replay_equals_eager_bitwise(dtype, variant="v9", precision=precision)
+def test_gpu_replay_equals_eager_bitwise_tf32(dtype, precision):
+    """The fp16 and TF32 bodies of 8 rows (the v9 plans on SM90a, all launched with PDL): replays == eager,
+    bitwise."""
+    _replay_equals_eager_bitwise(dtype, precision=precision)
 
 
 def _replay_equals_eager_bitwise(dtype, **kw):
     _, runner = _gpu_runner(dtype, **kw)
     ent = runner.entry((4, 50, 64))
-    _fill(ent.bufs, 0)
-    runner.run(ent)  # captures, replays
-    assert ent.graph is not None, runner.events
-    _fill(ent.bufs, 1)
-    snapshot = {k: v.clone() for k, v in vars(ent.bufs).items() if v is not None}
+    for _ in range(runner.solver.calls_per_capture(torch.device("cuda"))):  # eager warm-up, then the capture
+        _fill(ent, 0)
+        runner.run(ent)
+    assert runner.graphs[(4, 50, 64)], runner.events
+    _fill(ent, 1)
+    start = _state(ent)
     # poison the outputs (the in-place arena holds its inputs too: only what lies past each row's old keys)
-    for t in (ent.bufs.att_out, ent.bufs.cnn_out, ent.bufs.mel):
-        if t is not None:
-            t.fill_(float("nan"))
-    if ent.bufs.in_place:
-        frames = torch.arange(ent.bufs.att.shape[4], device="cuda")
-        past = (frames[None, :] >= ent.bufs.cached[:, None].long()).view(1, 1, -1, 1, frames.numel(), 1)
-        ent.bufs.att.masked_fill_(past, float("nan"))
+    arena = ent.arena
+    arena.out_mel.fill_(float("nan"))
+    frames = torch.arange(arena.att.shape[4], device="cuda")
+    old = torch.cat([arena.cache_lengths] * 2).long()
+    past = (frames[None, :] >= old[:, None]).view(1, 1, -1, 1, frames.numel(), 1)
+    arena.att.masked_fill_(past, float("nan"))
     runner.run(ent)
-    replayed = {k: v.clone() for k, v in vars(ent.bufs).items() if v is not None}
-    runner.run(ent)  # idempotent: a second replay gives the same outputs
-    assert torch.equal(replayed["mel"], ent.bufs.mel)
-    for k, v in snapshot.items():
-        getattr(ent.bufs, k).copy_(v)
-    runner.run_eager(ent.bufs)
+    replayed = _state(ent)
+    _restore(ent, start)
+    runner.run(ent)  # a second replay from the same state gives the same outputs
+    assert torch.equal(replayed["out_mel"], arena.out_mel)
+    _restore(ent, start)
+    runner.run_eager(ent)
     torch.cuda.synchronize()
-    att_key = "att" if ent.bufs.in_place else "att_out"
-    if ent.bufs.in_place:  # frames past a row's T_r + L_r are never written: compare the rest
-        written = (frames[None, :] < (ent.bufs.cached + ent.bufs.valid)[:, None].long()).view(1, 1, -1, 1, frames.numel(), 1)
-        replayed["att"] = torch.where(written, replayed["att"], 0)
-        ent.bufs.att.copy_(torch.where(written, ent.bufs.att, 0))
-    for k in ("mel", "x", att_key, "cnn_out"):
-        assert torch.equal(replayed[k], getattr(ent.bufs, k)), k
-    assert torch.isfinite(replayed["mel"].float()).all()
+    assert torch.equal(replayed["cache_lengths"], arena.cache_lengths)
+    assert torch.equal(replayed["frame_keys"], arena.frame_keys)
+    # frames past a row's new cache length are never written: compare the rest
+    new = torch.cat([arena.cache_lengths] * 2).long()
+    written = (frames[None, :] < new[:, None]).view(1, 1, -1, 1, frames.numel(), 1)
+    assert torch.equal(torch.where(written, replayed["att"], 0), torch.where(written, arena.att, 0))
+    valid = arena.valid_lengths.bool()
+    for k in ("out_mel", "cnn"):
+        assert torch.equal(replayed[k], getattr(arena, k)), k
+    assert torch.isfinite(replayed["out_mel"][valid].float()).all()
 
 
 @pytest.mark.gpu
@@ -252,11 +274,13 @@ def test_gpu_capture_failure_falls_back_with_reason(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", broken)
     ent = runner.entry((2, 50, 64))
-    _fill(ent.bufs, 3)
-    runner.run(ent)
-    assert ent.graph is None and "simulated capture failure" in ent.failed
-    assert any("failed, eager fused instead" in e for e in runner.events)
-    assert torch.isfinite(ent.bufs.mel.float()).all()
+    for _ in range(runner.solver.calls_per_capture(torch.device("cuda"))):  # eager warm-up, then the capture
+        _fill(ent, 3)
+        runner.run(ent)
+    failed = [e.failed for e in runner.solver.entries()]
+    assert not runner.graphs[(2, 50, 64)] and len(failed) == 1 and "simulated capture failure" in failed[0]
+    assert any("capture failed, eager instead" in e for e in runner.events)
+    assert torch.isfinite(ent.arena.out_mel[ent.arena.valid_lengths.bool()].float()).all()
 
 
 @pytest.mark.gpu

@@ -170,7 +170,7 @@ def test_server_input_errors(cfm):
         CFMServer(cfm, max_requests=0)
 
 
-# ------------------------------------------------------------------ GPU (run by the lead on the H200)
+# ------------------------------------------------------------------ GPU
 
 def _fill_arena(arena, g, cache_lengths, prompt_lengths, valid_lengths):
     for t in (arena.att, arena.cnn, arena.mu, arena.cond, arena.spks):
@@ -264,7 +264,7 @@ def test_gpu_server_ragged_batch_equals_solo(dtype, slots):
 @pytest.mark.gpu
 def test_gpu_steady_state_solve_chunk_never_syncs():
     """A served chunk (graph replay + staging + output copies) must not make the host wait for the
-    GPU: a pageable lengths copy did (one stream sync per chunk, seen in the H200 profile)."""
+    GPU (a pageable lengths copy would: one stream sync per chunk)."""
     cfm = StreamingCFM(DiT(DiTConfig(hidden=64, depth=2, heads=4, head_dim=16)).random_init_(0).to("cuda", torch.float16),
                        n_timesteps=3)
     server = CFMServer(cfm, max_requests=2, max_prompt_frames=8, max_chunk_frames=16, chunk_buckets=(16,),

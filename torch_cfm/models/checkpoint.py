@@ -1,9 +1,10 @@
-"""Loading upstream weights: an estimator state_dict or a whole flow checkpoint.
+"""Reading upstream weights: an estimator state_dict or a whole flow checkpoint.
 
 A flow checkpoint (the token2wav ``flow.pt``) holds the estimator under ``decoder.estimator.``;
-an estimator checkpoint holds the DiT keys directly. Both load into :class:`DiT` unchanged. Errors
-list every missing, unexpected and mis-shaped key (``ValueError``), and the config can be read
-back from the shapes alone (:func:`config_from_state_dict`).
+an estimator checkpoint holds the DiT keys directly. Both load into a DiT unchanged
+(:func:`torch_cfm.models.dit.load_checkpoint`, which sits above this module). Errors list every
+missing, unexpected and mis-shaped key (``ValueError``), and the config can be read back from the
+shapes alone (:func:`config_from_state_dict`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch
 
 from ..config import DiTConfig
 from ..ops._checks import fail
-from .dit import DiT
 
 FLOW_PREFIX = "decoder.estimator."
 _WRAPPERS = ("state_dict", "model", "module")
@@ -81,7 +81,7 @@ def config_from_state_dict(state_dict: Mapping[str, torch.Tensor]) -> DiTConfig:
         conv_kernel=int(state_dict["blocks.0.conv.block.1.weight"].shape[2]))
 
 
-def check_state_dict(model: DiT, state_dict: Mapping[str, torch.Tensor], op: str = "load_checkpoint") -> None:
+def check_state_dict(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], op: str = "load_checkpoint") -> None:
     """Raise one ValueError listing every missing, unexpected and mis-shaped key."""
     expected = model.state_dict()
     missing = sorted(k for k in expected if k not in state_dict)
@@ -103,26 +103,3 @@ def check_state_dict(model: DiT, state_dict: Mapping[str, torch.Tensor], op: str
     fail(op, "checkpoint", "match the DiT's keys and shapes "
          f"(hidden={model.config.hidden}, depth={model.config.depth})", "; ".join(parts),
          "check the config, or pass config=None to read it from the checkpoint")
-
-
-def load_checkpoint(model: Optional[DiT], source: Source, *, config: Optional[DiTConfig] = None) -> DiT:
-    """Load upstream weights (estimator state_dict or flow checkpoint) into a DiT.
-
-    Args:
-        model: a :class:`DiT` to load into, or None to build one (from ``config``, else from the
-            checkpoint's shapes).
-        source: a path (``torch.save`` file, loaded with ``weights_only=True``) or a mapping.
-        config: used only when ``model`` is None.
-    Returns:
-        the model with the weights (parameters keep the model's dtype/device).
-    Raises:
-        ValueError: unreadable file, not a state_dict, or keys/shapes that do not match (every
-            missing, unexpected and mis-shaped key is listed).
-    """
-    sd = estimator_state_dict(source)
-    if model is None:
-        config = config_from_state_dict(sd) if config is None else config
-        model = DiT(config)
-    check_state_dict(model, sd)
-    model.load_state_dict(sd, strict=True)
-    return model

@@ -1,8 +1,9 @@
 """The DiT estimator of SPEC §1-2: checkpoint-compatible, streaming (cached) and ragged.
 
 Submodule names and parameter shapes follow the upstream token2wav flow estimator (SPEC §1 table),
-so ``load_state_dict`` of an upstream estimator works unchanged (see
-:mod:`torch_cfm.models.checkpoint` for whole flow checkpoints). Two entry points:
+so ``load_state_dict`` of an upstream estimator works unchanged (:func:`load_checkpoint` and
+``DiT.from_checkpoint`` read whole flow checkpoints too, through :mod:`torch_cfm.models.checkpoint`).
+Two entry points:
 
 * ``forward(x, mask, mu, t, spks, cond)``: the full (non-streaming) forward; ``mask`` only masks
   attention keys, as upstream.
@@ -12,7 +13,7 @@ so ``load_state_dict`` of an upstream estimator works unchanged (see
 The reference path (plain PyTorch + :func:`torch_cfm.cfm_attention`) reads tensor metadata only,
 never data: no host synchronisation, so it can be captured in a CUDA graph. When
 :func:`torch_cfm.policy.decide` says "fused", ``forward_chunk`` hands over to
-``torch_cfm.ops.dit_body.dit_forward_chunk_fused`` if that module exists.
+:func:`torch_cfm.ops.dit_body.dit_forward_chunk_fused`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ from ..config import (ATTENTION_DTYPES, BLOCK_LN_EPS, CONV_LN_EPS, QK_NORM_EPS, 
                       TIME_EMBED_MAX_PERIOD, TIME_EMBED_SCALE, DiTConfig)
 from ..ops import cfm_attention
 from ..ops._checks import dtype_str, fail, shape_str
+from ..ops.dit_body import dit_forward_chunk_fused
+from ..ops.dit_step_marker import mark_dit_step
 from ..reference.cfm_attention import cfm_attention_reference
+from .checkpoint import Source, check_state_dict, config_from_state_dict, estimator_state_dict
 
 # Modulation slots of a block, in the order the adaLN linear produces them (SPEC §1).
 MOD_SLOTS = ("shift_a", "scale_a", "gate_a", "shift_m", "scale_m", "gate_m",
@@ -43,8 +47,8 @@ TimeLike = Union[float, torch.Tensor]
 
 def _exporting() -> bool:
     """True while torch.export traces. ``torch.compiler.is_exporting()`` itself is folded to True
-    by Dynamo under every torch.compile before torch 2.13 (pytorch/pytorch#164721; seen on the
-    H200's torch 2.11: the model never marked its step), so the flag it reads is read directly."""
+    by Dynamo under every torch.compile before torch 2.13 (pytorch/pytorch#164721; on torch 2.11
+    the model would never mark its step), so the flag it reads is read directly."""
     return bool(getattr(torch.compiler, "_is_exporting_flag", False))
 
 
@@ -318,10 +322,9 @@ class DiT(nn.Module):
     def from_checkpoint(cls, source, config: Optional[DiTConfig] = None) -> "DiT":
         """A DiT with upstream weights from a path or mapping (estimator state_dict or flow
         checkpoint); the config is read from the shapes unless given. See
-        :func:`torch_cfm.models.checkpoint.load_checkpoint` (ValueError lists bad keys)."""
-        from .checkpoint import load_checkpoint
-
-        return load_checkpoint(None, source, config=config)
+        :func:`load_checkpoint` (ValueError lists bad keys)."""
+        sd = estimator_state_dict(source)
+        return load_checkpoint(cls(config_from_state_dict(sd) if config is None else config), sd)
 
     @torch.no_grad()
     def random_init_(self, seed: int = 0) -> "DiT":
@@ -481,14 +484,9 @@ class DiT(nn.Module):
         compiling = torch.compiler.is_compiling()
         # Under torch.compile the compile rules decide (they swap the marked step below).
         if decision.fused and not compiling:
-            try:
-                from ..ops.dit_body import dit_forward_chunk_fused
-            except ImportError:
-                pass  # fused body not available in this build: reference path below
-            else:
-                return dit_forward_chunk_fused(self, x, mu, t, spks, cond, cnn_cache, att_cache,
-                                               valid_lengths=valid_lengths, cache_lengths=cache_lengths,
-                                               precision=decision.precision)
+            return dit_forward_chunk_fused(self, x, mu, t, spks, cond, cnn_cache, att_cache,
+                                           valid_lengths=valid_lengths, cache_lengths=cache_lengths,
+                                           precision=decision.precision)
         n_rows, _, t_len = x.shape
         layout = self._chunk_layout(n_rows, t_len, x.device, att_cache, valid_lengths, cache_lengths)
         scope = (policy.tf32_scope(decision.tf32) if x.device.type == "cuda" and cdt == torch.float32
@@ -498,8 +496,6 @@ class DiT(nn.Module):
         # One site for torch_cfm.compile_rules (swapped for dit_body when allowed). Not under
         # torch.export: an exported program must run from the C++ schemas alone (AOTInductor).
         if compiling and not _exporting():
-            from ..compile_rules.markers import mark_dit_step
-
             mark_dit_step(self, out, x, mu, t, spks, cond, cnn_cache, att_cache,
                           valid_lengths=valid_lengths, cache_lengths=cache_lengths, fused=fused)
         return out
@@ -611,6 +607,28 @@ class DiT(nn.Module):
                 fail(op, name, f"be int32 of shape (N,)=({n_rows},)", got)
             if val.device != x.device:
                 fail(op, name, f"be on x's device {x.device}", str(val.device))
+
+
+def load_checkpoint(model: Optional[DiT], source: Source, *, config: Optional[DiTConfig] = None) -> DiT:
+    """Load upstream weights (estimator state_dict or flow checkpoint) into a DiT.
+
+    Args:
+        model: a :class:`DiT` to load into, or None to build one (from ``config``, else from the
+            checkpoint's shapes).
+        source: a path (``torch.save`` file, loaded with ``weights_only=True``) or a mapping.
+        config: used only when ``model`` is None.
+    Returns:
+        the model with the weights (parameters keep the model's dtype/device).
+    Raises:
+        ValueError: unreadable file, not a state_dict, or keys/shapes that do not match (every
+            missing, unexpected and mis-shaped key is listed).
+    """
+    sd = estimator_state_dict(source)
+    if model is None:
+        model = DiT(config_from_state_dict(sd) if config is None else config)
+    check_state_dict(model, sd)
+    model.load_state_dict(sd, strict=True)
+    return model
 
 
 def random_dit(config: Optional[DiTConfig] = None, seed: int = 0) -> DiT:

@@ -8,7 +8,14 @@ solve runs :func:`~torch_cfm.models.solver.solve_arena_chunk` over a whole bucke
 a chunk this time are idle rows with 0 valid frames, left unchanged), so its shapes depend only on
 the bucket and on the (bucketed) chunk and cache lengths: ready for a CUDA-graph runner.
 
-    >>> server = CFMServer(cfm, max_requests=4, max_prompt_frames=300)
+Start-up: :meth:`CFMServer.warmup` runs (and with ``graphs=True`` captures) every solve shape the
+configured buckets can produce, so that no later prompt solve or tick compiles or captures;
+:meth:`CFMServer.memory_plan` gives the bytes per stream and the arenas' total, and
+``max_memory_bytes`` refuses a configuration that would not fit (:class:`AdmissionError`).
+
+    >>> server = CFMServer(cfm, max_requests=4, max_prompt_frames=300, chunk_buckets=[50],
+    ...                    cache_buckets=[0, 200, 400], slot_buckets=[1, 4], graphs=True)
+    >>> report = server.warmup()                                      # every graph, captured
     >>> server.open_request("a", spks_a, prompt_mu=mu_p, prompt_mel=mel_p)
     >>> out = server.solve_chunk({"a": mu_chunk, "b": (mu_b, None)})   # {"a": (80, T_a), ...}
     >>> server.close_request("a")
@@ -17,14 +24,73 @@ the bucket and on the (bucketed) chunk and cache lengths: ready for a CUDA-graph
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
-from typing import Any, Hashable, Mapping, Optional, Sequence
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
+from ..graphs import ArenaGraphSolver
 from ..ops._checks import fail, shape_str
 from .cache import TRIM_KEEP_OLDEST, CacheArena, trimmed_length
 from .solver import StreamingCFM, solve_arena_chunk
+
+
+class AdmissionError(RuntimeError):
+    """A stream (or a server's arenas) does not fit: no free request slot, or the arenas' bytes
+    exceed ``max_memory_bytes``. The message names the limit and the need."""
+
+
+@dataclass
+class MemoryPlan:
+    """Device memory of a :class:`CFMServer` (bytes).
+
+    Attributes:
+        dtype: the compute dtype of the arenas.
+        bytes_per_stream: one request slot of an arena: attention caches of its two CFG rows for
+            every Euler step (``n·depth·2·H·(M + A)·2D`` elements), conv caches
+            (``n·depth·2·2C·2``), staging (mu, cond, out_mel: ``3·80·Tmax``; spks 80) in the
+            compute dtype, plus its int32 frame keys (M) and lengths (3).
+        slots: request slots of all buckets; arena_bytes: all arenas (= slots × bytes_per_stream).
+        graph_pool_bytes: memory reserved by the captured graphs (0 before a warm-up / on CPU).
+        max_memory_bytes: the configured limit (None = no limit).
+    """
+
+    dtype: torch.dtype
+    bytes_per_stream: int
+    slots: int
+    arena_bytes: int
+    graph_pool_bytes: int = 0
+    max_memory_bytes: Optional[int] = None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.arena_bytes + self.graph_pool_bytes
+
+
+@dataclass
+class WarmupReport:
+    """What :meth:`CFMServer.warmup` ran.
+
+    Attributes:
+        shapes: solve shapes warmed (one per bucket × slot count × chunk bucket × cache bucket),
+            each a label dict (rows, slots, t_len, cache_frames).
+        graphs: captured graphs held by the server's graph solver afterwards (0 on CPU / eager).
+        graph_pool_bytes: memory their captures reserved. arena_bytes: the arenas'.
+        seconds: wall time of the warm-up.
+    """
+
+    shapes: list = field(default_factory=list)
+    graphs: int = 0
+    graph_pool_bytes: int = 0
+    arena_bytes: int = 0
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        return (f"warmup: {len(self.shapes)} shapes, {self.graphs} graphs, graph pools "
+                f"{self.graph_pool_bytes / 2**20:.1f} MiB, arenas {self.arena_bytes / 2**20:.1f} MiB, "
+                f"{self.seconds:.2f} s")
 
 
 @dataclass
@@ -41,6 +107,13 @@ def _round_up(value: int, buckets: Optional[Sequence[int]], limit: int) -> int:
         return value
     i = bisect.bisect_left(buckets, value)
     return min(buckets[i], limit) if i < len(buckets) else limit
+
+
+def _reachable(buckets: Optional[Sequence[int]], limit: int, low: int) -> Optional[list[int]]:
+    """Every value ``_round_up(v, buckets, limit)`` takes for v in [low, limit] (None: no buckets)."""
+    if not buckets:
+        return None
+    return sorted({_round_up(v, buckets, limit) for v in [low, limit, *buckets] if low <= v <= limit})
 
 
 class CFMServer:
@@ -68,10 +141,16 @@ class CFMServer:
         graphs: capture each bucket's whole n-step solve as a CUDA graph
             (:class:`torch_cfm.graphs.ArenaGraphSolver`; eager on CPU and for shapes it declines).
             Pair with ``chunk_buckets``/``cache_buckets``/``slot_buckets`` to bound the graph count.
+        max_graphs: graph budget of that solver (LRU; default 8); :meth:`warmup` raises it to the
+            number of shapes it warms.
+        max_memory_bytes: optional limit on the arenas' bytes; a configuration over it raises
+            :class:`AdmissionError` naming the limit, the bytes per stream and the streams that fit.
     Attributes:
         arenas: list of :class:`CacheArena`, one per bucket (never reallocated).
         solve_fn: the per-bucket solve, default :func:`solve_arena_chunk`; a CUDA-graph runner
             with the same signature may replace it.
+        bytes_per_stream: arena bytes of one request slot (:class:`MemoryPlan`).
+        AdmissionError: the error raised when a stream or the arenas do not fit.
     """
 
     def __init__(self, cfm: StreamingCFM, *, max_requests: int = 4, buckets: Optional[Sequence[int]] = None,
@@ -79,7 +158,8 @@ class CFMServer:
                  chunk_buckets: Optional[Sequence[int]] = None, cache_buckets: Optional[Sequence[int]] = None,
                  slot_buckets: Optional[Sequence[int]] = None,
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
-                 fused: Optional[bool] = None, graphs: bool = False, append_in_place: bool = True) -> None:
+                 fused: Optional[bool] = None, graphs: bool = False, append_in_place: bool = True,
+                 max_graphs: int = 8, max_memory_bytes: Optional[int] = None) -> None:
         op = "CFMServer"
         for name, val in (("max_requests", max_requests), ("max_chunk_frames", max_chunk_frames)):
             if not isinstance(val, int) or val <= 0:
@@ -102,17 +182,26 @@ class CFMServer:
         self.cache_buckets = sorted(cache_buckets) if cache_buckets else None
         self.slot_buckets = sorted(slot_buckets) if slot_buckets else None
         self.noise = cfm.noise.to(device=self.device, dtype=self.dtype)
-        append = max_chunk_frames if append_in_place else 0
-        self.arenas = [CacheArena.allocate(self.config, cfm.n_timesteps, rows, self.max_cache_frames,
-                                           self.max_chunk_frames, self.device, self.dtype, append)
-                       for rows in sorted(buckets)]
+        if max_memory_bytes is not None and (not isinstance(max_memory_bytes, int) or max_memory_bytes <= 0):
+            fail(op, "max_memory_bytes", "be a positive int (bytes) or None", repr(max_memory_bytes))
+        self.max_memory_bytes = max_memory_bytes
+        self._append = max_chunk_frames if append_in_place else 0
+        self.bytes_per_stream = self._arena(1, torch.device("meta")).nbytes()
+        slots = sum(buckets)
+        if max_memory_bytes is not None and slots * self.bytes_per_stream > max_memory_bytes:
+            raise AdmissionError(
+                f"{op}: {slots} request slots need {slots * self.bytes_per_stream} bytes of arenas "
+                f"({self.bytes_per_stream} bytes per stream in {str(self.dtype).replace('torch.', '')}) "
+                f"> max_memory_bytes={max_memory_bytes}; {max_memory_bytes // self.bytes_per_stream} streams fit "
+                "(use fewer slots, shorter max_prompt_frames/max_chunk_frames or append_in_place=False)")
+        self.arenas = [self._arena(rows, self.device) for rows in sorted(buckets)]
         self._free = [list(range(a.rows)) for a in self.arenas]
         self._requests: dict[Hashable, _Request] = {}
-        self.solve_fn = solve_arena_chunk
-        if graphs:
-            from ..graphs import ArenaGraphSolver
+        self.solve_fn = ArenaGraphSolver(solve_arena_chunk, max_graphs=max_graphs) if graphs else solve_arena_chunk
 
-            self.solve_fn = ArenaGraphSolver(solve_arena_chunk)
+    def _arena(self, rows: int, device: torch.device) -> CacheArena:
+        return CacheArena.allocate(self.config, self.cfm.n_timesteps, rows, self.max_cache_frames,
+                                   self.max_chunk_frames, device, self.dtype, self._append)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -140,7 +229,8 @@ class CFMServer:
             the prompt chunk's mel (80, P) when prompt_mu is given, else None.
         Raises:
             ValueError: duplicate id, bad shapes, prompt longer than max_prompt_frames.
-            RuntimeError: no free slot (close a request first).
+            AdmissionError (a RuntimeError): no free slot (close a request first); the message
+                names the slot limit and the bytes per stream.
         """
         op = "CFMServer.open_request"
         if request_id in self._requests:
@@ -156,7 +246,10 @@ class CFMServer:
                  repr(prompt_len), "build the server with a larger max_prompt_frames")
         bucket = next((b for b, free in enumerate(self._free) if free), None)
         if bucket is None:
-            raise RuntimeError(f"{op}: no free request slot ({len(self._requests)} open); close a request first")
+            raise AdmissionError(
+                f"{op}: no free request slot: all {sum(a.rows for a in self.arenas)} slots (max_requests/buckets) "
+                f"are open, {self.bytes_per_stream} bytes per stream; close a request first or build the "
+                "server with more slots")
         slot = self._free[bucket].pop(0)
         arena = self.arenas[bucket]
         arena.spks[slot].copy_(spks[0])
@@ -240,12 +333,7 @@ class CFMServer:
         held = {r.slot: r.cache_len for r in self._requests.values() if r.bucket == bucket}
         longest_cache = max(held.get(slot, 0) for slot in slots)
         cache_frames = _round_up(longest_cache, self.cache_buckets, arena.max_cache_frames)
-        self.solve_fn(
-            self.cfm.estimator, arena.att, arena.cnn, self.noise,
-            arena.mu[:, :, :t_len], arena.spks, arena.cond[:, :, :t_len],
-            arena.valid_lengths, arena.cache_lengths, arena.prompt_lengths, arena.out_mel[:, :, :t_len],
-            cache_frames=cache_frames, n_timesteps=self.cfm.n_timesteps, cfg_rate=self.cfm.cfg_rate,
-            fused=self.fused, slots=slot_index, frame_keys=arena.frame_keys)
+        self._solve(arena, t_len, cache_frames, slot_index)
         result = {}
         for rid, req, mu, _ in items:
             t_n = mu.shape[1]
@@ -253,6 +341,109 @@ class CFMServer:
             req.chunks += 1
             result[rid] = arena.out_mel[req.slot, :, :t_n].clone()
         return result
+
+    def _solve(self, arena: CacheArena, t_len: int, cache_frames: int, slot_index: Optional[torch.Tensor]) -> None:
+        """One solve of a bucket's arena at static shapes (T, Lb, S): what ticks and warm-up run."""
+        self.solve_fn(
+            self.cfm.estimator, arena.att, arena.cnn, self.noise,
+            arena.mu[:, :, :t_len], arena.spks, arena.cond[:, :, :t_len],
+            arena.valid_lengths, arena.cache_lengths, arena.prompt_lengths, arena.out_mel[:, :, :t_len],
+            cache_frames=cache_frames, n_timesteps=self.cfm.n_timesteps, cfg_rate=self.cfm.cfg_rate,
+            fused=self.fused, slots=slot_index, frame_keys=arena.frame_keys)
+
+    # ------------------------------------------------------------------ start-up
+    def warmup_shapes(self, *, chunk_frames: Optional[Iterable[int]] = None,
+                      cache_frames: Optional[Iterable[int]] = None,
+                      slot_counts: Optional[Iterable[int]] = None) -> list[tuple[int, int, int, int]]:
+        """Every solve shape (bucket, S, T, Lb) a prompt solve or tick can produce.
+
+        T runs over the chunk buckets (clipped to the staging length; the staging length itself
+        when a chunk or prompt can exceed the largest bucket), Lb over the cache buckets likewise,
+        S over the slot buckets (the bucket's whole arena once S reaches it), per batch bucket.
+        ``chunk_frames`` / ``cache_frames`` / ``slot_counts`` restrict or replace those sets.
+
+        Raises:
+            ValueError: no ``chunk_buckets`` (or ``cache_buckets``) and no explicit list: exact
+                lengths give a shape per length, which no warm-up can cover.
+        """
+        op = "CFMServer.warmup"
+        shapes = []
+        for bucket, arena in enumerate(self.arenas):
+            chunks = _given(op, "chunk_frames", chunk_frames, 1, arena.max_chunk_frames) \
+                or _reachable(self.chunk_buckets, arena.max_chunk_frames, 1)
+            caches = _given(op, "cache_frames", cache_frames, 0, arena.max_cache_frames) \
+                or _reachable(self.cache_buckets, arena.max_cache_frames, 0)
+            counts = _given(op, "slot_counts", slot_counts, 1, arena.rows) \
+                or _reachable(self.slot_buckets, arena.rows, 1) or list(range(1, arena.rows + 1))
+            if chunks is None:
+                fail(op, "chunk_frames", "be given when the server has no chunk_buckets", "None",
+                     "build the server with chunk_buckets=[...] (exact lengths give a shape per length)")
+            if caches is None:
+                fail(op, "cache_frames", "be given when the server has no cache_buckets", "None",
+                     "build the server with cache_buckets=[...] (exact lengths give a shape per length)")
+            counts = sorted({min(_round_up(c, self.slot_buckets, arena.rows), arena.rows) for c in counts})
+            shapes += [(bucket, s, t, lb) for s in counts for t in chunks for lb in caches]
+        return shapes
+
+    def warmup(self, *, progress: bool = True, chunk_frames: Optional[Iterable[int]] = None,
+               cache_frames: Optional[Iterable[int]] = None,
+               slot_counts: Optional[Iterable[int]] = None) -> WarmupReport:
+        """Compile every kernel and capture every graph of the configured buckets, before serving.
+
+        Runs each shape of :meth:`warmup_shapes` (the prompt solves' shapes included: a prompt is
+        a chunk of up to ``max_prompt_frames``) on all-idle slots, so no cache or length changes;
+        with ``graphs=True`` on CUDA each shape is run until its graph is captured, and the graph
+        solver's budget is raised to hold them all. Afterwards no prompt solve or tick of these
+        buckets compiles or captures (``solve_fn.captures`` / ``misses`` stay put).
+
+        Args:
+            progress: one stderr line per shape (False = silent).
+            chunk_frames, cache_frames, slot_counts: see :meth:`warmup_shapes`.
+        Returns:
+            :class:`WarmupReport` (shapes, graph count, graph-pool and arena bytes, seconds).
+        Raises:
+            RuntimeError: requests are open (warm up at start-up: an idle slot's cache must fit
+                every warmed cache window).
+            ValueError: see :meth:`warmup_shapes`.
+        """
+        if self._requests:
+            raise RuntimeError(f"CFMServer.warmup: {len(self._requests)} requests are open; warm up before "
+                               "opening requests")
+        shapes = self.warmup_shapes(chunk_frames=chunk_frames, cache_frames=cache_frames, slot_counts=slot_counts)
+        solver = self.solve_fn if isinstance(self.solve_fn, ArenaGraphSolver) else None
+        if solver is not None:  # keep every warmed key (and any held before)
+            solver.max_graphs = max(solver.max_graphs, len(shapes) + len(solver.entries()))
+        calls = solver.calls_per_capture(self.device) if solver is not None else 1
+        start = time.perf_counter()
+        report = WarmupReport(arena_bytes=sum(a.nbytes() for a in self.arenas))
+        for i, (bucket, n_slots, t_len, lb) in enumerate(shapes):
+            arena = self.arenas[bucket]
+            tick = time.perf_counter()
+            arena.valid_lengths.zero_()  # every slot idle: caches and lengths come out unchanged
+            index = None if n_slots >= arena.rows else torch.arange(n_slots, device=self.device)
+            with torch.no_grad():
+                for _ in range(calls):
+                    self._solve(arena, t_len, lb, index)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            label = dict(rows=arena.rows, slots=n_slots, t_len=t_len, cache_frames=lb)
+            report.shapes.append(label)
+            if progress:
+                print(f"CFMServer.warmup [{i + 1}/{len(shapes)}] slots {n_slots}/{arena.rows} T={t_len} "
+                      f"Lb={lb}: {time.perf_counter() - tick:.2f} s", file=sys.stderr, flush=True)
+        report.seconds = time.perf_counter() - start
+        if solver is not None:
+            report.graphs, report.graph_pool_bytes = solver.graph_count, solver.pool_bytes
+        if progress:
+            print(f"CFMServer.{report}", file=sys.stderr, flush=True)
+        return report
+
+    def memory_plan(self) -> MemoryPlan:
+        """Bytes per stream and in all of the arenas (compute dtype), plus captured graph pools."""
+        pools = self.solve_fn.pool_bytes if isinstance(self.solve_fn, ArenaGraphSolver) else 0
+        return MemoryPlan(dtype=self.dtype, bytes_per_stream=self.bytes_per_stream,
+                          slots=sum(a.rows for a in self.arenas), arena_bytes=sum(a.nbytes() for a in self.arenas),
+                          graph_pool_bytes=pools, max_memory_bytes=self.max_memory_bytes)
 
     # ------------------------------------------------------------------ helpers
     def _host_values(self, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -297,3 +488,18 @@ class CFMServer:
     def describe(self) -> str:
         arenas = ", ".join(a.describe() for a in self.arenas)
         return f"CFMServer({len(self._requests)} open; {arenas})"
+
+    AdmissionError = AdmissionError
+
+
+def _given(op: str, arg: str, values: Optional[Iterable[int]], low: int, high: int) -> Optional[list[int]]:
+    """An explicit warm-up list, checked and clipped to [low, high] (None when not given)."""
+    if values is None:
+        return None
+    out = sorted({int(v) for v in values})
+    if not out or any(v < low for v in out):
+        fail(op, arg, f"be a non-empty list of ints >= {low}", repr(values))
+    return sorted({min(v, high) for v in out})
+
+
+StreamingCFM.server_class = CFMServer

@@ -1,16 +1,21 @@
 """The streaming CFM solve of SPEC §3: cosine schedule, classifier-free guidance, Euler.
 
+One solve engine, :func:`solve_arena_chunk`: the whole n-step chunk solve over one cache arena,
+fixed shapes, no host synchronisation. Everything that solves a chunk runs it:
+
 * :class:`StreamingCFM` wraps an estimator (:class:`~torch_cfm.models.DiT`) with the fixed noise
-  buffer; ``forward_chunk`` is the drop-in equivalent of the upstream solver's chunk call.
-* :func:`solve_arena_chunk` is the whole per-chunk solve over one cache arena with fixed shapes
-  and no host synchronisation: the function the server calls and a CUDA-graph runner captures.
+  buffer; ``forward_chunk`` (the drop-in equivalent of the upstream solver's chunk call) solves
+  through a temporary arena holding the caches it was given;
+* :class:`~torch_cfm.models.server.CFMServer` solves over its per-bucket keyed arenas;
+* :class:`~torch_cfm.graphs.ArenaGraphSolver` captures it as one CUDA graph per shape, and
+  :class:`~torch_cfm.graphs.CFMGraphRunner` is a bucketed wrapper over that.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from torch import nn
@@ -18,8 +23,11 @@ from torch import nn
 from .. import policy
 from ..config import SolverConfig, cosine_timesteps
 from ..ops._checks import fail, shape_str
+from ..ops.dit_body import _empty_outputs, check_dit_body, dit_body_arena_into, dit_body_fused_into, stage_input
+from ..packing import PackedDiT, modulation_table, packed_for
 from ..reference.cache_trim import move_frames_reference, trim_copy_reference
 from .cache import TRIM_KEEP_OLDEST, arena_chunk_plan, trim_gather_index
+from .dit import DiT
 
 _SOLVER = SolverConfig()
 
@@ -50,6 +58,7 @@ def solve_arena_chunk(
     fused: Optional[bool] = None,
     slots: Optional[torch.Tensor] = None,
     frame_keys: Optional[torch.Tensor] = None,
+    x0: Optional[torch.Tensor] = None,
 ) -> None:
     """Solve one chunk for every row of a cache arena, in place (SPEC §3, ragged per SPEC §2).
 
@@ -62,7 +71,7 @@ def solve_arena_chunk(
     row is padding).
 
     Contract (what a CUDA-graph runner relies on):
-        * Static buffers, read: ``noise``, ``mu``, ``spks``, ``cond``, ``valid_lengths``,
+        * Static buffers, read: ``noise`` (or ``x0``), ``mu``, ``spks``, ``cond``, ``valid_lengths``,
           ``prompt_lengths``. Static buffers, read and written in place: ``att``, ``cnn``,
           ``cache_lengths`` (holds the new, trimmed lengths afterwards), ``out_mel``. Nothing
           else is read from or returned to the host; shapes depend only on the arguments'
@@ -80,13 +89,15 @@ def solve_arena_chunk(
           fused: then each step runs the fused body directly with the schedule's modulation
           tables (computed once per packed weights, outside any capture), the staged input
           built once and updated by one CFG/Euler kernel per step, and a float32 Euler state
-          (the runner's math; within the SPEC §6 oracle of the per-step path).
+          (within the SPEC §6 oracle of the per-step path). Otherwise the Euler state is in
+          mu's dtype.
 
     Args:
         estimator: a :class:`~torch_cfm.models.DiT` (or anything with its ``forward_chunk``).
         att: (n, depth, 2R, H, M, 2D) attention-cache arena (compute dtype).
         cnn: (n, depth, 2R, 2C, 2) conv-cache arena.
-        noise: (1, 80, F) noise buffer (any float dtype, cast to att's).
+        noise: (1, 80, F) noise buffer (any float dtype); slot r starts from frames
+            [L_r, L_r + T) (ignored when ``x0`` is given).
         mu, cond: (R, 80, T) staged chunk inputs (frames >= T_r are padding, any finite value).
         spks: (R, 80).
         valid_lengths: (R,) int32 T_r in [0, T]. cache_lengths: (R,) int32 L_r in [0, Lb].
@@ -108,29 +119,35 @@ def solve_arena_chunk(
             out, appended and copied back); ``Lb <= Mk`` and ``P_r + keep_oldest <= Mk``.
             None = ``att`` is in the SPEC layout (newest first) and each step's new cache is
             written back through the trim.
+        x0: optional (R, 80, T) static buffer: each slot's initial noise, read instead of
+            ``noise`` (any float dtype).
     Shapes: R request slots, T chunk frames (bucket), M arena frames, F noise frames.
     """
     slot_count, _, t_len = mu.shape
     arena_frames = att.shape[4]
     width = min(arena_frames, t_len + cache_frames)
-    dtype = att.dtype
+    dtype = mu.dtype  # the Euler state's (the fused route needs att's: _fused_route)
     ts = euler_timesteps(n_timesteps)
     if slots is not None:  # compact: work on the listed slots only
         rows = torch.cat([slots, slots + slot_count])
         mu, cond, spks = mu.index_select(0, slots), cond.index_select(0, slots), spks.index_select(0, slots)
         vl_in, cl_in = valid_lengths.index_select(0, slots), cache_lengths.index_select(0, slots)
         prompt = prompt_lengths.index_select(0, slots)
+        x0 = None if x0 is None else x0.index_select(0, slots)
     else:
         vl_in, cl_in, prompt = valid_lengths, cache_lengths, prompt_lengths
     n_rows = mu.shape[0]
 
     cl = cl_in.to(torch.int64).clamp(0, cache_frames)
     vl = vl_in.to(torch.int64).clamp(0, t_len)
-    frames = (cl[:, None] + torch.arange(t_len, device=mu.device)[None]).clamp(max=noise.shape[2] - 1)
-    x = noise[0].to(dtype).index_select(1, frames.reshape(-1)).view(-1, n_rows, t_len).transpose(0, 1)
+    if x0 is None:  # slot r starts from noise frames [L_r, L_r + T); cast by the route
+        frames = (cl[:, None] + torch.arange(t_len, device=mu.device)[None]).clamp(max=noise.shape[2] - 1)
+        x = noise[0].index_select(1, frames.reshape(-1)).view(-1, n_rows, t_len).transpose(0, 1)
+    else:
+        x = x0
 
     zeros_mel = torch.zeros_like(mu)
-    mu2 = torch.cat([mu, zeros_mel]).to(dtype)
+    mu2 = torch.cat([mu, zeros_mel])
     cond2 = torch.cat([cond, zeros_mel]).to(dtype)
     spks2 = torch.cat([spks, torch.zeros_like(spks)]).to(dtype)
     vl2 = torch.cat([vl, vl]).to(torch.int32)
@@ -154,13 +171,13 @@ def solve_arena_chunk(
             cnn[i].index_copy_(1, rows, new_cnn.to(cnn.dtype))
         write_trimmed(att[i], new_att.contiguous(), index, None if slots is None else rows)
 
-    def step_caches(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_caches(i: int) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         att_in, cnn_in = att[i][:, :, :, :cache_frames], cnn[i]
         if slots is not None:
             att_in, cnn_in = att_in.index_select(1, rows), cnn_in.index_select(1, rows)
-        return att_in, cnn_in
+        return (att_in if cache_frames else None), cnn_in  # no old keys: no attention cache
 
-    precision = _fused_route(estimator, att.device, dtype, fused, t_len)
+    precision = _fused_route(estimator, att.device, att.dtype if att.dtype == dtype else None, fused, t_len)
     if precision is not None:
         x = _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, precision,
                                step_caches, write_back)
@@ -172,10 +189,11 @@ def solve_arena_chunk(
 
 def _solve_steps_reference(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, fused, step_caches,
                            write_back) -> torch.Tensor:
-    """The n Euler steps through the estimator's own ``forward_chunk`` (CFG rows, Euler in the
-    compute dtype); ``step_caches(i)`` gives step i's (att_in newest first, cnn_in),
+    """The n Euler steps through the estimator's own ``forward_chunk`` (CFG rows, Euler in mu2's
+    dtype); ``step_caches(i)`` gives step i's (att_in newest first, cnn_in),
     ``write_back(i, new_cnn, new_att)`` stores its new caches. Returns the final x."""
     n_rows = x.shape[0]
+    x = x.to(mu2.dtype)
     for i in range(len(ts) - 1):
         t = torch.full((2 * n_rows,), ts[i], device=x.device, dtype=x.dtype)
         att_in, cnn_in = step_caches(i)
@@ -203,7 +221,7 @@ def _frame_copies(att: torch.Tensor):
     ``kernels/cache_trim.py`` where the policy runs Triton kernels (NVIDIA SM80+), else their ATen
     references."""
     if policy.decide(att.device, att.dtype).attention_kernel == "triton" and att.stride(-1) == 1:
-        from ..kernels.cache_trim import move_frames_into, trim_copy_into
+        from ..kernels.cache_trim import move_frames_into, trim_copy_into  # Triton is optional
 
         return trim_copy_into, move_frames_into
     return trim_copy_reference, move_frames_reference
@@ -238,7 +256,7 @@ def _solve_keyed(estimator, att, cnn, frame_keys, slots, x, mu2, spks2, cond2, v
         else:
             cnn[i].index_copy_(1, rows, new_cnn.to(cnn.dtype))
 
-    precision = _fused_route(estimator, att.device, dtype, fused, t_len)
+    precision = _fused_route(estimator, att.device, dtype if mu2.dtype == dtype else None, fused, t_len)
     if precision is not None:
         in_place = rows is None and width <= att.shape[4]
         scratch = None if in_place else att.new_empty(att.shape[1], 2 * n_slots, *att.shape[3:4], width, att.shape[5])
@@ -285,13 +303,12 @@ def _solve_keyed(estimator, att, cnn, frame_keys, slots, x, mu2, spks2, cond2, v
 _SCHEDULE_TABLES: dict[int, tuple[weakref.ref, dict]] = {}
 
 
-def _fused_route(estimator: nn.Module, device: torch.device, dtype: torch.dtype, fused: Optional[bool],
+def _fused_route(estimator: nn.Module, device: torch.device, dtype: Optional[torch.dtype], fused: Optional[bool],
                  t_len: int) -> Optional[str]:
     """The fused-body precision ("tf32" | "ieee" | "" for 16-bit) when the solve may run the
-    estimator as the fused body directly (a torch_cfm DiT, policy says fused, not tracing), else None."""
-    from .dit import DiT
-
-    if not isinstance(estimator, DiT) or t_len == 0 or torch.compiler.is_compiling():
+    estimator as the fused body directly (a torch_cfm DiT, policy says fused, not tracing), else None.
+    ``dtype``: the arena's, None when the staged inputs are in another dtype (reference route)."""
+    if dtype is None or not isinstance(estimator, DiT) or t_len == 0 or torch.compiler.is_compiling():
         return None
     if torch.is_autocast_enabled(device.type) or estimator.in_proj.weight.dtype != dtype:
         return None  # forward_chunk would compute in another dtype than the arena's
@@ -301,9 +318,14 @@ def _fused_route(estimator: nn.Module, device: torch.device, dtype: torch.dtype,
     return decision.precision or ""
 
 
-def _schedule_tables(packed, n_steps: int, precision: str) -> torch.Tensor:
-    from ..graphs import solve_tables
+def schedule_tables(packed: PackedDiT, n_steps: int) -> torch.Tensor:
+    """Modulation tables (n, 1, depth+1, 9, C) of the cosine schedule's times t_0..t_{n-1}."""
+    ts = cosine_timesteps(n_steps, torch.float64)
+    return torch.stack([modulation_table(packed, ts[i:i + 1].to(packed.device)) for i in range(n_steps)])
 
+
+def _schedule_tables(packed: PackedDiT, n_steps: int, precision: str) -> torch.Tensor:
+    """:func:`schedule_tables`, cached per packed weights (never filled under capture)."""
     key = (n_steps, precision)
     entry = _SCHEDULE_TABLES.get(id(packed))
     if entry is not None and entry[0]() is packed and key in entry[1]:
@@ -311,7 +333,7 @@ def _schedule_tables(packed, n_steps: int, precision: str) -> torch.Tensor:
     scope = (policy.tf32_scope(precision == "tf32") if packed.dtype == torch.float32 and packed.device.type == "cuda"
              else contextlib.nullcontext())
     with scope:
-        tables, _ = solve_tables(packed, n_steps)
+        tables = schedule_tables(packed, n_steps)
     capturing = packed.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if not capturing:
         if entry is None or entry[0]() is not packed:
@@ -325,19 +347,18 @@ def _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, 
                        step_caches, write_back, arena: bool = False) -> torch.Tensor:
     """The n Euler steps on the fused body: the schedule's modulation tables computed once per
     weights (not per step), the staged input built once and updated in place by one CFG/Euler
-    kernel per step, the outputs allocated once. The Euler state is float32 (as in the runner).
+    kernel per step, the outputs allocated once. The Euler state is float32.
     ``arena``: ``step_caches`` gives in-place attention arenas (``dit_body_arena_into``) and
     ``write_back`` gets None for the attention cache. Returns the final x (rows, 80, T) in float32."""
-    from ..kernels.dit_body import cfg_euler
-    from ..ops.dit_body import _empty_outputs, check_dit_body, dit_body_arena_into, dit_body_fused_into, stage_input
-    from ..packing import packed_for
+    from ..kernels.dit_body import cfg_euler  # Triton is optional: imported on the first fused solve
 
     dtype = mu2.dtype
     packed = packed_for(estimator, dtype, mu2.device)
     tables = _schedule_tables(packed, len(ts) - 1, precision)
     prec = precision or None
     staged = stage_input(torch.cat([x, x]), mu2, spks2, cond2, dtype)
-    x32 = x.float().contiguous()  # cfg_euler indexes the state densely
+    # a copy: x may be the caller's static x0, and cfg_euler updates the state in place (densely)
+    x32 = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     outs = None
     for i in range(len(ts) - 1):
         att_in, cnn_in = step_caches(i)
@@ -375,6 +396,10 @@ class StreamingCFM(nn.Module):
         (torch.Size([1, 80, 20]), torch.Size([10, 2, 2, 4, 20, 32]))
     """
 
+    # The serving layer sits above the solver: torch_cfm.models.server sets this when it is
+    # imported (importing torch_cfm.models imports it).
+    server_class: ClassVar[Optional[type]] = None
+
     def __init__(self, estimator: nn.Module, n_timesteps: int = _SOLVER.n_timesteps,
                  cfg_rate: float = _SOLVER.cfg_rate, noise: Optional[torch.Tensor] = None, seed: int = 0) -> None:
         super().__init__()
@@ -407,12 +432,16 @@ class StreamingCFM(nn.Module):
         cache length), the same for every request; n Euler steps with CFG; step i reads
         ``cnn_cache[i]`` / ``att_cache[i]`` and returns its new caches. No trim here (the caller
         applies :func:`~torch_cfm.models.cache.trim_attention_cache`, or uses the server).
+        Solved by :func:`solve_arena_chunk` over a temporary arena of T + L frames that holds
+        the given caches (the server's engine: the fused body with a float32 Euler state where
+        the policy says fused, else the estimator's ``forward_chunk`` per step); an estimator
+        without a ``config`` runs that engine's step loop on the given caches directly.
 
         Args:
             mu: (B, 80, T); spks: (B, 80); cond: (B, 80, T).
             cnn_cache: (n, depth, 2B, 2C, 2) or None (zero history).
             att_cache: (n, depth, 2B, H, L, 2D) or None (L = 0).
-            fused: passed to the estimator (None = policy).
+            fused: force (True) / forbid (False) the fused body (None = policy).
         Returns:
             mel (B, 80, T) in mu's dtype, cnn caches (n, depth, 2B, 2C, 2), attention caches
             (n, depth, 2B, H, T+L, 2D) (compute dtype).
@@ -437,28 +466,49 @@ class StreamingCFM(nn.Module):
         if offset + t_len > self.noise.shape[2]:
             fail(op, "att_cache", f"leave room in the noise buffer: L + T <= {self.noise.shape[2]}",
                  f"L={offset}, T={t_len}", "trim the cache (trim_attention_cache)")
-        x = self.noise[:, :, offset:offset + t_len].to(device=mu.device, dtype=mu.dtype).expand(batch, -1, -1)
+        dev = mu.device
+        x0 = self.noise[:, :, offset:offset + t_len].to(dev).expand(batch, -1, -1)
+        cond = torch.zeros_like(mu) if cond is None else cond.to(mu.dtype)
+        spks = spks.to(mu.dtype)
+        cfg = getattr(self.estimator, "config", None)
+        if cfg is None:  # an estimator without a DiTConfig: the engine's step loop on the given caches
+            return self._solve_steps_without_arena(mu, spks, cond, x0, cnn_cache, att_cache, fused)
+        # A temporary SPEC-layout arena holding the given caches, wide enough for the new ones
+        # (T + L frames); the trim threshold lies past every length, so nothing is trimmed.
+        cdt = self.estimator.compute_dtype(dev.type) if hasattr(self.estimator, "compute_dtype") else mu.dtype
+        rows = 2 * batch
+        att = torch.empty((n, cfg.depth, rows, cfg.heads, offset + t_len, 2 * cfg.head_dim), device=dev, dtype=cdt)
+        if offset:
+            att[..., :offset, :].copy_(att_cache)
+        cnn = torch.zeros((n, cfg.depth, rows, 2 * cfg.hidden, cfg.conv_cache_frames), device=dev, dtype=cdt)
+        if cnn_cache is not None:
+            cnn.copy_(cnn_cache)
+        lengths = dict(device=dev, dtype=torch.int32)
+        mel = torch.empty_like(mu)
+        solve_arena_chunk(self.estimator, att, cnn, self.noise, mu, spks, cond,
+                          torch.full((batch,), t_len, **lengths), torch.full((batch,), offset, **lengths),
+                          torch.zeros((batch,), **lengths), mel, cache_frames=offset, n_timesteps=n,
+                          cfg_rate=self.cfg_rate, keep_oldest=offset + t_len, fused=fused, x0=x0)
+        return mel, cnn, att
+
+    def _solve_steps_without_arena(self, mu, spks, cond, x0, cnn_cache, att_cache, fused):
+        """The engine's reference step loop on the caller's caches, new caches stacked."""
         zeros = torch.zeros_like(mu)
-        mu2 = torch.cat([mu, zeros])
-        cond2 = torch.cat([cond, zeros]).to(mu.dtype)
-        spks2 = torch.cat([spks, torch.zeros_like(spks)]).to(mu.dtype)
-        ts = self.timesteps()
         cnn_out, att_out = [], []
-        for i in range(n):
-            t = torch.full((2 * batch,), ts[i], device=mu.device, dtype=mu.dtype)
-            v, new_cnn, new_att = self.estimator.forward_chunk(
-                torch.cat([x, x]), mu2, t, spks2, cond2,
-                None if cnn_cache is None else cnn_cache[i], None if att_cache is None else att_cache[i],
-                fused=fused)
-            v = (1.0 + self.cfg_rate) * v[:batch] - self.cfg_rate * v[batch:]
-            x = x + (ts[i + 1] - ts[i]) * v.to(x.dtype)
+
+        def step_caches(i: int):
+            return (None if att_cache is None else att_cache[i]), (None if cnn_cache is None else cnn_cache[i])
+
+        def keep(i: int, new_cnn: torch.Tensor, new_att: torch.Tensor) -> None:
             cnn_out.append(new_cnn)
             att_out.append(new_att)
+
+        x = _solve_steps_reference(self.estimator, x0, torch.cat([mu, zeros]), torch.cat([spks, torch.zeros_like(spks)]),
+                                   torch.cat([cond, zeros]), None, None, self.timesteps(), self.cfg_rate, fused,
+                                   step_caches, keep)
         return x, torch.stack(cnn_out), torch.stack(att_out)
 
     def server(self, **kwargs) -> "CFMServer":  # noqa: F821 - defined in server.py
         """A :class:`~torch_cfm.models.server.CFMServer` over this solver (kwargs forwarded)."""
-        from .server import CFMServer
-
-        return CFMServer(self, **kwargs)
+        return self.server_class(self, **kwargs)
 
