@@ -2,6 +2,9 @@
 rows) gets, written out by hand from the dispatch rule it replaced, with and without the wgmma kernel."""
 
 import dataclasses
+import json
+import os
+import re
 
 import pytest
 import torch
@@ -54,11 +57,28 @@ def test_table_reproduces_the_dispatch(family, wgmma, arena):
     assert bp.body_plan(dtype, precision) == v1
 
 
+def _assert_cited_rows_exist(plan):
+    """Every (variant, commit) an evidence string cites is a row of the data file it names."""
+    path, _, text = plan.evidence.partition(" ")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, path)) as f:
+        rows = json.load(f)
+    present = {(r.get("variant") or "", str(r.get("commit", ""))[:7]) for r in rows}
+    variants = {v for v, _ in present}
+    for name in re.findall(r"\b(sweep_[a-z0-9_]+|v\d)\b", text):
+        if name.endswith("_") or name.endswith("_*"):
+            continue
+        assert name in variants or name in ("v1", "v5", "v9"), (plan.name, name)
+    for commit in re.findall(r"\(([0-9a-f]{7})\)", text):
+        assert any(c == commit for _, c in present), (plan.name, commit)
+
+
 def test_plans_name_their_roles_and_evidence():
     for family, entries in bp.TABLE.items():
         for lo, hi, plan in entries:
             assert lo <= hi
             assert plan.evidence.startswith("bench/"), (family, plan.name)
+            _assert_cited_rows_exist(plan)
             for role in ("qkv", "attention", "proj", "conv", "fc1", "fc2", "rownorm", "arena_qkv"):
                 assert getattr(plan, role) in bp.ROLE_KERNELS[role], (plan.name, role)
             assert plan.pdl <= bp.PDL_CAPABLE_KERNELS

@@ -90,28 +90,28 @@ class BodyPlan:
         return ", ".join(off) or "cuBLAS GEMMs, Triton row-norm and q/k-cache kernels"
 
 
-# Evidence cites rows of bench/results/dit_step.json by (N, T, L) dtype, variant and commit.
+# Evidence cites rows of that data file by (N, T, L) dtype, variant and commit.
 V1_16BIT = BodyPlan(
     "v1",
-    evidence="dit_step.json (32,50,400) fp16: v1 1645.5 us vs v9 2286.9 (8a7e8d6); bf16 v1 1726.8 (fee2b65)")
+    evidence="bench/results/dit_step.json (32,50,400) fp16: v1 1645.5 us vs v9 2286.9 (8a7e8d6); bf16 v1 1726.8 (fee2b65)")
 V1_FP32 = dataclasses.replace(
     V1_16BIT, pdl=frozenset({"rownorm", "cfg_euler"}),
-    evidence="dit_step.json fp32-tf32 (8,50,400): sweep_v1_pdl_rownorm 1567.4 us vs sweep_v1_pdl_none 1625.3; "
+    evidence="bench/results/dit_step.json fp32-tf32 (8,50,400): sweep_v1_pdl_rownorm 1567.4 us vs sweep_v1_pdl_none 1625.3; "
              "(32,50,400) 3001.4 vs 3056.7 (d734227); v5 slower for TF32: sweep_v5_pdl_rownorm 1774.1 / 3344.9")
 V5_16BIT = BodyPlan(
     "v5", attention="attention_cache", arena_plan=V1_16BIT,
-    evidence="dit_step.json (32,50,400) fp16: sweep_v5_pdl_none 1528.3 us vs sweep_v1_pdl_rownorm 1682.8 "
+    evidence="bench/results/dit_step.json (32,50,400) fp16: sweep_v5_pdl_none 1528.3 us vs sweep_v1_pdl_rownorm 1682.8 "
              "(d734227); sweep_v5_l2_off 1526.2 vs sweep_v1_l2_off 1635.0 (a867f09)")
 V5_FP32 = dataclasses.replace(V5_16BIT, pdl=V1_FP32.pdl, arena_plan=V1_FP32,
-                              evidence="A/B only: dit_step.json fp32-tf32 sweep_v5_* 6-11 % over sweep_v1_* (d734227)")
+                              evidence="bench/results/dit_step.json (A/B only): fp32-tf32 sweep_v5_* 6-11 % over sweep_v1_* (d734227)")
 V9_16BIT = BodyPlan(
     "v9", qkv="wgmma", proj="wgmma", conv="wgmma", fc1="wgmma_gelu", fc2="wgmma_splitk", arena_qkv="wgmma_qk_cache",
     pdl=frozenset({"linear", "rownorm", "qk_cache"}), fallback=V1_16BIT,
-    evidence="dit_step.json (8,50,400) fp16: sweep_v9_pdl_linear_rownorm_qk 821.4 us vs sweep_v1_pdl_none 929.8 "
+    evidence="bench/results/dit_step.json (8,50,400) fp16: sweep_v9_pdl_linear_rownorm_qk 821.4 us vs sweep_v1_pdl_none 929.8 "
              "(061791a); arena sweep_arena_v9_qkv_cache_on 730.7 vs _off 734.6 (8a7e8d6)")
 V9_TF32 = dataclasses.replace(
     V9_16BIT, arena_qkv="qk_cache", fallback=V1_FP32,
-    evidence="dit_step.json (8,50,400) fp32-tf32: sweep_tf32_v9_mlp 1415.0 us vs sweep_tf32_v1 1523.2; "
+    evidence="bench/results/dit_step.json (8,50,400) fp32-tf32: sweep_tf32_v9_mlp 1415.0 us vs sweep_tf32_v1 1523.2; "
              "arena qkv epilogue sweep_tf32_arena_v9_mlp_qkv_cache 1370.7 vs sweep_tf32_arena_v9_mlp 1347.4 (3f88bc0)")
 
 # (dtype family) -> ((first row, last row, plan), ...): the buckets cover 0 .. ANY_ROWS
