@@ -236,3 +236,97 @@ def run_stream(flow, prompt: Prompt, chunks: list[torch.Tensor], n_timesteps: in
         if trim:
             cache = trim_stream_cache(cache, prompt.frames)
     return mels, first, cache
+
+
+# ---------------------------------------------------------------------------- Token2wav without files
+_T2W_STUBS = ("torchaudio", "torchaudio.compliance", "torchaudio.compliance.kaldi", "s3tokenizer", "onnxruntime",
+              "hyperpyyaml")
+
+
+def _stub(name: str, **attrs) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    mod.__path__ = []  # a package: "import torchaudio.compliance.kaldi" finds the stubbed children
+    mod.__dict__.update(attrs)
+    return mod
+
+
+def load_token2wav_class():
+    """(``stepaudio2.token2wav.Token2wav``, the real ``HiFTGenerator`` class or None).
+
+    ``token2wav.py`` imports torchaudio, s3tokenizer, onnxruntime and hyperpyyaml (used only by
+    ``__init__``/``_prepare_prompt``, which the tests do not call) and HiFT (needs scipy) and
+    ``mel_spectrogram`` (needs librosa): each one missing is an empty stub module while it is
+    imported, removed from ``sys.modules`` again afterwards."""
+    load()
+    added = []
+    for name in _T2W_STUBS:
+        if name not in sys.modules and importlib.util.find_spec(name.split(".")[0]) is None:
+            sys.modules[name] = _stub(name, load_hyperpyyaml=None)
+            added.append(name)
+    if "torchaudio.compliance.kaldi" in added:
+        sys.modules["torchaudio"].compliance = sys.modules["torchaudio.compliance"]
+        sys.modules["torchaudio.compliance"].kaldi = sys.modules["torchaudio.compliance.kaldi"]
+    hift_cls = None
+    try:
+        if importlib.util.find_spec("scipy") is not None:
+            hift_cls = importlib.import_module("stepaudio2.flashcosyvoice.modules.hifigan").HiFTGenerator
+        else:
+            sys.modules["stepaudio2.flashcosyvoice.modules.hifigan"] = _stub(
+                "stepaudio2.flashcosyvoice.modules.hifigan", HiFTGenerator=None)
+            added.append("stepaudio2.flashcosyvoice.modules.hifigan")
+        if importlib.util.find_spec("librosa") is None or importlib.util.find_spec("scipy") is None:
+            sys.modules["stepaudio2.flashcosyvoice.utils.audio"] = _stub(
+                "stepaudio2.flashcosyvoice.utils.audio", mel_spectrogram=None)
+            added.append("stepaudio2.flashcosyvoice.utils.audio")
+        cls = importlib.import_module("stepaudio2.token2wav").Token2wav
+    finally:
+        for name in added:
+            sys.modules.pop(name, None)
+    return cls, hift_cls
+
+
+class RecordingVocoder(torch.nn.Module):
+    """``hift`` for a Token2wav built without files: records the mel of every call and returns
+    (speech (1, 480·T), source (1, 1, 480·T)) from the real HiFT (random weights) when given,
+    else a deterministic stand-in (each frame's mean, repeated over its 480 samples)."""
+
+    def __init__(self, inner: Optional[torch.nn.Module] = None) -> None:
+        super().__init__()
+        self.inner = inner
+        self.mels: list[torch.Tensor] = []
+
+    def forward(self, speech_feat: torch.Tensor, cache_source: Optional[torch.Tensor] = None):
+        self.mels.append(speech_feat.detach().clone())
+        if self.inner is not None:
+            return self.inner(speech_feat, torch.zeros(1, 1, 0, device=speech_feat.device)
+                              if cache_source is None else cache_source)
+        speech = speech_feat.float().mean(1).repeat_interleave(480, dim=1).tanh()
+        return speech, torch.zeros_like(speech)[:, None]
+
+
+def make_token2wav(cls, flow: torch.nn.Module, prompt: Prompt, *, real_hift=None, n_timesteps: int = 10):
+    """A ``Token2wav`` without model files: ``cls.__new__`` and the attributes its ``__init__``
+    sets (flow, hift, stream constants), with ``_prepare_prompt`` returning ``prompt`` (it
+    would tokenize a wav file). fp32, CUDA (the class hard-codes ``device='cuda'``)."""
+    import numpy as np
+
+    t2w = cls.__new__(cls)
+    t2w.float16 = False
+    t2w.n_timesteps = n_timesteps
+    t2w.flow = flow.cuda().eval()
+    hift = None
+    if real_hift is not None:
+        torch.manual_seed(0)
+        hift = real_hift().cuda().eval()
+    t2w.hift = RecordingVocoder(hift).cuda()
+    t2w.cache = None
+    t2w.mel_cache_len = 8
+    t2w.source_cache_len = int(t2w.mel_cache_len * 480)
+    t2w.speech_window = torch.from_numpy(np.hamming(2 * t2w.source_cache_len)).cuda()
+    t2w.hift_cache_dict = {}
+    tokens = prompt.tokens[:, :-3].cuda()
+    prepared = (tokens, torch.tensor([tokens.shape[1]], dtype=torch.int32, device="cuda"), prompt.spk.cuda(),
+                prompt.mel.cuda(), torch.tensor([prompt.frames], dtype=torch.int32, device="cuda"))
+    t2w._prepare_prompt = lambda prompt_wav: prepared
+    return t2w
