@@ -260,8 +260,10 @@ def load_token2wav_class():
     imported, removed from ``sys.modules`` again afterwards."""
     load()
     added = []
+    absent = {name.split(".")[0] for name in _T2W_STUBS
+              if name.split(".")[0] not in sys.modules and importlib.util.find_spec(name.split(".")[0]) is None}
     for name in _T2W_STUBS:
-        if name not in sys.modules and importlib.util.find_spec(name.split(".")[0]) is None:
+        if name.split(".")[0] in absent:
             sys.modules[name] = _stub(name, load_hyperpyyaml=None)
             added.append(name)
     if "torchaudio.compliance.kaldi" in added:
@@ -305,14 +307,16 @@ class RecordingVocoder(torch.nn.Module):
         return speech, torch.zeros_like(speech)[:, None]
 
 
-def make_token2wav(cls, flow: torch.nn.Module, prompt: Prompt, *, real_hift=None, n_timesteps: int = 10):
+def make_token2wav(cls, flow: torch.nn.Module, prompt: Prompt, *, real_hift=None, n_timesteps: int = 10,
+                   float16: bool = False):
     """A ``Token2wav`` without model files: ``cls.__new__`` and the attributes its ``__init__``
     sets (flow, hift, stream constants), with ``_prepare_prompt`` returning ``prompt`` (it
-    would tokenize a wav file). fp32, CUDA (the class hard-codes ``device='cuda'``)."""
+    would tokenize a wav file). CUDA (the class hard-codes ``device='cuda'``); ``float16``: the
+    flag ``Token2wav(float16=True)`` sets (the caller halves the flow, as its ``__init__`` does)."""
     import numpy as np
 
     t2w = cls.__new__(cls)
-    t2w.float16 = False
+    t2w.float16 = float16
     t2w.n_timesteps = n_timesteps
     t2w.flow = flow.cuda().eval()
     hift = None
