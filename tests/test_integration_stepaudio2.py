@@ -127,6 +127,26 @@ def test_interleaved_streams_and_streams_begun_upstream_give_the_upstream_result
         assert err_rel_fro(mel_b, ref_b[i]) <= REL, f"stream b chunk {i}"
 
 
+def test_warmup_then_a_stream_and_the_returned_caches_are_the_servers(flow):
+    acc = _accelerated(flow)
+    prompt = U.make_prompt(U.TINY, 25, seed=61)
+    report = accelerated(acc).warmup(prompt_frames=(prompt.frames,), chunk_frames=(50,), last_chunk_frames=(56,),
+                                     n_timesteps=N_STEPS)
+    # per prompt, twice: the prompt, chunks until the cache holds P + 100 (2 here), then 50 and 56 at P + 100
+    assert report == {"solves": 2 * (1 + 2 + 2), "graphs": 0}  # no graphs on CPU
+    server = accelerated(acc).servers[N_STEPS]
+    assert server.open_requests == []  # the warm-up's stream is gone
+    chunks = U.make_chunks(U.TINY, 4, seed=62)
+    cache = acc.setup_cache(prompt.tokens, prompt.mel, prompt.spk, n_timesteps=N_STEPS)
+    ref = U.run_stream(flow, prompt, chunks)[0]
+    for i, tok in enumerate(chunks):
+        mel, cache = acc.inference_chunk(tok, prompt.spk, cache, last_chunk=i == 3, n_timesteps=N_STEPS)
+        assert err_rel_fro(mel, ref[i]) <= REL
+        cnn, att = server.request_caches("stream")
+        assert torch.equal(cache["estimator_att_cache"], att) and torch.equal(cache["estimator_cnn_cache"], cnn)
+        cache = U.trim_stream_cache(cache, prompt.frames)
+
+
 def test_untrimmed_caches_and_in_place_edits_are_followed(flow):
     """No trim at all (the caches grow), and a caller that edits the returned cache in place."""
     acc = _accelerated(flow)

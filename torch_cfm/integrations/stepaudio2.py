@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from ..models import CFMServer, DiT, StreamingCFM
+from ..models.cache import keyed_to_newest_first
 from ..models.checkpoint import check_state_dict, config_from_state_dict
 from ..ops._checks import fail, shape_str
 
@@ -166,6 +167,17 @@ class _Stream:
 
     def remember(self, cnn: torch.Tensor, att: torch.Tensor) -> None:
         self.last = (cnn, att, cnn._version, att._version)
+
+    def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tensors with the slot's caches in the upstream layout: what
+        ``CFMServer.request_caches`` returns, gathered from a view of the slot's valid frames
+        (not from a copy of its whole arena rows)."""
+        arena = self.server.arenas[0]
+        length = self.cache_len
+        keys = arena.frame_keys[0:1, :length].expand(2, length)
+        lengths = torch.full((2,), length, device=keys.device)
+        att = keyed_to_newest_first(arena.att[:, :, 0:2, :, :length], keys, lengths, length)
+        return arena.cnn[:, :, 0:2].clone(), att
 
     def load(self, cnn: torch.Tensor, att: torch.Tensor) -> None:
         """Put caches in the upstream layout into the slot (frame j = key j) and set its length.
@@ -334,7 +346,7 @@ class TorchCFMDecoder:
             server = stream.server
             server.arenas[0].spks[0].copy_(spks[0])  # the call's speaker embedding (constant in a stream)
             mel = server.solve_chunk({_RID: (mu[0], cond[0])})[_RID]
-            cnn, att = server.request_caches(_RID)
+            cnn, att = stream.caches()
             stream.remember(cnn, att)
             stream.solves += 1
         return mel[None].to(mu.dtype), cnn, att
