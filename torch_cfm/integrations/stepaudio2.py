@@ -28,7 +28,8 @@ tensors the previous call returned (the same objects, not modified since) contin
 other caches (trimmed by the caller, or made by the upstream module) are loaded into the server
 first. So any mix of callers, trims and upstream calls gives the upstream results.
 
-Batch 1 only, like the upstream streaming path; other batch sizes, ``temperature != 1`` and
+Apply after the weights are loaded and the flow is on its device: the estimator's weights are
+copied at this call (apply again after changing them). Batch 1 only, like the upstream streaming path; other batch sizes, ``temperature != 1`` and
 non-trivial masks in ``forward`` fall back to the upstream method (exact upstream behaviour).
 
 Importing this module never imports ``stepaudio2``: the targets are recognised by their shape
