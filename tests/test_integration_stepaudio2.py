@@ -14,9 +14,12 @@ CPU (fp32, tiny sizes): whole streams as ``Token2wav.stream`` drives the flow (s
 frames, a last chunk), upstream vs accelerated side by side, mel and every cache within 1e-5
 relative; several prompt lengths on one accelerated flow; interleaved streams and streams begun
 by the upstream module; the non-streaming ``flow.inference``; undo (bitwise upstream again);
-errors. ``Token2wav`` itself hard-codes ``device='cuda'`` and loads model files: the CPU tests
-drive the flow the way its ``stream`` does (``upstream_flow.trim_stream_cache``), and the GPU
-test runs the real ``Token2wav.stream`` on an instance built without its files.
+errors; and the package's own ``Token2wav.set_stream_cache`` / ``stream`` / ``__call__``. Its
+``__init__`` loads model files and onnx sessions, so the instance is built with ``__new__`` and
+the attributes ``__init__`` sets (``upstream_flow.make_token2wav``; a recording vocoder stands in
+for HiFT, which needs scipy); its hard-coded ``device='cuda'`` is redirected to CPU by swapping
+its module's ``torch`` for a shim while it runs (``upstream_flow.token2wav_on_cpu``). The GPU
+test runs the same methods unpatched on CUDA (with the real HiFT when scipy is there).
 
 GPU (``@pytest.mark.gpu``, shipped sizes): fp16, bf16 and TF32 streams, accelerated error vs the
 fp64 upstream <= 2x the upstream module's own error in that dtype + 1e-6 (SPEC §6).
@@ -219,6 +222,35 @@ def test_token2wav_shaped_objects_and_the_generic_decoder_entry(flow):
         assert torch.equal(accel.estimator.state_dict()[name], p), name
 
 
+@pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")  # its autocast("cuda") on CPU
+def test_the_packages_token2wav_stream_and_call_on_cpu(flow):
+    """``Token2wav.set_stream_cache``, ``Token2wav.stream`` (PCM bytes) and ``Token2wav.__call__``
+    themselves, on an instance built without model files (``upstream_flow.make_token2wav``), with
+    their ``device='cuda'`` redirected to CPU (``upstream_flow.token2wav_on_cpu``) and a
+    recording vocoder in HiFT's place: the mel every call hands HiFT, accelerated vs upstream."""
+    cls, _ = U.load_token2wav_class()
+    prompt = U.make_prompt(U.TINY, 22, seed=71)
+    chunks = U.make_chunks(U.TINY, 6, seed=72, last_tokens=9)
+    runs = []
+    for accelerate in (False, True):
+        t2w = U.make_token2wav(cls, copy.deepcopy(flow), prompt, device="cpu")
+        if accelerate:
+            assert apply_torch_cfm(t2w) is t2w
+        with U.token2wav_on_cpu(cls):
+            t2w.stream_cache, t2w.hift_cache_dict = t2w.set_stream_cache("prompt.wav")
+            pcm = [t2w.stream(tok[0].tolist(), "prompt.wav", last_chunk=i == len(chunks) - 1)
+                   for i, tok in enumerate(chunks)]
+            wav = t2w(chunks[1][0].tolist(), "prompt.wav")
+        runs.append((t2w.hift.mels, pcm, wav, t2w.stream_cache))
+    (mels_up, pcm_up, wav_up, cache_up), (mels_acc, pcm_acc, wav_acc, cache_acc) = runs
+    assert len(mels_up) == len(mels_acc) == len(chunks) + 1  # every stream chunk, then __call__
+    for i, (a, b) in enumerate(zip(mels_acc, mels_up)):
+        assert a.shape == b.shape and err_rel_fro(a, b) <= REL, f"call {i}"
+    assert [len(p) for p in pcm_acc] == [len(p) for p in pcm_up] and len(wav_acc) == len(wav_up)
+    assert cache_acc["estimator_att_cache"].shape[4] == cache_up["estimator_att_cache"].shape[4] == prompt.frames + 100
+    assert accelerated(t2w)._streams[N_STEPS].loads >= 1  # Token2wav.stream's own trims were loaded
+
+
 def test_fallbacks_run_the_upstream_method(flow):
     acc = _accelerated(flow)
     g = torch.Generator().manual_seed(41)
@@ -323,7 +355,7 @@ def test_gpu_real_token2wav_stream_matches_upstream():
     imports stubbed where absent, HiFT replaced by a recording stub when scipy/librosa are
     missing), fp32 (TF32 off): the accelerated mel within 1e-5 of the upstream's."""
     token2wav_cls, real_hift = U.load_token2wav_class()
-    size = dataclasses.replace(U.TINY, vocab=6561)  # set_stream_cache pads the prompt with token 4218
+    size = U.TINY
     base = U.build_flow(size, seed=9).cuda()
     prompt = U.make_prompt(size, 40, seed=10, device="cuda")
     chunks = U.make_chunks(size, 7, seed=11)
