@@ -86,9 +86,11 @@ def _assert_stream_close(up, acc, label=""):
             assert err_rel_fro(c_a[key], c_b[key]) <= REL, f"{label} {name} {key}"
 
 
-@pytest.mark.parametrize("prompt_tokens", [20, 37])  # 40 and 74 prompt frames (74: no multiple of 50)
-def test_stream_matches_upstream_through_the_trims(flow, prompt_tokens):
-    acc = _accelerated(flow)
+# 40 and 74 prompt frames (74: no multiple of 50). graphs=True on CPU: the CUDA path's bucketed
+# chunk lengths and cache windows (padded rows and keys), solved eagerly.
+@pytest.mark.parametrize("prompt_tokens,graphs", [(20, False), (37, True)])
+def test_stream_matches_upstream_through_the_trims(flow, prompt_tokens, graphs):
+    acc = _accelerated(flow, graphs=graphs)
     prompt = U.make_prompt(U.TINY, prompt_tokens, seed=prompt_tokens)
     chunks = U.make_chunks(U.TINY, 7, seed=prompt_tokens + 1)  # 6 chunks of 25 + 3 tokens, a last of 13
     up = U.run_stream(flow, prompt, chunks)
@@ -98,6 +100,7 @@ def test_stream_matches_upstream_through_the_trims(flow, prompt_tokens):
     # from its own returned caches, and loading the caller's trimmed ones
     assert out[2]["estimator_att_cache"].shape[4] == prompt.frames + 100
     stream = accelerated(acc)._streams[N_STEPS]
+    assert (stream.server.cache_buckets is not None) == graphs
     assert stream.solves == 1 + len(chunks)
     assert 1 <= stream.loads < len(chunks)
 
