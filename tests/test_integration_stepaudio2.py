@@ -298,6 +298,9 @@ def test_errors_name_what_was_found(flow):
     prompt = U.make_prompt(U.TINY, 20, seed=51)
     chunks = U.make_chunks(U.TINY, 6, seed=52)
     cache = acc.setup_cache(prompt.tokens, prompt.mel, prompt.spk, n_timesteps=N_STEPS)
+    long_prompt = U.make_prompt(U.TINY, 21, seed=53)  # 42 frames > max_prompt_frames
+    with pytest.raises(ValueError, match=r"mu must have at most max_prompt_frames=40 frames in a stream's first chunk"):
+        acc.setup_cache(long_prompt.tokens, long_prompt.mel, long_prompt.spk, n_timesteps=N_STEPS)
     bad = dict(cache, estimator_att_cache=cache["estimator_att_cache"][:, :, :1])
     with pytest.raises(ValueError, match=r"att_cache must have the upstream layout \(n, depth, 2, H, L, 2D\)"):
         acc.inference_chunk(chunks[0], prompt.spk, bad, n_timesteps=N_STEPS)

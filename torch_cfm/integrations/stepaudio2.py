@@ -313,18 +313,22 @@ class TorchCFMDecoder:
             (mel (1, 80, T) in mu's dtype, cnn (n, depth, 2, 2C, 2), att (n, depth, 2, H, T+L, 2D))
             with the caches in this decoder's dtype, untrimmed.
         Raises:
-            ValueError: caches of another layout, or ``L + T`` beyond the arena (trim the cache,
-                as ``Token2wav.stream`` does, or apply with a larger ``max_prompt_frames``).
+            ValueError: caches of another layout, a prompt (first chunk) longer than
+                ``max_prompt_frames``, or ``L + T`` beyond the arena (trim the cache, as
+                ``Token2wav.stream`` does, or apply with a larger ``max_prompt_frames``).
         """
         op = "CausalConditionalCFM.forward_chunk (torch_cfm)"
-        if (not isinstance(mu, torch.Tensor) or mu.dim() != 3 or mu.shape[0] != 1 or temperature != 1.0
-                or mu.shape[2] > self.max_prompt_frames + self.max_chunk_frames or mu.shape[2] == 0):
+        if not isinstance(mu, torch.Tensor) or mu.dim() != 3 or mu.shape[0] != 1 or temperature != 1.0 \
+                or mu.shape[2] == 0:
             return self.upstream_forward_chunk(mu, spks, cond, n_timesteps=n_timesteps, temperature=temperature,
                                                cnn_cache=cnn_cache, att_cache=att_cache)
         n, t_len = int(n_timesteps), mu.shape[2]
         with self._context():
             stream = self._stream(n)
             if att_cache is None:
+                if t_len > self.max_prompt_frames:
+                    fail(op, "mu", f"have at most max_prompt_frames={self.max_prompt_frames} frames in a stream's "
+                         "first chunk (the prompt)", f"{t_len} frames", "apply_torch_cfm(..., max_prompt_frames=...)")
                 stream.reset(spks[0].to(self.dtype))
                 if cnn_cache is not None:  # conv history without attention history: load it
                     self._check_caches(op, n, cnn_cache, None)
