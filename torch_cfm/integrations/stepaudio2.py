@@ -98,17 +98,15 @@ def _find_decoder(target: Any, op: str) -> nn.Module:
         if obj is not None and not _decoder_gaps(obj):
             return obj
     found = _type_name(target)
-    gaps = _decoder_gaps(target)
-    where = ", ".join(gaps) if gaps else "?"
-    for path in ("decoder", "flow"):
-        inner = getattr(target, path, None)
-        if inner is not None:
-            where = f"its .{path} is {_type_name(inner)}"
-            sub = inner if path == "decoder" else getattr(inner, "decoder", None)
-            if sub is not None and _decoder_gaps(sub):
-                where += f" ({'.'.join(['decoder'] if path == 'decoder' else ['flow', 'decoder'])}: " \
-                         f"{', '.join(_decoder_gaps(sub))})"
-            break
+    flow = getattr(target, "flow", None)
+    if getattr(target, "decoder", None) is not None:
+        where = f"its .decoder is {_type_name(target.decoder)}: {', '.join(_decoder_gaps(target.decoder))}"
+    elif flow is not None and getattr(flow, "decoder", None) is not None:
+        where = f"its .flow.decoder is {_type_name(flow.decoder)}: {', '.join(_decoder_gaps(flow.decoder))}"
+    elif flow is not None:
+        where = f"its .flow is {_type_name(flow)}, which has no .decoder"
+    else:
+        where = ", ".join(_decoder_gaps(target)) + ", no .decoder, no .flow"
     raise TypeError(f"{op}: target must be a stepaudio2 Token2wav, CausalMaskedDiffWithXvec (flow) or "
                     f"CausalConditionalCFM (decoder), or an object shaped like one; got {found} ({where})")
 
