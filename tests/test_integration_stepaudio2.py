@@ -136,10 +136,13 @@ def test_interleaved_streams_and_streams_begun_upstream_give_the_upstream_result
 def test_warmup_then_a_stream_and_the_returned_caches_are_the_servers(flow):
     acc = _accelerated(flow)
     prompt = U.make_prompt(U.TINY, 25, seed=61)
+    assert TorchCFMDecoder.stream_shapes((300, 74), (50,), (56, 26)) == [
+        (300, 0), (50, 300), (50, 350), (50, 400), (56, 400), (26, 400),
+        (74, 0), (50, 74), (50, 124), (50, 174), (56, 174), (26, 174)]
     report = accelerated(acc).warmup(prompt_frames=(prompt.frames,), chunk_frames=(50,), last_chunk_frames=(56,),
                                      n_timesteps=N_STEPS)
-    # per prompt, twice: the prompt, chunks until the cache holds P + 100 (2 here), then 50 and 56 at P + 100
-    assert report == {"solves": 2 * (1 + 2 + 2), "graphs": 0}  # no graphs on CPU
+    # P = 50: the prompt, 50 at L = 50, 100, 150, then 56 at 150; each twice; no graphs on CPU
+    assert report == {"shapes": [(50, 0), (50, 50), (50, 100), (50, 150), (56, 150)], "solves": 10, "graphs": 0}
     server = accelerated(acc).servers[N_STEPS]
     assert server.open_requests == []  # the warm-up's stream is gone
     chunks = U.make_chunks(U.TINY, 4, seed=62)

@@ -368,51 +368,67 @@ class TorchCFMDecoder:
         return mel.to(mu.dtype)
 
     # ---------------------------------------------------------------- start-up
-    def warmup(self, prompt_frames: Iterable[int] = (300,), chunk_frames: Sequence[int] = (50,),
-               last_chunk_frames: Sequence[int] = (), n_timesteps: int = 10, keep_oldest: int = 100) -> dict:
-        """Compile the kernels and capture the graphs a stream of these shapes meets, now.
+    @staticmethod
+    def stream_shapes(prompt_frames: Iterable[int] = (300,), chunk_frames: Sequence[int] = (50,),
+                      last_chunk_frames: Sequence[int] = (56,), keep_oldest: int = 100) -> list[tuple[int, int]]:
+        """(T, L) of every chunk solve a stream meets under ``Token2wav.stream``'s trims: the
+        prompt (P, 0); each chunk length T at L = P, P + T, ... while the cache fits
+        ``P + keep_oldest`` frames (the trim bound), then at that bound; each last-chunk length
+        at the bound. In first-met order, without repeats."""
+        shapes: list[tuple[int, int]] = []
 
-        Runs each prompt length's stream twice (the graph solver runs a new shape eagerly once,
-        then captures): the prompt solve, chunks of each ``chunk_frames`` length until the
-        cache reaches ``P + keep_oldest`` (the caller's trim bound), then each last-chunk length
-        at that window. Then the stream state is dropped (the next call starts a new stream).
+        def add(shape: tuple[int, int]) -> None:
+            if shape not in shapes:
+                shapes.append(shape)
+
+        for p_len in prompt_frames:
+            bound = p_len + keep_oldest
+            add((p_len, 0))
+            for t_len in chunk_frames:
+                cache = p_len
+                while True:
+                    add((t_len, cache))
+                    if cache == bound:
+                        break
+                    cache = cache + t_len if cache + t_len <= bound else bound
+            for t_len in last_chunk_frames:
+                add((t_len, bound))
+        return shapes
+
+    def warmup(self, prompt_frames: Iterable[int] = (300,), chunk_frames: Sequence[int] = (50,),
+               last_chunk_frames: Sequence[int] = (56,), n_timesteps: int = 10, keep_oldest: int = 100) -> dict:
+        """Compile the kernels and capture the graphs of every solve a stream meets, now.
+
+        Solves each (T, L) of :meth:`stream_shapes` twice (the server's graph solver runs a new
+        shape eagerly once, then captures and replays it) from seeded random inputs and caches,
+        then drops the stream state (the next call starts a new stream).
 
         Returns:
-            {"solves": int, "graphs": int (captured so far, all servers; 0 on CPU)}.
+            {"shapes": [(T, L), ...], "solves": int, "graphs": int (captured so far, all servers;
+            0 on CPU)}.
         """
+        shapes = self.stream_shapes(prompt_frames, chunk_frames, last_chunk_frames, keep_oldest)
+        cfg = self.estimator.config
+        gen = torch.Generator().manual_seed(0)
+
+        def rand(*shape, scale=1.0):
+            return (scale * torch.randn(*shape, generator=gen)).to(device=self.device, dtype=self.dtype)
+
         with self._context():
             stream = self._stream(int(n_timesteps))
-            cfg = self.estimator.config
-            gen = torch.Generator().manual_seed(0)
-
-            def rand(*shape):
-                return torch.randn(*shape, generator=gen).to(device=self.device, dtype=self.dtype)
-
+            spks = rand(1, cfg.out_channels)
             solves = 0
-            for p_len in prompt_frames:
+            for t_len, cache in shapes:
+                cnn = rand(n_timesteps, cfg.depth, 2, 2 * cfg.hidden, 2, scale=0.5) if cache else None
+                att = rand(n_timesteps, cfg.depth, 2, cfg.heads, cache, 2 * cfg.head_dim, scale=0.5) if cache else None
                 for _ in range(2):
-                    spks = rand(1, cfg.out_channels)
-                    mel, cnn, att = self.forward_chunk(rand(1, cfg.out_channels, p_len), spks,
-                                                       rand(1, cfg.out_channels, p_len), n_timesteps)
+                    self.forward_chunk(rand(1, cfg.out_channels, t_len), spks, rand(1, cfg.out_channels, t_len),
+                                       n_timesteps, cnn_cache=cnn, att_cache=att)
                     solves += 1
-                    lengths = [t for t in chunk_frames]
-                    while att.shape[4] < p_len + keep_oldest:
-                        for t in lengths:
-                            mel, cnn, att = self.forward_chunk(rand(1, cfg.out_channels, t), spks,
-                                                               torch.zeros_like(rand(1, cfg.out_channels, t)),
-                                                               n_timesteps, cnn_cache=cnn, att_cache=att)
-                            solves += 1
-                    for t in list(chunk_frames) + list(last_chunk_frames):
-                        if att.shape[4] > p_len + keep_oldest:
-                            att = torch.cat([att[:, :, :, :, :p_len], att[:, :, :, :, -keep_oldest:]], dim=4)
-                        mel, cnn, att = self.forward_chunk(rand(1, cfg.out_channels, t), spks,
-                                                           torch.zeros_like(rand(1, cfg.out_channels, t)),
-                                                           n_timesteps, cnn_cache=cnn, att_cache=att)
-                        solves += 1
             stream.last = None
             if _RID in stream.server.open_requests:
                 stream.server.close_request(_RID)
-        return {"solves": solves, "graphs": self.graph_count()}
+        return {"shapes": shapes, "solves": solves, "graphs": self.graph_count()}
 
     def graph_count(self) -> int:
         """CUDA graphs captured by every server so far."""
