@@ -43,7 +43,7 @@ from oracle import assert_within_oracle, err_rel_fro
 pytestmark = pytest.mark.skipif(U.missing_reason() is not None, reason=str(U.missing_reason()))
 
 from torch_cfm.integrations.stepaudio2 import (  # noqa: E402
-    TorchCFMDecoder, accelerated, apply_torch_cfm, apply_torch_cfm_to_decoder, undo_torch_cfm)
+    TorchCFMDecoder, accelerated, apply_torch_cfm, apply_torch_cfm_to_decoder, undo_torch_cfm, warmup)
 
 REL = 1e-5  # SPEC §6 fp32 bound, relative Frobenius
 N_STEPS = 10
@@ -154,6 +154,28 @@ def test_warmup_then_a_stream_and_the_returned_caches_are_the_servers(flow):
         cnn, att = server.request_caches("stream")
         assert torch.equal(cache["estimator_att_cache"], att) and torch.equal(cache["estimator_cnn_cache"], cnn)
         cache = U.trim_stream_cache(cache, prompt.frames)
+
+
+def test_flow_warmup_runs_two_streams_per_prompt_then_streams_match(flow):
+    acc = _accelerated(flow, capture_encoder=True)  # on CPU the graphed encoder passes calls through
+    call = accelerated(acc).encoder_call
+    assert acc.encoder.forward_chunk is call
+    report = warmup(acc, prompt_frames=(40, 74), n_timesteps=N_STEPS)
+    assert report == {"streams": 4, "decoder_graphs": 0, "encoder_graphs": 0}
+    assert call.entries == {}  # CPU tensors: never captured, never keyed
+    prompt = U.make_prompt(U.TINY, 20, seed=81)
+    chunks = U.make_chunks(U.TINY, 6, seed=82)
+    _assert_stream_close(U.run_stream(flow, prompt, chunks), U.run_stream(acc, prompt, chunks))
+    with pytest.raises(ValueError, match=r"warmup: prompt_frames must hold positive multiples of 2"):
+        warmup(acc, prompt_frames=(41,))
+    undo_torch_cfm(acc)
+    assert "forward_chunk" not in vars(acc.encoder)
+    with pytest.raises(ValueError, match=r"warmup: target must be accelerated"):
+        warmup(acc)
+    dec = copy.deepcopy(flow.decoder)
+    with pytest.raises(ValueError, match=r"capture_encoder must be set only for a target with a flow encoder"):
+        apply_torch_cfm(dec, capture_encoder=True)
+    assert accelerated(dec) is None  # nothing installed
 
 
 def test_untrimmed_caches_and_in_place_edits_are_followed(flow):
