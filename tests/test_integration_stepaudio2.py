@@ -411,3 +411,32 @@ def test_gpu_real_token2wav_stream_matches_upstream():
     assert cache_acc["estimator_att_cache"].shape[4] == prompt.frames + 100  # Token2wav.stream trimmed it
     for a, b in zip(wavs_acc, wavs_up):
         assert a.shape == b.shape
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_encoder_replays_equal_its_eager_calls():
+    from torch_cfm.integrations._graphed import GraphedCall
+
+    flow = U.build_flow(U.TINY, seed=12).cuda()
+    enc = flow.encoder
+    call = GraphedCall(type(enc).forward_chunk.__get__(enc), name="encoder.forward_chunk")
+    g = torch.Generator().manual_seed(0)
+
+    def embedded(n):
+        return flow.input_embedding(torch.randint(0, U.TINY.vocab, (1, n), generator=g).cuda())
+
+    with torch.inference_mode():
+        _, cnn, att = enc.forward_chunk(embedded(23), last_chunk=False, cnn_cache=None, att_cache=None)
+        for i in range(4):  # eager, eager + capture + check, replay, replay
+            xs = embedded(28)
+            ref = type(enc).forward_chunk(enc, xs, last_chunk=False, cnn_cache=cnn, att_cache=att)
+            out = call(xs, last_chunk=False, cnn_cache=cnn, att_cache=att)
+            for a, b in zip(out, ref):
+                assert a.shape == b.shape and err_rel_fro(a, b) <= 1e-6, f"call {i}"
+    assert call.graph_count == 1 and next(iter(call.entries.values())).replays == 2, call.events
+    noisy = GraphedCall(lambda t: t + torch.rand_like(t), name="noisy")  # a replay cannot equal its eager call
+    x = torch.randn(64, device="cuda")
+    with torch.inference_mode():
+        for _ in range(3):
+            noisy(x)
+    assert noisy.graph_count == 0 and "kept eager" in noisy.events[0], noisy.events
