@@ -16,7 +16,8 @@ graphs — warmed up with ``warmup(flow)``), after one warm stream:
 Each chunk is timed on the host between device synchronisations (a chunk of ``Token2wav.stream``
 ends with a copy to the host anyway); rows give the setup ms, chunk p50/p99/median/max ms and
 their max/median ratio, the CFM decoder's share (``decoder_ms_p50``, from a separate pass that
-synchronises around ``flow.decoder.forward_chunk``; ``rest_ms_p50`` = encoder, projection, trims), the mel's error against the fp64 upstream flow on the same inputs
+synchronises around ``flow.decoder.forward_chunk``; ``rest_ms_p50`` = encoder, projection, trims),
+the mel's error against the fp64 upstream flow on the same inputs
 (largest relative Frobenius error over the chunks), and the captures that happened during the
 timed stream (0 = nothing compiled or captured after warm-up). Rows are upserted into
 ``bench/results/stepaudio2_stream.json`` (identity: op, provider, variant, shape, dtype,
@@ -138,7 +139,8 @@ def _timing_fields(setup_ms: float, times) -> dict:
     return dict(setup_ms=round(setup_ms, 3), chunk_ms_p50=round(med, 3), chunk_ms_median=round(med, 3),
                 chunk_ms_p99=round(_pct(times, 0.99), 3), chunk_ms_max=round(max(times), 3),
                 max_over_median=round(max(times) / med, 3) if med > 0 else None,
-                us_p20=round(_pct(times, 0.2) * 1e3, 1), us_p50=round(med * 1e3, 1), us_p80=round(_pct(times, 0.8) * 1e3, 1))
+                us_p20=round(_pct(times, 0.2) * 1e3, 1), us_p50=round(med * 1e3, 1),
+                us_p80=round(_pct(times, 0.8) * 1e3, 1))
 
 
 def _mel_errors(mels, ref) -> dict:
@@ -264,7 +266,8 @@ def main(argv=None) -> int:
     up_mel = next(r for r in rows if r["provider"] == "upstream" and r["variant"] == "mel")
     checks = [f"mel error vs fp64 {ours_mel['rel_err']:.2e} <= 2 x upstream {up_mel['rel_err']:.2e} + 1e-6: "
               f"{ours_mel['rel_err'] <= 2 * up_mel['rel_err'] + 1e-6}",
-              f"setup {ours_mel['setup_ms']:.1f} ms <= {BARS['setup_ms']} ms: {ours_mel['setup_ms'] <= BARS['setup_ms']}",
+              f"setup {ours_mel['setup_ms']:.1f} ms <= {BARS['setup_ms']} ms: "
+              f"{ours_mel['setup_ms'] <= BARS['setup_ms']}",
               f"captures during the timed stream: {ours_mel.get('captures_during_timing')}"]
     if ours_wave is not None:
         checks += [f"chunk tokens -> waveform p50 {ours_wave['chunk_ms_p50']:.1f} ms <= {BARS['chunk_ms']} ms: "

@@ -288,11 +288,13 @@ def test_fallbacks_run_the_upstream_method(flow):
     assert torch.equal(out, ref)  # temperature != 1: the upstream method itself
     mask = torch.ones(1, 1, 30)
     mask[..., -4:] = 0
-    assert torch.equal(acc.decoder.forward(mu, mask, spks, cond, N_STEPS), flow.decoder.forward(mu, mask, spks, cond, N_STEPS))
+    ref = flow.decoder.forward(mu, mask, spks, cond, N_STEPS)  # a padded mask: the upstream method
+    assert torch.equal(acc.decoder.forward(mu, mask, spks, cond, N_STEPS), ref)
 
 
 def test_errors_name_what_was_found(flow):
-    with pytest.raises(TypeError, match=r"apply_torch_cfm: target must be a stepaudio2 Token2wav.*torch\.nn\.modules\.linear\.Linear"):
+    with pytest.raises(TypeError, match=r"apply_torch_cfm: target must be a stepaudio2 Token2wav.*"
+                                        r"torch\.nn\.modules\.linear\.Linear"):
         apply_torch_cfm(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"got builtins\.object"):
         apply_torch_cfm(object())
@@ -305,7 +307,8 @@ def test_errors_name_what_was_found(flow):
     # an estimator whose state_dict differs from torch_cfm's DiT: the key is named
     odd = copy.deepcopy(flow)
     odd.decoder.estimator.blocks[1].attn.q_norm = torch.nn.Identity()
-    with pytest.raises(ValueError, match=r"does not have torch_cfm's DiT state_dict.*missing.*blocks\.1\.attn\.q_norm\.weight"):
+    with pytest.raises(ValueError, match=r"does not have torch_cfm's DiT state_dict.*missing.*"
+                                         r"blocks\.1\.attn\.q_norm\.weight"):
         apply_torch_cfm(odd)
     odd = copy.deepcopy(flow)
     odd.decoder.estimator.blocks[0].mlp.fc2 = torch.nn.Linear(4 * U.TINY.hidden, U.TINY.hidden + 1)
@@ -329,7 +332,8 @@ def test_errors_name_what_was_found(flow):
     bad = dict(cache, estimator_att_cache=cache["estimator_att_cache"][:, :, :1])
     with pytest.raises(ValueError, match=r"att_cache must have the upstream layout \(n, depth, 2, H, L, 2D\)"):
         acc.inference_chunk(chunks[0], prompt.spk, bad, n_timesteps=N_STEPS)
-    with pytest.raises(ValueError, match=r"att_cache must leave room for the chunk: L \+ T <= 190 frames.*trim the cache"):
+    with pytest.raises(ValueError, match=r"att_cache must leave room for the chunk: L \+ T <= 190 frames.*"
+                                         r"trim the cache"):
         for tok in chunks:  # never trimmed: 40 -> 90 -> 140 -> 190 -> full
             _, cache = acc.inference_chunk(tok, prompt.spk, cache, n_timesteps=N_STEPS)
 
