@@ -102,6 +102,7 @@ setup(
     packages=[
         "torch_cfm", "torch_cfm.ops", "torch_cfm.kernels", "torch_cfm.reference", "torch_cfm.models",
         "torch_cfm.compile_rules", "torch_cfm.compile_rules.passes",
+        "torch_cfm.integrations",
     ],
     package_dir={"torch_cfm.compile_rules": "compile_rules",
                  "torch_cfm.compile_rules.passes": "compile_rules/passes"},
