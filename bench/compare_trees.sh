@@ -9,7 +9,7 @@
 # new/old per row. Rows land in $OUT/old and $OUT/new (the benchmarks' own upserted files).
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT/old" "$OUT/new"
-OLD_TREE=$(cd "${OLD_TREE:?set OLD_TREE to the previous commit's tree}" && pwd); NEW_TREE=$PWD
+OLD_TREE=$(cd "${OLD_TREE:?set OLD_TREE to the tree of the previous commit}" && pwd); NEW_TREE=$PWD
 export PYTHONUNBUFFERED=1 CXX=${TORCH_CFM_CXX:-g++} CC=${TORCH_CFM_CC:-gcc}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 # The shapes of the comparison: attention at the steady streaming shapes, the estimator step, the
@@ -17,7 +17,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 ATTN_ARGS=${ATTN_ARGS:-"--shapes 8,50,450;32,50,450 --dtypes fp16,fp32-tf32 --providers torch_cfm --no-eager --repeats 30"}
 STEP_ARGS=${STEP_ARGS:-"--shapes 8,50,400;32,50,400 --dtypes fp16,fp32-tf32 --providers torch_cfm --variants none,arena --no-solve"}
 SOLVE_ARGS=${SOLVE_ARGS:-"--shapes 8,50,400 --dtypes fp16 --providers torch_cfm --variants none --no-steps"}
-SERVER_ARGS=${SERVER_ARGS:-"--streams 16,64 --dtypes fp16"}
+SERVER_ARGS=${SERVER_ARGS:-"--streams 16,64 --dtype fp16 --label steady"}
 
 build() {  # build <tree> <log>
   (cd "$1" && MAX_JOBS=8 python3 setup.py build_ext --inplace > "$2" 2>&1) || { tail -30 "$2"; return 1; }
@@ -32,10 +32,12 @@ run_side() {  # run_side <old|new> <script relative to the tree> <args...>
   local side=$1 script=$2; shift 2
   local tree=$NEW_TREE commit=${BENCH_COMMIT:-new}
   [ "$side" = old ] && tree=$OLD_TREE commit=${OLD_COMMIT:-old}
-  # serving_tick.py exists only in the new tree; it uses the public API both trees have
-  [ -f "$tree/$script" ] || script=$NEW_TREE/$script
+  # a script the old tree lacks (serving_tick.py) runs from the new tree against the old one (--repo):
+  # it uses only the public API both trees have
+  local repo=()
+  [ -f "$tree/$script" ] || { script=$NEW_TREE/$script; repo=(--repo "$tree"); }
   (cd "$tree" && PYTHONPATH=$tree BENCH_COMMIT=$commit timeout "${LIMIT_EACH:-200}" python3 "$script" "$@" \
-    --out "$OUT/$side" >> "$OUT/$side.log" 2>&1) || echo "$side $script: exit $?"
+    "${repo[@]}" --out "$OUT/$side" >> "$OUT/$side.log" 2>&1) || echo "$side $script: exit $?"
 }
 both() { echo "== $*"; date -u; run_side old "$@"; run_side new "$@"; }
 both bench/attention.py $ATTN_ARGS

@@ -25,8 +25,8 @@
 #   cuda-ablation  bench/cuda_attention_ablation.py: the CUDA attention kernel's configs, whole and with
 #                  loads / dots switched off (CUDA_ABLATION_ARGS)
 #   serving-tick   bench/serving_tick.py: CFMServer(graphs=True) steady tick at 16 and 64 streams (fp16,
-#                  300-frame prompts, 50-frame chunks, caches at 400); OLD_TREE=<dir of another checkout>
-#                  (OLD_COMMIT=<its hash>) times that tree too, in the same call (SERVING_TICK_ARGS)
+#                  300-frame prompts, 50-frame chunks, caches at 400; SERVING_TICK_ARGS); the same benchmarks on
+#                  the previous commit's tree in the same call: bench/compare_trees.sh
 #   graph-launch   bench/graph_launch.py: host µs of the solve graphs' launch and of CFMServer.solve_chunk
 #                  (GRAPH_LAUNCH_ARGS, e.g. "--plain-graphs")
 #   ncu-attention  Nsight Compute (full set, SASS source counters) of the attention kernel at
@@ -128,16 +128,9 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-1
       wgmma-gemm)  # the body's wgmma + TMA GEMM against cuBLAS (WGMMA_ARGS, e.g. "--parts check,repeat")
         timeout "$(limit wgmma-gemm 300)" python3 bench/wgmma_gemm.py ${WGMMA_ARGS:-} --out "$OUT" > "$OUT/wgmma_gemm.log" 2>&1
         tail -60 "$OUT/wgmma_gemm.log" ;;
-      serving-tick)  # CFMServer(graphs=True) steady tick, 16 and 64 streams; OLD_TREE=<dir>: that checkout too
-        timeout "$(limit serving-tick 300)" python3 bench/serving_tick.py --label new --out "$OUT" \
-          ${SERVING_TICK_ARGS:-} > "$OUT/serving_tick.log" 2>&1; tail -8 "$OUT/serving_tick.log"
-        if [ -n "${OLD_TREE:-}" ]; then
-          (cd "$OLD_TREE" && python3 setup.py build_ext --inplace > "$OUT/build_old.log" 2>&1) \
-            || { tail -20 "$OUT/build_old.log"; continue; }
-          BENCH_COMMIT=${OLD_COMMIT:-old} timeout "$(limit serving-tick 300)" python3 bench/serving_tick.py \
-            --repo "$OLD_TREE" --label old --out "$OUT" ${SERVING_TICK_ARGS:-} > "$OUT/serving_tick_old.log" 2>&1
-          tail -8 "$OUT/serving_tick_old.log"
-        fi ;;
+      serving-tick)  # CFMServer(graphs=True) steady tick, 16 and 64 streams (old vs new: bench/compare_trees.sh)
+        timeout "$(limit serving-tick 300)" python3 bench/serving_tick.py --out "$OUT" \
+          ${SERVING_TICK_ARGS:-} > "$OUT/serving_tick.log" 2>&1; tail -8 "$OUT/serving_tick.log" ;;
       graph-launch)  # host cost of the solve graphs' launch and of CFMServer.solve_chunk
         timeout "$(limit graph-launch 150)" python3 bench/graph_launch.py --out "$OUT" ${GRAPH_LAUNCH_ARGS:-} \
           > "$OUT/graph_launch.log" 2>&1
