@@ -45,6 +45,43 @@ def test_warmup_shapes_are_the_reachable_buckets(cfm):
         (0, 1, 10, 16), (0, 1, 10, 112), (1, 3, 10, 16), (1, 3, 10, 112)]
 
 
+def test_warmup_pairs_are_rounded_like_a_solve(cfm):
+    server = _server(cfm)
+    # a workload's (T, L) pairs: 3 -> chunk bucket 4, 7 -> 10, 11 -> the staging length 12; L 5 -> 16, 20 -> 112
+    shapes = server.warmup_shapes(pairs=[(3, 0), (7, 5), (4, 16), (11, 20)], slot_counts=[1])
+    assert shapes == [(0, 1, 4, 0), (0, 1, 4, 16), (0, 1, 10, 16), (0, 1, 12, 112),
+                      (1, 2, 4, 0), (1, 2, 4, 16), (1, 2, 10, 16), (1, 2, 12, 112)]
+    with pytest.raises(ValueError, match="pairs"):
+        server.warmup_shapes(pairs=[(0, 4)])
+    report = server.warmup(pairs=[(3, 0), (7, 5)], slot_counts=[1], progress=False)
+    assert len(report.shapes) == 4 and server.solve_fn.misses == 4
+
+
+def test_load_request_caches_round_trips_and_checks(cfm):
+    server = _server(cfm, graphs=False)
+    g = torch.Generator().manual_seed(3)
+    server.open_request("a", torch.randn(80, generator=g), prompt_mu=torch.randn(80, 8, generator=g),
+                        prompt_mel=torch.randn(80, 8, generator=g))
+    cnn0, att0 = server.request_caches("a")
+    att = torch.randn(STEPS, TINY.depth, 2, TINY.heads, 13, 2 * TINY.head_dim, generator=g)
+    cnn = torch.randn_like(cnn0)
+    server.load_request_caches("a", cnn, att)
+    assert server.cache_length("a") == 13
+    cnn1, att1 = server.request_caches("a")
+    assert torch.equal(cnn1, cnn) and torch.equal(att1, att)
+    # the next chunk attends over the loaded frames and appends to them
+    out = server.solve_chunk({"a": torch.randn(80, 4, generator=g)})["a"]
+    assert out.shape == (80, 4) and torch.isfinite(out).all() and server.cache_length("a") == 17
+    with pytest.raises(ValueError, match="att must hold at most max_cache_frames"):
+        server.load_request_caches("a", cnn, torch.zeros(STEPS, TINY.depth, 2, TINY.heads, 113, 2 * TINY.head_dim))
+    with pytest.raises(ValueError, match="cnn must be a tensor of shape"):
+        server.load_request_caches("a", cnn[:, :1], att)
+    with pytest.raises(ValueError, match="att must be torch.float32"):
+        server.load_request_caches("a", cnn, att.double())
+    with pytest.raises(ValueError, match="'b'"):
+        server.load_request_caches("b", cnn, att)
+
+
 def test_warmup_covers_every_later_prompt_and_tick(cfm, capsys):
     server = _server(cfm)
     solver = server.solve_fn

@@ -196,20 +196,8 @@ class _Stream:
         return arena.cnn[:, :, 0:2].clone(), att
 
     def load(self, cnn: torch.Tensor, att: torch.Tensor) -> None:
-        """Put caches in the upstream layout into the slot (frame j = key j) and set its length.
-
-        CFMServer has no public loader of a request's caches yet: this writes the slot's arena
-        rows (public :class:`~torch_cfm.models.cache.CacheArena` attributes) and the server's host
-        mirror of the cache length (``_requests[rid].cache_len``, private). A public
-        ``CFMServer.load_request_caches(request_id, cnn, att)`` would replace the last line."""
-        server = self.server
-        arena = server.arenas[0]
-        length = att.shape[4]
-        arena.att[:, :, 0:2, :, :length].copy_(att)
-        arena.cnn[:, :, 0:2].copy_(cnn)
-        arena.frame_keys[0].copy_(torch.arange(arena.max_cache_frames, device=arena.frame_keys.device))
-        arena.cache_lengths[0] = length
-        server._requests[_RID].cache_len = length  # noqa: SLF001 - see the docstring
+        """Put caches in the upstream layout into the slot (its next chunk continues from them)."""
+        self.server.load_request_caches(_RID, cnn, att)
         self.loads += 1
 
 
@@ -416,47 +404,31 @@ class TorchCFMDecoder:
         return shapes
 
     def warmup(self, prompt_frames: Iterable[int] = (300,), chunk_frames: Sequence[int] = (50,),
-               last_chunk_frames: Sequence[int] = (56,), n_timesteps: int = 10, keep_oldest: int = 100) -> dict:
+               last_chunk_frames: Sequence[int] = (56,), n_timesteps: int = 10, keep_oldest: int = 100,
+               progress: bool = True) -> dict:
         """Compile the kernels and capture the graphs of every solve a stream meets, now.
 
-        Solves each (T, L) of :meth:`stream_shapes` twice (the server's graph solver runs a new
-        shape eagerly once, then captures and replays it) from seeded random inputs and caches,
-        then drops the stream state (the next call starts a new stream).
+        Runs :meth:`CFMServer.warmup <torch_cfm.models.server.CFMServer.warmup>` of the stream's
+        server over the (T, L) pairs of :meth:`stream_shapes` (each shape until its graph is
+        captured, on idle slots), after dropping any stream state (the next call starts a new
+        stream). ``progress``: one stderr line per shape.
 
         Returns:
-            {"shapes": [(T, L), ...], "solves": int, "graphs": int (captured so far, all servers;
-            0 on CPU)}.
+            {"shapes": [(T, L), ...], "solves": shapes warmed (after bucketing), "graphs": int
+            (captured so far, all servers; 0 on CPU), "report": the server's WarmupReport}.
         """
         shapes = self.stream_shapes(prompt_frames, chunk_frames, last_chunk_frames, keep_oldest)
-        cfg = self.estimator.config
-        gen = torch.Generator().manual_seed(0)
-
-        def rand(*shape, scale=1.0):
-            return (scale * torch.randn(*shape, generator=gen)).to(device=self.device, dtype=self.dtype)
-
         with self._context():
             stream = self._stream(int(n_timesteps))
-            spks = rand(1, cfg.out_channels)
-            solves = 0
-            for t_len, cache in shapes:
-                cnn = rand(n_timesteps, cfg.depth, 2, 2 * cfg.hidden, 2, scale=0.5) if cache else None
-                att = rand(n_timesteps, cfg.depth, 2, cfg.heads, cache, 2 * cfg.head_dim, scale=0.5) if cache else None
-                for _ in range(2):
-                    self.forward_chunk(rand(1, cfg.out_channels, t_len), spks, rand(1, cfg.out_channels, t_len),
-                                       n_timesteps, cnn_cache=cnn, att_cache=att)
-                    solves += 1
             stream.last = None
             if _RID in stream.server.open_requests:
                 stream.server.close_request(_RID)
-        return {"shapes": shapes, "solves": solves, "graphs": self.graph_count()}
+            report = stream.server.warmup(pairs=shapes, progress=progress)
+        return {"shapes": shapes, "solves": len(report.shapes), "graphs": self.graph_count(), "report": report}
 
     def graph_count(self) -> int:
         """CUDA graphs captured by every server so far."""
-        count = 0
-        for stream in self._streams.values():
-            keys = getattr(stream.server.solve_fn, "_keys", {})
-            count += sum(1 for ent in keys.values() if getattr(ent, "graph", None) is not None)
-        return count
+        return sum(getattr(stream.server.solve_fn, "graph_count", 0) for stream in self._streams.values())
 
 
 # ---------------------------------------------------------------------------- public entry points

@@ -347,6 +347,21 @@ class CacheArena:
         lengths = torch.full((2,), length, device=keys.device)
         return self.cnn[:, :, rows].clone(), keyed_to_newest_first(self.att[:, :, rows], keys, lengths, length)
 
+    def load_request_caches(self, slot: int, cnn: torch.Tensor, att: torch.Tensor) -> None:
+        """Put caches in the SPEC layout into one slot (the inverse of :meth:`request_caches`):
+        cnn (n, depth, 2, 2C, 2) and att (n, depth, 2, H, L, 2D) newest first, row 0 = cond,
+        row 1 = uncond. The slot's frames become its keys in order (frame j = key j) and its
+        ``cache_lengths`` entry L. Shapes are checked by the caller (:meth:`CFMServer.load_request_caches`)."""
+        if not 0 <= slot < self.rows:
+            fail("CacheArena.load_request_caches", "slot", f"be in [0, {self.rows})", str(slot))
+        length = att.shape[4]
+        for row, src in ((slot, 0), (self.rows + slot, 1)):
+            self.att[:, :, row, :, :length].copy_(att[:, :, src])
+            self.cnn[:, :, row].copy_(cnn[:, :, src])
+        self.frame_keys[slot].copy_(torch.arange(self.max_cache_frames, device=self.frame_keys.device,
+                                                 dtype=self.frame_keys.dtype))
+        self.cache_lengths[slot] = length
+
     def describe(self) -> str:
         return (f"CacheArena(rows={self.rows}, att={shape_str(self.att)}, cnn={shape_str(self.cnn)}, "
                 f"{self.att.dtype}, {self.nbytes() / 2**20:.1f} MiB)")

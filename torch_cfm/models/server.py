@@ -278,6 +278,35 @@ class CFMServer:
         req = self._get(request_id, "CFMServer.request_caches")
         return self.arenas[req.bucket].request_caches(req.slot, req.cache_len)
 
+    def load_request_caches(self, request_id: Hashable, cnn: torch.Tensor, att: torch.Tensor) -> None:
+        """Replace an open request's caches with ``cnn``/``att`` in the layout :meth:`request_caches`
+        returns (e.g. caches a caller trimmed or built elsewhere): cnn (n, depth, 2, 2C, 2) and att
+        (n, depth, 2, H, L, 2D), L <= ``max_cache_frames``; its next chunk continues from them.
+
+        Raises:
+            ValueError: unknown/closed id, or a cache of the wrong shape, dtype or device.
+        """
+        op = "CFMServer.load_request_caches"
+        req = self._get(request_id, op)
+        arena = self.arenas[req.bucket]
+        cfg, n = self.config, arena.att.shape[0]
+        want_cnn = (n, cfg.depth, 2, 2 * cfg.hidden, cfg.conv_cache_frames)
+        if not isinstance(cnn, torch.Tensor) or tuple(cnn.shape) != want_cnn:
+            fail(op, "cnn", f"be a tensor of shape {want_cnn}", shape_str(cnn) if isinstance(cnn, torch.Tensor)
+                 else type(cnn).__name__)
+        if not isinstance(att, torch.Tensor) or att.dim() != 6 or \
+                tuple(att.shape[:4]) + (att.shape[5],) != (n, cfg.depth, 2, cfg.heads, 2 * cfg.head_dim):
+            fail(op, "att", f"be a tensor of shape ({n}, {cfg.depth}, 2, {cfg.heads}, L, {2 * cfg.head_dim})",
+                 shape_str(att) if isinstance(att, torch.Tensor) else type(att).__name__)
+        if att.shape[4] > arena.max_cache_frames:
+            fail(op, "att", f"hold at most max_cache_frames={arena.max_cache_frames} frames", str(att.shape[4]),
+                 "trim the cache first")
+        for name, t in (("cnn", cnn), ("att", att)):
+            if t.dtype != arena.att.dtype or t.device != arena.att.device:
+                fail(op, name, f"be {arena.att.dtype} on {arena.att.device}", f"{t.dtype} on {t.device}")
+        arena.load_request_caches(req.slot, cnn, att)
+        req.cache_len = att.shape[4]
+
     # ------------------------------------------------------------------ solving
     def solve_chunk(self, chunks: Mapping[Hashable, Any]) -> dict[Hashable, torch.Tensor]:
         """Solve one chunk for each given open request, all at once (ragged lengths allowed).
@@ -354,40 +383,60 @@ class CFMServer:
     # ------------------------------------------------------------------ start-up
     def warmup_shapes(self, *, chunk_frames: Optional[Iterable[int]] = None,
                       cache_frames: Optional[Iterable[int]] = None,
-                      slot_counts: Optional[Iterable[int]] = None) -> list[tuple[int, int, int, int]]:
+                      slot_counts: Optional[Iterable[int]] = None,
+                      pairs: Optional[Iterable[tuple[int, int]]] = None) -> list[tuple[int, int, int, int]]:
         """Every solve shape (bucket, S, T, Lb) a prompt solve or tick can produce.
 
         T runs over the chunk buckets (clipped to the staging length; the staging length itself
         when a chunk or prompt can exceed the largest bucket), Lb over the cache buckets likewise,
         S over the slot buckets (the bucket's whole arena once S reaches it), per batch bucket.
-        ``chunk_frames`` / ``cache_frames`` / ``slot_counts`` restrict or replace those sets.
+        ``chunk_frames`` / ``cache_frames`` / ``slot_counts`` restrict or replace those sets;
+        ``pairs`` replaces the T x Lb product by the (chunk frames, cache frames) pairs a workload
+        meets (e.g. one stream's prompt and chunks under the trim). Given lengths are rounded up to
+        the buckets exactly as a solve rounds them.
 
         Raises:
             ValueError: no ``chunk_buckets`` (or ``cache_buckets``) and no explicit list: exact
                 lengths give a shape per length, which no warm-up can cover.
         """
         op = "CFMServer.warmup"
+        pair_list = None
+        if pairs is not None:
+            pair_list = [tuple(p) for p in pairs]
+            if not pair_list or any(len(p) != 2 or p[0] < 1 or p[1] < 0 for p in pair_list):
+                fail(op, "pairs", "be a non-empty list of (chunk frames >= 1, cache frames >= 0)", repr(pairs))
         shapes = []
         for bucket, arena in enumerate(self.arenas):
-            chunks = _given(op, "chunk_frames", chunk_frames, 1, arena.max_chunk_frames) \
-                or _reachable(self.chunk_buckets, arena.max_chunk_frames, 1)
-            caches = _given(op, "cache_frames", cache_frames, 0, arena.max_cache_frames) \
-                or _reachable(self.cache_buckets, arena.max_cache_frames, 0)
+            def chunk(v: int) -> int:
+                return _round_up(v, self.chunk_buckets, arena.max_chunk_frames)
+
+            def cache(v: int) -> int:
+                return _round_up(v, self.cache_buckets, arena.max_cache_frames)
+
             counts = _given(op, "slot_counts", slot_counts, 1, arena.rows) \
                 or _reachable(self.slot_buckets, arena.rows, 1) or list(range(1, arena.rows + 1))
-            if chunks is None:
-                fail(op, "chunk_frames", "be given when the server has no chunk_buckets", "None",
-                     "build the server with chunk_buckets=[...] (exact lengths give a shape per length)")
-            if caches is None:
-                fail(op, "cache_frames", "be given when the server has no cache_buckets", "None",
-                     "build the server with cache_buckets=[...] (exact lengths give a shape per length)")
             counts = sorted({min(_round_up(c, self.slot_buckets, arena.rows), arena.rows) for c in counts})
-            shapes += [(bucket, s, t, lb) for s in counts for t in chunks for lb in caches]
+            if pair_list is not None:
+                sizes = sorted({(chunk(t), cache(lb)) for t, lb in pair_list})
+            else:
+                chunks = _given(op, "chunk_frames", chunk_frames, 1, arena.max_chunk_frames) \
+                    or _reachable(self.chunk_buckets, arena.max_chunk_frames, 1)
+                caches = _given(op, "cache_frames", cache_frames, 0, arena.max_cache_frames) \
+                    or _reachable(self.cache_buckets, arena.max_cache_frames, 0)
+                if chunks is None:
+                    fail(op, "chunk_frames", "be given when the server has no chunk_buckets", "None",
+                         "build the server with chunk_buckets=[...] (exact lengths give a shape per length)")
+                if caches is None:
+                    fail(op, "cache_frames", "be given when the server has no cache_buckets", "None",
+                         "build the server with cache_buckets=[...] (exact lengths give a shape per length)")
+                sizes = sorted({(chunk(t), cache(lb)) for t in chunks for lb in caches})
+            shapes += [(bucket, s, t, lb) for s in counts for t, lb in sizes]
         return shapes
 
     def warmup(self, *, progress: bool = True, chunk_frames: Optional[Iterable[int]] = None,
                cache_frames: Optional[Iterable[int]] = None,
-               slot_counts: Optional[Iterable[int]] = None) -> WarmupReport:
+               slot_counts: Optional[Iterable[int]] = None,
+               pairs: Optional[Iterable[tuple[int, int]]] = None) -> WarmupReport:
         """Compile every kernel and capture every graph of the configured buckets, before serving.
 
         Runs each shape of :meth:`warmup_shapes` (the prompt solves' shapes included: a prompt is
@@ -398,7 +447,7 @@ class CFMServer:
 
         Args:
             progress: one stderr line per shape (False = silent).
-            chunk_frames, cache_frames, slot_counts: see :meth:`warmup_shapes`.
+            chunk_frames, cache_frames, slot_counts, pairs: see :meth:`warmup_shapes`.
         Returns:
             :class:`WarmupReport` (shapes, graph count, graph-pool and arena bytes, seconds).
         Raises:
@@ -409,7 +458,8 @@ class CFMServer:
         if self._requests:
             raise RuntimeError(f"CFMServer.warmup: {len(self._requests)} requests are open; warm up before "
                                "opening requests")
-        shapes = self.warmup_shapes(chunk_frames=chunk_frames, cache_frames=cache_frames, slot_counts=slot_counts)
+        shapes = self.warmup_shapes(chunk_frames=chunk_frames, cache_frames=cache_frames, slot_counts=slot_counts,
+                                    pairs=pairs)
         solver = self.solve_fn if isinstance(self.solve_fn, ArenaGraphSolver) else None
         if solver is not None:  # keep every warmed key (and any held before)
             solver.max_graphs = max(solver.max_graphs, len(shapes) + len(solver.entries()))
