@@ -13,13 +13,13 @@ OLD_TREE=$(cd "${OLD_TREE:?set OLD_TREE to the tree of the previous commit}" && 
 export PYTHONUNBUFFERED=1 CXX=${TORCH_CFM_CXX:-g++} CC=${TORCH_CFM_CC:-gcc}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 # The shapes of the comparison: attention at the steady streaming shapes, the estimator step, the
-# whole-solve row and the server's steady tick (B streams = 2B rows).
+# whole-solve row and the server's steady tick (B streams = 2B rows). PARTS picks and orders them.
 ATTN_ARGS=${ATTN_ARGS:-"--shapes 8,50,450;32,50,450 --dtypes fp16,fp32-tf32 --providers torch_cfm --no-eager --repeats 30"}
 STEP_ARGS=${STEP_ARGS:-"--shapes 8,50,400;32,50,400 --dtypes fp16,fp32-tf32 --providers torch_cfm --variants none,arena --no-solve"}
 SOLVE_ARGS=${SOLVE_ARGS:-"--shapes 8,50,400 --dtypes fp16 --providers torch_cfm --variants none --no-steps"}
 SERVER_ARGS=${SERVER_ARGS:-"--streams 16,64 --dtype fp16 --label steady"}
 
-build() {  # build <tree> <log>
+build() {  # build <tree> <log> (in place; a warm machine keeps the last call's build)
   (cd "$1" && MAX_JOBS=8 python3 setup.py build_ext --inplace > "$2" 2>&1) || { tail -30 "$2"; return 1; }
 }
 echo "== build both trees"; date -u
@@ -40,9 +40,13 @@ run_side() {  # run_side <old|new> <script relative to the tree> <args...>
     "${repo[@]}" --out "$OUT/$side" >> "$OUT/$side.log" 2>&1) || echo "$side $script: exit $?"
 }
 both() { echo "== $*"; date -u; run_side old "$@"; run_side new "$@"; }
-both bench/attention.py $ATTN_ARGS
-both bench/dit_step.py $STEP_ARGS
-both bench/dit_step.py $SOLVE_ARGS
-both bench/serving_tick.py $SERVER_ARGS
+for part in ${PARTS:-serving steps solve attention}; do
+  case $part in
+    serving) both bench/serving_tick.py $SERVER_ARGS ;;
+    steps) both bench/dit_step.py $STEP_ARGS ;;
+    solve) both bench/dit_step.py $SOLVE_ARGS ;;
+    attention) both bench/attention.py $ATTN_ARGS ;;
+  esac
+done
 echo "== compare"; date -u
 python3 bench/compare_rows.py "$OUT/old" "$OUT/new" | tee "$OUT/compare.md"
