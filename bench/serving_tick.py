@@ -41,6 +41,9 @@ def _args(argv=None):
     ap.add_argument("--repo", default=os.path.dirname(HERE), help="torch_cfm tree to import (default: this one)")
     ap.add_argument("--label", default=None, help="row variant naming the tree (default: its git commit)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--no-warmup", action="store_true", help="skip CFMServer.warmup even where the tree has it")
+    ap.add_argument("--profile-host", type=int, default=0, metavar="TICKS",
+                    help="print a cProfile of the host side of this many ticks (after the timed ones)")
     ap.add_argument("--dry-run", action="store_true", help="tiny config on the CPU")
     return ap.parse_args(argv)
 
@@ -77,7 +80,7 @@ def measure(streams: int, args, env: dict, tree: str) -> dict:
                        chunk_buckets=[t_len], cache_buckets=[cache], slot_buckets=[1, streams],
                        device=device, dtype=dtype, graphs=True)
     row["arena_bytes"] = sum(a.nbytes() for a in server.arenas)
-    if hasattr(server, "warmup"):  # trees without it warm up through the settling ticks below
+    if hasattr(server, "warmup") and not args.no_warmup:  # else: warmed by the settling ticks below
         start = time.perf_counter()
         report = server.warmup(progress=False)
         row["warmup_s"] = round(time.perf_counter() - start, 3)
@@ -126,6 +129,19 @@ def measure(streams: int, args, env: dict, tree: str) -> dict:
     row.update(percentiles(ticks))
     row["host_us_p50"] = percentiles(host)["us_p50"]
     row["repeats"] = args.repeats
+    if args.profile_host:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        for i in range(args.profile_host):
+            chunks = pool[i % len(pool)]
+            if not dry:
+                torch.cuda.synchronize()
+            profiler.enable()
+            server.solve_chunk(chunks)
+            profiler.disable()
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(14)
     print(f"serving_tick S={streams} {row['dtype']} [{row['variant']}]: p50 {row['us_p50']} us/tick, "
           f"host {row['host_us_p50']} us, warmup {row.get('warmup_s')} s", flush=True)
     del server, cfm, model

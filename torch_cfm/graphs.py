@@ -70,6 +70,14 @@ class GraphEntry:
     replays: int = 0
     pool_bytes: int = 0
 
+    def replay(self, read: dict) -> None:
+        """Copy the read-only inputs whose storage is not the captured one into it, then replay."""
+        for k, v in read.items():
+            if v is not None and v.data_ptr() != self.inputs[k].data_ptr():
+                self.inputs[k].copy_(v)
+        self.graph.replay()
+        self.replays += 1
+
 
 class ArenaGraphSolver:
     """A CUDA-graph wrapper with :func:`~torch_cfm.models.solver.solve_arena_chunk`'s signature.
@@ -186,11 +194,7 @@ class ArenaGraphSolver:
             if ent.graph is None:
                 ent.eager_calls += 1
                 return eager(read)
-        for k, v in read.items():
-            if v is not None and v.data_ptr() != ent.inputs[k].data_ptr():
-                ent.inputs[k].copy_(v)
-        ent.graph.replay()
-        ent.replays += 1
+        ent.replay(read)
         return None
 
     def _capture(self, ent: GraphEntry, eager, read: dict, device: torch.device) -> None:
@@ -228,6 +232,7 @@ class RunnerEntry:
     key: tuple[int, int, int]
     arena: CacheArena
     x0: torch.Tensor
+    graph: Optional[GraphEntry] = None  # the solver's captured entry of this arena, once captured
 
     def arena_bytes(self) -> int:
         """Bytes of the cache arena (attention and conv caches)."""
@@ -277,6 +282,7 @@ class CFMGraphRunner:
         self.precision = policy.resolve_precision(dtype, precision or "auto")
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.solver = ArenaGraphSolver(max_graphs=max_graphs)
+        self._packed = None
         self._entries: "OrderedDict[tuple[int, int, int], RunnerEntry]" = OrderedDict()
         self._events: list[str] = []
 
@@ -310,7 +316,17 @@ class CFMGraphRunner:
         return RunnerEntry(key, arena, torch.zeros((batch, mel, t_len), device=self.device, dtype=torch.float32))
 
     def entry(self, key: tuple[int, int, int]) -> RunnerEntry:
-        """The bucket's arena (allocated on first use; most recently used after this call)."""
+        """The bucket's arena (allocated on first use; most recently used after this call).
+
+        Checks the estimator's weights: after a change every bucket's graph is captured again
+        (:meth:`run` replays a captured bucket directly, without the solver's key lookup)."""
+        packed = packed_for(self.model, self.dtype, self.device)
+        if packed is not self._packed:
+            if self._packed is not None:
+                self._note("weights changed: graphs captured again")
+                for e in self._entries.values():
+                    e.graph = None
+            self._packed = packed
         ent = self._entries.get(key)
         if ent is None:
             while len(self._entries) >= self.max_graphs:
@@ -329,15 +345,25 @@ class CFMGraphRunner:
         return {k: e.arena.att.data_ptr() in captured for k, e in self._entries.items()}
 
     def run(self, ent: RunnerEntry, graphs: Optional[bool] = None) -> None:
-        """Solve the bucket's staged arena in place (replay its graph; capture when due)."""
+        """Solve the bucket's staged arena in place: replay its graph (the solver captures it when
+        due; a captured bucket replays directly, its weights checked by :meth:`entry`)."""
         arena = ent.arena
         _, t_len, cache_len = ent.key
-        solve = self.solver if (self.use_graphs if graphs is None else graphs) else solve_arena_chunk
+        use_graphs = self.use_graphs if graphs is None else graphs
+        if use_graphs and ent.graph is not None and ent.graph.graph is not None:
+            ent.graph.replay(dict(noise=ent.x0, mu=arena.mu, spks=arena.spks, cond=arena.cond,
+                                  valid_lengths=arena.valid_lengths, prompt_lengths=arena.prompt_lengths,
+                                  slots=None, x0=ent.x0))
+            return
+        solve = self.solver if use_graphs else solve_arena_chunk
         with self._tf32(), torch.no_grad():
             solve(self.model, arena.att, arena.cnn, ent.x0, arena.mu, arena.spks, arena.cond, arena.valid_lengths,
                   arena.cache_lengths, arena.prompt_lengths, arena.out_mel, cache_frames=cache_len,
                   n_timesteps=self.n_steps, cfg_rate=self.cfg_rate, keep_oldest=cache_len + t_len,
                   frame_keys=arena.frame_keys, x0=ent.x0)
+        if use_graphs:
+            ptr = arena.att.data_ptr()
+            ent.graph = next((e for e in self.solver.entries() if e.arena_ptr == ptr and e.graph is not None), None)
 
     def run_eager(self, ent: RunnerEntry) -> None:
         """The solve on ``ent`` without a graph (same kernels as the replay)."""
