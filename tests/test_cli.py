@@ -133,3 +133,23 @@ def test_arena_too_big_for_free_memory_is_one_line(monkeypatch, capsys):
 def test_available_memory_is_known_on_this_machine():
     free = demo._available_bytes(torch.device("cpu"))
     assert free is None or free > 0
+
+
+# ------------------------------------------------------------------ packaging
+
+
+def test_pyproject_lists_every_package_of_the_tree():
+    """A package folder missing from pyproject.toml would work in an editable install and be absent
+    from a wheel; compile_rules/ ships as torch_cfm.compile_rules."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        tool = tomllib.load(f)["tool"]["setuptools"]
+    found = set()
+    for top, name in (("torch_cfm", "torch_cfm"), ("compile_rules", "torch_cfm.compile_rules")):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            if "__init__.py" in files:
+                rel = os.path.relpath(folder, os.path.join(ROOT, top))
+                found.add(name if rel == "." else f"{name}.{rel.replace(os.sep, '.')}")
+    assert found == set(tool["packages"])
+    assert tool["package-dir"] == {"torch_cfm.compile_rules": "compile_rules",
+                                   "torch_cfm.compile_rules.passes": "compile_rules/passes"}
