@@ -1,7 +1,9 @@
-"""Build torch_cfm: the C++ extension (op schemas + CPU kernels) and the Python packages.
+"""Build torch_cfm's C++ extension (op schemas + CPU kernels; the CUDA kernels where nvcc exists).
 
-Install with ``pip install --no-build-isolation -e .`` so the build uses the torch already
-installed (build isolation would download a CUDA torch of several GB).
+Metadata and packages are declared in pyproject.toml. Install with
+``python3 -m pip install --no-build-isolation -e .`` so the extension builds against the torch
+already installed (build isolation would download a CUDA torch of several GB into a throwaway
+build environment and compile against that one; see pyproject.toml).
 """
 
 import glob
@@ -15,8 +17,8 @@ try:
     import torch  # noqa: F401
     from torch.utils.cpp_extension import BuildExtension, CppExtension
 except ImportError:  # pragma: no cover - install-time message
-    sys.exit("torch_cfm: PyTorch must be installed before building (pip install torch==2.13.0), "
-             "then pip install --no-build-isolation -e .")
+    sys.exit("torch_cfm: PyTorch must be installed before building (python3 -m pip install torch), "
+             "then build against it without build isolation: python3 -m pip install --no-build-isolation -e .")
 
 if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
     sys.exit("torch_cfm: a C++ compiler (g++ or clang++) is required to build csrc/; "
@@ -88,24 +90,13 @@ def _cuda_extension():
     return None, why
 
 
-here = os.path.dirname(os.path.abspath(__file__))
 sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
 debug = os.environ.get("DEBUG", "0") == "1"
 
 cuda_extension, _ = _cuda_extension()
 
+# Metadata, packages and extras are in pyproject.toml; setup.py adds what needs code: the extensions.
 setup(
-    name="torch_cfm",
-    version="0.1.0",
-    description="Fast, compile-ready flow-matching (CFM) DiT speech decoders for PyTorch",
-    python_requires=">=3.10",
-    packages=[
-        "torch_cfm", "torch_cfm.ops", "torch_cfm.kernels", "torch_cfm.reference", "torch_cfm.models",
-        "torch_cfm.compile_rules", "torch_cfm.compile_rules.passes",
-        "torch_cfm.integrations",
-    ],
-    package_dir={"torch_cfm.compile_rules": "compile_rules",
-                 "torch_cfm.compile_rules.passes": "compile_rules/passes"},
     ext_modules=[
         CppExtension(
             "torch_cfm._C",
@@ -116,7 +107,4 @@ setup(
         )
     ] + ([cuda_extension] if cuda_extension is not None else []),
     cmdclass={"build_ext": BuildCheckedExtension},
-    install_requires=["torch>=2.11", "numpy"],
-    extras_require={"test": ["pytest", "hypothesis", "triton>=3.4; platform_system == 'Linux'"]},
-    entry_points={"torch_dynamo_backends": ["torch_cfm = torch_cfm.compile_rules.backend:torch_cfm_backend"]},
 )

@@ -49,13 +49,16 @@ def tf32_flag():
 
 
 @pytest.fixture
-def no_compile_caches(monkeypatch):
-    """Compile for real (the joint pass must run, not a cached artifact of an earlier run)."""
+def no_compile_caches():
+    """Compile for real (the joint pass must run, not a cached artifact of an earlier run).
+
+    Through torch's scoped ``config.patch`` (never monkeypatch.setattr on a torch config module:
+    pytest >= 9.2 undoes it with delattr, which torch's config modules refuse)."""
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        yield
 
 
 # ------------------------------------------------------------------------------------------
@@ -250,16 +253,16 @@ def test_backend_options_split_and_bad_option_named():
     assert patches["triton.cudagraphs"] is True and patches["max_autotune"] is False
 
 
-def test_backend_puts_the_same_pass_in_the_joint_slot_and_keeps_users_passes(monkeypatch):
+def test_backend_puts_the_same_pass_in_the_joint_slot_and_keeps_users_passes():
     from torch._inductor import config as inductor_config
 
     def user_pass(graph):
         return None
 
-    monkeypatch.setattr(inductor_config, "joint_custom_pre_pass", user_pass)
     eager = EagerCompiler()
     be = TorchCfmBackend(compiler=eager)
-    torch.compile(attention_fn, backend=be)(*attention_inputs())
+    with inductor_config.patch(joint_custom_pre_pass=user_pass):
+        torch.compile(attention_fn, backend=be)(*attention_inputs())
     slot = hooks.passes_in(eager.patches[-1]["joint_custom_pre_pass"])
     assert slot[0] is user_pass and slot[1] is be.last_pass
 
@@ -576,24 +579,23 @@ def test_uuid_hashes_the_rules_source():
 # ------------------------------------------------------------------------------------------
 
 
-def test_install_adds_one_pass_to_both_slots_and_uninstall_keeps_others(monkeypatch):
+def test_install_adds_one_pass_to_both_slots_and_uninstall_keeps_others():
     from torch._inductor import config as inductor_config
 
     def user_pass(graph):
         return None
 
-    monkeypatch.setattr(inductor_config, "pre_grad_custom_pass", user_pass)
-    monkeypatch.setattr(inductor_config, "joint_custom_pre_pass", None)
-    rules = compile_rules.install()
-    try:
-        assert hooks.passes_in(inductor_config.pre_grad_custom_pass) == [user_pass, rules]
-        assert hooks.passes_in(inductor_config.joint_custom_pre_pass) == [rules]
-        again = compile_rules.install()  # replaces, never stacks
-        assert hooks.passes_in(inductor_config.pre_grad_custom_pass) == [user_pass, again]
-    finally:
-        compile_rules.uninstall()
-    assert inductor_config.pre_grad_custom_pass in (user_pass, [user_pass])
-    assert inductor_config.joint_custom_pre_pass is None
+    with inductor_config.patch(pre_grad_custom_pass=user_pass, joint_custom_pre_pass=None):
+        rules = compile_rules.install()
+        try:
+            assert hooks.passes_in(inductor_config.pre_grad_custom_pass) == [user_pass, rules]
+            assert hooks.passes_in(inductor_config.joint_custom_pre_pass) == [rules]
+            again = compile_rules.install()  # replaces, never stacks
+            assert hooks.passes_in(inductor_config.pre_grad_custom_pass) == [user_pass, again]
+        finally:
+            compile_rules.uninstall()
+        assert inductor_config.pre_grad_custom_pass in (user_pass, [user_pass])
+        assert inductor_config.joint_custom_pre_pass is None
 
 
 def test_slots_on_torch_2_11_take_a_single_chained_pass(monkeypatch):

@@ -1,5 +1,7 @@
 """SPEC §5 dispatch policy: one decision function, env > argument > torch setting."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -9,6 +11,18 @@ from torch_cfm.policy import decide
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
 H200, T4 = (9, 0), (7, 5)
+
+
+@contextlib.contextmanager
+def matmul_tf32(enabled: bool):
+    """Set torch's CUDA matmul TF32 flag and restore it (pytest >= 9.2's monkeypatch cannot: its
+    undo deletes the attribute, which torch.backends.cuda.matmul refuses)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -36,12 +50,12 @@ def test_cpu_is_reference():
     assert d.reasons == ("needs a CUDA device, found cpu", "fp32 with TF32 off")
 
 
-def test_env_tf32_beats_argument_and_torch_setting(monkeypatch):
+def test_env_tf32_beats_argument_and_torch_setting():
     assert decide(CUDA, torch.float32, tf32=True, capability=H200, env={"TORCH_CFM_TF32": "off"}).precision == "ieee"
     assert decide(CUDA, torch.float32, tf32=False, capability=H200, env={"TORCH_CFM_TF32": "on"}).fused
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert decide(CUDA, torch.float32, capability=H200, env={}).precision == "tf32"
-    assert decide(CUDA, torch.float32, tf32=False, capability=H200, env={}).precision == "ieee"
+    with matmul_tf32(True):
+        assert decide(CUDA, torch.float32, capability=H200, env={}).precision == "tf32"
+        assert decide(CUDA, torch.float32, tf32=False, capability=H200, env={}).precision == "ieee"
 
 
 def test_fused_override_and_env_override():
@@ -66,11 +80,11 @@ def test_unsupported_dtype_has_a_reason():
 
 def test_resolve_precision_follows_torch_at_call_time(monkeypatch):
     monkeypatch.delenv("TORCH_CFM_TF32", raising=False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    assert policy.resolve_precision(torch.float32) == "ieee"
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert policy.resolve_precision(torch.float32) == "tf32"
-    assert policy.resolve_precision(torch.float32, "ieee") == "ieee"
+    with matmul_tf32(False):
+        assert policy.resolve_precision(torch.float32) == "ieee"
+    with matmul_tf32(True):
+        assert policy.resolve_precision(torch.float32) == "tf32"
+        assert policy.resolve_precision(torch.float32, "ieee") == "ieee"
     assert policy.resolve_precision(torch.float16) is None
 
 

@@ -1,6 +1,6 @@
 """Make ``torch_cfm.compile_rules`` importable from a bare source checkout.
 
-setup.py maps the top-level ``compile_rules/`` folder to the subpackage ``torch_cfm.compile_rules``
+pyproject.toml maps the top-level ``compile_rules/`` folder to the subpackage ``torch_cfm.compile_rules``
 (``package_dir``); an installed or editable package carries that mapping. A checkout used without
 an installer (``python3 setup.py build_ext --inplace`` and ``PYTHONPATH=<repo>``, as on the GPU
 box, where pip's editable install needs the network) does not: this finder, last on

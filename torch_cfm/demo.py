@@ -14,6 +14,7 @@ uses the GPU.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -42,7 +43,7 @@ class _Parser(argparse.ArgumentParser):
         raise DemoError(f"{message} (see {PROG} --help)")
 
 
-def _positive(name: str):
+def _positive(name: str, maximum: Optional[int] = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -50,8 +51,41 @@ def _positive(name: str):
             raise argparse.ArgumentTypeError(f"{name} must be a positive int, got {text!r}") from None
         if value <= 0:
             raise argparse.ArgumentTypeError(f"{name} must be a positive int, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{name} must be at most {maximum}, got {value}")
         return value
     return parse
+
+
+MAX_STEPS = 1000  # the models ship with 10 Euler steps; the server keeps a cache per step
+
+
+def _available_bytes(device: torch.device) -> Optional[int]:
+    """Free memory of ``device`` (CUDA: free device memory; CPU: MemAvailable), None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_arena_fits(args, cfm: StreamingCFM, server_kw: dict, device: torch.device, dtype: torch.dtype) -> None:
+    """A one-line error when the server's cache arena would not fit (sized on the meta device)."""
+    need = sum(a.nbytes() for a in CFMServer(cfm, device=torch.device("meta"), dtype=dtype, **server_kw).arenas)
+    free = _available_bytes(device)
+    if free is not None and need > 0.8 * free:
+        raise DemoError(f"the server's cache arena for --steps {args.steps} --requests {args.requests} "
+                        f"--chunks {args.chunks} --chunk-frames {args.chunk_frames} needs {need / 2**30:.1f} GiB, "
+                        f"but {device} has {free / 2**30:.1f} GiB free; lower --steps, --requests, "
+                        "--chunks or --chunk-frames")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=_positive("--requests"), default=3, help="requests to stream (3)")
     p.add_argument("--chunks", type=_positive("--chunks"), default=3,
                    help="chunks of the longest request (3); others get fewer")
-    p.add_argument("--steps", type=_positive("--steps"), default=10, help="Euler steps per chunk (10)")
+    p.add_argument("--steps", type=_positive("--steps", MAX_STEPS), default=10,
+                   help=f"Euler steps per chunk (10; at most {MAX_STEPS})")
     p.add_argument("--chunk-frames", type=_positive("--chunk-frames"), default=50,
                    help="mel frames per chunk (50 = 1 s)")
     p.add_argument("--prompt-frames", type=_positive("--prompt-frames"), default=40,
@@ -148,8 +183,9 @@ def run(argv: Optional[Sequence[str]] = None, out=None) -> int:
     plans = plan_requests(args.requests, args.chunks, args.chunk_frames, args.prompt_frames)
     max_prompt = max(p.prompt for p in plans)
     max_chunk = max(max(p.chunk_lengths) for p in plans)
-    server = CFMServer(cfm, max_requests=args.requests, max_prompt_frames=max_prompt,
-                       max_chunk_frames=max_chunk)
+    server_kw = dict(max_requests=args.requests, max_prompt_frames=max_prompt, max_chunk_frames=max_chunk)
+    _check_arena_fits(args, cfm, server_kw, device, dtype)
+    server = CFMServer(cfm, **server_kw)
     say(f"server: {args.requests} request slots, {args.steps} Euler steps, CFG {cfm.cfg_rate}; "
         f"arena {server.arenas[0].nbytes() / 2**20:.1f} MiB ({server.max_cache_frames} cache frames "
         f"+ {server.arenas[0].append_frames} for in-place appends)")

@@ -60,7 +60,18 @@ def _extension():
     try:
         from .. import _C_cuda  # type: ignore[attr-defined]
     except ImportError as exc:
-        return None, f"torch_cfm._C_cuda not built ({exc}); setup.py builds it where torch has CUDA and nvcc exists"
+        import importlib.util
+
+        reinstall = "python3 -m pip install --no-build-isolation -e ."
+        if importlib.util.find_spec("torch_cfm._C_cuda") is not None:
+            return None, f"torch_cfm._C_cuda is present but does not load ({exc}); rebuild it: {reinstall}"
+        if torch.version.cuda is None:
+            return None, (f"torch {torch.__version__} has no CUDA; the optional CUDA extension torch_cfm._C_cuda "
+                          "is built at install only for a CUDA torch with nvcc (the Triton and reference "
+                          "kernels run without it)")
+        return None, ("the optional CUDA extension torch_cfm._C_cuda was not built at install (it needs nvcc, "
+                      f"and TORCH_CFM_BUILD_CUDA=0 skips it); to build it, set CUDA_HOME and reinstall: {reinstall} "
+                      "(the Triton kernel runs without it)")
     return _C_cuda, None
 
 
@@ -68,7 +79,7 @@ def build_status() -> str:
     """One line for explain(): whether the CUDA kernel is built, and its configs."""
     module, why = _extension()
     if module is None:
-        return f"not built: {why}"
+        return f"not available: {why}"
     return f"built, {len(module.configs())} tile configs (D = {HEAD_DIM})"
 
 

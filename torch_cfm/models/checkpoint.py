@@ -24,6 +24,25 @@ _WRAPPERS = ("state_dict", "model", "module")
 Source = Union[str, os.PathLike, Mapping[str, torch.Tensor]]
 
 
+def _first_sentence(text: str) -> str:
+    """The first sentence of ``text``'s first non-empty line, whole (torch's load errors go on with
+    generic advice)."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return re.split(r"\.(?:\s|$)", line, maxsplit=1)[0].strip()
+
+
+def _load_error(exc: BaseException) -> str:
+    """What torch.load(weights_only=True) said, in one complete clause."""
+    text = str(exc)
+    marker = "WeightsUnpickler error:"
+    if marker in text:  # a pickle the weights-only loader refuses (or not a pickle at all)
+        detail = _first_sentence(text.split(marker, 1)[1])
+        return (f"{type(exc).__name__}: torch.load(weights_only=True) refuses it: {detail}; if it is a pickle "
+                "from a source you trust, load it with torch.load(path, weights_only=False) and pass the state_dict")
+    detail = _first_sentence(text) or ("empty or truncated file" if isinstance(exc, EOFError) else "")
+    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+
+
 def _read(source: Source, op: str) -> Mapping[str, torch.Tensor]:
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
@@ -32,9 +51,8 @@ def _read(source: Source, op: str) -> Mapping[str, torch.Tensor]:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any unreadable file is the user's input error
-            text = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else ""
             fail(op, "path", "be a torch checkpoint (torch.save of a state_dict)",
-                 f"an unreadable file {path!r} ({type(exc).__name__}: {text})")
+                 f"an unreadable file {path!r} ({_load_error(exc)})")
     else:
         obj = source
     if isinstance(obj, Mapping):
