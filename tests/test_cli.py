@@ -153,3 +153,15 @@ def test_pyproject_lists_every_package_of_the_tree():
     assert found == set(tool["packages"])
     assert tool["package-dir"] == {"torch_cfm.compile_rules": "compile_rules",
                                    "torch_cfm.compile_rules.passes": "compile_rules/passes"}
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+    """.ci/run must run exactly the README's test command (what a new user types)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, ".ci", "run")) as f:
+        ci = f.read()
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    body = ci.split("readme_test_command() {", 1)[1].split("}", 1)[0].strip()
+    assert body.startswith("python3 -m pip install") and body.endswith("python3 -m pytest -q"), body
+    assert f"```bash\n{body}\n```" in readme
