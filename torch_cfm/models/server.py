@@ -344,14 +344,9 @@ class CFMServer:
         t_max = max(mu.shape[1] for _, _, mu, _ in items)
         t_len = _round_up(t_max, self.chunk_buckets, arena.max_chunk_frames)
         lengths = [0] * arena.rows
-        for _, req, mu, cond in items:
-            t_n = mu.shape[1]
-            lengths[req.slot] = t_n
-            arena.mu[req.slot, :, :t_n].copy_(mu)
-            if cond is None:
-                arena.cond[req.slot, :, :t_n].zero_()
-            else:
-                arena.cond[req.slot, :, :t_n].copy_(cond)
+        for _, req, mu, _ in items:
+            lengths[req.slot] = mu.shape[1]
+        groups = self._stage(arena, items)
         arena.valid_lengths.copy_(self._host_values(lengths, torch.int32), non_blocking=True)
         # Only the requests of this chunk are solved (compacted) unless every slot is busy.
         slots = self._solve_slots(arena, sorted(req.slot for _, req, _, _ in items))
@@ -363,13 +358,47 @@ class CFMServer:
         longest_cache = max(held.get(slot, 0) for slot in slots)
         cache_frames = _round_up(longest_cache, self.cache_buckets, arena.max_cache_frames)
         self._solve(arena, t_len, cache_frames, slot_index)
-        result = {}
-        for rid, req, mu, _ in items:
-            t_n = mu.shape[1]
-            req.cache_len = trimmed_length(req.cache_len + t_n, req.prompt_len)
+        for _, req, mu, _ in items:
+            req.cache_len = trimmed_length(req.cache_len + mu.shape[1], req.prompt_len)
             req.chunks += 1
-            result[rid] = arena.out_mel[req.slot, :, :t_n].clone()
+        result = {}
+        for t_n, (group, index) in groups.items():  # one gather per chunk length, split into views
+            if index is None:
+                rid, req, _, _ = group[0]
+                result[rid] = arena.out_mel[req.slot, :, :t_n].clone()
+            else:
+                mel = arena.out_mel[:, :, :t_n].index_select(0, index)
+                result.update({rid: mel[i] for i, (rid, _, _, _) in enumerate(group)})
         return result
+
+    def _stage(self, arena: CacheArena, items) -> dict[int, tuple[list, Optional[torch.Tensor]]]:
+        """Write the chunks' mu and cond into their slots: one copy per chunk length for all the
+        requests of that length (a launch per request would leave the GPU idle for most of a
+        tick's host time at 64 streams). Returns {T_n: (items, slot index or None for one item)}."""
+        groups: dict[int, list] = {}
+        for item in items:
+            groups.setdefault(item[2].shape[1], []).append(item)
+        staged: dict[int, tuple[list, Optional[torch.Tensor]]] = {}
+        for t_n, group in groups.items():
+            if len(group) == 1:
+                _, req, mu, cond = group[0]
+                arena.mu[req.slot, :, :t_n].copy_(mu)
+                if cond is None:
+                    arena.cond[req.slot, :, :t_n].zero_()
+                else:
+                    arena.cond[req.slot, :, :t_n].copy_(cond)
+                staged[t_n] = (group, None)
+                continue
+            index = self._host_values([req.slot for _, req, _, _ in group], torch.int64).to(
+                self.device, non_blocking=True)
+            arena.mu[:, :, :t_n].index_copy_(0, index, torch.stack([mu for _, _, mu, _ in group]))
+            if all(cond is None for _, _, _, cond in group):
+                arena.cond[:, :, :t_n].index_fill_(0, index, 0)
+            else:
+                arena.cond[:, :, :t_n].index_copy_(0, index, torch.stack(
+                    [torch.zeros_like(mu) if cond is None else cond for _, _, mu, cond in group]))
+            staged[t_n] = (group, index)
+        return staged
 
     def _solve(self, arena: CacheArena, t_len: int, cache_frames: int, slot_index: Optional[torch.Tensor]) -> None:
         """One solve of a bucket's arena at static shapes (T, Lb, S): what ticks and warm-up run."""
