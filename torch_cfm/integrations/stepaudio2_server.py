@@ -43,7 +43,7 @@ Importing this module never imports ``stepaudio2``: the flow and vocoder are the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Hashable, Mapping, Optional, Sequence
 
 import torch
@@ -60,7 +60,7 @@ try:  # one admission error for the whole library once CFMServer has its own
 except ImportError:  # pragma: no cover - depends on the server version
     _AdmissionBase = RuntimeError
 
-__all__ = ["Token2wavServer", "ChunkOutput", "AdmissionError", "StreamMemory", "hift_stream_constants"]
+__all__ = ["Token2wavServer", "StreamPrompt", "ChunkOutput", "AdmissionError", "StreamMemory", "hift_stream_constants"]
 
 MEL_CACHE_FRAMES = 8  # Token2wav.stream: mel frames carried into the next vocoder call (160 ms)
 # Slot counts / chunk lengths a captured CFM solve is bucketed to (CUDA graphs only).
@@ -71,6 +71,21 @@ _CACHE_STEP = 50
 
 class AdmissionError(_AdmissionBase):
     """A stream does not fit: the message names the limit (``max_streams`` or ``max_memory_bytes``)."""
+
+
+@dataclass
+class StreamPrompt:
+    """A stream's prompt as ``Token2wav.set_stream_cache`` hands it to ``flow.setup_cache``:
+    tokens (1, P_tok + 3) or (P_tok + 3,) ints (the 3 lookahead tokens last), prompt mel
+    (1, P, 80) or (P, 80) with P = 2 * P_tok, the raw speaker embedding (1, E) or (E,). ``seed``
+    seeds the stream's vocoder random state; ``waveform=False`` makes a mel-only stream (its
+    vocoder stage is skipped)."""
+
+    tokens: torch.Tensor
+    mel: torch.Tensor
+    spk: torch.Tensor
+    seed: int = 0
+    waveform: bool = True
 
 
 @dataclass
@@ -107,9 +122,9 @@ class _Stream:
     hift_mel: Optional[torch.Tensor] = None
     hift_source: Optional[torch.Tensor] = None
     hift_speech: Optional[torch.Tensor] = None
+    waveform: bool = True
     chunks: int = 0
     done: bool = False
-    stats: dict = field(default_factory=dict)
 
 
 def hift_stream_constants(hift: nn.Module) -> tuple[int, int]:
@@ -323,19 +338,16 @@ class Token2wavServer:
                                      f"{count} streams x {per} bytes per stream = {count * per}")
 
     def open_stream(self, stream_id: Hashable, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor,
-                    spk: torch.Tensor, *, seed: int = 0) -> torch.Tensor:
+                    spk: torch.Tensor, *, seed: int = 0, waveform: bool = True) -> torch.Tensor:
         """Open one stream (:meth:`open_many` of one); returns its prompt mel (80, P)."""
-        return self.open_many({stream_id: (prompt_tokens, prompt_mel, spk, seed)})[stream_id]
+        return self.open_many({stream_id: StreamPrompt(prompt_tokens, prompt_mel, spk, seed, waveform)})[stream_id]
 
     def open_many(self, prompts: Mapping[Hashable, Sequence]) -> dict[Hashable, torch.Tensor]:
         """Open streams together: their encoders and prompt solves run batched.
 
         Args:
-            prompts: ``{stream_id: (prompt_tokens, prompt_mel, spk[, seed])}`` as
-                ``Token2wav.set_stream_cache`` hands them to ``flow.setup_cache``: tokens
-                (1, P_tok + 3) or (P_tok + 3,) ints (3 lookahead tokens last), prompt mel
-                (1, P, 80) or (P, 80) with P = 2 * P_tok, the raw speaker embedding (1, E) or (E,);
-                seed of the stream's vocoder random state (default 0).
+            prompts: ``{stream_id: StreamPrompt}`` or ``{stream_id: (prompt_tokens, prompt_mel,
+                spk[, seed[, waveform]])}`` (see :class:`StreamPrompt`).
         Returns:
             ``{stream_id: prompt mel (80, P)}`` (the upstream ``setup_cache`` solve).
         Raises:
@@ -347,10 +359,12 @@ class Token2wavServer:
         for sid, item in prompts.items():
             if sid in self._streams or any(sid == s[0] for s in staged):
                 fail(op, "stream_id", "not be open already", repr(sid))
-            if not isinstance(item, (tuple, list)) or len(item) not in (3, 4):
-                fail(op, f"prompts[{sid!r}]", "be (prompt_tokens, prompt_mel, spk[, seed])", type(item).__name__)
-            tokens, mel, spk = item[:3]
-            seed = int(item[3]) if len(item) == 4 else 0
+            if isinstance(item, (tuple, list)) and 3 <= len(item) <= 5:
+                item = StreamPrompt(*item)
+            if not isinstance(item, StreamPrompt):
+                fail(op, f"prompts[{sid!r}]", "be a StreamPrompt or (prompt_tokens, prompt_mel, spk[, seed[, waveform]])",
+                     type(item).__name__)
+            tokens, mel, spk, seed, waveform = item.tokens, item.mel, item.spk, int(item.seed), bool(item.waveform)
             tokens = self._tokens(op, f"prompts[{sid!r}] prompt_tokens", tokens)
             p_tok = tokens.shape[1] - self.lookahead
             mel = self._tensor(op, f"prompts[{sid!r}] prompt_mel", mel, 3)
@@ -369,23 +383,24 @@ class Token2wavServer:
                 for name, t in (("prompt_mel", mel), ("spk", spk)):
                     if not bool(torch.isfinite(t).all()):
                         fail(op, f"prompts[{sid!r}] {name}", "hold finite values only", "NaN/Inf")
-            staged.append((sid, tokens, mel, spk, seed))
+            staged.append((sid, tokens, mel, spk, seed, waveform))
         self._admit(len(staged))
         with self._context():
             t0 = self._clock()
             spks = {sid: self.flow.spk_embed_affine_layer(F.normalize(spk.to(self.enc_dtype), dim=1))
-                    for sid, _, _, spk, _ in staged}
-            enc_out = self._encode([(sid, tokens, None, None, False) for sid, tokens, _, _, _ in staged])
+                    for sid, _, _, spk, _, _ in staged}
+            enc_out = self._encode([(sid, tokens, None, None, False) for sid, tokens, *_ in staged])
             t1 = self._clock()
-            for sid, tokens, mel, spk, seed in staged:
+            for sid, tokens, mel, spk, seed, waveform in staged:
                 h, cnn, att = enc_out[sid]
                 self.cfm_server.open_request(sid, spks[sid][0], prompt_len=mel.shape[1])
-                st = _Stream(prompt_frames=mel.shape[1], seed=seed, conf_cnn=cnn, conf_att=att)
-                if self.hift is not None:
+                st = _Stream(prompt_frames=mel.shape[1], seed=seed, conf_cnn=cnn, conf_att=att,
+                             waveform=waveform and self.hift is not None)
+                if st.waveform:
                     st.rng = self._rng.initial(seed)
                 self._streams[sid] = st
             mels = self.cfm_server.solve_chunk({sid: (enc_out[sid][0], mel[0].transpose(0, 1))
-                                                for sid, _, mel, _, _ in staged})
+                                                for sid, _, mel, *_ in staged})
             t2 = self._clock()
             self._account(t1 - t0, t2 - t1, 0.0)
         return mels
@@ -397,6 +412,17 @@ class Token2wavServer:
                  f"open streams: {list(self._streams)[:8]}")
         self.cfm_server.close_request(stream_id)
         del self._streams[stream_id]
+
+    def stream_caches(self, stream_id: Hashable) -> dict[str, torch.Tensor]:
+        """Copies of a stream's flow caches in the upstream ``inference_chunk`` layout (after the
+        trims): ``conformer_cnn_cache``, ``conformer_att_cache``, ``estimator_cnn_cache`` (n, depth,
+        2, 2C, 2) and ``estimator_att_cache`` (n, depth, 2, H, L, 2D)."""
+        st = self._streams.get(stream_id)
+        if st is None:
+            fail("Token2wavServer.stream_caches", "stream_id", "name an open stream", repr(stream_id))
+        cnn, att = self.cfm_server.request_caches(stream_id)
+        return {"conformer_cnn_cache": st.conf_cnn.clone(), "conformer_att_cache": st.conf_att.clone(),
+                "estimator_cnn_cache": cnn, "estimator_att_cache": att}
 
     # ------------------------------------------------------------------ ticks
     def step(self, chunks: Mapping[Hashable, Any]) -> dict[Hashable, ChunkOutput]:
@@ -446,8 +472,9 @@ class Token2wavServer:
             mels = self.cfm_server.solve_chunk({sid: enc_out[sid][0] for sid, *_ in staged})
             t2 = self._clock()
             out = {sid: ChunkOutput(mels[sid], None, last) for sid, _, _, _, last in staged}
-            if self.hift is not None:
-                for sid, wav in self._vocode([(sid, mels[sid], last) for sid, _, _, _, last in staged]).items():
+            voc = [(sid, mels[sid], last) for sid, _, _, _, last in staged if self._streams[sid].waveform]
+            if voc:
+                for sid, wav in self._vocode(voc).items():
                     out[sid].wav = wav
             t3 = self._clock()
             self._account(t1 - t0, t2 - t1, t3 - t2, ticks=1, chunks=len(staged))
