@@ -254,7 +254,9 @@ def test_errors(flow):
     with pytest.raises(ValueError, match="open streams"):
         server.step({"zz": prompt.tokens})
     with pytest.raises(ValueError, match="tokens"):
-        server.step({"a": torch.zeros(1, 3, dtype=torch.int32)})  # lookahead only
+        server.step({"a": torch.zeros(1, 4, dtype=torch.int32)})  # 1 token + lookahead: too short
+    with pytest.raises(ValueError, match="tokens"):
+        server.step({"a": (torch.zeros(1, 1, dtype=torch.int32), True)})
     server.step({"a": (torch.zeros(1, 5, dtype=torch.int32), True)})
     with pytest.raises(ValueError, match="last chunk"):
         server.step({"a": torch.zeros(1, 5, dtype=torch.int32)})

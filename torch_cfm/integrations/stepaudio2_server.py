@@ -449,10 +449,11 @@ class Token2wavServer:
                      "close the stream")
             tokens, last = item if isinstance(item, (tuple, list)) else (item, False)
             tokens = self._tokens(op, f"chunks[{sid!r}] tokens", tokens)
-            frames = (tokens.shape[1] - (0 if last else self.lookahead)) * self.up_rate
-            if frames <= 0 or tokens.shape[1] > self.max_chunk_tokens:
-                fail(op, f"chunks[{sid!r}] tokens", f"have {1 if last else self.lookahead + 1}.."
-                     f"{self.max_chunk_tokens} tokens (last_chunk={bool(last)})", str(tokens.shape[1]))
+            # The conformer's conv caches need 2 new tokens a chunk (its lookahead conv keeps 2 frames).
+            least = 2 + (0 if last else self.lookahead)
+            if not least <= tokens.shape[1] <= self.max_chunk_tokens:
+                fail(op, f"chunks[{sid!r}] tokens", f"have {least}..{self.max_chunk_tokens} tokens "
+                     f"(last_chunk={bool(last)}; {self.lookahead} lookahead tokens unless last)", str(tokens.shape[1]))
             staged.append((sid, tokens, st.conf_cnn, st.conf_att, bool(last)))
         if not staged:
             return {}
