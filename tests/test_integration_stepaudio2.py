@@ -14,9 +14,12 @@ CPU (fp32, tiny sizes): whole streams as ``Token2wav.stream`` drives the flow (s
 frames, a last chunk), upstream vs accelerated side by side, mel and every cache within 1e-5
 relative; several prompt lengths on one accelerated flow; interleaved streams and streams begun
 by the upstream module; the non-streaming ``flow.inference``; undo (bitwise upstream again);
-errors. ``Token2wav`` itself hard-codes ``device='cuda'`` and loads model files: the CPU tests
-drive the flow the way its ``stream`` does (``upstream_flow.trim_stream_cache``), and the GPU
-test runs the real ``Token2wav.stream`` on an instance built without its files.
+errors; and the package's own ``Token2wav.set_stream_cache`` / ``stream`` / ``__call__``. Its
+``__init__`` loads model files and onnx sessions, so the instance is built with ``__new__`` and
+the attributes ``__init__`` sets (``upstream_flow.make_token2wav``; a recording vocoder stands in
+for HiFT, which needs scipy); its hard-coded ``device='cuda'`` is redirected to CPU by swapping
+its module's ``torch`` for a shim while it runs (``upstream_flow.token2wav_on_cpu``). The GPU
+test runs the same methods unpatched on CUDA (with the real HiFT when scipy is there).
 
 GPU (``@pytest.mark.gpu``, shipped sizes): fp16, bf16 and TF32 streams, accelerated error vs the
 fp64 upstream <= 2x the upstream module's own error in that dtype + 1e-6 (SPEC §6).
@@ -40,7 +43,7 @@ from oracle import assert_within_oracle, err_rel_fro
 pytestmark = pytest.mark.skipif(U.missing_reason() is not None, reason=str(U.missing_reason()))
 
 from torch_cfm.integrations.stepaudio2 import (  # noqa: E402
-    TorchCFMDecoder, accelerated, apply_torch_cfm, apply_torch_cfm_to_decoder, undo_torch_cfm)
+    TorchCFMDecoder, accelerated, apply_torch_cfm, apply_torch_cfm_to_decoder, undo_torch_cfm, warmup)
 
 REL = 1e-5  # SPEC §6 fp32 bound, relative Frobenius
 N_STEPS = 10
@@ -83,9 +86,11 @@ def _assert_stream_close(up, acc, label=""):
             assert err_rel_fro(c_a[key], c_b[key]) <= REL, f"{label} {name} {key}"
 
 
-@pytest.mark.parametrize("prompt_tokens", [20, 37])  # 40 and 74 prompt frames (74: no multiple of 50)
-def test_stream_matches_upstream_through_the_trims(flow, prompt_tokens):
-    acc = _accelerated(flow)
+# 40 and 74 prompt frames (74: no multiple of 50). graphs=True on CPU: the CUDA path's bucketed
+# chunk lengths and cache windows (padded rows and keys), solved eagerly.
+@pytest.mark.parametrize("prompt_tokens,graphs", [(20, False), (37, True)])
+def test_stream_matches_upstream_through_the_trims(flow, prompt_tokens, graphs):
+    acc = _accelerated(flow, graphs=graphs)
     prompt = U.make_prompt(U.TINY, prompt_tokens, seed=prompt_tokens)
     chunks = U.make_chunks(U.TINY, 7, seed=prompt_tokens + 1)  # 6 chunks of 25 + 3 tokens, a last of 13
     up = U.run_stream(flow, prompt, chunks)
@@ -95,13 +100,14 @@ def test_stream_matches_upstream_through_the_trims(flow, prompt_tokens):
     # from its own returned caches, and loading the caller's trimmed ones
     assert out[2]["estimator_att_cache"].shape[4] == prompt.frames + 100
     stream = accelerated(acc)._streams[N_STEPS]
+    assert (stream.server.cache_buckets is not None) == graphs
     assert stream.solves == 1 + len(chunks)
     assert 1 <= stream.loads < len(chunks)
 
 
 def test_one_accelerated_flow_serves_streams_of_different_prompt_lengths_in_turn(flow):
     acc = _accelerated(flow)
-    for prompt_tokens, count in ((31, 6), (9, 7), (52, 6)):
+    for prompt_tokens, count in ((9, 7), (52, 6)):
         prompt = U.make_prompt(U.TINY, prompt_tokens, seed=100 + prompt_tokens)
         chunks = U.make_chunks(U.TINY, count, seed=200 + prompt_tokens, last_tokens=5 + prompt_tokens % 7)
         _assert_stream_close(U.run_stream(flow, prompt, chunks), U.run_stream(acc, prompt, chunks),
@@ -125,6 +131,51 @@ def test_interleaved_streams_and_streams_begun_upstream_give_the_upstream_result
         cache_b = U.trim_stream_cache(cache_b, p_b.frames)
         assert err_rel_fro(mel_a, ref_a[i]) <= REL, f"stream a chunk {i}"
         assert err_rel_fro(mel_b, ref_b[i]) <= REL, f"stream b chunk {i}"
+
+
+def test_warmup_then_a_stream_and_the_returned_caches_are_the_servers(flow):
+    acc = _accelerated(flow)
+    prompt = U.make_prompt(U.TINY, 25, seed=61)
+    assert TorchCFMDecoder.stream_shapes((300, 74), (50,), (56, 26)) == [
+        (300, 0), (50, 300), (50, 350), (50, 400), (56, 400), (26, 400),
+        (74, 0), (50, 74), (50, 124), (50, 174), (56, 174), (26, 174)]
+    report = accelerated(acc).warmup(prompt_frames=(prompt.frames,), chunk_frames=(50,), last_chunk_frames=(56,),
+                                     n_timesteps=N_STEPS)
+    # P = 50: the prompt, 50 at L = 50, 100, 150, then 56 at 150; each twice; no graphs on CPU
+    assert report == {"shapes": [(50, 0), (50, 50), (50, 100), (50, 150), (56, 150)], "solves": 10, "graphs": 0}
+    server = accelerated(acc).servers[N_STEPS]
+    assert server.open_requests == []  # the warm-up's stream is gone
+    chunks = U.make_chunks(U.TINY, 4, seed=62)
+    cache = acc.setup_cache(prompt.tokens, prompt.mel, prompt.spk, n_timesteps=N_STEPS)
+    ref = U.run_stream(flow, prompt, chunks)[0]
+    for i, tok in enumerate(chunks):
+        mel, cache = acc.inference_chunk(tok, prompt.spk, cache, last_chunk=i == 3, n_timesteps=N_STEPS)
+        assert err_rel_fro(mel, ref[i]) <= REL
+        cnn, att = server.request_caches("stream")
+        assert torch.equal(cache["estimator_att_cache"], att) and torch.equal(cache["estimator_cnn_cache"], cnn)
+        cache = U.trim_stream_cache(cache, prompt.frames)
+
+
+def test_flow_warmup_runs_two_streams_per_prompt_then_streams_match(flow):
+    acc = _accelerated(flow, capture_encoder=True)  # on CPU the graphed encoder passes calls through
+    call = accelerated(acc).encoder_call
+    assert acc.encoder.forward_chunk is call
+    report = warmup(acc, prompt_frames=(40, 74), n_timesteps=N_STEPS)
+    assert report == {"streams": 4, "decoder_graphs": 0, "encoder_graphs": 0}
+    assert call.entries == {}  # CPU tensors: never captured, never keyed
+    prompt = U.make_prompt(U.TINY, 20, seed=81)
+    chunks = U.make_chunks(U.TINY, 6, seed=82)
+    _assert_stream_close(U.run_stream(flow, prompt, chunks), U.run_stream(acc, prompt, chunks))
+    with pytest.raises(ValueError, match=r"warmup: prompt_frames must hold positive multiples of 2"):
+        warmup(acc, prompt_frames=(41,))
+    undo_torch_cfm(acc)
+    assert "forward_chunk" not in vars(acc.encoder)
+    with pytest.raises(ValueError, match=r"warmup: target must be accelerated"):
+        warmup(acc)
+    dec = copy.deepcopy(flow.decoder)
+    with pytest.raises(ValueError, match=r"capture_encoder must be set only for a target with a flow encoder"):
+        apply_torch_cfm(dec, capture_encoder=True)
+    assert accelerated(dec) is None  # nothing installed
 
 
 def test_untrimmed_caches_and_in_place_edits_are_followed(flow):
@@ -199,6 +250,35 @@ def test_token2wav_shaped_objects_and_the_generic_decoder_entry(flow):
         assert torch.equal(accel.estimator.state_dict()[name], p), name
 
 
+@pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")  # its autocast("cuda") on CPU
+def test_the_packages_token2wav_stream_and_call_on_cpu(flow):
+    """``Token2wav.set_stream_cache``, ``Token2wav.stream`` (PCM bytes) and ``Token2wav.__call__``
+    themselves, on an instance built without model files (``upstream_flow.make_token2wav``), with
+    their ``device='cuda'`` redirected to CPU (``upstream_flow.token2wav_on_cpu``) and a
+    recording vocoder in HiFT's place: the mel every call hands HiFT, accelerated vs upstream."""
+    cls, _ = U.load_token2wav_class()
+    prompt = U.make_prompt(U.TINY, 22, seed=71)
+    chunks = U.make_chunks(U.TINY, 6, seed=72, last_tokens=9)
+    runs = []
+    for accelerate in (False, True):
+        t2w = U.make_token2wav(cls, copy.deepcopy(flow), prompt, device="cpu")
+        if accelerate:
+            assert apply_torch_cfm(t2w) is t2w
+        with U.token2wav_on_cpu(cls):
+            t2w.stream_cache, t2w.hift_cache_dict = t2w.set_stream_cache("prompt.wav")
+            pcm = [t2w.stream(tok[0].tolist(), "prompt.wav", last_chunk=i == len(chunks) - 1)
+                   for i, tok in enumerate(chunks)]
+            wav = t2w(chunks[1][0].tolist(), "prompt.wav")
+        runs.append((t2w.hift.mels, pcm, wav, t2w.stream_cache))
+    (mels_up, pcm_up, wav_up, cache_up), (mels_acc, pcm_acc, wav_acc, cache_acc) = runs
+    assert len(mels_up) == len(mels_acc) == len(chunks) + 1  # every stream chunk, then __call__
+    for i, (a, b) in enumerate(zip(mels_acc, mels_up)):
+        assert a.shape == b.shape and err_rel_fro(a, b) <= REL, f"call {i}"
+    assert [len(p) for p in pcm_acc] == [len(p) for p in pcm_up] and len(wav_acc) == len(wav_up)
+    assert cache_acc["estimator_att_cache"].shape[4] == cache_up["estimator_att_cache"].shape[4] == prompt.frames + 100
+    assert accelerated(t2w)._streams[N_STEPS].loads >= 1  # Token2wav.stream's own trims were loaded
+
+
 def test_fallbacks_run_the_upstream_method(flow):
     acc = _accelerated(flow)
     g = torch.Generator().manual_seed(41)
@@ -243,6 +323,9 @@ def test_errors_name_what_was_found(flow):
     prompt = U.make_prompt(U.TINY, 20, seed=51)
     chunks = U.make_chunks(U.TINY, 6, seed=52)
     cache = acc.setup_cache(prompt.tokens, prompt.mel, prompt.spk, n_timesteps=N_STEPS)
+    long_prompt = U.make_prompt(U.TINY, 21, seed=53)  # 42 frames > max_prompt_frames
+    with pytest.raises(ValueError, match=r"mu must have at most max_prompt_frames=40 frames in a stream's first chunk"):
+        acc.setup_cache(long_prompt.tokens, long_prompt.mel, long_prompt.spk, n_timesteps=N_STEPS)
     bad = dict(cache, estimator_att_cache=cache["estimator_att_cache"][:, :, :1])
     with pytest.raises(ValueError, match=r"att_cache must have the upstream layout \(n, depth, 2, H, L, 2D\)"):
         acc.inference_chunk(chunks[0], prompt.spk, bad, n_timesteps=N_STEPS)
@@ -272,7 +355,7 @@ def _gpu_stream(flow, prompt, chunks, dtype, autocast):
 @pytest.mark.parametrize("mode", ["fp16", "bf16", "tf32"])
 def test_gpu_shipped_stream_within_the_oracle(mode):
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "tf32": torch.float32}[mode]
-    base = U.build_flow(U.SHIPPED, seed=3)
+    base = U.build_flow(dataclasses.replace(U.SHIPPED, buffer_frames=512), seed=3)  # P + 100 + T <= 512 frames
     prompt64 = U.make_prompt(U.SHIPPED, 150, seed=4, device="cuda", dtype=torch.float64)  # 300 frames = 6 s
     chunks = U.make_chunks(U.SHIPPED, 7, seed=5, device="cuda")
     ref64 = U.run_stream(copy.deepcopy(base).double().cuda(), prompt64, chunks)
@@ -303,19 +386,24 @@ def test_gpu_real_token2wav_stream_matches_upstream():
     imports stubbed where absent, HiFT replaced by a recording stub when scipy/librosa are
     missing), fp32 (TF32 off): the accelerated mel within 1e-5 of the upstream's."""
     token2wav_cls, real_hift = U.load_token2wav_class()
-    size = dataclasses.replace(U.TINY, vocab=6561)  # set_stream_cache pads the prompt with token 4218
+    size = U.TINY
     base = U.build_flow(size, seed=9).cuda()
     prompt = U.make_prompt(size, 40, seed=10, device="cuda")
     chunks = U.make_chunks(size, 7, seed=11)
     results = []
-    for accelerate in (False, True):
-        t2w = U.make_token2wav(token2wav_cls, copy.deepcopy(base), prompt, real_hift=real_hift)
-        if accelerate:
-            apply_torch_cfm(t2w)
-        t2w.stream_cache, t2w.hift_cache_dict = t2w.set_stream_cache("prompt.wav")
-        wavs = [t2w.stream(tok[0].tolist(), "prompt.wav", last_chunk=i == len(chunks) - 1, return_waveform=True)
-                for i, tok in enumerate(chunks)]
-        results.append((t2w.hift.mels, wavs, t2w.stream_cache))
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # IEEE fp32 on both sides
+    try:
+        for accelerate in (False, True):
+            t2w = U.make_token2wav(token2wav_cls, copy.deepcopy(base), prompt, real_hift=real_hift)
+            if accelerate:
+                apply_torch_cfm(t2w)
+            t2w.stream_cache, t2w.hift_cache_dict = t2w.set_stream_cache("prompt.wav")
+            wavs = [t2w.stream(tok[0].tolist(), "prompt.wav", last_chunk=i == len(chunks) - 1, return_waveform=True)
+                    for i, tok in enumerate(chunks)]
+            results.append((t2w.hift.mels, wavs, t2w.stream_cache))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
     (mels_up, wavs_up, cache_up), (mels_acc, wavs_acc, cache_acc) = results
     assert len(mels_up) == len(mels_acc) == len(chunks)
     for i, (a, b) in enumerate(zip(mels_acc, mels_up)):

@@ -19,6 +19,7 @@ resizes the streaming scratch buffers the upstream code hard-codes for the shipp
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
@@ -101,7 +102,7 @@ class FlowSize:
     enc_units: int = 64
     enc_blocks: int = 1
     enc_up_blocks: int = 1
-    vocab: int = 97
+    vocab: int = 6561         # Token2wav.set_stream_cache pads prompts with token 4218
     spk_dim: int = 24
     buffer_frames: int = 1000  # upstream scratch buffers (frames), as shipped
 
@@ -260,8 +261,10 @@ def load_token2wav_class():
     imported, removed from ``sys.modules`` again afterwards."""
     load()
     added = []
+    absent = {name.split(".")[0] for name in _T2W_STUBS
+              if name.split(".")[0] not in sys.modules and importlib.util.find_spec(name.split(".")[0]) is None}
     for name in _T2W_STUBS:
-        if name not in sys.modules and importlib.util.find_spec(name.split(".")[0]) is None:
+        if name.split(".")[0] in absent:
             sys.modules[name] = _stub(name, load_hyperpyyaml=None)
             added.append(name)
     if "torchaudio.compliance.kaldi" in added:
@@ -305,28 +308,75 @@ class RecordingVocoder(torch.nn.Module):
         return speech, torch.zeros_like(speech)[:, None]
 
 
-def make_token2wav(cls, flow: torch.nn.Module, prompt: Prompt, *, real_hift=None, n_timesteps: int = 10):
+def make_token2wav(cls, flow: torch.nn.Module, prompt: Prompt, *, real_hift=None, n_timesteps: int = 10,
+                   float16: bool = False, device: str = "cuda"):
     """A ``Token2wav`` without model files: ``cls.__new__`` and the attributes its ``__init__``
     sets (flow, hift, stream constants), with ``_prepare_prompt`` returning ``prompt`` (it
-    would tokenize a wav file). fp32, CUDA (the class hard-codes ``device='cuda'``)."""
+    would tokenize a wav file). ``float16``: the flag ``Token2wav(float16=True)`` sets (the caller
+    halves the flow, as its ``__init__`` does). The class hard-codes ``device='cuda'``: on CPU,
+    call its methods inside :func:`token2wav_on_cpu`."""
     import numpy as np
 
     t2w = cls.__new__(cls)
-    t2w.float16 = False
+    t2w.float16 = float16
     t2w.n_timesteps = n_timesteps
-    t2w.flow = flow.cuda().eval()
+    t2w.flow = flow.to(device).eval()
     hift = None
     if real_hift is not None:
         torch.manual_seed(0)
-        hift = real_hift().cuda().eval()
-    t2w.hift = RecordingVocoder(hift).cuda()
+        hift = real_hift().to(device).eval()
+    t2w.hift = RecordingVocoder(hift).to(device)
     t2w.cache = None
     t2w.mel_cache_len = 8
     t2w.source_cache_len = int(t2w.mel_cache_len * 480)
-    t2w.speech_window = torch.from_numpy(np.hamming(2 * t2w.source_cache_len)).cuda()
+    t2w.speech_window = torch.from_numpy(np.hamming(2 * t2w.source_cache_len)).to(device)
     t2w.hift_cache_dict = {}
-    tokens = prompt.tokens[:, :-3].cuda()
-    prepared = (tokens, torch.tensor([tokens.shape[1]], dtype=torch.int32, device="cuda"), prompt.spk.cuda(),
-                prompt.mel.cuda(), torch.tensor([prompt.frames], dtype=torch.int32, device="cuda"))
+    tokens = prompt.tokens[:, :-3].to(device)
+    prepared = (tokens, torch.tensor([tokens.shape[1]], dtype=torch.int32, device=device), prompt.spk.to(device),
+                prompt.mel.to(device), torch.tensor([prompt.frames], dtype=torch.int32, device=device))
     t2w._prepare_prompt = lambda prompt_wav: prepared
     return t2w
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` as ``token2wav.py`` sees it inside :func:`token2wav_on_cpu`: every attribute is
+    torch's, except that the factories it calls with ``device='cuda'`` make CPU tensors."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _cpu(kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return kwargs
+
+    def tensor(self, *args, **kwargs):
+        return torch.tensor(*args, **self._cpu(kwargs))
+
+    def zeros(self, *args, **kwargs):
+        return torch.zeros(*args, **self._cpu(kwargs))
+
+    def ones(self, *args, **kwargs):
+        return torch.ones(*args, **self._cpu(kwargs))
+
+
+@contextlib.contextmanager
+def token2wav_on_cpu(cls):
+    """Run ``Token2wav``'s own ``set_stream_cache`` / ``stream`` / ``__call__`` code on CPU: its
+    module's ``torch`` global becomes :class:`_TorchOnCpu` (``device='cuda'`` -> CPU; its
+    ``torch.amp.autocast("cuda", ...)`` disables itself without CUDA) and, when torchaudio is a
+    stub, ``torchaudio.save`` writes the raw float32 samples. Restored on exit."""
+    module = sys.modules[cls.__module__]
+    saved = {name: module.__dict__[name] for name in ("torch", "torchaudio")}
+    module.torch = _TorchOnCpu()
+    if getattr(saved["torchaudio"], "__spec__", None) is not None and saved["torchaudio"].__spec__.origin is None:
+        module.torchaudio = types.SimpleNamespace(
+            save=lambda out, wav, sample_rate, format: out.write(wav.float().numpy().tobytes()))
+    try:
+        yield
+    finally:
+        module.__dict__.update(saved)

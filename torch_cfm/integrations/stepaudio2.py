@@ -28,7 +28,8 @@ tensors the previous call returned (the same objects, not modified since) contin
 other caches (trimmed by the caller, or made by the upstream module) are loaded into the server
 first. So any mix of callers, trims and upstream calls gives the upstream results.
 
-Batch 1 only, like the upstream streaming path; other batch sizes, ``temperature != 1`` and
+Apply after the weights are loaded and the flow is on its device: the estimator's weights are
+copied at this call (apply again after changing them). Batch 1 only, like the upstream streaming path; other batch sizes, ``temperature != 1`` and
 non-trivial masks in ``forward`` fall back to the upstream method (exact upstream behaviour).
 
 Importing this module never imports ``stepaudio2``: the targets are recognised by their shape
@@ -46,10 +47,13 @@ import torch
 from torch import nn
 
 from ..models import CFMServer, DiT, StreamingCFM
+from ..models.cache import keyed_to_newest_first
 from ..models.checkpoint import check_state_dict, config_from_state_dict
 from ..ops._checks import fail, shape_str
+from ._graphed import GraphedCall
 
-__all__ = ["apply_torch_cfm", "apply_torch_cfm_to_decoder", "undo_torch_cfm", "accelerated", "TorchCFMDecoder"]
+__all__ = ["apply_torch_cfm", "apply_torch_cfm_to_decoder", "undo_torch_cfm", "accelerated", "warmup",
+           "TorchCFMDecoder"]
 
 _ATTR = "_torch_cfm"  # the accelerated object, on the decoder
 _PATCHED = ("forward_chunk", "forward")  # instance attributes shadowing the decoder's class methods
@@ -96,19 +100,29 @@ def _find_decoder(target: Any, op: str) -> nn.Module:
         if obj is not None and not _decoder_gaps(obj):
             return obj
     found = _type_name(target)
-    gaps = _decoder_gaps(target)
-    where = ", ".join(gaps) if gaps else "?"
-    for path in ("decoder", "flow"):
-        inner = getattr(target, path, None)
-        if inner is not None:
-            where = f"its .{path} is {_type_name(inner)}"
-            sub = inner if path == "decoder" else getattr(inner, "decoder", None)
-            if sub is not None and _decoder_gaps(sub):
-                where += f" ({'.'.join(['decoder'] if path == 'decoder' else ['flow', 'decoder'])}: " \
-                         f"{', '.join(_decoder_gaps(sub))})"
-            break
+    flow = getattr(target, "flow", None)
+    if getattr(target, "decoder", None) is not None:
+        where = f"its .decoder is {_type_name(target.decoder)}: {', '.join(_decoder_gaps(target.decoder))}"
+    elif flow is not None and getattr(flow, "decoder", None) is not None:
+        where = f"its .flow.decoder is {_type_name(flow.decoder)}: {', '.join(_decoder_gaps(flow.decoder))}"
+    elif flow is not None:
+        where = f"its .flow is {_type_name(flow)}, which has no .decoder"
+    else:
+        where = ", ".join(_decoder_gaps(target)) + ", no .decoder, no .flow"
     raise TypeError(f"{op}: target must be a stepaudio2 Token2wav, CausalMaskedDiffWithXvec (flow) or "
                     f"CausalConditionalCFM (decoder), or an object shaped like one; got {found} ({where})")
+
+
+def _find_flow(target: Any) -> Optional[nn.Module]:
+    """The flow of a Token2wav or a flow (the module holding ``.decoder`` and ``.encoder``), or
+    None when ``target`` is a decoder."""
+    if not _decoder_gaps(target):
+        return None
+    for cand in (target, getattr(target, "flow", None)):
+        dec = getattr(cand, "decoder", None)
+        if dec is not None and not _decoder_gaps(dec):
+            return cand
+    return None
 
 
 def _estimator_config(decoder: nn.Module, op: str):
@@ -166,6 +180,17 @@ class _Stream:
 
     def remember(self, cnn: torch.Tensor, att: torch.Tensor) -> None:
         self.last = (cnn, att, cnn._version, att._version)
+
+    def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tensors with the slot's caches in the upstream layout: what
+        ``CFMServer.request_caches`` returns, gathered from a view of the slot's valid frames
+        (not from a copy of its whole arena rows)."""
+        arena = self.server.arenas[0]
+        length = self.cache_len
+        keys = arena.frame_keys[0:1, :length].expand(2, length)
+        lengths = torch.full((2,), length, device=keys.device)
+        att = keyed_to_newest_first(arena.att[:, :, 0:2, :, :length], keys, lengths, length)
+        return arena.cnn[:, :, 0:2].clone(), att
 
     def load(self, cnn: torch.Tensor, att: torch.Tensor) -> None:
         """Put caches in the upstream layout into the slot (frame j = key j) and set its length.
@@ -229,6 +254,8 @@ class TorchCFMDecoder:
             self.estimator = est.to(device=self.device, dtype=self.dtype).eval().requires_grad_(False)
         self._streams: dict[int, _Stream] = {}
         self._solvers: dict[int, StreamingCFM] = {}
+        self.encoder_call: Optional[GraphedCall] = None  # the flow encoder's graphed forward_chunk, if any
+        self._encoder: Optional[nn.Module] = None
 
     # ---------------------------------------------------------------- plumbing
     def _context(self):
@@ -300,18 +327,22 @@ class TorchCFMDecoder:
             (mel (1, 80, T) in mu's dtype, cnn (n, depth, 2, 2C, 2), att (n, depth, 2, H, T+L, 2D))
             with the caches in this decoder's dtype, untrimmed.
         Raises:
-            ValueError: caches of another layout, or ``L + T`` beyond the arena (trim the cache,
-                as ``Token2wav.stream`` does, or apply with a larger ``max_prompt_frames``).
+            ValueError: caches of another layout, a prompt (first chunk) longer than
+                ``max_prompt_frames``, or ``L + T`` beyond the arena (trim the cache, as
+                ``Token2wav.stream`` does, or apply with a larger ``max_prompt_frames``).
         """
         op = "CausalConditionalCFM.forward_chunk (torch_cfm)"
-        if (not isinstance(mu, torch.Tensor) or mu.dim() != 3 or mu.shape[0] != 1 or temperature != 1.0
-                or mu.shape[2] > self.max_prompt_frames + self.max_chunk_frames or mu.shape[2] == 0):
+        if not isinstance(mu, torch.Tensor) or mu.dim() != 3 or mu.shape[0] != 1 or temperature != 1.0 \
+                or mu.shape[2] == 0:
             return self.upstream_forward_chunk(mu, spks, cond, n_timesteps=n_timesteps, temperature=temperature,
                                                cnn_cache=cnn_cache, att_cache=att_cache)
         n, t_len = int(n_timesteps), mu.shape[2]
         with self._context():
             stream = self._stream(n)
             if att_cache is None:
+                if t_len > self.max_prompt_frames:
+                    fail(op, "mu", f"have at most max_prompt_frames={self.max_prompt_frames} frames in a stream's "
+                         "first chunk (the prompt)", f"{t_len} frames", "apply_torch_cfm(..., max_prompt_frames=...)")
                 stream.reset(spks[0].to(self.dtype))
                 if cnn_cache is not None:  # conv history without attention history: load it
                     self._check_caches(op, n, cnn_cache, None)
@@ -334,7 +365,7 @@ class TorchCFMDecoder:
             server = stream.server
             server.arenas[0].spks[0].copy_(spks[0])  # the call's speaker embedding (constant in a stream)
             mel = server.solve_chunk({_RID: (mu[0], cond[0])})[_RID]
-            cnn, att = server.request_caches(_RID)
+            cnn, att = stream.caches()
             stream.remember(cnn, att)
             stream.solves += 1
         return mel[None].to(mu.dtype), cnn, att
@@ -353,51 +384,67 @@ class TorchCFMDecoder:
         return mel.to(mu.dtype)
 
     # ---------------------------------------------------------------- start-up
-    def warmup(self, prompt_frames: Iterable[int] = (300,), chunk_frames: Sequence[int] = (50,),
-               last_chunk_frames: Sequence[int] = (), n_timesteps: int = 10, keep_oldest: int = 100) -> dict:
-        """Compile the kernels and capture the graphs a stream of these shapes meets, now.
+    @staticmethod
+    def stream_shapes(prompt_frames: Iterable[int] = (300,), chunk_frames: Sequence[int] = (50,),
+                      last_chunk_frames: Sequence[int] = (56,), keep_oldest: int = 100) -> list[tuple[int, int]]:
+        """(T, L) of every chunk solve a stream meets under ``Token2wav.stream``'s trims: the
+        prompt (P, 0); each chunk length T at L = P, P + T, ... while the cache fits
+        ``P + keep_oldest`` frames (the trim bound), then at that bound; each last-chunk length
+        at the bound. In first-met order, without repeats."""
+        shapes: list[tuple[int, int]] = []
 
-        Runs each prompt length's stream twice (the graph solver runs a new shape eagerly once,
-        then captures): the prompt solve, chunks of each ``chunk_frames`` length until the
-        cache reaches ``P + keep_oldest`` (the caller's trim bound), then each last-chunk length
-        at that window. Then the stream state is dropped (the next call starts a new stream).
+        def add(shape: tuple[int, int]) -> None:
+            if shape not in shapes:
+                shapes.append(shape)
+
+        for p_len in prompt_frames:
+            bound = p_len + keep_oldest
+            add((p_len, 0))
+            for t_len in chunk_frames:
+                cache = p_len
+                while True:
+                    add((t_len, cache))
+                    if cache == bound:
+                        break
+                    cache = cache + t_len if cache + t_len <= bound else bound
+            for t_len in last_chunk_frames:
+                add((t_len, bound))
+        return shapes
+
+    def warmup(self, prompt_frames: Iterable[int] = (300,), chunk_frames: Sequence[int] = (50,),
+               last_chunk_frames: Sequence[int] = (56,), n_timesteps: int = 10, keep_oldest: int = 100) -> dict:
+        """Compile the kernels and capture the graphs of every solve a stream meets, now.
+
+        Solves each (T, L) of :meth:`stream_shapes` twice (the server's graph solver runs a new
+        shape eagerly once, then captures and replays it) from seeded random inputs and caches,
+        then drops the stream state (the next call starts a new stream).
 
         Returns:
-            {"solves": int, "graphs": int (captured so far, all servers; 0 on CPU)}.
+            {"shapes": [(T, L), ...], "solves": int, "graphs": int (captured so far, all servers;
+            0 on CPU)}.
         """
+        shapes = self.stream_shapes(prompt_frames, chunk_frames, last_chunk_frames, keep_oldest)
+        cfg = self.estimator.config
+        gen = torch.Generator().manual_seed(0)
+
+        def rand(*shape, scale=1.0):
+            return (scale * torch.randn(*shape, generator=gen)).to(device=self.device, dtype=self.dtype)
+
         with self._context():
             stream = self._stream(int(n_timesteps))
-            cfg = self.estimator.config
-            gen = torch.Generator().manual_seed(0)
-
-            def rand(*shape):
-                return torch.randn(*shape, generator=gen).to(device=self.device, dtype=self.dtype)
-
+            spks = rand(1, cfg.out_channels)
             solves = 0
-            for p_len in prompt_frames:
+            for t_len, cache in shapes:
+                cnn = rand(n_timesteps, cfg.depth, 2, 2 * cfg.hidden, 2, scale=0.5) if cache else None
+                att = rand(n_timesteps, cfg.depth, 2, cfg.heads, cache, 2 * cfg.head_dim, scale=0.5) if cache else None
                 for _ in range(2):
-                    spks = rand(1, cfg.out_channels)
-                    mel, cnn, att = self.forward_chunk(rand(1, cfg.out_channels, p_len), spks,
-                                                       rand(1, cfg.out_channels, p_len), n_timesteps)
+                    self.forward_chunk(rand(1, cfg.out_channels, t_len), spks, rand(1, cfg.out_channels, t_len),
+                                       n_timesteps, cnn_cache=cnn, att_cache=att)
                     solves += 1
-                    lengths = [t for t in chunk_frames]
-                    while att.shape[4] < p_len + keep_oldest:
-                        for t in lengths:
-                            mel, cnn, att = self.forward_chunk(rand(1, cfg.out_channels, t), spks,
-                                                               torch.zeros_like(rand(1, cfg.out_channels, t)),
-                                                               n_timesteps, cnn_cache=cnn, att_cache=att)
-                            solves += 1
-                    for t in list(chunk_frames) + list(last_chunk_frames):
-                        if att.shape[4] > p_len + keep_oldest:
-                            att = torch.cat([att[:, :, :, :, :p_len], att[:, :, :, :, -keep_oldest:]], dim=4)
-                        mel, cnn, att = self.forward_chunk(rand(1, cfg.out_channels, t), spks,
-                                                           torch.zeros_like(rand(1, cfg.out_channels, t)),
-                                                           n_timesteps, cnn_cache=cnn, att_cache=att)
-                        solves += 1
             stream.last = None
             if _RID in stream.server.open_requests:
                 stream.server.close_request(_RID)
-        return {"solves": solves, "graphs": self.graph_count()}
+        return {"shapes": shapes, "solves": solves, "graphs": self.graph_count()}
 
     def graph_count(self) -> int:
         """CUDA graphs captured by every server so far."""
@@ -430,7 +477,7 @@ def apply_torch_cfm_to_decoder(decoder: nn.Module, **options) -> TorchCFMDecoder
 
 def apply_torch_cfm(target: Any, *, dtype: Optional[torch.dtype] = None, graphs: Optional[bool] = None,
                     max_prompt_frames: int = 500, max_chunk_frames: int = 100, device: Optional[torch.device] = None,
-                    fused: Optional[bool] = None) -> Any:
+                    fused: Optional[bool] = None, capture_encoder: Optional[bool] = None) -> Any:
     """Serve the CFM decoder of a ``stepaudio2`` token2wav with torch_cfm, in place.
 
     Args:
@@ -444,6 +491,10 @@ def apply_torch_cfm(target: Any, *, dtype: Optional[torch.dtype] = None, graphs:
             streaming chunk (100); they size the stream's cache arena (``P + T + 100`` frames).
         device: of the estimator and caches (default: the upstream estimator's).
         fused: torch_cfm's fused DiT body (None = the dispatch policy, ``torch_cfm.explain``).
+        capture_encoder: also replay the flow's conformer encoder (``encoder.forward_chunk``, the
+            upstream module, batch 1) from CUDA graphs, one per input shape, each checked against
+            the eager call once (:class:`~torch_cfm.integrations._graphed.GraphedCall`; a capture
+            that fails or disagrees stays eager). Default: ``graphs``, when ``target`` has a flow.
     Returns:
         ``target`` (accelerated in place).
     Raises:
@@ -451,8 +502,20 @@ def apply_torch_cfm(target: Any, *, dtype: Optional[torch.dtype] = None, graphs:
         ValueError: the estimator's state_dict is not torch_cfm's DiT's (names the keys), or bad options.
     """
     decoder = _find_decoder(target, "apply_torch_cfm")
-    apply_torch_cfm_to_decoder(decoder, dtype=dtype, graphs=graphs, max_prompt_frames=max_prompt_frames,
-                               max_chunk_frames=max_chunk_frames, device=device, fused=fused)
+    encoder = getattr(_find_flow(target), "encoder", None)
+    if encoder is not None and not callable(getattr(type(encoder), "forward_chunk", None)):
+        encoder = None
+    if capture_encoder and encoder is None:
+        fail("apply_torch_cfm", "capture_encoder", "be set only for a target with a flow encoder "
+             "(a Token2wav or a flow)", f"{_type_name(target)} without one")
+    accel = apply_torch_cfm_to_decoder(decoder, dtype=dtype, graphs=graphs, max_prompt_frames=max_prompt_frames,
+                                       max_chunk_frames=max_chunk_frames, device=device, fused=fused)
+    if capture_encoder is None:
+        capture_encoder = accel.graphs and encoder is not None
+    if capture_encoder:
+        call = GraphedCall(type(encoder).forward_chunk.__get__(encoder), name="encoder.forward_chunk")
+        encoder.forward_chunk = call
+        accel.encoder_call, accel._encoder = call, encoder
     return target
 
 
@@ -461,6 +524,10 @@ def _uninstall(decoder: nn.Module) -> None:
     for name in _PATCHED:
         decoder.__dict__.pop(name, None)
     if accel is not None:
+        encoder = accel._encoder
+        if encoder is not None and encoder.__dict__.get("forward_chunk") is accel.encoder_call:
+            del encoder.__dict__["forward_chunk"]
+        accel.encoder_call = accel._encoder = None
         accel.close()
 
 
@@ -478,3 +545,87 @@ def undo_torch_cfm(target: Any) -> Any:
 def accelerated(target: Any) -> Optional[TorchCFMDecoder]:
     """The :class:`TorchCFMDecoder` installed on ``target``'s decoder, or None."""
     return getattr(_find_decoder(target, "accelerated"), _ATTR, None)
+
+
+def _trim_like_token2wav(cache: dict, prompt_frames: int, keep_oldest: int = 100) -> dict:
+    """The SPEC §3 trims ``Token2wav.stream`` applies after each chunk: the estimator attention
+    cache (dim 4) and the conformer attention cache (dim 3) to their first ``prompt_frames`` and
+    last ``keep_oldest`` frames once longer than ``prompt_frames + keep_oldest``."""
+    est, conf = cache["estimator_att_cache"], cache["conformer_att_cache"]
+    if est.shape[4] > prompt_frames + keep_oldest:
+        cache["estimator_att_cache"] = torch.cat([est[..., :prompt_frames, :], est[..., -keep_oldest:, :]], dim=4)
+    if conf.shape[3] > prompt_frames + keep_oldest:
+        cache["conformer_att_cache"] = torch.cat([conf[:, :, :, :prompt_frames], conf[:, :, :, -keep_oldest:]], dim=3)
+    return cache
+
+
+def warmup(target: Any, *, prompt_frames: Iterable[int] = (300,), chunk_tokens: int = 25,
+           last_tokens: Sequence[int] = (28,), n_timesteps: int = 10,
+           autocast_dtype: Optional[torch.dtype] = None) -> dict:
+    """Compile and capture, now, everything one stream of these prompt lengths meets.
+
+    With a flow (a Token2wav or a flow target): two streams per prompt length through the
+    flow's own ``setup_cache`` / ``inference_chunk`` (seeded random tokens, prompt mel and
+    speaker embedding; ``chunk_tokens`` + 3 lookahead tokens per chunk, ``Token2wav.stream``'s
+    trims, then one chunk of each ``last_tokens`` length flagged last) — the CFM solves and the
+    graphed encoder both see every shape twice (eager, then captured). Chunks run under CUDA
+    autocast in ``autocast_dtype`` (default: the flow's dtype when it is float16/bfloat16, as
+    ``Token2wav.stream`` does), the setup without (as ``Token2wav.set_stream_cache``). A decoder
+    target: :meth:`TorchCFMDecoder.warmup` over the same mel shapes.
+
+    Args:
+        prompt_frames: prompt lengths in mel frames (multiples of the flow's 2 frames per token).
+    Returns:
+        {"streams": int, "decoder_graphs": int, "encoder_graphs": int}.
+    Raises:
+        ValueError: ``target`` is not accelerated, or a prompt length that is no whole token count.
+    """
+    op = "warmup"
+    decoder = _find_decoder(target, op)
+    accel = getattr(decoder, _ATTR, None)
+    if accel is None:
+        fail(op, "target", "be accelerated (apply_torch_cfm first)", _type_name(target))
+    prompt_frames = tuple(prompt_frames)
+    flow = _find_flow(target)
+    up_rate = int(getattr(flow, "up_rate", 2))
+    if any(not isinstance(p, int) or p <= 0 or p % up_rate for p in prompt_frames):
+        fail(op, "prompt_frames", f"hold positive multiples of {up_rate} (mel frames per token)", repr(prompt_frames))
+    if flow is None:
+        report = accel.warmup(prompt_frames, (2 * chunk_tokens,), tuple(2 * t for t in last_tokens), n_timesteps)
+        return {"streams": 0, "decoder_graphs": report["graphs"], "encoder_graphs": 0}
+    param = next(flow.parameters())
+    dev, dt = param.device, param.dtype
+    if autocast_dtype is None and dt in (torch.float16, torch.bfloat16):
+        autocast_dtype = dt
+    vocab = flow.input_embedding.num_embeddings
+    spk_dim = flow.spk_embed_affine_layer.in_features
+    mel_dim = flow.output_size
+    lookahead = flow.pre_lookahead_len
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> torch.Tensor:
+        return torch.randint(0, vocab, (1, n), generator=gen).to(device=dev, dtype=torch.int32)
+
+    def chunk(cache, tok, spk, last):
+        with torch.amp.autocast(dev.type, dtype=autocast_dtype or dt, enabled=autocast_dtype is not None):
+            return flow.inference_chunk(tok, spk, cache, last_chunk=last, n_timesteps=n_timesteps)
+
+    streams = 0
+    for p_len in prompt_frames:
+        for _ in range(2):
+            spk = torch.randn(1, spk_dim, generator=gen).to(device=dev, dtype=dt)
+            mel = (0.5 * torch.randn(1, p_len, mel_dim, generator=gen)).to(device=dev, dtype=dt)
+            cache = flow.setup_cache(tokens(p_len // up_rate + lookahead), mel, spk, n_timesteps=n_timesteps)
+            bound, length = p_len + 100, p_len
+            while True:  # chunks until one runs at the trim bound
+                at_bound = length == bound
+                _, cache = chunk(cache, tokens(chunk_tokens + lookahead), spk, False)
+                cache = _trim_like_token2wav(cache, p_len)
+                length = cache["estimator_att_cache"].shape[4]
+                if at_bound:
+                    break
+            for n_tok in last_tokens:
+                chunk(dict(cache), tokens(n_tok), spk, True)
+            streams += 1
+    return {"streams": streams, "decoder_graphs": accel.graph_count(),
+            "encoder_graphs": 0 if accel.encoder_call is None else accel.encoder_call.graph_count}
