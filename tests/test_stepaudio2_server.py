@@ -86,13 +86,16 @@ def _check_caches(server, sid, ref_cache, label):
 
 
 @needs_hift
-@pytest.mark.parametrize("encoder_batching", [True, False])
-def test_whole_streams_match_each_stream_alone(flow, hift, encoder_batching):
+@pytest.mark.parametrize("encoder_batching,batch_buckets", [(True, None), (False, None), (True, (4,))],
+                         ids=["batched", "per_stream", "padded"])
+def test_whole_streams_match_each_stream_alone(flow, hift, encoder_batching, batch_buckets):
     """Three streams (prompts of 20, 20 and 13 tokens: two batch in the encoder, one ragged)
     through setup and 6 chunks each (trims included, ragged last chunks): mel, waveform and every
-    cache equal the stream decoded alone upstream."""
+    cache equal the stream decoded alone upstream; also with encoder and vocoder batches padded
+    to 4 rows (the CUDA-graph shapes; stage_graphs runs eagerly on CPU)."""
     server = Token2wavServer(flow, hift, max_streams=4, max_prompt_frames=80, n_timesteps=N_STEPS,
-                             encoder_batching=encoder_batching)
+                             encoder_batching=encoder_batching, batch_buckets=batch_buckets,
+                             stage_graphs=batch_buckets is not None)
     prompts = [U.make_prompt(U.TINY, p, seed=10 + i) for i, p in enumerate((20, 20, 13))]
     chunks = [U.make_chunks(U.TINY, 6, seed=20 + i, last_tokens=(7, 7, 11)[i]) for i in range(3)]
     server.open_many({i: StreamPrompt(p.tokens, p.mel, p.spk, seed=100 + i) for i, p in enumerate(prompts)})
@@ -263,3 +266,35 @@ def test_errors(flow):
     server.close_stream("a")
     with pytest.raises(ValueError, match="open stream"):
         server.close_stream("a")
+
+
+@pytest.mark.gpu
+@needs_hift
+def test_cuda_graphs_streams_match_upstream():
+    """CUDA, fp32, tiny: CFM, encoder and HiFT stages replayed from CUDA graphs (batches padded to
+    the slot buckets) over several ticks of three streams; each stream equals the upstream decoding
+    it alone on the same device (TF32 off), and the encoder captured graphs (the HiFT's decode may
+    stay eager if istft will not capture: its events say so)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    flow_gpu = U.build_flow(U.TINY, seed=0).cuda()
+    hift_gpu = R.build_hift(seed=3).cuda()
+    server = Token2wavServer(flow_gpu, hift_gpu, max_streams=4, max_prompt_frames=80, n_timesteps=N_STEPS)
+    assert server.graphs and server.stage_graphs
+    prompts = [U.make_prompt(U.TINY, p, seed=10 + i, device="cuda") for i, p in enumerate((20, 20, 13))]
+    chunks = [[c.cuda() for c in U.make_chunks(U.TINY, 8, seed=20 + i)] for i in range(3)]
+    server.open_many({i: StreamPrompt(p.tokens, p.mel, p.spk, seed=100 + i) for i, p in enumerate(prompts)})
+    mels, wavs = {i: [] for i in range(3)}, {i: [] for i in range(3)}
+    for k in range(8):
+        for i, o in server.step({i: (chunks[i][k], k == 7) for i in range(3)}).items():
+            mels[i].append(o.mel)
+            wavs[i].append(o.wav)
+    assert server._enc_call.graph_count > 0, server._enc_call.events  # noqa: SLF001
+    print("encoder:", server._enc_call.events, "\nhift decode:", server._decode_call.events)  # noqa: SLF001
+    for i in range(3):
+        # the upstream's HiFT draws on the CUDA generator, seeded like the stream's
+        ref_mels, _, _ = R.upstream_stream(flow_gpu, prompts[i], chunks[i], N_STEPS)
+        _check_stream(f"stream {i}", mels[i], None, (ref_mels, None, None))
+        ref_w = R.upstream_vocoder(hift_gpu, [m[None] for m in ref_mels], 100 + i)
+        for k, (a, b) in enumerate(zip(wavs[i], ref_w)):
+            assert err_rel_fro(a, b) <= 1e-4, f"stream {i} chunk {k} wav"

@@ -54,10 +54,11 @@ def build_hift(seed: int = 0, **sizes) -> torch.nn.Module:
 def upstream_vocoder(hift, mels: list[torch.Tensor], seed: int, last: bool = True) -> list[torch.Tensor]:
     """``Token2wav.stream``'s vocoder stage over one stream's chunk mels (1, 80, T): wav per chunk."""
     samples = int(hift.m_source.l_sin_gen.upsample_scale) * MEL_CACHE
-    window = torch.from_numpy(np.hamming(2 * samples))  # Token2wav.speech_window (float64)
-    cache_mel = torch.zeros(1, mels[0].shape[1], 0)
-    cache_source, cache_speech = torch.zeros(1, 1, 0), torch.zeros(1, 0)
-    torch.manual_seed(seed)
+    dev = mels[0].device
+    window = torch.from_numpy(np.hamming(2 * samples)).to(dev)  # Token2wav.speech_window (float64)
+    cache_mel = torch.zeros(1, mels[0].shape[1], 0, device=dev)
+    cache_source, cache_speech = torch.zeros(1, 1, 0, device=dev), torch.zeros(1, 0, device=dev)
+    torch.manual_seed(seed)  # every device's default generator
     out = []
     for i, chunk in enumerate(mels):
         mel = torch.cat([cache_mel, chunk.float()], dim=2)

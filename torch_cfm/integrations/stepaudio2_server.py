@@ -212,6 +212,15 @@ class Token2wavServer:
         check_finite: reject a prompt mel / speaker embedding holding NaN/Inf at ``open_stream``
             (one host sync per open; default False: such a stream only corrupts itself).
         fused: torch_cfm's fused DiT body (None = the dispatch policy).
+        timing: synchronise around each stage and add its seconds to ``stats``.
+        batch_buckets: sorted batch sizes an encoder or vocoder batch is padded up to (with
+            copies of its first row, dropped after: rows never mix), so that shapes repeat for
+            CUDA graphs; default: the CFM's slot buckets when ``graphs``, else no padding.
+        stage_graphs: replay the encoder group and the HiFT's f0 predictor and ``decode`` from
+            CUDA graphs, one per shape, each checked once against its eager call
+            (:class:`~torch_cfm.integrations._graphed.GraphedCall`; eager on CPU, and where a
+            capture fails or mismatches, e.g. if ``istft`` will not capture). Default: ``graphs``.
+            The HiFT's source module draws random numbers per stream and stays eager.
         cfm_options: extra :class:`~torch_cfm.CFMServer` keyword arguments (e.g. ``buckets``).
     Attributes:
         cfm_server: the :class:`~torch_cfm.CFMServer` of every stream's CFM.
@@ -225,6 +234,7 @@ class Token2wavServer:
                  graphs: Optional[bool] = None, encoder_batching: bool = True,
                  max_memory_bytes: Optional[int] = None, check_finite: bool = False,
                  fused: Optional[bool] = None, timing: bool = False,
+                 batch_buckets: Optional[Sequence[int]] = None, stage_graphs: Optional[bool] = None,
                  cfm_options: Optional[Mapping[str, Any]] = None) -> None:
         op = "Token2wavServer"
         if _flow_gaps(flow) and hasattr(flow, "flow"):
@@ -286,6 +296,21 @@ class Token2wavServer:
         self._streams: dict[Hashable, _Stream] = {}
         eparam = next(flow.encoder.parameters())
         self.enc_dtype, self.enc_device = eparam.dtype, eparam.device
+        if batch_buckets is None and self.graphs:
+            batch_buckets = self.cfm_server.slot_buckets or [max_streams]
+        self.batch_buckets = sorted(int(b) for b in batch_buckets) if batch_buckets else None
+        self.stage_graphs = self.graphs if stage_graphs is None else bool(stage_graphs)
+        self._enc_call = self._encode_group
+        self._f0_call, self._decode_call = self._hift_f0, self._hift_decode
+        if self.stage_graphs:
+            from ._graphed import GraphedCall
+
+            budget = 8 * max(len(self.batch_buckets or [1]), 1)
+            self._enc_call = GraphedCall(self._encode_group, name="Token2wavServer.encoder", max_graphs=budget)
+            if hift is not None:
+                self._f0_call = GraphedCall(self._hift_f0, name="Token2wavServer.hift_f0", max_graphs=budget)
+                self._decode_call = GraphedCall(self._hift_decode, name="Token2wavServer.hift_decode",
+                                                max_graphs=budget)
 
     # ------------------------------------------------------------------ streams
     @property
@@ -491,18 +516,37 @@ class Token2wavServer:
             if not self.encoder_batching:
                 key = key + (i,)
             groups.setdefault(key, []).append((sid, tokens, cnn, att, last))
-        flow, out = self.flow, {}
+        out = {}
         for members in groups.values():
             last = members[0][4]
-            tokens = torch.cat([m[1] for m in members], dim=0)
-            cnn = None if members[0][2] is None else torch.cat([m[2] for m in members], dim=0)
-            att = None if members[0][3] is None else torch.cat([m[3] for m in members], dim=1)
-            xs = flow.input_embedding(tokens)
-            h, new_cnn, new_att = flow.encoder.forward_chunk(xs, last_chunk=last, cnn_cache=cnn, att_cache=att)
-            h = flow.encoder_proj(h)
+            real = len(members)
+            rows = members + [members[0]] * (self._padded(real) - real)
+            tokens = torch.cat([m[1] for m in rows], dim=0)
+            cnn = None if members[0][2] is None else torch.cat([m[2] for m in rows], dim=0)
+            att = None if members[0][3] is None else torch.cat([m[3] for m in rows], dim=1)
+            h, new_cnn, new_att = self._enc_call(tokens, cnn, att, last)
             for b, (sid, *_rest) in enumerate(members):
                 out[sid] = (h[b].transpose(0, 1), new_cnn[b:b + 1], new_att[:, b:b + 1])
         return out
+
+    def _encode_group(self, tokens, cnn, att, last: bool):
+        """The flow's chunk encoder over one batch: embedding, conformer chunk, projection."""
+        flow = self.flow
+        h, new_cnn, new_att = flow.encoder.forward_chunk(flow.input_embedding(tokens), last_chunk=last,
+                                                         cnn_cache=cnn, att_cache=att)
+        return flow.encoder_proj(h), new_cnn, new_att
+
+    def _hift_f0(self, mel):
+        """The HiFT's f0 predictor and upsampling (the deterministic half of its source)."""
+        return self.hift.f0_upsamp(self.hift.f0_predictor(mel)[:, None]).transpose(1, 2)
+
+    def _hift_decode(self, mel, source):
+        return self.hift.decode(x=mel, s=source)
+
+    def _padded(self, count: int) -> int:
+        if not self.batch_buckets:
+            return count
+        return next((b for b in self.batch_buckets if b >= count), count)
 
     def _vocode(self, items) -> dict[Hashable, torch.Tensor]:
         """The vocoder of ``Token2wav.stream`` per stream, batched over equal input lengths."""
@@ -516,9 +560,9 @@ class Token2wavServer:
             groups.setdefault((mel.shape[2], cache_len), []).append((sid, mel, last))
         out = {}
         for (_, cache_len), members in groups.items():
-            mel = torch.cat([m[1] for m in members], dim=0)
-            f0 = hift.f0_predictor(mel)
-            up = hift.f0_upsamp(f0[:, None]).transpose(1, 2)
+            pad = self._padded(len(members)) - len(members)
+            mel = torch.cat([m[1] for m in members] + [members[0][1]] * pad, dim=0)
+            up = self._f0_call(mel)
             sources = []
             for b, (sid, _, _) in enumerate(members):
                 st = self._streams[sid]
@@ -527,8 +571,8 @@ class Token2wavServer:
                 if cache_len:
                     s[:, :, :cache_len] = st.hift_source
                 sources.append(s)
-            source = torch.cat(sources, dim=0)
-            speech = hift.decode(x=mel, s=source)
+            source = torch.cat(sources + sources[:1] * pad, dim=0)
+            speech = self._decode_call(mel, source)
             n = self.source_cache
             for b, (sid, m, last) in enumerate(members):
                 st = self._streams[sid]
