@@ -275,8 +275,15 @@ def test_cuda_graphs_streams_match_upstream():
     the slot buckets) over several ticks of three streams; each stream equals the upstream decoding
     it alone on the same device (TF32 off), and the encoder captured graphs (the HiFT's decode may
     stay eager if istft will not capture: its events say so)."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    prev = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        _cuda_graph_streams()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = prev
+
+
+def _cuda_graph_streams():
     flow_gpu = U.build_flow(U.TINY, seed=0).cuda()
     hift_gpu = R.build_hift(seed=3).cuda()
     server = Token2wavServer(flow_gpu, hift_gpu, max_streams=4, max_prompt_frames=80, n_timesteps=N_STEPS)
