@@ -16,6 +16,8 @@ caches and cross-fade). Providers:
 
 * ``torch_cfm``: :class:`torch_cfm.integrations.stepaudio2_server.Token2wavServer`, one tick =
   one ``step`` over every open stream (``cfm``: its ``cfm_server.solve_chunk``); CUDA graphs.
+* ``torch_cfm/enc_per_stream`` (``mel`` only): the same with ``encoder_batching=False`` (the
+  conformer encoder one stream at a time, under CUDA graphs per shape): batching's A/B.
 * ``upstream``: the package's own per-request path, one request at a time as ``Token2wav.stream``
   runs it (``flow.setup_cache`` / ``flow.inference_chunk`` + its trims, ``HiFTGenerator`` +
   fade; ``cfm``: ``decoder.forward_chunk`` + the estimator trim), eager, in the flow's dtype
@@ -70,8 +72,20 @@ from torch_cfm.models.cache import TRIM_KEEP_OLDEST  # noqa: E402
 
 OP = "serving"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-IDENTITY = ("op", "provider", "stage", "concurrency", "dtype", "gpu")
+IDENTITY = ("op", "provider", "variant", "stage", "concurrency", "dtype", "gpu")
 FRAME_S = 0.02  # one mel frame = 20 ms (50 Hz)
+STAGE_GRAPHS = [None]  # Token2wavServer(stage_graphs=...): None = with the CFM's graphs; --no-stage-graphs: False
+
+
+def graph_report(server) -> dict:
+    """CUDA graphs the front's stages captured, and why any shape stayed eager (first note)."""
+    out = {}
+    for name in ("_enc_call", "_f0_call", "_decode_call"):
+        call = getattr(server, name, None)
+        if hasattr(call, "graph_count"):
+            eager = [e for e in call.events if e.startswith("kept eager")]
+            out[name.strip("_")] = {"graphs": call.graph_count, "eager_note": eager[0][:160] if eager else None}
+    return out
 
 
 @dataclasses.dataclass
@@ -167,7 +181,7 @@ class TorchCfmProvider:
         self.stage, self.inputs, self.wl = stage, inputs, wl
         self.server = Token2wavServer(flow, hift if stage == "wav" else None, max_streams=c,
                                       max_prompt_frames=wl.prompt_frames, max_chunk_tokens=wl.chunk_tokens,
-                                      n_timesteps=wl.n_steps, dtype=dtype)
+                                      n_timesteps=wl.n_steps, dtype=dtype, stage_graphs=STAGE_GRAPHS[0])
         self.done: dict[int, int] = {}
 
     def open(self, ids):
@@ -206,6 +220,23 @@ class TorchCfmProvider:
     def bytes_per_stream(self) -> int:
         plan = self.server.memory_plan()
         return plan.cfm if self.stage == "cfm" else plan.cfm + plan.encoder + (plan.vocoder if self.stage == "wav" else 0)
+
+
+class TorchCfmEncPerStreamProvider(TorchCfmProvider):
+    """The front with its encoder run one stream at a time (``encoder_batching=False``; under CUDA
+    graphs per stream shape): the A/B of batching the conformer encoder."""
+
+    name = "torch_cfm/enc_per_stream"
+
+    def __init__(self, flow, hift, stage, c, wl, inputs, device, dtype) -> None:
+        if stage == "cfm":
+            raise ValueError("the encoder A/B has no cfm stage")
+        self.stage, self.inputs, self.wl = stage, inputs, wl
+        self.server = Token2wavServer(flow, hift if stage == "wav" else None, max_streams=c,
+                                      max_prompt_frames=wl.prompt_frames, max_chunk_tokens=wl.chunk_tokens,
+                                      n_timesteps=wl.n_steps, dtype=dtype, encoder_batching=False,
+                                      stage_graphs=STAGE_GRAPHS[0])
+        self.done = {}
 
 
 class UpstreamProvider:
@@ -382,7 +413,8 @@ class UpstreamGraphProvider:
         return held // self.c
 
 
-PROVIDERS = {"torch_cfm": TorchCfmProvider, "upstream": UpstreamProvider, "upstream_graph": UpstreamGraphProvider}
+PROVIDERS = {"torch_cfm": TorchCfmProvider, "torch_cfm/enc_per_stream": TorchCfmEncPerStreamProvider,
+             "upstream": UpstreamProvider, "upstream_graph": UpstreamGraphProvider}
 
 
 # ---------------------------------------------------------------------------------- one run
@@ -494,7 +526,8 @@ def write_table(rows: list[dict], path: str, command: str) -> str:
         shares = "/".join(_fmt(r.get(f"share_{k}"), 2) for k in ("encoder", "cfm", "vocoder")) \
             if r.get("share_cfm") is not None else ""
         lines.append("| " + " | ".join([str(r.get("gpu")), str(r.get("dtype")), str(r.get("stage")),
-                                        str(r.get("provider")), str(r.get("concurrency")),
+                                        str(r.get("provider")) + (f" ({r['variant']})" if r.get("variant") else ""),
+                                        str(r.get("concurrency")),
                                         _fmt(r.get("audio_s_per_s"), 2), _fmt(r.get("chunk_ms_p50")),
                                         _fmt(r.get("chunk_ms_p99")), _fmt(ratio, 2), _fmt(r.get("first_chunk_ms_p50")),
                                         _fmt(r.get("first_chunk_ms_p99")), _fmt(r.get("bytes_per_stream")), shares,
@@ -519,7 +552,8 @@ def write_plot(rows: list[dict], path: str) -> Optional[str]:
     for r in rows:
         if r.get("audio_s_per_s") is None:
             continue
-        series.setdefault((r["gpu"], r["dtype"], r["stage"], r["provider"]), []).append(r)
+        prov = r["provider"] + (f" ({r['variant']})" if r.get("variant") else "")
+        series.setdefault((r["gpu"], r["dtype"], r["stage"], prov), []).append(r)
     for (gpu, dt, stage, prov), rs in sorted(series.items()):
         rs = sorted(rs, key=lambda r: r["concurrency"])
         cs = [r["concurrency"] for r in rs]
@@ -546,16 +580,19 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="fewer ticks and chunks")
     ap.add_argument("--concurrency", default=None, help="comma list (default 1,4,16,32,64; --tiny: 1,2)")
     ap.add_argument("--stages", default="cfm,mel,wav")
-    ap.add_argument("--providers", default="torch_cfm,upstream,upstream_graph")
+    ap.add_argument("--providers", default="torch_cfm,torch_cfm/enc_per_stream,upstream,upstream_graph")
     ap.add_argument("--upstream-max", type=int, default=None, help="largest C the serial upstream path runs at")
     ap.add_argument("--chunks", type=int, default=None, help="chunks per stream")
     ap.add_argument("--ticks", type=int, default=None)
     ap.add_argument("--warm-ticks", type=int, default=None)
     ap.add_argument("--n-steps", type=int, default=None)
     ap.add_argument("--warmup", action="store_true", help="run Token2wavServer.warmup before the ticks")
+    ap.add_argument("--no-stage-graphs", action="store_true",
+                    help="run the front's encoder and HiFT eagerly (the CFM keeps its graphs): the graphs' A/B")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    STAGE_GRAPHS[0] = False if args.no_stage_graphs else None
     device = args.device
     dname = args.dtype or ("fp16" if device == "cuda" else "fp32")
     dtype = DTYPES[dname]
@@ -598,12 +635,14 @@ def main(argv=None) -> list[dict]:
     command = "python bench/serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
     for stage in args.stages.split(","):
         for prov_name in args.providers.split(","):
-            if prov_name == "upstream_graph" and stage != "cfm":
+            if (prov_name == "upstream_graph" and stage != "cfm") or \
+                    (prov_name == "torch_cfm/enc_per_stream" and stage != "mel"):
                 continue
             for c in cs:
                 if prov_name == "upstream" and c > up_max:
                     continue
-                base = dict(op=OP, provider=prov_name, stage=stage, concurrency=c, dtype=dname,
+                variant = "no_stage_graphs" if args.no_stage_graphs and prov_name.startswith("torch_cfm") else ""
+                base = dict(op=OP, provider=prov_name, variant=variant, stage=stage, concurrency=c, dtype=dname,
                             prompt_s=wl.prompt_frames * FRAME_S, chunk_s=wl.chunk_frames * FRAME_S,
                             chunks_per_stream=wl.chunks, n_timesteps=wl.n_steps, tiny=args.tiny, **env)
                 if stage == "wav" and hift is None:
@@ -615,14 +654,15 @@ def main(argv=None) -> list[dict]:
                         torch.cuda.reset_peak_memory_stats()
                         mem0 = torch.cuda.memory_allocated()
                     prov = PROVIDERS[prov_name](flow, hift, stage, c, wl, inputs, device, dtype)
-                    if args.warmup and prov_name == "torch_cfm":
+                    if args.warmup and prov_name.startswith("torch_cfm"):
                         prov.server.warmup(prompt_frames=(wl.prompt_frames,), chunk_tokens=(wl.chunk_tokens,))
                     row = dict(base, **run_one(prov, c, wl, args.seed + c))
                     row["bytes_per_stream"] = prov.bytes_per_stream()
                     if device == "cuda":
                         row["measured_bytes_per_stream"] = (torch.cuda.max_memory_allocated() - mem0) // c
-                    if prov_name == "torch_cfm" and stage != "cfm":
+                    if prov_name.startswith("torch_cfm") and stage != "cfm":
                         row.update(stage_shares(prov, c, wl))
+                        row["stage_graphs"] = graph_report(prov.server)
                     del prov
                 except Exception as exc:  # noqa: BLE001
                     traceback.print_exc()

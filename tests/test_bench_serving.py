@@ -33,7 +33,7 @@ def test_smoke_rows_table_plot(tmp_path, capsys):
                          "--chunks", "2", "--warm-ticks", "1", "--out", str(tmp_path)])
     got = {(r["stage"], r["provider"]) for r in rows}
     want = {("cfm", "torch_cfm"), ("cfm", "upstream"), ("cfm", "upstream_graph"), ("mel", "torch_cfm"),
-            ("mel", "upstream"), ("wav", "torch_cfm"), ("wav", "upstream")}
+            ("mel", "torch_cfm/enc_per_stream"), ("mel", "upstream"), ("wav", "torch_cfm"), ("wav", "upstream")}
     assert got == want
     for r in rows:
         if r["stage"] == "wav" and r.get("error", "").startswith("no HiFT"):
@@ -45,7 +45,7 @@ def test_smoke_rows_table_plot(tmp_path, capsys):
             assert key in r
         if r["provider"] != "upstream_graph" and r["streams"]:
             assert r["first_chunk_ms_p50"] > 0
-        if r["provider"] == "torch_cfm":
+        if r["provider"].startswith("torch_cfm"):
             assert r["bytes_per_stream"] > 0
             if r["stage"] != "cfm":
                 assert abs(sum(r[f"share_{k}"] for k in ("encoder", "cfm", "vocoder")) - 1) < 0.01
