@@ -655,7 +655,8 @@ def main(argv=None) -> list[dict]:
                         mem0 = torch.cuda.memory_allocated()
                     prov = PROVIDERS[prov_name](flow, hift, stage, c, wl, inputs, device, dtype)
                     if args.warmup and prov_name.startswith("torch_cfm"):
-                        prov.server.warmup(prompt_frames=(wl.prompt_frames,), chunk_tokens=(wl.chunk_tokens,))
+                        warm = prov.server.warmup(prompt_frames=(wl.prompt_frames,), chunk_tokens=(wl.chunk_tokens,))
+                        print(f"warmup: {warm}", flush=True)
                     row = dict(base, **run_one(prov, c, wl, args.seed + c))
                     row["bytes_per_stream"] = prov.bytes_per_stream()
                     if device == "cuda":

@@ -305,3 +305,19 @@ def _cuda_graph_streams():
         ref_w = R.upstream_vocoder(hift_gpu, [m[None] for m in ref_mels], 100 + i)
         for k, (a, b) in enumerate(zip(wavs[i], ref_w)):
             assert err_rel_fro(a, b) <= 1e-4, f"stream {i} chunk {k} wav"
+
+
+def test_warmup_leaves_nothing_open(flow):
+    """warmup runs the stream shapes (prompt, chunks to the trim bound, a last chunk) for each
+    stream count and closes its streams: the server is empty and serves a stream correctly after."""
+    server = Token2wavServer(flow, None, max_streams=2, max_prompt_frames=40, n_timesteps=N_STEPS)
+    empty = server.state_bytes()
+    report = server.warmup(prompt_frames=(20,), chunk_tokens=(28,), last_chunk_tokens=(5,), ticks=3, rounds=1)
+    assert report["streams"] == (1 + 2) * 2 and report["ticks"] > 0  # counts 1 and 2, each reopened once
+    assert report["graphs"] == {"cfm": 0, "encoder": 0, "hift_f0": 0, "hift_decode": 0}  # CPU: eager
+    assert server.open_streams == [] and server.state_bytes() == empty
+    prompt = U.make_prompt(U.TINY, 10, seed=8)
+    chunks = U.make_chunks(U.TINY, 3, seed=9)
+    server.open_stream("a", prompt.tokens, prompt.mel, prompt.spk)
+    got = [server.step({"a": (c, i == 2)})["a"].mel for i, c in enumerate(chunks)]
+    _check_stream("after warmup", got, None, R.upstream_stream(flow, prompt, chunks, N_STEPS))

@@ -589,39 +589,70 @@ class Token2wavServer:
 
     # ------------------------------------------------------------------ start-up
     def warmup(self, prompt_frames: Sequence[int] = (300,), chunk_tokens: Sequence[int] = (28,),
-               stream_counts: Optional[Sequence[int]] = None, ticks: int = 4) -> dict:
-        """Run every stage at the shapes a workload meets, now (kernels compiled, CFM graphs
-        captured): for each prompt length and each stream count, that many streams opened
-        together and ``ticks`` ticks of every chunk length (the CFM's graph solver runs a new
-        shape once eagerly, then captures), then closed. When the :class:`~torch_cfm.CFMServer`
-        has its own ``warmup`` it runs first. Returns {"streams": int, "ticks": int}."""
+               last_chunk_tokens: Sequence[int] = (), stream_counts: Optional[Sequence[int]] = None,
+               ticks: int = 4, rounds: int = 2, cfm_warmup: Optional[Mapping[str, Any]] = None) -> dict:
+        """Run every stage at the shapes a workload meets, now (kernels compiled, graphs captured).
+
+        For each prompt length and each stream count (default: the CFM's slot buckets), that many
+        streams are opened together, run ``ticks`` ticks of each chunk length (the conformer and
+        CFM caches grow to the trim bound), then one last chunk of each ``last_chunk_tokens``
+        length, and closed; all of it ``rounds`` times (the graph runners run a new shape eagerly
+        once, then capture it). When the :class:`~torch_cfm.CFMServer` has its own ``warmup``,
+        it runs first with ``cfm_warmup`` as keyword arguments (the seam for the server's
+        bucket warm-up). Returns {"streams", "ticks", "graphs": {stage: count}}.
+        """
         counts = list(stream_counts) if stream_counts is not None else sorted(
             set(self.cfm_server.slot_buckets or [1, self.max_streams]) | {1})
         cfm_warm = getattr(self.cfm_server, "warmup", None)
-        if callable(cfm_warm):  # the server's own warm-up (captures every bucket's graphs)
-            cfm_warm()
+        if callable(cfm_warm):  # the server's own warm-up (every bucket's graphs)
+            cfm_warm(**dict(cfm_warmup or {}))
         opened = done = 0
         vocab = self.flow.input_embedding.num_embeddings
         gen = torch.Generator().manual_seed(0)
         spk_dim = self.flow.spk_embed_affine_layer.in_features
-        for p in prompt_frames:
-            p_tok = p // self.up_rate
-            for count in counts:
-                count = min(count, self.max_streams - len(self._streams))
-                if count <= 0:
-                    continue
-                ids = [("__warmup__", p, count, i) for i in range(count)]
-                self.open_many({sid: (torch.randint(0, vocab, (1, p_tok + self.lookahead), generator=gen),
-                                      torch.randn(1, p_tok * self.up_rate, self.flow.output_size, generator=gen),
-                                      torch.randn(1, spk_dim, generator=gen)) for sid in ids})
-                opened += count
-                for _ in range(ticks):
-                    for n in chunk_tokens:
-                        self.step({sid: torch.randint(0, vocab, (1, n), generator=gen) for sid in ids})
-                        done += 1
-                for sid in ids:
-                    self.close_stream(sid)
-        return {"streams": opened, "ticks": done}
+
+        def tokens(n):
+            return torch.randint(0, vocab, (1, n), generator=gen, dtype=torch.int32)
+
+        for _ in range(rounds):
+            for p in prompt_frames:
+                p_tok = p // self.up_rate
+                for count in counts:
+                    count = min(count, self.max_streams - len(self._streams))
+                    if count <= 0:
+                        continue
+                    ids = [("__warmup__", p, count, i) for i in range(count)]
+                    self.open_many({sid: (tokens(p_tok + self.lookahead),
+                                          torch.randn(1, p_tok * self.up_rate, self.flow.output_size, generator=gen),
+                                          torch.randn(1, spk_dim, generator=gen)) for sid in ids})
+                    opened += count
+                    for _ in range(ticks):
+                        for n in chunk_tokens:
+                            self.step({sid: tokens(n) for sid in ids})
+                            done += 1
+                    for n in last_chunk_tokens:
+                        for sid in ids:
+                            self.close_stream(sid)
+                        self.open_many({sid: (tokens(p_tok + self.lookahead),
+                                              torch.randn(1, p_tok * self.up_rate, self.flow.output_size,
+                                                          generator=gen),
+                                              torch.randn(1, spk_dim, generator=gen)) for sid in ids})
+                        opened += count
+                        for _ in range(ticks):
+                            self.step({sid: tokens(chunk_tokens[0]) for sid in ids})
+                        self.step({sid: (tokens(n), True) for sid in ids})
+                        done += ticks + 1
+                    for sid in ids:
+                        self.close_stream(sid)
+        return {"streams": opened, "ticks": done, "graphs": self.graph_counts()}
+
+    def graph_counts(self) -> dict[str, int]:
+        """CUDA graphs captured so far per stage (``cfm``: the CFM server's graph solver)."""
+        keys = getattr(self.cfm_server.solve_fn, "_keys", {})
+        out = {"cfm": sum(1 for ent in keys.values() if getattr(ent, "graph", None) is not None)}
+        for name, call in (("encoder", self._enc_call), ("hift_f0", self._f0_call), ("hift_decode", self._decode_call)):
+            out[name] = getattr(call, "graph_count", 0)
+        return out
 
     # ------------------------------------------------------------------ helpers
     def _context(self):
