@@ -224,7 +224,8 @@ class Token2wavServer:
         cfm_options: extra :class:`~torch_cfm.CFMServer` keyword arguments (e.g. ``buckets``).
     Attributes:
         cfm_server: the :class:`~torch_cfm.CFMServer` of every stream's CFM.
-        flow, hift: the upstream modules (not modified).
+        flow, hift: the upstream modules (not modified, except that the HiFT's ``stft_window``
+            attribute is moved to its device: same values, no host copy per call).
         stats: seconds spent per stage (``encoder``, ``cfm``, ``vocoder``) when ``timing=True``.
     """
 
@@ -291,6 +292,11 @@ class Token2wavServer:
             self.samples_per_frame, self.source_cache = hift_stream_constants(hift)
             hparam = next(hift.parameters())
             self.hift_dtype, self.hift_device = hparam.dtype, hparam.device
+            window = getattr(hift, "stft_window", None)
+            if isinstance(window, torch.Tensor) and window.device != self.hift_device:
+                # A plain attribute (not a buffer): the upstream copies it to the device in every
+                # stft/istft call, a host copy a CUDA graph cannot hold. Same values, on the device.
+                hift.stft_window = window.to(self.hift_device)
             self._window = torch.hamming_window(2 * self.source_cache, periodic=False, dtype=torch.float64,
                                                 device=self.hift_device)
         self._streams: dict[Hashable, _Stream] = {}
