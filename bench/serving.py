@@ -219,7 +219,9 @@ class TorchCfmProvider:
 
     def bytes_per_stream(self) -> int:
         plan = self.server.memory_plan()
-        return plan.cfm if self.stage == "cfm" else plan.cfm + plan.encoder + (plan.vocoder if self.stage == "wav" else 0)
+        if self.stage == "cfm":
+            return plan.cfm
+        return plan.cfm + plan.encoder + (plan.vocoder if self.stage == "wav" else 0)
 
 
 class TorchCfmEncPerStreamProvider(TorchCfmProvider):
@@ -265,8 +267,9 @@ class UpstreamProvider:
             with torch.inference_mode(), self._autocast():
                 if self.stage == "cfm":
                     dec = self.flow.decoder
-                    _, cnn, att = dec.forward_chunk(self.inputs.mu_prompt[sid % 4][None], self.inputs.spk80[sid % 4][None],
-                                                    self.inputs.mu_prompt[(sid + 1) % 4][None], n_timesteps=self.wl.n_steps)
+                    mu, spk = self.inputs.mu_prompt[sid % 4][None], self.inputs.spk80[sid % 4][None]
+                    _, cnn, att = dec.forward_chunk(mu, spk, self.inputs.mu_prompt[(sid + 1) % 4][None],
+                                                    n_timesteps=self.wl.n_steps)
                     st = {"cnn": cnn.clone(), "att": att.clone()}
                 else:
                     st = {"cache": {k: v.clone() for k, v in self.flow.setup_cache(
@@ -292,7 +295,8 @@ class UpstreamProvider:
                     _, cnn, att = dec.forward_chunk(self.inputs.mu_chunk[(sid + st["done"]) % 4][None],
                                                     self.inputs.spk80[sid % 4][None],
                                                     torch.zeros_like(self.inputs.mu_chunk[0][None]),
-                                                    n_timesteps=self.wl.n_steps, cnn_cache=st["cnn"], att_cache=st["att"])
+                                                    n_timesteps=self.wl.n_steps, cnn_cache=st["cnn"],
+                                                    att_cache=st["att"])
                     # the decoder returns views of its scratch buffers: cloned so that streams interleave
                     st["cnn"], st["att"] = cnn.clone(), self._trim(att, 4).clone()
                 else:
@@ -519,8 +523,10 @@ def write_table(rows: list[dict], path: str, command: str) -> str:
              "| gpu | dtype | stage | provider | C | audio-s/s | chunk p50 | chunk p99 | tick p99/p50 | "
              "first chunk p50 | first chunk p99 | bytes/stream | shares enc/cfm/voc | error |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    key = lambda r: (r.get("gpu") or "", r.get("dtype") or "", r.get("stage") or "", r.get("provider") or "",  # noqa: E731
-                     r.get("concurrency") or 0)
+    def key(r):
+        return (r.get("gpu") or "", r.get("dtype") or "", r.get("stage") or "", r.get("provider") or "",
+                r.get("variant") or "", r.get("concurrency") or 0)
+
     for r in sorted(rows, key=key):
         ratio = (r["tick_ms_p99"] / r["tick_ms_p50"]) if r.get("tick_ms_p50") else None
         shares = "/".join(_fmt(r.get(f"share_{k}"), 2) for k in ("encoder", "cfm", "vocoder")) \

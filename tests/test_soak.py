@@ -183,7 +183,8 @@ def _report(counts: dict) -> None:
     print(f"\nsoak: {counts['ticks']} ticks, {counts['streams']} streams arrived ({counts['opened']} opened: "
           f"{counts['completed']} completed, {counts['left_early']} left early; {counts['refused']} refused), "
           f"{counts['chunks']} chunks ({counts['wav_chunks']} with waveform), at most {counts['max_open']} open, "
-          f"memory checked empty {counts['empty_checks']} times, live tensors {counts['census']}; worst rel err {counts['worst_rel_err']:.2e}; "
+          f"memory checked empty {counts['empty_checks']} times, live tensors {counts['census']}; "
+          f"worst rel err {counts['worst_rel_err']:.2e}; "
           f"{counts['seconds']} s")
 
 

@@ -393,7 +393,8 @@ class Token2wavServer:
             if isinstance(item, (tuple, list)) and 3 <= len(item) <= 5:
                 item = StreamPrompt(*item)
             if not isinstance(item, StreamPrompt):
-                fail(op, f"prompts[{sid!r}]", "be a StreamPrompt or (prompt_tokens, prompt_mel, spk[, seed[, waveform]])",
+                fail(op, f"prompts[{sid!r}]",
+                     "be a StreamPrompt or (prompt_tokens, prompt_mel, spk[, seed[, waveform]])",
                      type(item).__name__)
             tokens, mel, spk, seed, waveform = item.tokens, item.mel, item.spk, int(item.seed), bool(item.waveform)
             tokens = self._tokens(op, f"prompts[{sid!r}] prompt_tokens", tokens)
