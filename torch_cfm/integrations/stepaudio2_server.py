@@ -13,7 +13,7 @@ all of them together. The three stages of a chunk (tokens -> mel -> waveform) ar
 
 * **Encoder**: the flow's own ``input_embedding``, ``encoder.forward_chunk`` (the upstream
   ``UpsampleConformerEncoderV2`` with its conformer conv and attention caches) and
-  ``encoder_proj``; the conformer attention cache trimmed to its first P and last 100 frames
+  ``encoder_proj`` (a half-precision flow on CUDA under autocast, as ``Token2wav`` runs it); the conformer attention cache trimmed to its first P and last 100 frames
   like ``Token2wav.stream`` (P = the prompt's mel frames). Streams whose chunk has the same token
   count, conformer cache length and last flag run as one batch (``encoder_batching=True``, the
   default): the upstream conformer has no padding masks in its chunk path, so only equal shapes
@@ -419,8 +419,9 @@ class Token2wavServer:
         self._admit(len(staged))
         with self._context():
             t0 = self._clock()
-            spks = {sid: self.flow.spk_embed_affine_layer(F.normalize(spk.to(self.enc_dtype), dim=1))
-                    for sid, _, _, spk, _, _ in staged}
+            with self._autocast():
+                spks = {sid: self.flow.spk_embed_affine_layer(F.normalize(spk.to(self.enc_dtype), dim=1))
+                        for sid, _, _, spk, _, _ in staged}
             enc_out = self._encode([(sid, tokens, None, None, False) for sid, tokens, *_ in staged])
             t1 = self._clock()
             for sid, tokens, mel, spk, seed, waveform in staged:
@@ -531,7 +532,8 @@ class Token2wavServer:
             tokens = torch.cat([m[1] for m in rows], dim=0)
             cnn = None if members[0][2] is None else torch.cat([m[2] for m in rows], dim=0)
             att = None if members[0][3] is None else torch.cat([m[3] for m in rows], dim=1)
-            h, new_cnn, new_att = self._enc_call(tokens, cnn, att, last)
+            with self._autocast():
+                h, new_cnn, new_att = self._enc_call(tokens, cnn, att, last)
             for b, (sid, *_rest) in enumerate(members):
                 out[sid] = (h[b].transpose(0, 1), new_cnn[b:b + 1], new_att[:, b:b + 1])
         return out
@@ -669,6 +671,12 @@ class Token2wavServer:
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.no_grad())
         return stack
+
+    def _autocast(self):
+        """``Token2wav(float16=True)`` runs the flow (embedding, encoder, projections) under fp16
+        autocast: a half-precision flow on CUDA runs the same way here."""
+        half = self.enc_dtype in (torch.float16, torch.bfloat16) and self.enc_device.type == "cuda"
+        return torch.autocast("cuda", dtype=self.enc_dtype, enabled=half)
 
     def _clock(self) -> float:
         if not self.timing:
