@@ -3,7 +3,8 @@
 The package's real modules (``tests/upstream_flow.py`` loads them without its TTS stack) at the
 shipped sizes with seeded random weights, halved as ``Token2wav(float16=True)`` does, batch 1.
 Per provider (``upstream``: the modules as they are; ``torch_cfm``: the same modules after
-``apply_torch_cfm``, warmed up with ``accelerated(flow).warmup``), after one warm stream:
+``apply_torch_cfm`` — CFM decoder served by torch_cfm, conformer encoder replayed from CUDA
+graphs — warmed up with ``warmup(flow)``), after one warm stream:
 
 * ``mel``: the flow the way ``Token2wav.stream`` drives it: ``flow.setup_cache`` (prompt tokens
   + 3 lookahead, prompt mel, speaker embedding) then ``flow.inference_chunk`` per 25 + 3 tokens
@@ -15,7 +16,8 @@ Per provider (``upstream``: the modules as they are; ``torch_cfm``: the same mod
 Each chunk is timed on the host between device synchronisations (a chunk of ``Token2wav.stream``
 ends with a copy to the host anyway); rows give the setup ms, chunk p50/p99/median/max ms and
 their max/median ratio, the CFM decoder's share (``decoder_ms_p50``, from a separate pass that
-synchronises around ``flow.decoder.forward_chunk``; ``rest_ms_p50`` = encoder, projection, trims), the mel's error against the fp64 upstream flow on the same inputs
+synchronises around ``flow.decoder.forward_chunk``; ``rest_ms_p50`` = encoder, projection, trims),
+the mel's error against the fp64 upstream flow on the same inputs
 (largest relative Frobenius error over the chunks), and the captures that happened during the
 timed stream (0 = nothing compiled or captured after warm-up). Rows are upserted into
 ``bench/results/stepaudio2_stream.json`` (identity: op, provider, variant, shape, dtype,
@@ -44,7 +46,7 @@ sys.path[:0] = [HERE, os.path.join(ROOT, "tests"), ROOT]
 
 import _harness as H  # noqa: E402
 import upstream_flow as U  # noqa: E402
-from torch_cfm.integrations.stepaudio2 import accelerated, apply_torch_cfm  # noqa: E402
+from torch_cfm.integrations.stepaudio2 import accelerated, apply_torch_cfm, warmup  # noqa: E402
 
 OP = "stepaudio2_stream"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -137,7 +139,8 @@ def _timing_fields(setup_ms: float, times) -> dict:
     return dict(setup_ms=round(setup_ms, 3), chunk_ms_p50=round(med, 3), chunk_ms_median=round(med, 3),
                 chunk_ms_p99=round(_pct(times, 0.99), 3), chunk_ms_max=round(max(times), 3),
                 max_over_median=round(max(times) / med, 3) if med > 0 else None,
-                us_p20=round(_pct(times, 0.2) * 1e3, 1), us_p50=round(med * 1e3, 1), us_p80=round(_pct(times, 0.8) * 1e3, 1))
+                us_p20=round(_pct(times, 0.2) * 1e3, 1), us_p50=round(med * 1e3, 1),
+                us_p80=round(_pct(times, 0.8) * 1e3, 1))
 
 
 def _mel_errors(mels, ref) -> dict:
@@ -186,24 +189,31 @@ def main(argv=None) -> int:
     ours = copy.deepcopy(upstream)
     apply_torch_cfm(ours)
     t0 = time.perf_counter()
-    warm = accelerated(ours).warmup(prompt_frames=(prompt.frames,), chunk_frames=(50,), last_chunk_frames=(56,),
-                                    n_timesteps=n_steps)
+    warm = warmup(ours, prompt_frames=(prompt.frames,), last_tokens=(28,), n_timesteps=n_steps)
     warmup_s = time.perf_counter() - t0
-    print(f"torch_cfm warm-up: {warm['solves']} solves, {warm['graphs']} graphs, {warmup_s:.1f} s", flush=True)
+    print(f"torch_cfm warm-up: {warm['streams']} streams, {warm['decoder_graphs']} CFM graphs, "
+          f"{warm['encoder_graphs']} encoder graphs, {warmup_s:.1f} s", flush=True)
+    encoder_call = accelerated(ours).encoder_call
 
     rows = []
     timing_ours = "cuda_graph" if accelerated(ours).graphs else "eager"
     for provider, flow in (("upstream", upstream), ("torch_cfm", ours)):
         stream_mel(flow, prompt, chunks[:3] + chunks[-1:], n_steps=n_steps, device=device, dtype=dtype)  # warm
-        graphs_before = accelerated(flow).graph_count() if provider == "torch_cfm" else 0
+        def captured() -> int:
+            if provider != "torch_cfm":
+                return 0
+            return accelerated(flow).graph_count() + (encoder_call.graph_count if encoder_call is not None else 0)
+
+        graphs_before = captured()
         mels, setup_ms, times = stream_mel(flow, prompt, chunks, n_steps=n_steps, device=device, dtype=dtype)
         dec_times = decoder_times(flow, prompt, chunks, n_steps=n_steps, device=device, dtype=dtype)
         extra = dict(decoder_ms_p50=round(_pct(dec_times, 0.5), 3),
                      rest_ms_p50=round(_pct(times, 0.5) - _pct(dec_times, 0.5), 3))
         if provider == "torch_cfm":
             extra.update(graphs=accelerated(flow).graph_count(),
-                         captures_during_timing=accelerated(flow).graph_count() - graphs_before,
-                         warmup_s=round(warmup_s, 2))
+                         encoder_graphs=encoder_call.graph_count if encoder_call is not None else 0,
+                         encoder_events=list(encoder_call.events) if encoder_call is not None else [],
+                         captures_during_timing=captured() - graphs_before, warmup_s=round(warmup_s, 2))
         rows.append(H.make_row(env, op=OP, provider=provider, variant="mel", shape=shape, dtype=args.dtype,
                                precision=precision, timing=timing_ours if provider == "torch_cfm" else "eager",
                                **_timing_fields(setup_ms, times), **_mel_errors(mels, ref_mels), **extra))
@@ -256,7 +266,8 @@ def main(argv=None) -> int:
     up_mel = next(r for r in rows if r["provider"] == "upstream" and r["variant"] == "mel")
     checks = [f"mel error vs fp64 {ours_mel['rel_err']:.2e} <= 2 x upstream {up_mel['rel_err']:.2e} + 1e-6: "
               f"{ours_mel['rel_err'] <= 2 * up_mel['rel_err'] + 1e-6}",
-              f"setup {ours_mel['setup_ms']:.1f} ms <= {BARS['setup_ms']} ms: {ours_mel['setup_ms'] <= BARS['setup_ms']}",
+              f"setup {ours_mel['setup_ms']:.1f} ms <= {BARS['setup_ms']} ms: "
+              f"{ours_mel['setup_ms'] <= BARS['setup_ms']}",
               f"captures during the timed stream: {ours_mel.get('captures_during_timing')}"]
     if ours_wave is not None:
         checks += [f"chunk tokens -> waveform p50 {ours_wave['chunk_ms_p50']:.1f} ms <= {BARS['chunk_ms']} ms: "

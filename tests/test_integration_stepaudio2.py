@@ -288,11 +288,13 @@ def test_fallbacks_run_the_upstream_method(flow):
     assert torch.equal(out, ref)  # temperature != 1: the upstream method itself
     mask = torch.ones(1, 1, 30)
     mask[..., -4:] = 0
-    assert torch.equal(acc.decoder.forward(mu, mask, spks, cond, N_STEPS), flow.decoder.forward(mu, mask, spks, cond, N_STEPS))
+    ref = flow.decoder.forward(mu, mask, spks, cond, N_STEPS)  # a padded mask: the upstream method
+    assert torch.equal(acc.decoder.forward(mu, mask, spks, cond, N_STEPS), ref)
 
 
 def test_errors_name_what_was_found(flow):
-    with pytest.raises(TypeError, match=r"apply_torch_cfm: target must be a stepaudio2 Token2wav.*torch\.nn\.modules\.linear\.Linear"):
+    with pytest.raises(TypeError, match=r"apply_torch_cfm: target must be a stepaudio2 Token2wav.*"
+                                        r"torch\.nn\.modules\.linear\.Linear"):
         apply_torch_cfm(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"got builtins\.object"):
         apply_torch_cfm(object())
@@ -305,7 +307,8 @@ def test_errors_name_what_was_found(flow):
     # an estimator whose state_dict differs from torch_cfm's DiT: the key is named
     odd = copy.deepcopy(flow)
     odd.decoder.estimator.blocks[1].attn.q_norm = torch.nn.Identity()
-    with pytest.raises(ValueError, match=r"does not have torch_cfm's DiT state_dict.*missing.*blocks\.1\.attn\.q_norm\.weight"):
+    with pytest.raises(ValueError, match=r"does not have torch_cfm's DiT state_dict.*missing.*"
+                                         r"blocks\.1\.attn\.q_norm\.weight"):
         apply_torch_cfm(odd)
     odd = copy.deepcopy(flow)
     odd.decoder.estimator.blocks[0].mlp.fc2 = torch.nn.Linear(4 * U.TINY.hidden, U.TINY.hidden + 1)
@@ -329,7 +332,8 @@ def test_errors_name_what_was_found(flow):
     bad = dict(cache, estimator_att_cache=cache["estimator_att_cache"][:, :, :1])
     with pytest.raises(ValueError, match=r"att_cache must have the upstream layout \(n, depth, 2, H, L, 2D\)"):
         acc.inference_chunk(chunks[0], prompt.spk, bad, n_timesteps=N_STEPS)
-    with pytest.raises(ValueError, match=r"att_cache must leave room for the chunk: L \+ T <= 190 frames.*trim the cache"):
+    with pytest.raises(ValueError, match=r"att_cache must leave room for the chunk: L \+ T <= 190 frames.*"
+                                         r"trim the cache"):
         for tok in chunks:  # never trimmed: 40 -> 90 -> 140 -> 190 -> full
             _, cache = acc.inference_chunk(tok, prompt.spk, cache, n_timesteps=N_STEPS)
 
@@ -411,3 +415,32 @@ def test_gpu_real_token2wav_stream_matches_upstream():
     assert cache_acc["estimator_att_cache"].shape[4] == prompt.frames + 100  # Token2wav.stream trimmed it
     for a, b in zip(wavs_acc, wavs_up):
         assert a.shape == b.shape
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_encoder_replays_equal_its_eager_calls():
+    from torch_cfm.integrations._graphed import GraphedCall
+
+    flow = U.build_flow(U.TINY, seed=12).cuda()
+    enc = flow.encoder
+    call = GraphedCall(type(enc).forward_chunk.__get__(enc), name="encoder.forward_chunk")
+    g = torch.Generator().manual_seed(0)
+
+    def embedded(n):
+        return flow.input_embedding(torch.randint(0, U.TINY.vocab, (1, n), generator=g).cuda())
+
+    with torch.inference_mode():
+        _, cnn, att = enc.forward_chunk(embedded(23), last_chunk=False, cnn_cache=None, att_cache=None)
+        for i in range(4):  # eager, eager + capture + check, replay, replay
+            xs = embedded(28)
+            ref = type(enc).forward_chunk(enc, xs, last_chunk=False, cnn_cache=cnn, att_cache=att)
+            out = call(xs, last_chunk=False, cnn_cache=cnn, att_cache=att)
+            for a, b in zip(out, ref):
+                assert a.shape == b.shape and err_rel_fro(a, b) <= 1e-6, f"call {i}"
+    assert call.graph_count == 1 and next(iter(call.entries.values())).replays == 2, call.events
+    noisy = GraphedCall(lambda t: t + torch.rand_like(t), name="noisy")  # a replay cannot equal its eager call
+    x = torch.randn(64, device="cuda")
+    with torch.inference_mode():
+        for _ in range(3):
+            noisy(x)
+    assert noisy.graph_count == 0 and "kept eager" in noisy.events[0], noisy.events

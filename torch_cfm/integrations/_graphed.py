@@ -102,7 +102,6 @@ class GraphedCall:
         self.fn, self.name, self.warmup, self.max_graphs = fn, name, warmup, max_graphs
         self.entries: "OrderedDict[Any, _Entry]" = OrderedDict()
         self.events: list[str] = []
-        self._pool = None
 
     def _note(self, msg: str) -> None:
         self.events.append(msg)
@@ -152,9 +151,9 @@ class GraphedCall:
                 graph = torch.cuda.CUDAGraph()
                 # autocast's weight-cast cache must be off while capturing (torch.cuda.graph notes)
                 cast = torch.autocast("cuda", dtype=autocast[1], enabled=autocast[0], cache_enabled=False)
-                with torch.cuda.graph(graph, pool=self._pool), cast if autocast[0] else contextlib.nullcontext():
+                # each graph has its own memory pool: replays come in any order
+                with torch.cuda.graph(graph), cast if autocast[0] else contextlib.nullcontext():
                     ent.static_out = self.fn(*ent.static_args, **ent.static_kwargs)
-                self._pool = graph.pool()
                 self._copy_in(ent, args, kwargs)
                 graph.replay()
                 why = _mismatch(ent.static_out, expected)

@@ -1,11 +1,11 @@
 """torch_cfm inside the ``stepaudio2`` token2wav (MiniCPM-o 4.5, Step-Audio2): one call, in place.
 
-    >>> from torch_cfm.integrations.stepaudio2 import apply_torch_cfm, undo_torch_cfm
+    >>> from torch_cfm.integrations.stepaudio2 import apply_torch_cfm, undo_torch_cfm, warmup
     >>> token2wav = stepaudio2.Token2wav(model_path, float16=True)
     >>> apply_torch_cfm(token2wav)           # or a CausalMaskedDiffWithXvec (flow), or flow.decoder
-    >>> accelerated(token2wav).warmup(prompt_frames=(300,))   # optional: compile and capture now
+    >>> warmup(token2wav, prompt_frames=(300,))   # optional: compile and capture now, not mid-stream
     >>> pcm = token2wav.stream(tokens, prompt_wav, last_chunk=False)    # the caller's code, unchanged
-    >>> undo_torch_cfm(token2wav)            # the upstream module again, bitwise
+    >>> undo_torch_cfm(token2wav)            # the upstream modules again, bitwise
 
 What changes: the flow's CFM decoder (a ``CausalConditionalCFM``) gets instance-level
 ``forward_chunk`` and ``forward`` that solve with torch_cfm: a :class:`~torch_cfm.DiT` holding the
@@ -13,10 +13,12 @@ upstream estimator's weights (its ``state_dict``, checked key by key), the decod
 ``rand_noise`` buffer and ``inference_cfg_rate``. Streaming chunks run through a one-slot
 :class:`~torch_cfm.CFMServer` (the whole n-step solve replayed from a CUDA graph on CUDA, eager
 on CPU); the non-streaming solve (``flow.inference``, ``Token2wav.__call__``) through
-:meth:`~torch_cfm.StreamingCFM.forward_chunk`. Everything else (token embedding, conformer
-encoder, HiFT, the trims in ``Token2wav.stream``) stays the upstream code, so ``flow.setup_cache``,
-``flow.inference_chunk``, ``flow.inference``, ``Token2wav.stream`` and ``Token2wav.__call__`` keep
-their signatures and return the same mel within SPEC §6's oracle.
+:meth:`~torch_cfm.StreamingCFM.forward_chunk`. On CUDA the flow's conformer encoder (the upstream
+module, unchanged) is replayed from CUDA graphs too, one per input shape, each checked against its
+eager call once (:class:`~torch_cfm.integrations._graphed.GraphedCall`; ``capture_encoder``).
+Everything else (token embedding, HiFT, the trims in ``Token2wav.stream``) runs as it is, so
+``flow.setup_cache``, ``flow.inference_chunk``, ``flow.inference``, ``Token2wav.stream`` and
+``Token2wav.__call__`` keep their signatures and return the same mel within SPEC §6's oracle.
 
 Cache contract of the accelerated ``decoder.forward_chunk`` (what ``inference_chunk`` stores in
 its cache dict and ``Token2wav.stream`` trims): conv caches (n, depth, 2, 2C, 2) and attention
@@ -29,8 +31,9 @@ other caches (trimmed by the caller, or made by the upstream module) are loaded 
 first. So any mix of callers, trims and upstream calls gives the upstream results.
 
 Apply after the weights are loaded and the flow is on its device: the estimator's weights are
-copied at this call (apply again after changing them). Batch 1 only, like the upstream streaming path; other batch sizes, ``temperature != 1`` and
-non-trivial masks in ``forward`` fall back to the upstream method (exact upstream behaviour).
+copied at this call (apply again after changing them). Batch 1 only, like the upstream streaming
+path; other batch sizes, ``temperature != 1`` and non-trivial masks in ``forward`` fall back to
+the upstream method (exact upstream behaviour).
 
 Importing this module never imports ``stepaudio2``: the targets are recognised by their shape
 (duck typing), so any ``CausalConditionalCFM``-shaped decoder whose estimator has this DiT's
@@ -212,7 +215,8 @@ class _Stream:
 
 class TorchCFMDecoder:
     """The torch_cfm solver of one upstream ``CausalConditionalCFM`` (installed by
-    :func:`apply_torch_cfm`; reach it with :func:`accelerated`).
+    :func:`apply_torch_cfm`; reach it with :func:`accelerated`). :meth:`warmup` prepares its
+    solves alone (no encoder); the module-level :func:`warmup` runs whole streams through a flow.
 
     Args:
         decoder: the upstream decoder (its estimator's weights are copied, at this call).
