@@ -13,8 +13,9 @@ all of them together. The three stages of a chunk (tokens -> mel -> waveform) ar
 
 * **Encoder**: the flow's own ``input_embedding``, ``encoder.forward_chunk`` (the upstream
   ``UpsampleConformerEncoderV2`` with its conformer conv and attention caches) and
-  ``encoder_proj`` (a half-precision flow on CUDA under autocast, as ``Token2wav`` runs it); the conformer attention cache trimmed to its first P and last 100 frames
-  like ``Token2wav.stream`` (P = the prompt's mel frames). Streams whose chunk has the same token
+  ``encoder_proj`` (a half-precision flow on CUDA under autocast, as ``Token2wav`` runs it); the
+  conformer attention cache trimmed to its first P and last 100 frames like ``Token2wav.stream``
+  (P = the prompt's mel frames). Streams whose chunk has the same token
   count, conformer cache length and last flag run as one batch (``encoder_batching=True``, the
   default): the upstream conformer has no padding masks in its chunk path, so only equal shapes
   batch exactly; a ragged stream runs in a group of its own (``encoder_batching=False``: every
@@ -534,8 +535,11 @@ class Token2wavServer:
             att = None if members[0][3] is None else torch.cat([m[3] for m in rows], dim=1)
             with self._autocast():
                 h, new_cnn, new_att = self._enc_call(tokens, cnn, att, last)
-            for b, (sid, *_rest) in enumerate(members):
-                out[sid] = (h[b].transpose(0, 1), new_cnn[b:b + 1], new_att[:, b:b + 1])
+            whole = len(rows) == 1  # else each stream's caches are copied out of the batch tensors, so
+            for b, (sid, *_rest) in enumerate(members):  # that a stream holds its own bytes only
+                cnn_b, att_b = new_cnn[b:b + 1], new_att[:, b:b + 1]
+                out[sid] = (h[b].transpose(0, 1), cnn_b if whole else cnn_b.clone(),
+                            att_b if whole else att_b.clone())
         return out
 
     def _encode_group(self, tokens, cnn, att, last: bool):
