@@ -226,6 +226,7 @@ def test_admission_and_memory(flow):
         a, b = (server._streams[s].conf_att for s in "ab")  # noqa: SLF001 - batched, yet not shared
         assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
         assert a.untyped_storage().nbytes() == a.numel() * a.element_size()
+        del a, b
         server.close_stream("a")
         server.close_stream("b")
         assert server.state_bytes() == empty
