@@ -9,7 +9,9 @@ when its chunks come or what the other streams do: so each script is decoded alo
 upstream modules (``token2wav_reference.upstream_stream``: ``flow.setup_cache``/``inference_chunk``
 with ``Token2wav.stream``'s trims, its HiFT stage for the waveform scripts), and every chunk of every
 stream is compared with that reference (prefix for streams that left early), fp32, 1e-5 relative.
-A few scripts are waveform streams (HiFT: slow on CPU), the rest mel-only.
+A few scripts are waveform streams (HiFT: slow on CPU), the rest mel-only. The encoder batches
+ragged (``encoder_batching="ragged"``: equal cache lengths through the upstream ``forward_chunk``,
+mixed ones left-padded and masked), so both of its batched paths run.
 
 Checked: no chunk lost (each pushed chunk answered once), every stream accounted for (completed,
 left early, or refused), memory flat (the server's bytes equal the empty server's whenever no
@@ -92,7 +94,7 @@ def run_soak(ticks: int, seed: int = 0, n_timesteps: int = 2, max_streams: int =
         sc.mels, sc.wavs, _ = R.upstream_stream(flow, sc.prompt, sc.chunks, n_timesteps,
                                                 hift=hift if sc.waveform else None, seed=i)
     server = Token2wavServer(flow, hift, max_streams=max_streams, max_prompt_frames=24,
-                             max_chunk_tokens=28, n_timesteps=n_timesteps)
+                             max_chunk_tokens=28, n_timesteps=n_timesteps, encoder_batching="ragged")
     empty = server.state_bytes()
     bound = empty + max_streams * (server.memory_plan().encoder + server.memory_plan().vocoder)
     census, next_census = [], max(ticks // 20, 1)
@@ -175,7 +177,8 @@ def run_soak(ticks: int, seed: int = 0, n_timesteps: int = 2, max_streams: int =
     del live, batch
     census.append(_live_tensors())
     assert len(census) >= 2 and max(census) <= census[0], f"live tensors grew: {census}"
-    counts.update(seconds=round(time.perf_counter() - start, 1), worst_rel_err=worst, streams=next_id)
+    counts.update(seconds=round(time.perf_counter() - start, 1), worst_rel_err=worst, streams=next_id,
+                  **{k: server.stats[k] for k in ("encoder_batches", "ragged_batches", "vocoder_batches")})
     return counts
 
 
@@ -184,7 +187,8 @@ def _report(counts: dict) -> None:
           f"{counts['completed']} completed, {counts['left_early']} left early; {counts['refused']} refused), "
           f"{counts['chunks']} chunks ({counts['wav_chunks']} with waveform), at most {counts['max_open']} open, "
           f"memory checked empty {counts['empty_checks']} times, live tensors {counts['census']}; "
-          f"worst rel err {counts['worst_rel_err']:.2e}; "
+          f"{counts['encoder_batches']} encoder batches ({counts['ragged_batches']} ragged), "
+          f"{counts['vocoder_batches']} vocoder batches; worst rel err {counts['worst_rel_err']:.2e}; "
           f"{counts['seconds']} s")
 
 
@@ -193,7 +197,7 @@ def test_soak():
     _report(counts)
     assert counts["ticks"] >= int(os.environ.get("SOAK_TICKS", "10000"))
     assert counts["completed"] > 0 and counts["left_early"] > 0 and counts["refused"] >= 0
-    assert counts["streams"] > 100
+    assert counts["streams"] > 100 and counts["ragged_batches"] > 0
 
 
 @pytest.mark.slow

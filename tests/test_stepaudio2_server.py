@@ -84,16 +84,26 @@ def _check_caches(server, sid, ref_cache, label):
         _close(got[key], ref, f"{label} {key}")
 
 
-@pytest.mark.parametrize("encoder_batching,batch_buckets", [(True, None), (False, None), (True, (4,))],
-                         ids=["batched", "per_stream", "padded"])
+@pytest.mark.parametrize("encoder_batching,batch_buckets",
+                         [(True, None), (False, None), (True, (4,)), ("ragged", None), ("ragged", (4,))],
+                         ids=["batched", "per_stream", "padded", "ragged", "ragged_padded"])
 def test_whole_streams_match_each_stream_alone(flow, hift, encoder_batching, batch_buckets):
     """Three streams (prompts of 20, 20 and 13 tokens: two batch in the encoder, one ragged)
     through setup and 6 chunks each (trims included, ragged last chunks): mel, waveform and every
     cache equal the stream decoded alone upstream; also with encoder and vocoder batches padded
-    to 4 rows (the CUDA-graph shapes; stage_graphs runs eagerly on CPU)."""
+    to 4 rows (the CUDA-graph shapes; stage_graphs runs eagerly on CPU), and with the encoder
+    batched across cache lengths ("ragged": left-padded, masked; padded to 50-frame buckets)."""
     server = Token2wavServer(flow, hift, max_streams=4, max_prompt_frames=80, n_timesteps=N_STEPS,
                              encoder_batching=encoder_batching, batch_buckets=batch_buckets,
                              stage_graphs=batch_buckets is not None)
+    ragged_batches = []
+    inner = server._ragged_call  # noqa: SLF001 - count the ragged batches
+
+    def counted(tokens, *args):
+        ragged_batches.append(tokens.shape[0])
+        return inner(tokens, *args)
+
+    server._ragged_call = counted  # noqa: SLF001
     prompts = [U.make_prompt(U.TINY, p, seed=10 + i) for i, p in enumerate((20, 20, 13))]
     chunks = [U.make_chunks(U.TINY, 6, seed=20 + i, last_tokens=(7, 7, 11)[i]) for i in range(3)]
     server.open_many({i: StreamPrompt(p.tokens, p.mel, p.spk, seed=100 + i) for i, p in enumerate(prompts)})
@@ -104,6 +114,10 @@ def test_whole_streams_match_each_stream_alone(flow, hift, encoder_batching, bat
         for i, o in out.items():
             mels[i].append(o.mel)
             wavs[i].append(o.wav)
+    if encoder_batching == "ragged":  # chunks 0-4 of all three streams (the last chunks differ in length)
+        assert ragged_batches == [batch_buckets[0] if batch_buckets else 3] * 5, ragged_batches
+    else:
+        assert not ragged_batches
     for i in range(3):
         ref = R.upstream_stream(flow, prompts[i], chunks[i], N_STEPS, hift=hift, seed=100 + i)
         _check_stream(f"stream {i}", mels[i], wavs[i], ref)

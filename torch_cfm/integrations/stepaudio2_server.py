@@ -208,7 +208,11 @@ class Token2wavServer:
         dtype, device: of the CFM (default: the upstream estimator's); the encoder and vocoder run
             in their modules' own dtype and device.
         graphs: capture the CFM solves as CUDA graphs (default: on CUDA).
-        encoder_batching: run streams of equal encoder shapes as one batch (default True).
+        encoder_batching: True (default): streams of equal encoder shapes run as one batch;
+            ``"ragged"``: streams whose chunks have the same token count and last flag run as one
+            batch whatever their conformer cache lengths (caches left-padded to a common,
+            bucketed length and masked: the relative positions of real keys are unchanged); False:
+            every stream alone.
         max_memory_bytes: optional budget for :meth:`memory_plan` ``.total`` x open streams.
         check_finite: reject a prompt mel / speaker embedding holding NaN/Inf at ``open_stream``
             (one host sync per open; default False: such a stream only corrupts itself).
@@ -227,13 +231,15 @@ class Token2wavServer:
         cfm_server: the :class:`~torch_cfm.CFMServer` of every stream's CFM.
         flow, hift: the upstream modules (not modified, except that the HiFT's ``stft_window``
             attribute is moved to its device: same values, no host copy per call).
-        stats: seconds spent per stage (``encoder``, ``cfm``, ``vocoder``) when ``timing=True``.
+        stats: seconds spent per stage (``encoder``, ``cfm``, ``vocoder``) when ``timing=True``;
+            counts of ``ticks``, ``chunks``, ``encoder_batches`` (``ragged_batches`` of them) and
+            ``vocoder_batches``.
     """
 
     def __init__(self, flow: Any, hift: Optional[nn.Module] = None, *, max_streams: int = 16,
                  max_prompt_frames: int = 500, max_chunk_tokens: int = 28, n_timesteps: int = 10,
                  dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None,
-                 graphs: Optional[bool] = None, encoder_batching: bool = True,
+                 graphs: Optional[bool] = None, encoder_batching: Any = True,
                  max_memory_bytes: Optional[int] = None, check_finite: bool = False,
                  fused: Optional[bool] = None, timing: bool = False,
                  batch_buckets: Optional[Sequence[int]] = None, stage_graphs: Optional[bool] = None,
@@ -267,11 +273,14 @@ class Token2wavServer:
         self.max_chunk_tokens = max_chunk_tokens
         self.up_rate, self.lookahead = int(flow.up_rate), int(flow.pre_lookahead_len)
         self.max_chunk_frames = max_chunk_tokens * self.up_rate
-        self.encoder_batching = bool(encoder_batching)
+        if encoder_batching not in (True, False, "ragged"):
+            fail(op, "encoder_batching", 'be True, False or "ragged"', repr(encoder_batching))
+        self.encoder_batching = encoder_batching
         self.max_memory_bytes = max_memory_bytes
         self.check_finite = bool(check_finite)
         self.timing = bool(timing)
-        self.stats = {"encoder": 0.0, "cfm": 0.0, "vocoder": 0.0, "ticks": 0, "chunks": 0}
+        self.stats = {"encoder": 0.0, "cfm": 0.0, "vocoder": 0.0, "ticks": 0, "chunks": 0, "encoder_batches": 0,
+                      "ragged_batches": 0, "vocoder_batches": 0}
         with torch.inference_mode(False):
             est = DiT(config)
             est.load_state_dict(sd, strict=True)
@@ -307,13 +316,15 @@ class Token2wavServer:
             batch_buckets = self.cfm_server.slot_buckets or [max_streams]
         self.batch_buckets = sorted(int(b) for b in batch_buckets) if batch_buckets else None
         self.stage_graphs = self.graphs if stage_graphs is None else bool(stage_graphs)
-        self._enc_call = self._encode_group
+        self._enc_call, self._ragged_call = self._encode_group, self._ragged_group
         self._f0_call, self._decode_call = self._hift_f0, self._hift_decode
         if self.stage_graphs:
             from ._graphed import GraphedCall
 
             budget = 8 * max(len(self.batch_buckets or [1]), 1)
             self._enc_call = GraphedCall(self._encode_group, name="Token2wavServer.encoder", max_graphs=budget)
+            self._ragged_call = GraphedCall(self._ragged_group, name="Token2wavServer.encoder_ragged",
+                                            max_graphs=budget)
             if hift is not None:
                 self._f0_call = GraphedCall(self._hift_f0, name="Token2wavServer.hift_f0", max_graphs=budget)
                 self._decode_call = GraphedCall(self._hift_decode, name="Token2wavServer.hift_decode",
@@ -521,12 +532,18 @@ class Token2wavServer:
         stream's new (untrimmed) conformer caches; equal shapes batched when enabled."""
         groups: dict[tuple, list] = {}
         for i, (sid, tokens, cnn, att, last) in enumerate(items):
-            key = (tokens.shape[1], None if att is None else att.shape[3], last)
+            ragged = self.encoder_batching == "ragged" and att is not None
+            key = (tokens.shape[1], None if att is None else ("ragged" if ragged else att.shape[3]), last)
             if not self.encoder_batching:
                 key = key + (i,)
             groups.setdefault(key, []).append((sid, tokens, cnn, att, last))
         out = {}
-        for members in groups.values():
+        for key, members in groups.items():
+            self.stats["encoder_batches"] += 1
+            if key[1] == "ragged" and len({m[3].shape[3] for m in members}) > 1:
+                self.stats["ragged_batches"] += 1
+                out.update(self._encode_ragged(members))
+                continue
             last = members[0][4]
             real = len(members)
             rows = members + [members[0]] * (self._padded(real) - real)
@@ -541,6 +558,73 @@ class Token2wavServer:
                 out[sid] = (h[b].transpose(0, 1), cnn_b if whole else cnn_b.clone(),
                             att_b if whole else att_b.clone())
         return out
+
+    def _encode_ragged(self, members) -> dict:
+        """One batch of streams whose conformer caches differ in length: each layer's cache
+        left-padded to the group's bucketed length Lb (zeros), the padding masked out of every
+        attention (``mask`` = keys to attend), the new caches cut back to each stream's own frames
+        in the upstream layout. Exactly the per-stream results: a real key's distance to each
+        query, hence its relative position encoding, does not change with left padding."""
+        enc = self.flow.encoder
+        n1 = len(enc.encoders)
+        last = members[0][4]
+        lengths = [m[3].shape[3] for m in members]
+        lb = max(lengths)
+        lb = -(-lb // _CACHE_STEP) * _CACHE_STEP if self.batch_buckets else lb
+        lb += lb % 2
+        pad = self._padded(len(members)) - len(members)
+        rows = members + [members[0]] * pad
+        lengths = lengths + [lengths[0]] * pad
+        first, up = [], []
+        for (_, _, _, att, _), length in zip(rows, lengths):
+            first.append(F.pad(att[:n1, :, :, :length // 2], (0, 0, lb // 2 - length // 2, 0)))
+            up.append(F.pad(att[n1:], (0, 0, lb - length, 0)))
+        att1, att2 = torch.cat(first, dim=1), torch.cat(up, dim=1)
+        tokens = torch.cat([m[1] for m in rows], dim=0)
+        cnn = torch.cat([m[2] for m in rows], dim=0)
+        t1 = tokens.shape[1] - (0 if last else self.lookahead)
+        t2 = t1 * self.up_rate
+        dev = tokens.device
+        keys1 = torch.arange(lb // 2 + t1, device=dev)
+        keys2 = torch.arange(lb + t2, device=dev)
+        half = torch.tensor([lb // 2 - n // 2 for n in lengths], device=dev)
+        full = torch.tensor([lb - n for n in lengths], device=dev)
+        mask1 = (keys1[None, :] >= half[:, None])[:, None, :].expand(-1, t1, -1)
+        mask2 = (keys2[None, :] >= full[:, None])[:, None, :].expand(-1, t2, -1)
+        with self._autocast():
+            h, cnn_new, new1, new2 = self._ragged_call(tokens, cnn, att1, att2, mask1.contiguous(),
+                                                       mask2.contiguous(), last)
+        out = {}
+        for b, ((sid, *_), length) in enumerate(zip(members, lengths)):
+            a1 = new1[:, b:b + 1, :, lb // 2 - length // 2:]
+            a2 = new2[:, b:b + 1, :, lb - length:]
+            out[sid] = (h[b].transpose(0, 1), cnn_new[b:b + 1].clone(),
+                        torch.cat([a1.repeat(1, 1, 1, 2, 1), a2], dim=0))
+        return out
+
+    def _ragged_group(self, tokens, cnn, att1, att2, mask1, mask2, last: bool):
+        """The flow's chunk encoder over left-padded caches with key masks (the upstream
+        modules, driven in ``UpsampleConformerEncoderV2.forward_chunk``'s order)."""
+        flow, enc = self.flow, self.flow.encoder
+        xs, _, _ = enc.embed(flow.input_embedding(tokens), None)
+        if last:
+            xs = F.pad(xs, (0, 0, 0, enc.pre_lookahead_layer.pre_lookahead_len))
+        xs, cnn1 = enc.pre_lookahead_layer.forward_chunk(xs, cache=cnn[:, :, :2])
+        pos = enc.embed.position_encoding(offset=None, size=att1.shape[3] + xs.shape[1])
+        new1 = []
+        for i, layer in enumerate(enc.encoders):
+            xs, _, cache, _ = layer(xs, mask1, pos, att_cache=att1[i])
+            new1.append(cache)
+        xs, _, cnn2 = enc.up_layer.forward_chunk(xs.transpose(1, 2).contiguous(), None, cache=cnn[:, :, 2:])
+        xs, _, _ = enc.up_embed(xs.transpose(1, 2).contiguous(), None)
+        pos = enc.embed.position_encoding(offset=None, size=att2.shape[3] + xs.shape[1])
+        new2 = []
+        for i, layer in enumerate(enc.up_encoders):
+            xs, _, cache, _ = layer(xs, mask2, pos, att_cache=att2[i])
+            new2.append(cache)
+        if enc.normalize_before:
+            xs = enc.after_norm(xs)
+        return flow.encoder_proj(xs), torch.cat([cnn1, cnn2], dim=2), torch.stack(new1), torch.stack(new2)
 
     def _encode_group(self, tokens, cnn, att, last: bool):
         """The flow's chunk encoder over one batch: embedding, conformer chunk, projection."""
@@ -573,6 +657,7 @@ class Token2wavServer:
             groups.setdefault((mel.shape[2], cache_len), []).append((sid, mel, last))
         out = {}
         for (_, cache_len), members in groups.items():
+            self.stats["vocoder_batches"] += 1
             pad = self._padded(len(members)) - len(members)
             mel = torch.cat([m[1] for m in members] + [members[0][1]] * pad, dim=0)
             up = self._f0_call(mel)
