@@ -18,6 +18,9 @@ caches and cross-fade). Providers:
   one ``step`` over every open stream (``cfm``: its ``cfm_server.solve_chunk``); CUDA graphs.
 * ``torch_cfm/enc_per_stream`` (``mel`` only): the same with ``encoder_batching=False`` (the
   conformer encoder one stream at a time, under CUDA graphs per shape): batching's A/B.
+* ``torch_cfm/enc_ragged`` (``mel`` only): the same with ``encoder_batching="ragged"`` (one
+  encoder batch across conformer cache lengths: streams in their first chunks next to settled
+  ones; with ``--mixed-prompts``, prompts of 3, 6, 8 and 10 s, every reference its own length).
 * ``upstream``: the package's own per-request path, one request at a time as ``Token2wav.stream``
   runs it (``flow.setup_cache`` / ``flow.inference_chunk`` + its trims, ``HiFTGenerator`` +
   fade; ``cfm``: ``decoder.forward_chunk`` + the estimator trim), eager, in the flow's dtype
@@ -32,14 +35,15 @@ caches and cross-fade). Providers:
 
 Per row: ``audio_s_per_s`` (audio seconds produced / wall seconds of the measured ticks),
 ``chunk_ms_p50/p99`` (a chunk's latency: from the tick's start, the prompt solves of the streams
-admitted in that tick included, to its result; serial providers: its stream's position in the tick), ``tick_ms_p50/p99``, ``first_chunk_ms_p50/p99`` (setup + the
-stream's first chunk), ``bytes_per_stream`` (the front's memory plan; CUDA: also the measured
-peak over the empty server / C), stage shares (``share_encoder``/``share_cfm``/``share_vocoder``,
-torch_cfm rows: a separate timed pass), streams and chunks counted. Rows (JSON lines, provenance:
-gpu, torch, triton, commit) are upserted into ``serving.jsonl`` (identity: op, provider, stage,
-concurrency, dtype, gpu) under ``--out`` (default ``bench/results``); ``serving.md`` (table) and
-``serving.png`` (throughput and p99 chunk latency against C; skipped with a message without
-matplotlib) are written from it.
+admitted in that tick included, to its result; serial providers: its stream's position in the tick),
+``tick_ms_p50/p99``, ``first_chunk_ms_p50/p99`` (setup + the stream's first chunk),
+``bytes_per_stream`` (the front's memory plan; CUDA: also the measured peak over the empty server /
+C), stage shares (``share_encoder``/``share_cfm``/``share_vocoder``, torch_cfm rows: a separate
+timed pass), streams and chunks counted. Rows (JSON lines, provenance: gpu, torch, triton, commit)
+are upserted into ``serving.jsonl`` (identity: op, provider, variant, stage, concurrency, dtype,
+gpu) under
+``--out`` (default ``bench/results``); ``serving.md`` (table) and ``serving.png`` (throughput and
+p99 chunk latency against C; skipped with a message without matplotlib) are written from it.
 
     BENCH_COMMIT=$(git rev-parse HEAD) python bench/serving.py --quick          # GPU, fp16
     python bench/serving.py --device cpu --tiny --quick --out /tmp/serving      # CPU smoke
@@ -96,10 +100,15 @@ class Workload:
     n_steps: int
     ticks: int
     warm_ticks: int
+    prompt_mix: tuple = ()  # prompt token counts of the pool's prompts (default: all prompt_tokens)
+
+    def pool_tokens(self, i: int) -> int:
+        return self.prompt_mix[i % len(self.prompt_mix)] if self.prompt_mix else self.prompt_tokens
 
     @property
     def prompt_frames(self) -> int:
-        return 2 * self.prompt_tokens
+        """The longest prompt (mel frames)."""
+        return 2 * max(self.prompt_mix or (self.prompt_tokens,))
 
     @property
     def chunk_frames(self) -> int:
@@ -156,17 +165,20 @@ class Inputs:
     """Per-stream prompt and chunk tokens (a small pool, reused), on the device."""
 
     def __init__(self, size: U.FlowSize, wl: Workload, device: str, dtype: torch.dtype, pool: int = 4) -> None:
-        self.prompts = [U.make_prompt(size, wl.prompt_tokens, seed=100 + i, device=device, dtype=dtype)
+        self.prompts = [U.make_prompt(size, wl.pool_tokens(i), seed=100 + i, device=device, dtype=dtype)
                         for i in range(pool)]
         gen = torch.Generator().manual_seed(7)
         self.chunks = [torch.randint(0, size.vocab, (1, wl.chunk_tokens), generator=gen, dtype=torch.int32).to(device)
                        for _ in range(pool)]
-        self.mu_prompt = [torch.randn(80, wl.prompt_frames, generator=gen).to(device, dtype) for _ in range(pool)]
+        self.mu_prompt = [torch.randn(80, 2 * wl.pool_tokens(i), generator=gen).to(device, dtype) for i in range(pool)]
         self.mu_chunk = [torch.randn(80, wl.chunk_frames, generator=gen).to(device, dtype) for _ in range(pool)]
         self.spk80 = [torch.randn(80, generator=gen).to(device, dtype) for _ in range(pool)]
 
     def prompt(self, sid):
         return self.prompts[sid % len(self.prompts)]
+
+    def prompt_frames(self, sid) -> int:
+        return self.prompt(sid).frames
 
     def chunk(self, sid, k):
         return self.chunks[(sid + k) % len(self.chunks)]
@@ -176,20 +188,24 @@ class Inputs:
 class TorchCfmProvider:
     name = "torch_cfm"
     reports_first_chunk = True
+    encoder_batching = True
 
     def __init__(self, flow, hift, stage: str, c: int, wl: Workload, inputs: Inputs, device: str, dtype) -> None:
+        if stage == "cfm" and self.encoder_batching is not True:
+            raise ValueError("the encoder A/B has no cfm stage")
         self.stage, self.inputs, self.wl = stage, inputs, wl
         self.server = Token2wavServer(flow, hift if stage == "wav" else None, max_streams=c,
                                       max_prompt_frames=wl.prompt_frames, max_chunk_tokens=wl.chunk_tokens,
-                                      n_timesteps=wl.n_steps, dtype=dtype, stage_graphs=STAGE_GRAPHS[0])
+                                      n_timesteps=wl.n_steps, dtype=dtype, stage_graphs=STAGE_GRAPHS[0],
+                                      encoder_batching=self.encoder_batching)
         self.done: dict[int, int] = {}
 
     def open(self, ids):
         if self.stage == "cfm":
             cfm = self.server.cfm_server
             for sid in ids:
-                cfm.open_request(sid, self.inputs.spk80[sid % 4], prompt_len=self.wl.prompt_frames)
-            cfm.solve_chunk({sid: (self.inputs.mu_prompt[sid % 4], self.inputs.mu_prompt[(sid + 1) % 4])
+                cfm.open_request(sid, self.inputs.spk80[sid % 4], prompt_len=self.inputs.prompt_frames(sid))
+            cfm.solve_chunk({sid: (self.inputs.mu_prompt[sid % 4], torch.zeros_like(self.inputs.mu_prompt[sid % 4]))
                              for sid in ids})
         else:
             self.server.open_many({sid: (p.tokens, p.mel, p.spk, sid) for sid in ids
@@ -229,16 +245,15 @@ class TorchCfmEncPerStreamProvider(TorchCfmProvider):
     graphs per stream shape): the A/B of batching the conformer encoder."""
 
     name = "torch_cfm/enc_per_stream"
+    encoder_batching = False
 
-    def __init__(self, flow, hift, stage, c, wl, inputs, device, dtype) -> None:
-        if stage == "cfm":
-            raise ValueError("the encoder A/B has no cfm stage")
-        self.stage, self.inputs, self.wl = stage, inputs, wl
-        self.server = Token2wavServer(flow, hift if stage == "wav" else None, max_streams=c,
-                                      max_prompt_frames=wl.prompt_frames, max_chunk_tokens=wl.chunk_tokens,
-                                      n_timesteps=wl.n_steps, dtype=dtype, encoder_batching=False,
-                                      stage_graphs=STAGE_GRAPHS[0])
-        self.done = {}
+
+class TorchCfmEncRaggedProvider(TorchCfmProvider):
+    """The front with ``encoder_batching="ragged"``: one encoder batch across cache lengths
+    (streams in their first chunks next to settled ones, mixed prompt lengths)."""
+
+    name = "torch_cfm/enc_ragged"
+    encoder_batching = "ragged"
 
 
 class UpstreamProvider:
@@ -268,8 +283,7 @@ class UpstreamProvider:
                 if self.stage == "cfm":
                     dec = self.flow.decoder
                     mu, spk = self.inputs.mu_prompt[sid % 4][None], self.inputs.spk80[sid % 4][None]
-                    _, cnn, att = dec.forward_chunk(mu, spk, self.inputs.mu_prompt[(sid + 1) % 4][None],
-                                                    n_timesteps=self.wl.n_steps)
+                    _, cnn, att = dec.forward_chunk(mu, spk, torch.zeros_like(mu), n_timesteps=self.wl.n_steps)
                     st = {"cnn": cnn.clone(), "att": att.clone()}
                 else:
                     st = {"cache": {k: v.clone() for k, v in self.flow.setup_cache(
@@ -279,8 +293,7 @@ class UpstreamProvider:
             self.state[sid] = st
         _sync(self.device)
 
-    def _trim(self, t, dim):
-        p = self.wl.prompt_frames
+    def _trim(self, t, dim, p):
         if t.shape[dim] > p + TRIM_KEEP_OLDEST:
             t = torch.cat([t.narrow(dim, 0, p), t.narrow(dim, t.shape[dim] - TRIM_KEEP_OLDEST, TRIM_KEEP_OLDEST)], dim)
         return t
@@ -298,14 +311,14 @@ class UpstreamProvider:
                                                     n_timesteps=self.wl.n_steps, cnn_cache=st["cnn"],
                                                     att_cache=st["att"])
                     # the decoder returns views of its scratch buffers: cloned so that streams interleave
-                    st["cnn"], st["att"] = cnn.clone(), self._trim(att, 4).clone()
+                    st["cnn"], st["att"] = cnn.clone(), self._trim(att, 4, self.inputs.prompt_frames(sid)).clone()
                 else:
                     p = self.inputs.prompt(sid)
                     mel, cache = self.flow.inference_chunk(self.inputs.chunk(sid, st["done"]), p.spk, st["cache"],
                                                            n_timesteps=self.wl.n_steps)
-                    cache["estimator_att_cache"] = self._trim(cache["estimator_att_cache"], 4).clone()
+                    cache["estimator_att_cache"] = self._trim(cache["estimator_att_cache"], 4, p.frames).clone()
                     cache["estimator_cnn_cache"] = cache["estimator_cnn_cache"].clone()
-                    cache["conformer_att_cache"] = self._trim(cache["conformer_att_cache"], 3)
+                    cache["conformer_att_cache"] = self._trim(cache["conformer_att_cache"], 3, p.frames)
                     st["cache"] = cache
             if self.stage == "wav":
                 with torch.inference_mode():
@@ -418,6 +431,7 @@ class UpstreamGraphProvider:
 
 
 PROVIDERS = {"torch_cfm": TorchCfmProvider, "torch_cfm/enc_per_stream": TorchCfmEncPerStreamProvider,
+             "torch_cfm/enc_ragged": TorchCfmEncRaggedProvider,
              "upstream": UpstreamProvider, "upstream_graph": UpstreamGraphProvider}
 
 
@@ -586,7 +600,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--quick", action="store_true", help="fewer ticks and chunks")
     ap.add_argument("--concurrency", default=None, help="comma list (default 1,4,16,32,64; --tiny: 1,2)")
     ap.add_argument("--stages", default="cfm,mel,wav")
-    ap.add_argument("--providers", default="torch_cfm,torch_cfm/enc_per_stream,upstream,upstream_graph")
+    ap.add_argument("--providers",
+                    default="torch_cfm,torch_cfm/enc_per_stream,torch_cfm/enc_ragged,upstream,upstream_graph")
+    ap.add_argument("--mixed-prompts", action="store_true",
+                    help="prompts of 3, 6, 8 and 10 s (tiny: 5, 10, 13, 16 tokens) instead of 6 s each")
     ap.add_argument("--upstream-max", type=int, default=None, help="largest C the serial upstream path runs at")
     ap.add_argument("--chunks", type=int, default=None, help="chunks per stream")
     ap.add_argument("--ticks", type=int, default=None)
@@ -604,7 +621,8 @@ def main(argv=None) -> list[dict]:
     dtype = DTYPES[dname]
     size = U.TINY if args.tiny else U.SHIPPED
     cs = [int(c) for c in (args.concurrency or ("1,2" if args.tiny else "1,4,16,32,64")).split(",")]
-    wl = Workload(prompt_tokens=10 if args.tiny else 150, chunk_tokens=28,
+    mix = ((5, 10, 13, 16) if args.tiny else (75, 150, 200, 250)) if args.mixed_prompts else ()
+    wl = Workload(prompt_tokens=10 if args.tiny else 150, chunk_tokens=28, prompt_mix=mix,
                   chunks=args.chunks or (3 if args.tiny else (6 if args.quick else 12)),
                   n_steps=args.n_steps or (2 if args.tiny else 10),
                   ticks=args.ticks or (3 if args.tiny else (12 if args.quick else 40)),
@@ -642,14 +660,16 @@ def main(argv=None) -> list[dict]:
     for stage in args.stages.split(","):
         for prov_name in args.providers.split(","):
             if (prov_name == "upstream_graph" and stage != "cfm") or \
-                    (prov_name == "torch_cfm/enc_per_stream" and stage != "mel"):
+                    (prov_name in ("torch_cfm/enc_per_stream", "torch_cfm/enc_ragged") and stage != "mel"):
                 continue
             for c in cs:
                 if prov_name == "upstream" and c > up_max:
                     continue
-                variant = "no_stage_graphs" if args.no_stage_graphs and prov_name.startswith("torch_cfm") else ""
+                variant = "+".join(v for v, on in (("no_stage_graphs", args.no_stage_graphs and prov_name.startswith(
+                    "torch_cfm")), ("mixed_prompts", args.mixed_prompts)) if on)
                 base = dict(op=OP, provider=prov_name, variant=variant, stage=stage, concurrency=c, dtype=dname,
-                            prompt_s=wl.prompt_frames * FRAME_S, chunk_s=wl.chunk_frames * FRAME_S,
+                            prompt_s=[2 * wl.pool_tokens(i) * FRAME_S for i in range(4)] if mix
+                            else wl.prompt_frames * FRAME_S, chunk_s=wl.chunk_frames * FRAME_S,
                             chunks_per_stream=wl.chunks, n_timesteps=wl.n_steps, tiny=args.tiny, **env)
                 if stage == "wav" and hift is None:
                     rows.append(dict(base, error=f"no HiFT: {hift_error}"))

@@ -33,7 +33,8 @@ def test_smoke_rows_table_plot(tmp_path, capsys):
                          "--chunks", "2", "--warm-ticks", "1", "--out", str(tmp_path)])
     got = {(r["stage"], r["provider"]) for r in rows}
     want = {("cfm", "torch_cfm"), ("cfm", "upstream"), ("cfm", "upstream_graph"), ("mel", "torch_cfm"),
-            ("mel", "torch_cfm/enc_per_stream"), ("mel", "upstream"), ("wav", "torch_cfm"), ("wav", "upstream")}
+            ("mel", "torch_cfm/enc_per_stream"), ("mel", "torch_cfm/enc_ragged"), ("mel", "upstream"),
+            ("wav", "torch_cfm"), ("wav", "upstream")}
     assert got == want
     for r in rows:
         if r["stage"] == "wav" and r.get("error", "").startswith("no HiFT"):
@@ -54,6 +55,11 @@ def test_smoke_rows_table_plot(tmp_path, capsys):
     serving.main(["--device", "cpu", "--tiny", "--quick", "--concurrency", "2", "--ticks", "1", "--chunks", "2",
                   "--warm-ticks", "0", "--stages", "cfm", "--providers", "torch_cfm", "--out", str(tmp_path)])
     assert len((tmp_path / "serving.jsonl").read_text().splitlines()) == len(rows)  # upserted, not appended
+
+    mixed = serving.main(["--device", "cpu", "--tiny", "--quick", "--concurrency", "3", "--ticks", "3", "--chunks", "3",
+                          "--warm-ticks", "1", "--stages", "mel", "--mixed-prompts", "--out", str(tmp_path),
+                          "--providers", "torch_cfm,torch_cfm/enc_ragged,upstream"])
+    assert all(not r.get("error") and r["variant"] == "mixed_prompts" and r["audio_s_per_s"] > 0 for r in mixed)
     table = (tmp_path / "serving.md").read_text()
     assert "| cfm | torch_cfm | 2 |" in table and "Reproduce:" in table
     out = capsys.readouterr().out

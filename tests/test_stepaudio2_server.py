@@ -1,12 +1,13 @@
 """torch_cfm.integrations.stepaudio2_server (many token2wav streams per tick) against the upstream.
 
 Every stream's mel, waveform and caches are compared with that stream decoded alone by the real
-upstream modules (``tests/token2wav_reference.py``: ``flow.setup_cache`` / ``inference_chunk``
-with ``Token2wav.stream``'s trims, and its HiFT vocoder stage), fp32 on CPU at tiny sizes, SPEC §6:
+upstream modules (``tests/token2wav_reference.py``: ``flow.setup_cache`` / ``inference_chunk`` with
+``Token2wav.stream``'s trims, and its HiFT vocoder stage), fp32 on CPU at tiny sizes, SPEC §6:
 within 1e-5 relative (Frobenius). The upstream flow modules load without the package's TTS stack
 (see ``tests/upstream_flow.py``); the waveforms are compared when scipy is installed (the upstream
-``hifigan`` imports it; without it the same tests check mel and caches only). Cases: whole streams with ragged prompt lengths (encoder batched and per stream), streams
-arriving and leaving at random ticks with slot reuse, NaN/Inf isolation, admission and memory.
+``hifigan`` imports it; without it the same tests check mel and caches only). Cases: whole streams
+with ragged prompt lengths (encoder batched by shape, ragged, padded and per stream), streams arriving and leaving at random
+ticks with slot reuse, NaN/Inf isolation, admission and memory.
 """
 
 from __future__ import annotations
