@@ -37,7 +37,8 @@ Per row: ``audio_s_per_s`` (audio seconds produced / wall seconds of the measure
 ``chunk_ms_p50/p99`` (a chunk's latency: from the tick's start, the prompt solves of the streams
 admitted in that tick included, to its result; serial providers: its stream's position in the tick),
 ``tick_ms_p50/p99`` (with the prompt solves), ``step_ms_p50/p99`` (the chunks alone: the
-issue's p99 <= 1.25 x p50 check of no capture after warm-up), ``first_chunk_ms_p50/p99`` (setup + the stream's first chunk),
+issue's p99 <= 1.25 x p50 check of no capture after warm-up), ``first_chunk_ms_p50/p99`` (setup
++ the stream's first chunk),
 ``bytes_per_stream`` (the front's memory plan; CUDA: also the measured peak over the empty server /
 C), stage shares (``share_encoder``/``share_cfm``/``share_vocoder``, torch_cfm rows: a separate
 timed pass), streams and chunks counted. Rows (JSON lines, provenance: gpu, torch, triton, commit)
