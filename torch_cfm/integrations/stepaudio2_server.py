@@ -15,11 +15,15 @@ all of them together. The three stages of a chunk (tokens -> mel -> waveform) ar
   ``UpsampleConformerEncoderV2`` with its conformer conv and attention caches) and
   ``encoder_proj`` (a half-precision flow on CUDA under autocast, as ``Token2wav`` runs it); the
   conformer attention cache trimmed to its first P and last 100 frames like ``Token2wav.stream``
-  (P = the prompt's mel frames). Streams whose chunk has the same token
-  count, conformer cache length and last flag run as one batch (``encoder_batching=True``, the
-  default): the upstream conformer has no padding masks in its chunk path, so only equal shapes
-  batch exactly; a ragged stream runs in a group of its own (``encoder_batching=False``: every
-  stream alone).
+  (P = the prompt's mel frames). Batching (``encoder_batching``): ``True`` (default) runs streams
+  whose chunk has the same token count, conformer cache length and last flag as one batch through
+  the upstream ``forward_chunk`` itself (its chunk path has no padding masks); ``"ragged"`` also
+  batches streams whose cache lengths differ (other prompt lengths, or in their first chunks next
+  to settled streams): each cache left-padded to a common length and the padding masked out of
+  every attention, the upstream modules driven in ``forward_chunk``'s order (a real key's
+  distance to each query, hence its relative position, is unchanged by left padding, so each
+  stream gets its own result); ``False`` runs every stream alone. On CUDA each batch shape is
+  replayed from a CUDA graph (batches padded to buckets with copies of a row).
 * **CFM**: one :class:`~torch_cfm.CFMServer` over every stream (a torch_cfm
   :class:`~torch_cfm.DiT` holding the upstream estimator's weights, the decoder's ``rand_noise``
   and ``inference_cfg_rate``): the prompt solves of the streams opened together in one ragged
@@ -28,9 +32,10 @@ all of them together. The three stages of a chunk (tokens -> mel -> waveform) ar
   8 cached mel frames, the last ``8 * 480`` source samples and speech samples, a Hamming cross-
   fade over the overlap and the tail held back until the last chunk. Streams whose vocoder input
   has the same length run as one batch through the HiFT's f0 predictor and ``decode`` (its
-  convolutions and ``istft``); the source module draws random numbers, so it runs per stream on
-  the stream's own random state (seeded at ``open_stream``): a stream's waveform is that of the
-  upstream per-stream call run after ``torch.manual_seed(seed)``, whatever the other streams do.
+  convolutions and ``istft``; CUDA graphs per shape where the capture works); the source
+  module draws random numbers, so it runs per stream on the stream's own random state (seeded at
+  ``open_stream``): a stream's waveform is that of the upstream per-stream call run after
+  ``torch.manual_seed(seed)``, whatever the other streams do.
 
 Admission: ``max_streams`` slots; with ``max_memory_bytes`` also a byte budget over the per-stream
 state of every stage (:meth:`Token2wavServer.memory_plan`); a stream that does not fit raises
