@@ -78,8 +78,11 @@ def _scripts(rng: random.Random, count: int, waveform_every: int) -> list[Script
         n = rng.randint(1, 7)
         gen = torch.Generator().manual_seed(2000 + i)
         lengths = [rng.choice((5, 8, 16, 28)) for _ in range(n - 1)] + [rng.randint(2, 9)]
+        waveform = i % waveform_every == 0
+        if waveform:  # the vocoder's 8-frame overlap: a first chunk of >= 4 new tokens (upstream too)
+            lengths[0] = max(lengths[0], 4 if n == 1 else 8)
         chunks = [torch.randint(0, SIZE.vocab, (1, t), generator=gen, dtype=torch.int32) for t in lengths]
-        scripts.append(Script(prompt, chunks, waveform=i % waveform_every == 0))
+        scripts.append(Script(prompt, chunks, waveform=waveform))
     return scripts
 
 

@@ -283,6 +283,21 @@ def test_errors(flow):
         server.close_stream("a")
 
 
+@pytest.mark.skipif(R.hift_missing_reason() is not None, reason=str(R.hift_missing_reason()))
+def test_waveform_first_chunk_covers_the_overlap(flow, hift):
+    """The vocoder's cross-fade needs 8 mel frames from the first chunk (the upstream fails on a
+    shorter one): ValueError naming the tokens; a mel-only stream takes the short chunk."""
+    server = Token2wavServer(flow, hift, max_streams=2, max_prompt_frames=40, n_timesteps=N_STEPS)
+    prompt = U.make_prompt(U.TINY, 10, seed=1)
+    server.open_stream("w", prompt.tokens, prompt.mel, prompt.spk)
+    server.open_stream("m", prompt.tokens, prompt.mel, prompt.spk, waveform=False)
+    with pytest.raises(ValueError, match="tokens.*8-frame overlap"):
+        server.step({"w": torch.zeros(1, 6, dtype=torch.int32)})  # 3 new tokens = 6 frames
+    assert server.step({"m": torch.zeros(1, 6, dtype=torch.int32)})["m"].mel.shape == (80, 6)
+    assert server.step({"w": torch.zeros(1, 7, dtype=torch.int32)})["w"].wav.numel() == 0  # 8 frames, all overlap
+    assert server.step({"w": torch.zeros(1, 5, dtype=torch.int32)})["w"].mel.shape == (80, 4)  # later: 2 tokens
+
+
 @pytest.mark.gpu
 @needs_hift
 def test_cuda_graphs_streams_match_upstream():

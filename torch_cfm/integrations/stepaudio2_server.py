@@ -499,11 +499,15 @@ class Token2wavServer:
                      "close the stream")
             tokens, last = item if isinstance(item, (tuple, list)) else (item, False)
             tokens = self._tokens(op, f"chunks[{sid!r}] tokens", tokens)
-            # The conformer's conv caches need 2 new tokens a chunk (its lookahead conv keeps 2 frames).
-            least = 2 + (0 if last else self.lookahead)
+            # The conformer's conv caches need 2 new tokens a chunk (its lookahead conv keeps 2 frames);
+            # a waveform stream's first chunk needs the vocoder's 8 overlap frames (4 tokens).
+            new_tokens = MEL_CACHE_FRAMES // self.up_rate if st.waveform and st.chunks == 0 else 2
+            least = new_tokens + (0 if last else self.lookahead)
             if not least <= tokens.shape[1] <= self.max_chunk_tokens:
                 fail(op, f"chunks[{sid!r}] tokens", f"have {least}..{self.max_chunk_tokens} tokens "
-                     f"(last_chunk={bool(last)}; {self.lookahead} lookahead tokens unless last)", str(tokens.shape[1]))
+                     f"(last_chunk={bool(last)}; {self.lookahead} lookahead tokens unless last"
+                     + ("; the first chunk of a waveform stream covers the vocoder's 8-frame overlap)"
+                        if new_tokens > 2 else ")"), str(tokens.shape[1]))
             staged.append((sid, tokens, st.conf_cnn, st.conf_att, bool(last)))
         if not staged:
             return {}
