@@ -1,0 +1,714 @@
+"""Many-stream token2wav serving: Poisson arrivals of streams, torch_cfm's front vs the upstream.
+
+The package's real modules (``tests/upstream_flow.py`` loads them without its TTS stack; the HiFT
+vocoder ``stepaudio2.flashcosyvoice.modules.hifigan.HiFTGenerator`` needs scipy) at the shipped
+sizes with seeded random weights (``--tiny``: CPU-sized). Workload per concurrency C: streams with
+6 s prompts (300 mel frames, 150 + 3 tokens) and 1 s chunks (25 + 3 tokens, 50 frames),
+``--chunks`` chunks each; C streams open at the start at staggered progress, then new streams
+arrive by a Poisson process of rate C / chunks per tick (Little's law: C open on average) and
+wait in a queue when C are open. Each tick every open stream pushes its next chunk (the server
+never idles: the throughput regime); ``--warm-ticks`` ticks are run first and not measured (the
+CFM's graphs of every batch size met are captured there; ``--warmup`` runs the front's warm-up).
+
+Stages (``--stages``): ``cfm`` (the CFM alone: random encoder outputs), ``mel`` (tokens -> mel:
+embedding, conformer encoder, CFM) and ``wav`` (tokens -> waveform: + HiFT with its streaming
+caches and cross-fade). Providers:
+
+* ``torch_cfm``: :class:`torch_cfm.integrations.stepaudio2_server.Token2wavServer`, one tick =
+  one ``step`` over every open stream (``cfm``: its ``cfm_server.solve_chunk``); CUDA graphs.
+* ``torch_cfm/enc_per_stream`` (``mel`` only): the same with ``encoder_batching=False`` (the
+  conformer encoder one stream at a time, under CUDA graphs per shape): batching's A/B.
+* ``torch_cfm/enc_ragged`` (``mel`` only): the same with ``encoder_batching="ragged"`` (one
+  encoder batch across conformer cache lengths: streams in their first chunks next to settled
+  ones; with ``--mixed-prompts``, prompts of 3, 6, 8 and 10 s, every reference its own length).
+* ``upstream``: the package's own per-request path, one request at a time as ``Token2wav.stream``
+  runs it (``flow.setup_cache`` / ``flow.inference_chunk`` + its trims, ``HiFTGenerator`` +
+  fade; ``cfm``: ``decoder.forward_chunk`` + the estimator trim), eager, in the flow's dtype
+  (fp16 autocast as ``Token2wav(float16=True)``). The decoder returns views of its scratch
+  buffers; they are cloned per stream so that streams can interleave (one copy per chunk).
+  Serial, so its throughput does not depend on C: ``--upstream-max`` bounds the C it runs at.
+* ``upstream_graph`` (``cfm`` only): the upstream ``CausalConditionalCFM.solve_euler_chunk``
+  over all C streams as one batch (its scratch buffers resized to 2C rows) with every stream's
+  cache at the steady-state P + 100 frames, the whole n-step solve captured in one CUDA graph
+  (eager on CPU); padded to C rows when fewer are open. No prompt solve (first-chunk latency
+  not reported): an upper bound for hand-batching the upstream estimator.
+
+Per row: ``audio_s_per_s`` (audio seconds produced / wall seconds of the measured ticks),
+``chunk_ms_p50/p99`` (a chunk's latency: from the tick's start, the prompt solves of the streams
+admitted in that tick included, to its result; serial providers: its stream's position in the tick),
+``tick_ms_p50/p99`` (with the prompt solves), ``step_ms_p50/p99`` (the chunks alone: the
+issue's p99 <= 1.25 x p50 check of no capture after warm-up), ``first_chunk_ms_p50/p99`` (setup
++ the stream's first chunk),
+``bytes_per_stream`` (the front's memory plan; CUDA: also the measured peak over the empty server /
+C), stage shares (``share_encoder``/``share_cfm``/``share_vocoder``, torch_cfm rows: a separate
+timed pass), streams and chunks counted. Rows (JSON lines, provenance: gpu, torch, triton, commit)
+are upserted into ``serving.jsonl`` (identity: op, provider, variant, stage, concurrency, dtype,
+gpu) under
+``--out`` (default ``bench/results``); ``serving.md`` (table) and ``serving.png`` (throughput and
+p99 chunk latency against C; skipped with a message without matplotlib) are written from it.
+
+    BENCH_COMMIT=$(git rev-parse HEAD) python bench/serving.py --quick          # GPU, fp16
+    python bench/serving.py --device cpu --tiny --quick --out /tmp/serving      # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+import traceback
+from typing import Optional
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [HERE, os.path.join(ROOT, "tests"), ROOT]
+
+import _harness as H  # noqa: E402
+import upstream_flow as U  # noqa: E402
+from torch_cfm.integrations.stepaudio2_server import Token2wavServer  # noqa: E402
+from torch_cfm.models.cache import TRIM_KEEP_OLDEST  # noqa: E402
+
+OP = "serving"
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+IDENTITY = ("op", "provider", "variant", "stage", "concurrency", "dtype", "gpu")
+FRAME_S = 0.02  # one mel frame = 20 ms (50 Hz)
+STAGE_GRAPHS = [None]  # Token2wavServer(stage_graphs=...): None = with the CFM's graphs; --no-stage-graphs: False
+
+
+def graph_report(server) -> dict:
+    """CUDA graphs the front's stages captured, and why any shape stayed eager (first note)."""
+    out = {}
+    for name in ("_enc_call", "_f0_call", "_decode_call"):
+        call = getattr(server, name, None)
+        if hasattr(call, "graph_count"):
+            eager = [e for e in call.events if e.startswith("kept eager")]
+            out[name.strip("_")] = {"graphs": call.graph_count, "eager_note": eager[0][:160] if eager else None}
+    return out
+
+
+@dataclasses.dataclass
+class Workload:
+    prompt_tokens: int
+    chunk_tokens: int
+    chunks: int
+    n_steps: int
+    ticks: int
+    warm_ticks: int
+    prompt_mix: tuple = ()  # prompt token counts of the pool's prompts (default: all prompt_tokens)
+
+    def pool_tokens(self, i: int) -> int:
+        return self.prompt_mix[i % len(self.prompt_mix)] if self.prompt_mix else self.prompt_tokens
+
+    @property
+    def prompt_frames(self) -> int:
+        """The longest prompt (mel frames)."""
+        return 2 * max(self.prompt_mix or (self.prompt_tokens,))
+
+    @property
+    def chunk_frames(self) -> int:
+        return 2 * (self.chunk_tokens - 3)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _pct(values, p: float) -> Optional[float]:
+    xs = sorted(values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * p
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return round(xs[lo] + (xs[hi] - xs[lo]) * (pos - lo), 3)
+
+
+def _poisson(rng: random.Random, lam: float) -> int:
+    limit, k, p = math.exp(-lam), 0, rng.random()
+    while p > limit:
+        k += 1
+        p *= rng.random()
+    return k
+
+
+class Arrivals:
+    """C streams at staggered progress, then Poisson arrivals (rate C / chunks per tick) into a queue."""
+
+    def __init__(self, concurrency: int, chunks: int, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.c, self.chunks, self.next_id = concurrency, chunks, 0
+        self.queue: list[tuple[int, int]] = []  # (id, chunks to run)
+        for i in range(concurrency):  # the initial streams leave at staggered ticks
+            self.queue.append((self._id(), chunks - (i * chunks) // concurrency))
+
+    def _id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def tick(self, open_count: int) -> list[tuple[int, int]]:
+        """Streams admitted this tick (FIFO, up to C open)."""
+        for _ in range(_poisson(self.rng, self.c / self.chunks)):
+            self.queue.append((self._id(), self.chunks))
+        take = max(0, min(len(self.queue), self.c - open_count))
+        admitted, self.queue = self.queue[:take], self.queue[take:]
+        return admitted
+
+
+# ---------------------------------------------------------------------------------- inputs
+class Inputs:
+    """Per-stream prompt and chunk tokens (a small pool, reused), on the device."""
+
+    def __init__(self, size: U.FlowSize, wl: Workload, device: str, dtype: torch.dtype, pool: int = 4) -> None:
+        self.prompts = [U.make_prompt(size, wl.pool_tokens(i), seed=100 + i, device=device, dtype=dtype)
+                        for i in range(pool)]
+        gen = torch.Generator().manual_seed(7)
+        self.chunks = [torch.randint(0, size.vocab, (1, wl.chunk_tokens), generator=gen, dtype=torch.int32).to(device)
+                       for _ in range(pool)]
+        self.mu_prompt = [torch.randn(80, 2 * wl.pool_tokens(i), generator=gen).to(device, dtype) for i in range(pool)]
+        self.mu_chunk = [torch.randn(80, wl.chunk_frames, generator=gen).to(device, dtype) for _ in range(pool)]
+        self.spk80 = [torch.randn(80, generator=gen).to(device, dtype) for _ in range(pool)]
+
+    def prompt(self, sid):
+        return self.prompts[sid % len(self.prompts)]
+
+    def prompt_frames(self, sid) -> int:
+        return self.prompt(sid).frames
+
+    def chunk(self, sid, k):
+        return self.chunks[(sid + k) % len(self.chunks)]
+
+
+# ---------------------------------------------------------------------------------- providers
+class TorchCfmProvider:
+    name = "torch_cfm"
+    reports_first_chunk = True
+    encoder_batching = True
+
+    def __init__(self, flow, hift, stage: str, c: int, wl: Workload, inputs: Inputs, device: str, dtype) -> None:
+        if stage == "cfm" and self.encoder_batching is not True:
+            raise ValueError("the encoder A/B has no cfm stage")
+        self.stage, self.inputs, self.wl = stage, inputs, wl
+        self.server = Token2wavServer(flow, hift if stage == "wav" else None, max_streams=c,
+                                      max_prompt_frames=wl.prompt_frames, max_chunk_tokens=wl.chunk_tokens,
+                                      n_timesteps=wl.n_steps, dtype=dtype, stage_graphs=STAGE_GRAPHS[0],
+                                      encoder_batching=self.encoder_batching)
+        self.done: dict[int, int] = {}
+
+    def open(self, ids):
+        if self.stage == "cfm":
+            cfm = self.server.cfm_server
+            for sid in ids:
+                cfm.open_request(sid, self.inputs.spk80[sid % 4], prompt_len=self.inputs.prompt_frames(sid))
+            cfm.solve_chunk({sid: (self.inputs.mu_prompt[sid % 4], torch.zeros_like(self.inputs.mu_prompt[sid % 4]))
+                             for sid in ids})
+        else:
+            self.server.open_many({sid: (p.tokens, p.mel, p.spk, sid) for sid in ids
+                                   for p in [self.inputs.prompt(sid)]})
+        for sid in ids:
+            self.done[sid] = 0
+
+    def step(self, ids) -> dict:
+        """One tick over ``ids``; returns {sid: seconds from the tick's start} (one value: batched)."""
+        t0 = time.perf_counter()
+        if self.stage == "cfm":
+            self.server.cfm_server.solve_chunk({sid: self.inputs.mu_chunk[(sid + self.done[sid]) % 4] for sid in ids})
+        else:
+            self.server.step({sid: self.inputs.chunk(sid, self.done[sid]) for sid in ids})
+        _sync(str(self.server.device.type))
+        dt = time.perf_counter() - t0
+        for sid in ids:
+            self.done[sid] += 1
+        return {sid: dt for sid in ids}
+
+    def close(self, sid):
+        if self.stage == "cfm":
+            self.server.cfm_server.close_request(sid)
+        else:
+            self.server.close_stream(sid)
+        del self.done[sid]
+
+    def bytes_per_stream(self) -> int:
+        plan = self.server.memory_plan()
+        if self.stage == "cfm":
+            return plan.cfm
+        return plan.cfm + plan.encoder + (plan.vocoder if self.stage == "wav" else 0)
+
+
+class TorchCfmEncPerStreamProvider(TorchCfmProvider):
+    """The front with its encoder run one stream at a time (``encoder_batching=False``; under CUDA
+    graphs per stream shape): the A/B of batching the conformer encoder."""
+
+    name = "torch_cfm/enc_per_stream"
+    encoder_batching = False
+
+
+class TorchCfmEncRaggedProvider(TorchCfmProvider):
+    """The front with ``encoder_batching="ragged"``: one encoder batch across cache lengths
+    (streams in their first chunks next to settled ones, mixed prompt lengths)."""
+
+    name = "torch_cfm/enc_ragged"
+    encoder_batching = "ragged"
+
+
+class UpstreamProvider:
+    """The upstream per-request path: one stream's chunk at a time, as Token2wav.stream runs it."""
+
+    name = "upstream"
+    reports_first_chunk = True
+
+    def __init__(self, flow, hift, stage: str, c: int, wl: Workload, inputs: Inputs, device: str, dtype) -> None:
+        self.flow, self.hift, self.stage, self.wl, self.inputs = flow, hift, stage, wl, inputs
+        self.device, self.dtype = device, dtype
+        self.state: dict[int, dict] = {}
+        if hift is not None:
+            import numpy as np
+
+            self.samples = int(hift.m_source.l_sin_gen.upsample_scale) * 8
+            self.window = torch.from_numpy(np.hamming(2 * self.samples)).to(device)
+
+    def _autocast(self):
+        return torch.amp.autocast(self.device, dtype=self.dtype,
+                                  enabled=self.device == "cuda" and self.dtype != torch.float32)
+
+    def open(self, ids):
+        for sid in ids:
+            p = self.inputs.prompt(sid)
+            with torch.inference_mode(), self._autocast():
+                if self.stage == "cfm":
+                    dec = self.flow.decoder
+                    mu, spk = self.inputs.mu_prompt[sid % 4][None], self.inputs.spk80[sid % 4][None]
+                    _, cnn, att = dec.forward_chunk(mu, spk, torch.zeros_like(mu), n_timesteps=self.wl.n_steps)
+                    st = {"cnn": cnn.clone(), "att": att.clone()}
+                else:
+                    st = {"cache": {k: v.clone() for k, v in self.flow.setup_cache(
+                        p.tokens, p.mel, p.spk, n_timesteps=self.wl.n_steps).items()}}
+            st.update(done=0, hmel=torch.zeros(1, 80, 0, device=self.device),
+                      hsource=torch.zeros(1, 1, 0, device=self.device), hspeech=torch.zeros(1, 0, device=self.device))
+            self.state[sid] = st
+        _sync(self.device)
+
+    def _trim(self, t, dim, p):
+        if t.shape[dim] > p + TRIM_KEEP_OLDEST:
+            t = torch.cat([t.narrow(dim, 0, p), t.narrow(dim, t.shape[dim] - TRIM_KEEP_OLDEST, TRIM_KEEP_OLDEST)], dim)
+        return t
+
+    def step(self, ids) -> dict:
+        t0, out = time.perf_counter(), {}
+        for sid in ids:
+            st = self.state[sid]
+            with torch.inference_mode(), self._autocast():
+                if self.stage == "cfm":
+                    dec = self.flow.decoder
+                    _, cnn, att = dec.forward_chunk(self.inputs.mu_chunk[(sid + st["done"]) % 4][None],
+                                                    self.inputs.spk80[sid % 4][None],
+                                                    torch.zeros_like(self.inputs.mu_chunk[0][None]),
+                                                    n_timesteps=self.wl.n_steps, cnn_cache=st["cnn"],
+                                                    att_cache=st["att"])
+                    # the decoder returns views of its scratch buffers: cloned so that streams interleave
+                    st["cnn"], st["att"] = cnn.clone(), self._trim(att, 4, self.inputs.prompt_frames(sid)).clone()
+                else:
+                    p = self.inputs.prompt(sid)
+                    mel, cache = self.flow.inference_chunk(self.inputs.chunk(sid, st["done"]), p.spk, st["cache"],
+                                                           n_timesteps=self.wl.n_steps)
+                    cache["estimator_att_cache"] = self._trim(cache["estimator_att_cache"], 4, p.frames).clone()
+                    cache["estimator_cnn_cache"] = cache["estimator_cnn_cache"].clone()
+                    cache["conformer_att_cache"] = self._trim(cache["conformer_att_cache"], 3, p.frames)
+                    st["cache"] = cache
+            if self.stage == "wav":
+                with torch.inference_mode():
+                    m = torch.cat([st["hmel"], mel.float()], dim=2)
+                    speech, source = self.hift(m, st["hsource"])
+                    n = self.samples
+                    if st["hspeech"].shape[-1] > 0:
+                        speech = speech.clone()
+                        speech[..., :n] = speech[..., :n] * self.window[:n] + st["hspeech"][..., -n:] * self.window[n:]
+                    st["hmel"], st["hsource"] = m[..., -8:].clone(), source[:, :, -n:].clone()
+                    st["hspeech"] = speech[:, -n:].clone()
+                    speech[:, :-n].cpu()  # Token2wav.stream hands the samples to the host
+            _sync(self.device)
+            st["done"] += 1
+            out[sid] = time.perf_counter() - t0
+        return out
+
+    def close(self, sid):
+        del self.state[sid]
+
+    def bytes_per_stream(self) -> Optional[int]:
+        return None
+
+
+class UpstreamGraphProvider:
+    """The upstream CFM solver over all C streams as one batch, the whole solve in one CUDA graph."""
+
+    name = "upstream_graph"
+    reports_first_chunk = False  # no prompt solve modelled
+
+    def __init__(self, flow, hift, stage: str, c: int, wl: Workload, inputs: Inputs, device: str, dtype) -> None:
+        if stage != "cfm":
+            raise ValueError("upstream_graph runs the cfm stage only")
+        self.device, self.c = device, c
+        dec = copy.deepcopy(flow.decoder).to(dtype)
+        est = dec.estimator
+        depth, attn = len(est.blocks), est.blocks[0].attn
+        hidden, n, t = est.in_proj.out_features, wl.n_steps, wl.chunk_frames
+        length = wl.prompt_frames + TRIM_KEEP_OLDEST
+        kw = dict(device=device, dtype=dtype)
+        rows = 2 * c
+        est.att_cache_buffer = torch.zeros((depth, rows, attn.num_heads, length + t, 2 * attn.head_dim), **kw)
+        est.cnn_cache_buffer = torch.zeros((depth, rows, 2 * hidden, 2), **kw)
+        dec.att_cache_buffer = torch.zeros((n, *est.att_cache_buffer.shape), **kw)
+        dec.cnn_cache_buffer = torch.zeros((n, *est.cnn_cache_buffer.shape), **kw)
+        gen = torch.Generator().manual_seed(3)
+        r = lambda *s: (0.5 * torch.randn(*s, generator=gen)).to(**kw)  # noqa: E731
+        self.att = r(n, depth, rows, attn.num_heads, length, 2 * attn.head_dim)
+        self.cnn = r(n, depth, rows, 2 * hidden, 2)
+        self.mu, self.spks, self.cond = r(c, 80, t), r(c, 80), torch.zeros(c, 80, t, **kw)
+        self.x = dec.rand_noise[:, :, length:length + t].to(**kw).expand(c, -1, -1).contiguous()
+        t_span = torch.linspace(0, 1, n + 1, device=device, dtype=dtype)
+        self.t_span = 1 - torch.cos(t_span * 0.5 * torch.pi)
+        self.dec = dec
+
+        # The upstream solve_euler_chunk is batch-1 only (its t has 2 rows): the same loop over 2C rows,
+        # calling the upstream estimator and storing each step's caches like it does.
+        mu2 = torch.cat([self.mu, torch.zeros_like(self.mu)])
+        spks2 = torch.cat([self.spks, torch.zeros_like(self.spks)])
+        cond2 = torch.cat([self.cond, torch.zeros_like(self.cond)])
+        cfg = float(dec.inference_cfg_rate)
+
+        def solve():
+            x = self.x
+            for i in range(n):
+                t_i = self.t_span[i].expand(rows)
+                v, new_cnn, new_att = est.forward_chunk(x.repeat(2, 1, 1), mu2, t_i, spks2, cond2,
+                                                        self.cnn[i], self.att[i])
+                v, v_cfg = v.chunk(2, dim=0)
+                x = x + (self.t_span[i + 1] - self.t_span[i]) * ((1.0 + cfg) * v - cfg * v_cfg)
+                dec.cnn_cache_buffer[i] = new_cnn
+                dec.att_cache_buffer[i][:, :, :, :new_att.shape[3]] = new_att
+            return x
+
+        self.fn = solve
+        with torch.inference_mode():
+            if device == "cuda":
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        solve()
+                torch.cuda.current_stream().wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    solve()
+                self.fn = self.graph.replay
+            else:
+                solve()
+        self.open_ids: set = set()
+
+    def open(self, ids):
+        self.open_ids.update(ids)
+
+    def step(self, ids) -> dict:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.fn()
+        _sync(self.device)
+        dt = time.perf_counter() - t0
+        return {sid: dt for sid in ids}
+
+    def close(self, sid):
+        self.open_ids.discard(sid)
+
+    def bytes_per_stream(self) -> int:
+        held = sum(t.numel() * t.element_size() for t in (self.att, self.cnn, self.dec.att_cache_buffer,
+                                                         self.dec.cnn_cache_buffer))
+        return held // self.c
+
+
+PROVIDERS = {"torch_cfm": TorchCfmProvider, "torch_cfm/enc_per_stream": TorchCfmEncPerStreamProvider,
+             "torch_cfm/enc_ragged": TorchCfmEncRaggedProvider,
+             "upstream": UpstreamProvider, "upstream_graph": UpstreamGraphProvider}
+
+
+# ---------------------------------------------------------------------------------- one run
+def run_one(provider, c: int, wl: Workload, seed: int) -> dict:
+    arrivals = Arrivals(c, wl.chunks, seed)
+    remaining: dict[int, int] = {}
+    chunk_lat, tick_times, step_times, first, new_at = [], [], [], [], {}
+    frames = streams = chunks = 0
+    measured_s = 0.0
+    for tick in range(wl.warm_ticks + wl.ticks):
+        measure = tick >= wl.warm_ticks
+        admitted = arrivals.tick(len(remaining))
+        t0 = time.perf_counter()
+        if admitted:
+            provider.open([sid for sid, _ in admitted])
+        setup = time.perf_counter() - t0
+        for sid, n in admitted:
+            remaining[sid] = n
+            new_at[sid] = setup
+        if not remaining:
+            continue
+        ids = list(remaining)
+        lat = provider.step(ids)
+        tick_s = time.perf_counter() - t0
+        if measure:
+            measured_s += tick_s
+            tick_times.append(tick_s * 1e3)
+            step_times.append(max(lat.values()) * 1e3)
+            streams += len(admitted)
+            for sid in ids:  # a tick's prompt solves delay every chunk of that tick
+                chunk_lat.append((setup + lat[sid]) * 1e3)
+                if sid in new_at and provider.reports_first_chunk:
+                    first.append((new_at[sid] + lat[sid]) * 1e3)
+            frames += len(ids) * wl.chunk_frames
+            chunks += len(ids)
+        for sid in ids:
+            new_at.pop(sid, None)
+            remaining[sid] -= 1
+            if remaining[sid] == 0:
+                provider.close(sid)
+                del remaining[sid]
+    for sid in list(remaining):
+        provider.close(sid)
+    return {"audio_s_per_s": round(frames * FRAME_S / measured_s, 3) if measured_s else None,
+            "chunk_ms_p50": _pct(chunk_lat, 0.5), "chunk_ms_p99": _pct(chunk_lat, 0.99),
+            "tick_ms_p50": _pct(tick_times, 0.5), "tick_ms_p99": _pct(tick_times, 0.99),
+            "step_ms_p50": _pct(step_times, 0.5), "step_ms_p99": _pct(step_times, 0.99),
+            "first_chunk_ms_p50": _pct(first, 0.5), "first_chunk_ms_p99": _pct(first, 0.99),
+            "ticks": len(tick_times), "streams": streams, "chunks": chunks, "measured_s": round(measured_s, 3)}
+
+
+def stage_shares(provider: TorchCfmProvider, c: int, wl: Workload) -> dict:
+    """The front's per-stage seconds over a few ticks of C streams (timing=True syncs per stage)."""
+    server = provider.server
+    server.timing = True
+    for key in ("encoder", "cfm", "vocoder"):
+        server.stats[key] = 0.0
+    ids = [10_000 + i for i in range(c)]
+    provider.open(ids)
+    for key in ("encoder", "cfm", "vocoder"):
+        server.stats[key] = 0.0
+    for _ in range(3):
+        provider.step(ids)
+    for sid in ids:
+        provider.close(sid)
+    server.timing = False
+    total = sum(server.stats[k] for k in ("encoder", "cfm", "vocoder")) or float("nan")
+    return {f"share_{k}": round(server.stats[k] / total, 3) for k in ("encoder", "cfm", "vocoder")}
+
+
+# ---------------------------------------------------------------------------------- output
+def _identity(row: dict) -> str:
+    return json.dumps([row.get(k) for k in IDENTITY])
+
+
+def upsert_jsonl(path: str, rows: list[dict]) -> list[dict]:
+    existing = []
+    if os.path.exists(path):
+        with open(path) as f:
+            existing = [json.loads(line) for line in f if line.strip()]
+    index = {_identity(r): i for i, r in enumerate(existing)}
+    for row in rows:
+        key = _identity(row)
+        if key in index:
+            existing[index[key]] = row
+        else:
+            index[key] = len(existing)
+            existing.append(row)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        for row in existing:
+            f.write(json.dumps(row) + "\n")
+    return existing
+
+
+def _fmt(v, digits=1):
+    return "" if v is None else (f"{v:.{digits}f}" if isinstance(v, float) else str(v))
+
+
+def write_table(rows: list[dict], path: str, command: str) -> str:
+    lines = ["# Many-stream token2wav serving (bench/serving.py)", "",
+             "Poisson arrivals, 6 s prompts, 1 s chunks; every open stream pushes a chunk each tick. "
+             "audio-s/s = audio seconds produced per wall second; latencies in ms.", "",
+             "| gpu | dtype | stage | provider | C | audio-s/s | chunk p50 | chunk p99 | step p99/p50 | "
+             "first chunk p50 | first chunk p99 | bytes/stream | shares enc/cfm/voc | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    def key(r):
+        return (r.get("gpu") or "", r.get("dtype") or "", r.get("stage") or "", r.get("provider") or "",
+                r.get("variant") or "", r.get("concurrency") or 0)
+
+    for r in sorted(rows, key=key):
+        ratio = (r["step_ms_p99"] / r["step_ms_p50"]) if r.get("step_ms_p50") else None
+        shares = "/".join(_fmt(r.get(f"share_{k}"), 2) for k in ("encoder", "cfm", "vocoder")) \
+            if r.get("share_cfm") is not None else ""
+        lines.append("| " + " | ".join([str(r.get("gpu")), str(r.get("dtype")), str(r.get("stage")),
+                                        str(r.get("provider")) + (f" ({r['variant']})" if r.get("variant") else ""),
+                                        str(r.get("concurrency")),
+                                        _fmt(r.get("audio_s_per_s"), 2), _fmt(r.get("chunk_ms_p50")),
+                                        _fmt(r.get("chunk_ms_p99")), _fmt(ratio, 2), _fmt(r.get("first_chunk_ms_p50")),
+                                        _fmt(r.get("first_chunk_ms_p99")), _fmt(r.get("bytes_per_stream")), shares,
+                                        (r.get("error") or "")[:60]]) + " |")
+    text = "\n".join(lines) + "\n" + H.provenance_footer(rows, command)
+    with open(path, "w") as f:
+        f.write(text)
+    return text
+
+
+def write_plot(rows: list[dict], path: str) -> Optional[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("serving: matplotlib is not installed, no plot written (pip install matplotlib)")
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict = {}
+    for r in rows:
+        if r.get("audio_s_per_s") is None:
+            continue
+        prov = r["provider"] + (f" ({r['variant']})" if r.get("variant") else "")
+        series.setdefault((r["gpu"], r["dtype"], r["stage"], prov), []).append(r)
+    for (gpu, dt, stage, prov), rs in sorted(series.items()):
+        rs = sorted(rs, key=lambda r: r["concurrency"])
+        cs = [r["concurrency"] for r in rs]
+        ax1.plot(cs, [r["audio_s_per_s"] for r in rs], marker="o", label=f"{prov} {stage} {dt}")
+        ax2.plot(cs, [r["chunk_ms_p99"] for r in rs], marker="o", label=f"{prov} {stage} {dt}")
+    for ax, title in ((ax1, "throughput (audio-s / s)"), (ax2, "chunk latency p99 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("concurrent streams")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+# ---------------------------------------------------------------------------------- main
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="fp16 | bf16 | fp32 (default fp16 on CUDA, fp32 on CPU)")
+    ap.add_argument("--tiny", action="store_true", help="tiny modules (CPU smoke)")
+    ap.add_argument("--quick", action="store_true", help="fewer ticks and chunks")
+    ap.add_argument("--concurrency", default=None, help="comma list (default 1,4,16,32,64; --tiny: 1,2)")
+    ap.add_argument("--stages", default="cfm,mel,wav")
+    ap.add_argument("--providers",
+                    default="torch_cfm,torch_cfm/enc_per_stream,torch_cfm/enc_ragged,upstream,upstream_graph")
+    ap.add_argument("--mixed-prompts", action="store_true",
+                    help="prompts of 3, 6, 8 and 10 s (tiny: 5, 10, 13, 16 tokens) instead of 6 s each")
+    ap.add_argument("--upstream-max", type=int, default=None, help="largest C the serial upstream path runs at")
+    ap.add_argument("--chunks", type=int, default=None, help="chunks per stream")
+    ap.add_argument("--ticks", type=int, default=None)
+    ap.add_argument("--warm-ticks", type=int, default=None)
+    ap.add_argument("--n-steps", type=int, default=None)
+    ap.add_argument("--warmup", action="store_true", help="run Token2wavServer.warmup before the ticks")
+    ap.add_argument("--no-stage-graphs", action="store_true",
+                    help="run the front's encoder and HiFT eagerly (the CFM keeps its graphs): the graphs' A/B")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    STAGE_GRAPHS[0] = False if args.no_stage_graphs else None
+    device = args.device
+    dname = args.dtype or ("fp16" if device == "cuda" else "fp32")
+    dtype = DTYPES[dname]
+    size = U.TINY if args.tiny else U.SHIPPED
+    cs = [int(c) for c in (args.concurrency or ("1,2" if args.tiny else "1,4,16,32,64")).split(",")]
+    mix = ((5, 10, 13, 16) if args.tiny else (75, 150, 200, 250)) if args.mixed_prompts else ()
+    wl = Workload(prompt_tokens=10 if args.tiny else 150, chunk_tokens=28, prompt_mix=mix,
+                  chunks=args.chunks or (3 if args.tiny else (6 if args.quick else 12)),
+                  n_steps=args.n_steps or (2 if args.tiny else 10),
+                  ticks=args.ticks or (3 if args.tiny else (12 if args.quick else 40)),
+                  warm_ticks=args.warm_ticks if args.warm_ticks is not None else (1 if args.tiny else
+                                                                                 (8 if args.quick else 16)))
+    up_max = args.upstream_max or (max(cs) if args.tiny else (4 if args.quick else 16))
+    torch.manual_seed(args.seed)
+    if device == "cpu":
+        torch.set_num_threads(1)  # tiny ops: more threads on a shared box cost more than they give
+    env = H.env_info()
+    flow = U.build_flow(size, seed=args.seed)
+    if size.buffer_frames < wl.prompt_frames + TRIM_KEEP_OLDEST + wl.chunk_frames:
+        U.resize_scratch_buffers(flow, wl.prompt_frames + TRIM_KEEP_OLDEST + wl.chunk_frames)
+    flow = flow.to(device=device, dtype=dtype)
+    hift, hift_error = None, None
+    if "wav" in args.stages:
+        try:
+            import importlib
+
+            hifigan = importlib.import_module("stepaudio2.flashcosyvoice.modules.hifigan")
+            torch.manual_seed(args.seed)
+            if args.tiny:
+                import token2wav_reference as R
+
+                hift = R.build_hift(seed=args.seed)
+            else:
+                hift = hifigan.HiFTGenerator().eval()  # Token2wav keeps its HiFT in fp32
+            hift = hift.to(device)
+        except Exception as exc:  # noqa: BLE001 - scipy missing, typically
+            hift_error = f"{type(exc).__name__}: {exc}"[:300]
+            print(f"serving: no HiFT ({hift_error}); the wav stage is skipped")
+    inputs = Inputs(size, wl, device, dtype)
+    rows = []
+    command = "python bench/serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    for stage in args.stages.split(","):
+        for prov_name in args.providers.split(","):
+            if (prov_name == "upstream_graph" and stage != "cfm") or \
+                    (prov_name in ("torch_cfm/enc_per_stream", "torch_cfm/enc_ragged") and stage != "mel"):
+                continue
+            for c in cs:
+                if prov_name == "upstream" and c > up_max:
+                    continue
+                variant = "+".join(v for v, on in (("no_stage_graphs", args.no_stage_graphs and prov_name.startswith(
+                    "torch_cfm")), ("mixed_prompts", args.mixed_prompts)) if on)
+                base = dict(op=OP, provider=prov_name, variant=variant, stage=stage, concurrency=c, dtype=dname,
+                            prompt_s=[2 * wl.pool_tokens(i) * FRAME_S for i in range(4)] if mix
+                            else wl.prompt_frames * FRAME_S, chunk_s=wl.chunk_frames * FRAME_S,
+                            chunks_per_stream=wl.chunks, n_timesteps=wl.n_steps, tiny=args.tiny, **env)
+                if stage == "wav" and hift is None:
+                    rows.append(dict(base, error=f"no HiFT: {hift_error}"))
+                    continue
+                try:
+                    if device == "cuda":
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats()
+                        mem0 = torch.cuda.memory_allocated()
+                    prov = PROVIDERS[prov_name](flow, hift, stage, c, wl, inputs, device, dtype)
+                    if args.warmup and prov_name.startswith("torch_cfm"):
+                        warm = prov.server.warmup(prompt_frames=(wl.prompt_frames,), chunk_tokens=(wl.chunk_tokens,))
+                        print(f"warmup: {warm}", flush=True)
+                    row = dict(base, **run_one(prov, c, wl, args.seed + c))
+                    row["bytes_per_stream"] = prov.bytes_per_stream()
+                    if device == "cuda":
+                        row["measured_bytes_per_stream"] = (torch.cuda.max_memory_allocated() - mem0) // c
+                    if prov_name.startswith("torch_cfm") and stage != "cfm":
+                        row.update(stage_shares(prov, c, wl))
+                        row["stage_graphs"] = graph_report(prov.server)
+                    del prov
+                except Exception as exc:  # noqa: BLE001
+                    traceback.print_exc()
+                    row = dict(base, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                rows.append(row)
+                print(f"{stage:4s} {prov_name:15s} C={c:3d}: {row.get('audio_s_per_s')} audio-s/s, chunk p50 "
+                      f"{row.get('chunk_ms_p50')} p99 {row.get('chunk_ms_p99')} ms, first chunk p50 "
+                      f"{row.get('first_chunk_ms_p50')} ms {row.get('error') or ''}", flush=True)
+    all_rows = upsert_jsonl(os.path.join(args.out, "serving.jsonl"), rows)
+    print(write_table(all_rows, os.path.join(args.out, "serving.md"), command))
+    plot = write_plot(all_rows, os.path.join(args.out, "serving.png"))
+    if plot:
+        print(f"serving: plot {plot}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""bench/serving.py on CPU at tiny sizes: the smoke mode runs every stage and provider, writes the
+JSONL rows (with provenance), the table and the plot (or says why not); the batched upstream peer
+solves what the upstream's own per-stream solver does."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+import upstream_flow as U
+from oracle import err_rel_fro
+
+pytestmark = pytest.mark.skipif(U.missing_reason() is not None, reason=str(U.missing_reason()))
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import serving  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_smoke_rows_table_plot(tmp_path, capsys):
+    rows = serving.main(["--device", "cpu", "--tiny", "--quick", "--concurrency", "2", "--ticks", "2",
+                         "--chunks", "2", "--warm-ticks", "1", "--out", str(tmp_path)])
+    got = {(r["stage"], r["provider"]) for r in rows}
+    want = {("cfm", "torch_cfm"), ("cfm", "upstream"), ("cfm", "upstream_graph"), ("mel", "torch_cfm"),
+            ("mel", "torch_cfm/enc_per_stream"), ("mel", "torch_cfm/enc_ragged"), ("mel", "upstream"),
+            ("wav", "torch_cfm"), ("wav", "upstream")}
+    assert got == want
+    for r in rows:
+        if r["stage"] == "wav" and r.get("error", "").startswith("no HiFT"):
+            continue  # scipy missing: the row says so
+        assert not r.get("error"), r
+        assert r["audio_s_per_s"] > 0 and r["chunk_ms_p50"] > 0 and r["chunk_ms_p99"] >= r["chunk_ms_p50"]
+        assert r["chunks"] >= r["ticks"] > 0
+        for key in ("gpu", "torch", "triton", "commit", "timestamp"):
+            assert key in r
+        if r["provider"] != "upstream_graph" and r["streams"]:
+            assert r["first_chunk_ms_p50"] > 0
+        if r["provider"].startswith("torch_cfm"):
+            assert r["bytes_per_stream"] > 0
+            if r["stage"] != "cfm":
+                assert abs(sum(r[f"share_{k}"] for k in ("encoder", "cfm", "vocoder")) - 1) < 0.01
+    lines = (tmp_path / "serving.jsonl").read_text().splitlines()
+    assert len(lines) == len(rows) and all(json.loads(line)["op"] == "serving" for line in lines)
+    serving.main(["--device", "cpu", "--tiny", "--quick", "--concurrency", "2", "--ticks", "1", "--chunks", "2",
+                  "--warm-ticks", "0", "--stages", "cfm", "--providers", "torch_cfm", "--out", str(tmp_path)])
+    assert len((tmp_path / "serving.jsonl").read_text().splitlines()) == len(rows)  # upserted, not appended
+
+    mixed = serving.main(["--device", "cpu", "--tiny", "--quick", "--concurrency", "3", "--ticks", "3", "--chunks", "3",
+                          "--warm-ticks", "1", "--stages", "mel", "--mixed-prompts", "--out", str(tmp_path),
+                          "--providers", "torch_cfm,torch_cfm/enc_ragged,upstream"])
+    assert all(not r.get("error") and r["variant"] == "mixed_prompts" and r["audio_s_per_s"] > 0 for r in mixed)
+    table = (tmp_path / "serving.md").read_text()
+    assert "| cfm | torch_cfm | 2 |" in table and "Reproduce:" in table
+    out = capsys.readouterr().out
+    assert (tmp_path / "serving.png").exists() or "matplotlib is not installed" in out
+
+
+def test_upstream_graph_peer_solves_like_the_upstream():
+    """The peer's batched loop over the upstream estimator, each row vs the upstream's own
+    ``solve_euler_chunk`` of that row alone (its batch-1 solver), fp32."""
+    flow = U.build_flow(U.TINY, seed=0)
+    wl = serving.Workload(prompt_tokens=10, chunk_tokens=28, chunks=2, n_steps=3, ticks=1, warm_ticks=0)
+    peer = serving.UpstreamGraphProvider(flow, None, "cfm", 2, wl, None, "cpu", torch.float32)
+    with torch.inference_mode():
+        both = peer.fn()
+        dec = flow.decoder
+        rows = peer.att.shape[2] // 2
+        for b in range(rows):
+            pick = [b, rows + b]
+            ref, _, _ = dec.solve_euler_chunk(peer.x[b:b + 1], peer.t_span, peer.mu[b:b + 1], peer.spks[b:b + 1],
+                                              peer.cond[b:b + 1], peer.cnn[:, :, pick], peer.att[:, :, pick])
+            assert err_rel_fro(both[b], ref[0]) <= 1e-5
