@@ -28,7 +28,7 @@ op "cfm_solve_chunk", shape {B, N=2B, T, L}: the whole n-step CFG solve of a chu
                           ``peak_extra_bytes`` the peak above it. ``--server-variants`` adds
                           "server_copy" (append_in_place=False: rows copied out and back per
                           step) and "server_spec" (the arena in the SPEC layout, every step's new
-                          cache written back through the trim: the server before session 15)
+                          cache written back through the trim: the server before the keyed arena)
     reference_eager       the reference module stepped in Python (CFG + Euler), eager
     reference_graph       that whole loop captured in one CUDA graph
 
@@ -741,7 +741,7 @@ def _run(args, argv) -> int:
         if any(p in providers for p in ("torch_cfm", "reference_eager", "reference_graph")):
             rows += run_solve(cfg, b, t, l_len, sdn, args, env, base, n_steps=2 if args.dry_run else 10)
         # Server rows include solve_chunk's host work, which varied 0.7-2.6 ms between processes of one
-        # device session (session 15): A/B server variants in separate, interleaved processes.
+        # device call: A/B server variants in separate, interleaved processes.
         if "torch_cfm/server" in providers:
             rows += run_server(cfg, b, t, 104 if args.dry_run else l_len, sdn, args, env, base,
                                n_steps=2 if args.dry_run else 10)

@@ -7,7 +7,7 @@
 #   tests          the whole suite with CUDA (GPU-marked tests included), hypothesis "ci" profile
 #   tests-gpu      the GPU-marked tests of the ops, graphs and compile rules only (GPU_TESTS="file ..."
 #                  picks files, GPU_TESTS_K="expr" a pytest -k filter). The whole set no longer fits one
-#                  device call (session 10: 250 s ran 176 tests of the attention files, 200 s ran 131 of
+#                  device call (250 s ran 176 tests of the attention files, 200 s ran 131 of
 #                  the body/graph files, neither finished): run it as two calls, GPU_TESTS= the three
 #                  test_cfm_attention_{triton,numerics,contract}.py files, then the rest (LIMIT_TESTS_GPU=540)
 #   tests-cpu-ops  the CPU tests of the op contract and failure files on this box's build (the C++
@@ -41,13 +41,13 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-# No stage named: refuse (session 19 spent a whole device call on the old default by mistake); "all" runs
+# No stage named: refuse (a whole device call is easily spent on the old default by mistake); "all" runs
 # the full set.
 STAGES=("$@")
 if [ ${#STAGES[@]} -eq 0 ]; then echo "run_device.sh: name the stages (or 'all' for tests memcheck attention dit-full)"; exit 2; fi
 [ "${STAGES[*]}" = "all" ] && STAGES=(tests memcheck attention dit-full)
-# xdist workers: one per core of the GPU box (16; 12 until session 10, not yet run with 16). Most of the
-# GPU tests' time is Triton compiling on the host (≈ 20 s per attention variant test, session 10)
+# xdist workers: one per core of the GPU box (16). Most of the
+# GPU tests' time is Triton compiling on the host (≈ 20 s per attention variant test)
 PYTEST_ONE="python3 -m pytest -q -p no:cacheprovider -p no:benchmark -rfE --tb=short --durations=30"
 PYTEST="$PYTEST_ONE -n ${PYTEST_WORKERS:-16}"
 GPU_TESTS=${GPU_TESTS:-"tests/test_cfm_attention_contract.py tests/test_failures.py tests/test_compile_rules.py tests/test_aoti.py
@@ -56,7 +56,7 @@ GPU_TESTS=${GPU_TESTS:-"tests/test_cfm_attention_contract.py tests/test_failures
 
 limit() { local v="LIMIT_${1//-/_}"; v=${v^^}; echo "${!v:-$2}"; }
 summary() { tail -3 "$1"; grep -E "^(FAILED|ERROR) " "$1" | head -40; }
-# Tests marked "timing" assert a time ratio, which 16 workers sharing one GPU and its host inflate (session 20:
+# Tests marked "timing" assert a time ratio, which 16 workers sharing one GPU and its host inflate (one such
 # 1.455x under xdist against a 1.25x bound, passing alone). The stages that run GPU tests leave them out of
 # the parallel run and run them after it, in one process: timing_tests <log name> <pytest selection...>
 timing_tests() {

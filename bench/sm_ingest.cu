@@ -5,7 +5,7 @@
 //           one wait;
 //   mode 2  cp.async.bulk (1D, SM90) into shared memory in 16 KB pieces, completion on one mbarrier
 //           (the copy engine the TMA also uses; no per-thread requests).
-// The question it answers for issue #4 (bench/NOTES.md, session 13): the fused GEMM + row-norm
+// The question it answers for issue #4 (docs/performance.md, the ingest floor): the fused GEMM + row-norm
 // kernels need ~80-320 KB per SM per GEMM; at the ~40 GB/s per SM that the attention kernel's loads
 // reached (run 14), none of them can beat cuBLAS + the Triton row-norm.
 #include <c10/cuda/CUDAStream.h>

@@ -143,7 +143,7 @@ def test_choose_config_rule() -> None:
     rule, C = cuda_kernel.choose_config, cuda_kernel.CudaAttentionConfig
     assert rule(torch.float16, 16, 50, 450, 132) == C(64, 1, 8, 1, kv_groups=2)
     assert rule(torch.bfloat16, 16, 50, 450, 132) == C(64, 1, 8, 1, kv_groups=2)
-    assert rule(torch.float16, 64, 50, 450, 132) == C(128, 2, 4, 1, kv_groups=2)  # (8, 50, 450), session 13
+    assert rule(torch.float16, 64, 50, 450, 132) == C(128, 2, 4, 1, kv_groups=2)  # (8, 50, 450)
     assert rule(torch.float16, 128, 50, 450, 132) is None  # (16, 50, 450): beyond one wave, Triton
     assert rule(torch.float16, 16, 50, 600, 132) is None  # a split would walk more tiles
     assert rule(torch.float32, 64, 50, 450, 132) == C(32, 2, 4, 2)

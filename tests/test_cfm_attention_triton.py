@@ -265,7 +265,7 @@ def test_cases_cover_edges() -> None:
 
 
 def test_choose_config_split_rule() -> None:
-    """The measured split decisions (bench/NOTES_attention.md, sweeps 6-7) and their invariant."""
+    """The measured split decisions (docs/performance.md) and their invariant."""
     import triton
 
     from torch_cfm.kernels.cfm_attention import choose_config
@@ -289,7 +289,7 @@ def test_choose_config_split_rule() -> None:
 
 
 def test_choose_config_slices_ieee_scores_only() -> None:
-    """fp32 "ieee" scores run in 32-wide head-dim slices for D > 32 (NOTES_attention.md run 10); other
+    """fp32 "ieee" scores run in 32-wide head-dim slices for D > 32 (docs/performance.md); other
     dtypes and precisions keep one dot; qk_slabs rejects a width that does not cut D into 2 or 4."""
     from torch_cfm.kernels.cfm_attention import AttentionConfig, choose_config, qk_slabs
 
@@ -418,7 +418,7 @@ def test_gpu_variants(dtype, precision, config, d):
     stages = config[4] if len(config) > 4 else 2
     smem = (2 * config[1] * stages + config[0]) * d * 4  # fp32 K and V tiles per stage, plus q
     if dtype == torch.float32 and (d * config[1] >= 128 * 128 or smem > 216 * 1024):
-        # e.g. 64-query, 64-key, 3-stage tiles at D = 128 need 240-256 KiB (H200, session 7)
+        # e.g. 64-query, 64-key, 3-stage tiles at D = 128 need 240-256 KiB (H200)
         pytest.skip("fp32 tiles exceed shared memory (choose_config never picks them)")
     a = _gpu_inputs(3, 2, 37, 300, d, dtype, mask=True, pool=5, seed=d)
     _gpu_check(a, dtype, precision, AttentionConfig(*config))

@@ -201,7 +201,7 @@ def test_gpu_linear_tf32_within_oracle(m, k, n, bias, gelu):
     """fp32 operands in TF32 against exact TF32 math (operands rounded to nearest TF32, products summed
     in float64), the 2x rule of SPEC §6 without its TF32 relaxation: a kernel that truncated its
     operands would fail it. (Not cuBLAS as the baseline: at M = 1 it runs an IEEE fp32 GEMV even with
-    TF32 allowed, an error 3000x smaller; session 18's first run.)"""
+    TF32 allowed, an error 3000x smaller.)"""
     _skip_unless_runnable()
     ext, _ = L._extension()
     g = torch.Generator(device="cpu").manual_seed(m + k + n + 1)

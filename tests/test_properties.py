@@ -165,7 +165,7 @@ def test_permuting_cache_frames_keeps_outputs_cuda(spec, dtype, keep_lengths, se
 
 
 # Sharp fp32 "ieee" softmaxes (inputs x2) that fell outside SPEC 6's max-abs bound on the H200 before
-# q.k ran in 32-wide head-dim slices (bench/NOTES_attention.md runs 9-10): the first was found by the
+# q.k ran in 32-wide head-dim slices (docs/performance.md): the first was found by the
 # GPU profile of the property above (2.83e-6 vs a bound of 2.65e-6), the other two by
 # bench/attention_accuracy.py (error 3.2x and 1.2x the bound with one dot over D = 128 / 64).
 _SHARP_FP32 = {
@@ -175,8 +175,8 @@ _SHARP_FP32 = {
 }
 
 
-# Still outside (session 7, H200: 1.05x and 1.02x the bound): at D = 32 the scores are already one
-# 32-wide slice, and the rest of the error is P.V's and the scores' own (bench/NOTES_attention.md run
+# Still outside (H200: 1.05x and 1.02x the bound): at D = 32 the scores are already one
+# 32-wide slice, and the rest of the error is P.V's and the scores' own (docs/performance.md run
 # 10). Strict: a fix makes these fail until the marker goes.
 _SHARP_FP32_OPEN = {
     "k102-d32": (S.AttnSpec(n=1, h=1, q_len=1, k_len=102, d=32, seed=768485, scale=2.0), 260858),

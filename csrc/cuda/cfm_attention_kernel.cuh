@@ -1,7 +1,7 @@
 // cfm_attention forward as a hand-written CUDA kernel (mma.sync, SM80+), for the shapes where the
 // Triton kernel is latency-bound: one CTA per (row, head, query tile) whose warps split the key
 // walk among themselves and merge (m, l, O) through shared memory, so the serial chain per warp is
-// 1-2 key tiles instead of the row's whole key range (bench/NOTES_attention.md, run 13).
+// 1-2 key tiles instead of the row's whole key range (docs/performance.md).
 //
 // Layout of one CTA: WQ query groups of 16 queries × WK key splits = WQ·WK warps. Key tiles of BK
 // keys are dealt round-robin to the splits (split s walks tiles s, s + WK, ...). Each split's WQ
@@ -13,7 +13,7 @@
 // the same keys. Each K/V row is fetched from L2 once, by one CTA, as a bulk copy multicast into
 // every CTA of the cluster (cp.async.bulk .multicast::cluster, completion on an mbarrier per tile):
 // L2 reads drop C-fold. At SPEC §7's small shapes every SM's copies together are bound by L2's total
-// read rate (bench/NOTES_attention.md, run 14). A cluster walks its tiles in rounds of NBUF tiles per
+// read rate (docs/performance.md). A cluster walks its tiles in rounds of NBUF tiles per
 // split, with a cluster barrier between rounds (one round at K <= WK·BK·NBUF).
 //
 // Semantics are SPEC §4 (the Triton kernel's): keys >= key_lengths[n] (clamped to [0, K]) are never

@@ -10,7 +10,7 @@
 2. ``_cfm_attention_combine_kernel`` (only when splits > 1): merges the partials of each query
    with weights ``2^(lse_s − max lse)``.
 
-Measured on an H200 (``bench/NOTES_attention.md``): at the streaming shapes (K ≤ 524) the
+Measured on an H200 (``docs/performance.md``): at the streaming shapes (K ≤ 524) the
 combine kernel costs more than the shorter key walk saves, so :func:`choose_config` splits only
 long key ranges with few programs. FP32 ``precision="ieee"`` runs its dots as 3xTF32
 (error-compensated TF32 on tensor cores, FP32-level accuracy: rel. error ≈ 4e-7 vs float64,
@@ -67,7 +67,7 @@ class AttentionConfig:
             accumulates all D products in one running FP32 sum; on sharp softmaxes that sum's
             rounding moved fp32 "ieee" outputs outside SPEC §6's bound (error up to 3.3× the
             bound at D = 128, K = 437; 32-wide slices: within it, like cuBLAS's FP32 GEMM;
-            bench/NOTES_attention.md run 10). :func:`choose_config` sets 32 for "ieee" and D > 32.
+            docs/performance.md). :func:`choose_config` sets 32 for "ieee" and D > 32.
     """
 
     block_q: int
@@ -172,7 +172,7 @@ def _cfm_attention_fwd_inner(
 # them unspecialised keeps one compiled variant per tile config across shapes. n_splits stays
 # specialised so that splits == 1 compiles the direct-store path only.
 # stride_m_n: a mask shared by all rows (stride 0) and a per-row one (e.g. 130) compiled two kernels
-# that round 1 fp16 ulp apart, so a row's output changed with the batch it sat in (NOTES run 11).
+# that round 1 fp16 ulp apart, so a row's output changed with the batch it sat in (docs/performance.md).
 _NO_SPEC = ["n_heads", "q_len", "k_len", "n_pool", "q_tiles", "n_rows_heads", "stride_m_n"]
 
 
@@ -360,9 +360,9 @@ def _cfm_attention_combine_kernel(
 
 def choose_config(dtype: torch.dtype, head_dim: int, rows_heads: int, q_len: int, k_len: int,
                   n_sm: int = 132, precision: Optional[str] = None) -> AttentionConfig:
-    """Tiles and splits for one call, from the shape alone (tuned on an H200, see NOTES).
+    """Tiles and splits for one call, from the shape alone (tuned on an H200, see docs/performance.md).
 
-    Measured at the SPEC §7 shapes (bench/NOTES_attention.md, sweeps 1 and 2): one
+    Measured at the SPEC §7 shapes (docs/performance.md): one
     (row, head, query-tile) program walking all its keys beats every split-K variant up to
     K = 524, because the combine kernel costs more (~2 µs in a graph) than the shorter key walk
     saves. fp16/bf16: 64-query tiles (Hopper wgmma), 64-key steps, 3-stage pipeline, peeled tail.
@@ -375,7 +375,7 @@ def choose_config(dtype: torch.dtype, head_dim: int, rows_heads: int, q_len: int
     wave by construction; the last-program merge beat the combine kernel at every one-wave shape
     of sweep 6). D = 128 tiles are chosen from the ptxas register report (no spills), not timed;
     D = 16/32 reuse the D = 64 choice. fp32 "ieee" with D > 32 sums q·k in 32-wide head-dim
-    slices (``qk_slab``: SPEC §6 on sharp softmaxes, no measurable time; NOTES run 10).
+    slices (``qk_slab``: SPEC §6 on sharp softmaxes, no measurable time).
 
     Args:
         dtype: q/k/v dtype.
@@ -480,7 +480,7 @@ COUNTERS = ArrivalCounters()
 def use_pdl(programs: int, n_sm: int) -> bool:
     """Programmatic dependent launch by default only for grids of at most one program per SM.
 
-    Measured on the H200 (bench/NOTES_attention.md, run 3): PDL hides ~0.4 µs of launch per call
+    Measured on the H200 (docs/performance.md): PDL hides ~0.4 µs of launch per call
     at N = 2 and 8 (16-128 programs) but costs 1.5 µs at N = 32 fp16 (256 programs), where the
     next call's early-resident programs take SM slots from this call's second wave.
     """

@@ -2,7 +2,7 @@
 
 The Triton kernel (:mod:`torch_cfm.kernels.cfm_attention`) runs one program per (row, head, query
 tile) that walks the row's keys serially; at SPEC §7's small shapes that walk is the time
-(bench/NOTES_attention.md). The CUDA kernel gives each (row, head, query tile) a CTA of up to 16
+(docs/performance.md). The CUDA kernel gives each (row, head, query tile) a CTA of up to 16
 warps that split the key walk and merge (m, l, O) in shared memory, with mma.sync tensor-core dots
 (fp16/bf16 m16n8k16, TF32 m16n8k8).
 
@@ -195,12 +195,12 @@ def choose_config(dtype: torch.dtype, rows_heads: int, q_len: int, k_len: int,
                   n_sm: int) -> Optional[CudaAttentionConfig]:
     """The CUDA kernel's tile config for a call, or None where the Triton kernel is as fast or faster.
 
-    Sweeps on the H200 (H = 8, D = 64, ragged lengths; bench/NOTES_attention.md, runs 13-14) set
+    Sweeps on the H200 (H = 8, D = 64, ragged lengths; docs/performance.md) set
     the rule, for Q <= 64 and K <= 1024 only:
 
     * fp16/bf16, K <= 512: one wave of 16-query CTAs → 8 splits of one 64-key tile each, K landing
       before V ((2, 50, 450): 4.3-4.6 µs vs Triton's 5.5); else one wave of 32-query CTAs → 4 splits
-      of one 128-key tile each ((8, 50, 450): 5.7 vs Triton's 6.1 in the same run, session 13; two
+      of one 128-key tile each ((8, 50, 450): 5.7 vs Triton's 6.1 in the same run; two
       64-key tiles per split 5.8). Each CTA loads its row's whole K/V: at (8, 50, 450) the loads and
       the mma.sync dots take ≈ 2 µs each.
       Multicast clusters (each K/V row read from L2 once for two query tiles) did not make the
