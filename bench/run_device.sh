@@ -57,7 +57,7 @@ GPU_TESTS=${GPU_TESTS:-"tests/test_cfm_attention_contract.py tests/test_failures
 limit() { local v="LIMIT_${1//-/_}"; v=${v^^}; echo "${!v:-$2}"; }
 summary() { tail -3 "$1"; grep -E "^(FAILED|ERROR) " "$1" | head -40; }
 # Tests marked "timing" assert a time ratio, which 16 workers sharing one GPU and its host inflate (one such
-# 1.455x under xdist against a 1.25x bound, passing alone). The stages that run GPU tests leave them out of
+# test: 1.455x under xdist against a 1.25x bound, passing alone). The stages that run GPU tests leave them out of
 # the parallel run and run them after it, in one process: timing_tests <log name> <pytest selection...>
 timing_tests() {
   local log="$OUT/$1"; shift
