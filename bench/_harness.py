@@ -186,23 +186,33 @@ def make_row(env: dict, **fields) -> dict:
     return row
 
 
-def _identity(row: dict) -> str:
-    return json.dumps([row.get(k) for k in IDENTITY], sort_keys=True)
+def _identity(row: dict, identity: Sequence[str] = IDENTITY) -> str:
+    return json.dumps([row.get(k) for k in identity], sort_keys=True)
 
 
-def upsert_rows(path: str, rows: Iterable[dict], *, table: bool = True) -> list[dict]:
-    """Merge ``rows`` into the JSON list at ``path``, replacing rows with the same identity key,
-    then (``table``) regenerate the table ``<path without .json>.md`` from the whole file."""
-    existing: list[dict] = []
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                existing = json.load(f)
-        except (OSError, ValueError):
-            existing = []
-    index = {_identity(r): i for i, r in enumerate(existing)}
+def read_rows(path: str) -> list[dict]:
+    """The rows of a data file: a JSON list (``.json``) or one JSON object per line (``.jsonl``);
+    [] when it is missing or unreadable."""
+    if not os.path.exists(path):
+        return []
+    try:
+        with open(path) as f:
+            if path.endswith(".jsonl"):
+                return [json.loads(line) for line in f if line.strip()]
+            return json.load(f)
+    except (OSError, ValueError):
+        return []
+
+
+def upsert_rows(path: str, rows: Iterable[dict], *, table: bool = True,
+                identity: Sequence[str] = IDENTITY) -> list[dict]:
+    """Merge ``rows`` into the data file at ``path`` (``.json`` list or ``.jsonl`` lines), replacing
+    rows with the same ``identity`` key, then (``table``, ``.json`` files) regenerate the table
+    ``<path without .json>.md`` from the whole file."""
+    existing = read_rows(path)
+    index = {_identity(r, identity): i for i, r in enumerate(existing)}
     for row in rows:
-        key = _identity(row)
+        key = _identity(row, identity)
         if key in index:
             existing[index[key]] = row
         else:
@@ -210,8 +220,11 @@ def upsert_rows(path: str, rows: Iterable[dict], *, table: bool = True) -> list[
             existing.append(row)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump(existing, f, indent=1)
-    if table:
+        if path.endswith(".jsonl"):
+            f.writelines(json.dumps(row) + "\n" for row in existing)
+        else:
+            json.dump(existing, f, indent=1)
+    if table and not path.endswith(".jsonl"):
         write_table(path, existing)
     return existing
 

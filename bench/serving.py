@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import math
 import os
 import random
@@ -506,30 +505,6 @@ def stage_shares(provider: TorchCfmProvider, c: int, wl: Workload) -> dict:
 
 
 # ---------------------------------------------------------------------------------- output
-def _identity(row: dict) -> str:
-    return json.dumps([row.get(k) for k in IDENTITY])
-
-
-def upsert_jsonl(path: str, rows: list[dict]) -> list[dict]:
-    existing = []
-    if os.path.exists(path):
-        with open(path) as f:
-            existing = [json.loads(line) for line in f if line.strip()]
-    index = {_identity(r): i for i, r in enumerate(existing)}
-    for row in rows:
-        key = _identity(row)
-        if key in index:
-            existing[index[key]] = row
-        else:
-            index[key] = len(existing)
-            existing.append(row)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        for row in existing:
-            f.write(json.dumps(row) + "\n")
-    return existing
-
-
 def _fmt(v, digits=1):
     return "" if v is None else (f"{v:.{digits}f}" if isinstance(v, float) else str(v))
 
@@ -702,7 +677,7 @@ def main(argv=None) -> list[dict]:
                 print(f"{stage:4s} {prov_name:15s} C={c:3d}: {row.get('audio_s_per_s')} audio-s/s, chunk p50 "
                       f"{row.get('chunk_ms_p50')} p99 {row.get('chunk_ms_p99')} ms, first chunk p50 "
                       f"{row.get('first_chunk_ms_p50')} ms {row.get('error') or ''}", flush=True)
-    all_rows = upsert_jsonl(os.path.join(args.out, "serving.jsonl"), rows)
+    all_rows = H.upsert_rows(os.path.join(args.out, "serving.jsonl"), rows, identity=IDENTITY)
     print(write_table(all_rows, os.path.join(args.out, "serving.md"), command))
     plot = write_plot(all_rows, os.path.join(args.out, "serving.png"))
     if plot:

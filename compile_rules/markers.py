@@ -1,17 +1,12 @@
 """The DiT-step marker: how the reference estimator step shows up as one site in a traced graph.
 
-``DiT.forward_chunk`` runs its reference path as ~30 ops per block; nothing in that graph says
-"this is one estimator step, these are its inputs and outputs". :func:`mark_dit_step` says it:
-called under ``torch.compile`` right after a reference step, it records ONE node,
-``torch.ops.torch_cfm._dit_step_marker``, whose arguments are the step's outputs (velocity, new
-caches), its inputs (x, mu, t, spks, cond, caches, lengths) and the estimator's parameters with
-their SPEC §1 names. The node has no outputs and no effect; it is registered as side-effectful so
-Dynamo keeps it, and the ``dit_step`` rule always removes it: either it rewires the outputs to
-:func:`fused_dit_step` (policy says fused) or it just drops the marker (reference stays).
+:mod:`torch_cfm.ops.dit_step_marker` defines the op (``torch.ops.torch_cfm._dit_step_marker``:
+one side-effectful node per traced reference step, with the step's outputs, inputs and the
+estimator's parameters as arguments). This module holds what the rules do with it: the
+``dit_step`` rule always removes it, either rewiring the outputs to :func:`fused_dit_step` (policy
+says fused) or just dropping the marker (reference stays).
 
 Eager code never needs the marker (``mark_dit_step`` is a no-op outside ``torch.compile``).
-The op itself is defined in :mod:`torch_cfm.ops.dit_step_marker` (below the models, which call it);
-this module holds what the rules do with it.
 """
 
 from __future__ import annotations

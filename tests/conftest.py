@@ -74,3 +74,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op CPU thread for a module's tests (tiny tensors: several OpenMP threads on a busy
+    2-core box cost far more than they give); torch's previous setting is restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -14,18 +14,11 @@ import torch
 import upstream_flow as U
 from oracle import err_rel_fro
 
-pytestmark = pytest.mark.skipif(U.missing_reason() is not None, reason=str(U.missing_reason()))
+pytestmark = [pytest.mark.skipif(U.missing_reason() is not None, reason=str(U.missing_reason())),
+              pytest.mark.usefixtures("one_thread")]
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 import serving  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_smoke_rows_table_plot(tmp_path, capsys):

@@ -40,7 +40,8 @@ import torch
 import upstream_flow as U
 from oracle import assert_within_oracle, err_rel_fro
 
-pytestmark = pytest.mark.skipif(U.missing_reason() is not None, reason=str(U.missing_reason()))
+pytestmark = [pytest.mark.skipif(U.missing_reason() is not None, reason=str(U.missing_reason())),
+              pytest.mark.usefixtures("one_thread")]
 
 from torch_cfm.integrations.stepaudio2 import (  # noqa: E402
     TorchCFMDecoder, accelerated, apply_torch_cfm, apply_torch_cfm_to_decoder, undo_torch_cfm, warmup)
@@ -52,15 +53,6 @@ N_STEPS = 10
 @pytest.fixture(scope="module")
 def flow():
     return U.build_flow(U.TINY, seed=0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny tensors: several OpenMP threads on a busy 2-core box cost 10x more than they give.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _accelerated(flow, **options):

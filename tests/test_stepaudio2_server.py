@@ -22,7 +22,8 @@ import token2wav_reference as R
 import upstream_flow as U
 from oracle import err_rel_fro
 
-pytestmark = pytest.mark.skipif(U.missing_reason() is not None, reason=str(U.missing_reason()))
+pytestmark = [pytest.mark.skipif(U.missing_reason() is not None, reason=str(U.missing_reason())),
+              pytest.mark.usefixtures("one_thread")]
 
 from torch_cfm.integrations.stepaudio2_server import (  # noqa: E402
     AdmissionError, StreamPrompt, Token2wavServer)
@@ -30,14 +31,6 @@ from torch_cfm.integrations.stepaudio2_server import (  # noqa: E402
 REL = 1e-5
 N_STEPS = 4
 needs_hift = pytest.mark.skipif(R.hift_missing_reason() is not None, reason=str(R.hift_missing_reason()))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -150,6 +150,15 @@ def _estimator_config(decoder: nn.Module, op: str):
     return config, sd
 
 
+def _placement(decoder: nn.Module, device: Optional[torch.device], dtype: Optional[torch.dtype],
+               graphs: Optional[bool]) -> tuple[torch.device, torch.dtype, bool]:
+    """Where and in what dtype torch_cfm serves ``decoder`` (default: its estimator's), and whether
+    with CUDA graphs (default: on CUDA)."""
+    param = next(decoder.estimator.parameters())
+    device = torch.device(device) if device is not None else param.device
+    return device, dtype or param.dtype, device.type == "cuda" if graphs is None else bool(graphs)
+
+
 # ---------------------------------------------------------------------------- the accelerated decoder
 @dataclass
 class _Stream:
@@ -230,10 +239,7 @@ class TorchCFMDecoder:
         if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             fail(op, "dtype", "be torch.float16, bfloat16, float32 or float64", repr(dtype))
         config, sd = _estimator_config(decoder, op)
-        param = next(decoder.estimator.parameters())
-        self.device = torch.device(device) if device is not None else param.device
-        self.dtype = dtype or param.dtype
-        self.graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
+        self.device, self.dtype, self.graphs = _placement(decoder, device, dtype, graphs)
         self.fused = fused
         self.max_prompt_frames, self.max_chunk_frames = max_prompt_frames, max_chunk_frames
         self.cfg_rate = float(decoder.inference_cfg_rate)

@@ -59,7 +59,7 @@ from torch import nn
 from ..models import CFMServer, DiT, StreamingCFM
 from ..models.cache import TRIM_KEEP_OLDEST
 from ..ops._checks import fail, shape_str
-from .stepaudio2 import _estimator_config, _type_name
+from .stepaudio2 import _estimator_config, _placement, _type_name
 
 try:  # one admission error for the whole library once CFMServer has its own
     from ..models import AdmissionError as _AdmissionBase  # type: ignore[attr-defined]
@@ -269,10 +269,7 @@ class Token2wavServer:
         self.flow, self.hift = flow, hift
         decoder = flow.decoder
         config, sd = _estimator_config(decoder, op)
-        param = next(decoder.estimator.parameters())
-        self.device = torch.device(device) if device is not None else param.device
-        self.dtype = dtype or param.dtype
-        self.graphs = self.device.type == "cuda" if graphs is None else bool(graphs)
+        self.device, self.dtype, self.graphs = _placement(decoder, device, dtype, graphs)
         self.n_timesteps = n_timesteps
         self.max_streams, self.max_prompt_frames = max_streams, max_prompt_frames
         self.max_chunk_tokens = max_chunk_tokens
