@@ -59,7 +59,7 @@ from torch import nn
 from ..models import CFMServer, DiT, StreamingCFM
 from ..models.cache import TRIM_KEEP_OLDEST
 from ..ops._checks import fail, shape_str
-from .stepaudio2 import _estimator_config, _placement, _type_name
+from .stepaudio2 import TorchCFMDecoder, _estimator_config, _placement, _type_name
 
 try:  # one admission error for the whole library once CFMServer has its own
     from ..models import AdmissionError as _AdmissionBase  # type: ignore[attr-defined]
@@ -701,15 +701,19 @@ class Token2wavServer:
         streams are opened together, run ``ticks`` ticks of each chunk length (the conformer and
         CFM caches grow to the trim bound), then one last chunk of each ``last_chunk_tokens``
         length, and closed; all of it ``rounds`` times (the graph runners run a new shape eagerly
-        once, then capture it). When the :class:`~torch_cfm.CFMServer` has its own ``warmup``,
-        it runs first with ``cfm_warmup`` as keyword arguments (the seam for the server's
-        bucket warm-up). Returns {"streams", "ticks", "graphs": {stage: count}}.
+        once, then capture it). First the :class:`~torch_cfm.CFMServer` warms up: with
+        ``cfm_warmup`` as its keyword arguments, by default the (T, L) pairs of these streams'
+        prompts and chunks (:meth:`TorchCFMDecoder.stream_shapes`) at these stream counts.
+        Returns {"streams", "ticks", "graphs": {stage: count}}.
         """
         counts = list(stream_counts) if stream_counts is not None else sorted(
             set(self.cfm_server.slot_buckets or [1, self.max_streams]) | {1})
-        cfm_warm = getattr(self.cfm_server, "warmup", None)
-        if callable(cfm_warm):  # the server's own warm-up (every bucket's graphs)
-            cfm_warm(**dict(cfm_warmup or {}))
+        if cfm_warmup is None:  # the (T, L) solves these streams meet, not every bucket's product
+            frames = [(n - self.lookahead) * self.up_rate for n in chunk_tokens]
+            cfm_warmup = dict(pairs=TorchCFMDecoder.stream_shapes(
+                prompt_frames, frames, [n * self.up_rate for n in last_chunk_tokens] or frames[:1]),
+                slot_counts=counts)
+        self.cfm_server.warmup(**dict(cfm_warmup))
         opened = done = 0
         vocab = self.flow.input_embedding.num_embeddings
         gen = torch.Generator().manual_seed(0)

@@ -437,10 +437,10 @@ class CFMServer:
         shapes = []
         for bucket, arena in enumerate(self.arenas):
             def chunk(v: int) -> int:
-                return _round_up(v, self.chunk_buckets, arena.max_chunk_frames)
+                return min(_round_up(v, self.chunk_buckets, arena.max_chunk_frames), arena.max_chunk_frames)
 
             def cache(v: int) -> int:
-                return _round_up(v, self.cache_buckets, arena.max_cache_frames)
+                return min(_round_up(v, self.cache_buckets, arena.max_cache_frames), arena.max_cache_frames)
 
             counts = _given(op, "slot_counts", slot_counts, 1, arena.rows) \
                 or _reachable(self.slot_buckets, arena.rows, 1) or list(range(1, arena.rows + 1))
