@@ -11,7 +11,9 @@ graphs — warmed up with ``warmup(flow)``), after one warm stream:
   (fp16 autocast) and its two cache trims to prompt + 100 frames; the last chunk flagged.
 * ``waveform``: the package's own ``Token2wav.set_stream_cache`` / ``Token2wav.stream`` (tokens →
   mel → HiFT → waveform, ``return_waveform=True``) on an instance built without model files,
-  when HiFT imports (it needs scipy); otherwise an ``error`` row says why.
+  when HiFT imports (it needs scipy); otherwise an ``error`` row says why. ``torch_cfm``: the
+  HiFT also replayed from CUDA graphs (``apply_torch_cfm_to_vocoder``, warmed up with
+  ``warmup_vocoder``); ``vocoder_ms_p50`` is the HiFT call's share (a separate synchronised pass).
 
 Each chunk is timed on the host between device synchronisations (a chunk of ``Token2wav.stream``
 ends with a copy to the host anyway); rows give the setup ms, chunk p50/p99/median/max ms and
@@ -46,7 +48,8 @@ sys.path[:0] = [HERE, os.path.join(ROOT, "tests"), ROOT]
 
 import _harness as H  # noqa: E402
 import upstream_flow as U  # noqa: E402
-from torch_cfm.integrations.stepaudio2 import accelerated, apply_torch_cfm, warmup  # noqa: E402
+from torch_cfm.integrations.stepaudio2 import (  # noqa: E402
+    accelerated, apply_torch_cfm, apply_torch_cfm_to_vocoder, warmup, warmup_vocoder)
 
 OP = "stepaudio2_stream"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -132,6 +135,28 @@ def stream_waveform(t2w, chunks):
         t2w.stream(tok[0].tolist(), "prompt.wav", last_chunk=i == len(chunks) - 1, return_waveform=True)
         times.append((time.perf_counter() - t0) * 1e3)
     return setup_ms, times
+
+
+def vocoder_times(t2w, chunks) -> list:
+    """ms of each chunk's HiFT call inside ``Token2wav.stream``, in a separate pass with a
+    synchronisation around it."""
+    inner = t2w.hift
+    times = []
+
+    def timed(*a, **k):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = inner(*a, **k)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+    t2w.hift = timed
+    try:
+        stream_waveform(t2w, chunks)
+    finally:
+        t2w.hift = inner
+    return times
 
 
 def _timing_fields(setup_ms: float, times) -> dict:
@@ -235,10 +260,20 @@ def main(argv=None) -> int:
             try:
                 t2w = U.make_token2wav(token2wav_cls, flow, prompt, real_hift=hift_cls, n_timesteps=n_steps,
                                        float16=dtype == torch.float16)
+                extra = {}
+                if provider == "torch_cfm":
+                    vocoder = apply_torch_cfm_to_vocoder(t2w.hift.inner)
+                    warmup_vocoder(vocoder, chunk_frames=(50,), last_frames=(56,))
                 stream_waveform(t2w, chunks[:3] + chunks[-1:])  # warm (HiFT's cuDNN choices too)
                 t2w.hift.mels.clear()
+                before = vocoder.graph_count if provider == "torch_cfm" else 0
                 setup_ms, times = stream_waveform(t2w, chunks)
-                rows.append(H.make_row(env, **fields, **_timing_fields(setup_ms, times)))
+                if provider == "torch_cfm":
+                    extra.update(vocoder_graphs=vocoder.graph_count,
+                                 captures_during_timing=vocoder.graph_count - before,
+                                 vocoder_events=list(vocoder.call.events))
+                extra["vocoder_ms_p50"] = round(_pct(vocoder_times(t2w, chunks), 0.5), 3)
+                rows.append(H.make_row(env, **fields, **_timing_fields(setup_ms, times), **extra))
             except Exception as exc:  # noqa: BLE001 - a failing provider gets a row with its error
                 rows.append(H.make_row(env, error=f"{type(exc).__name__}: {exc}"[:300], **fields))
 
@@ -251,11 +286,12 @@ def main(argv=None) -> int:
         return "err" if r.get("error") else ("" if v is None else fmt.format(v))
 
     lines = ["| provider | variant | timing | setup ms | chunk p50 ms | p99 ms | max ms | max/median | "
-             "CFM decoder p50 ms | mel rel err vs fp64 |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "CFM decoder p50 ms | HiFT p50 ms | mel rel err vs fp64 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['provider']} | {r['variant']} | {r['timing']} | {cell(r, 'setup_ms')} | "
                      f"{cell(r, 'chunk_ms_p50')} | {cell(r, 'chunk_ms_p99')} | {cell(r, 'chunk_ms_max')} | "
                      f"{cell(r, 'max_over_median', '{:.2f}')} | {cell(r, 'decoder_ms_p50')} | "
+                     f"{cell(r, 'vocoder_ms_p50')} | "
                      f"{cell(r, 'rel_err', '{:.2e}')} |")
     for r in rows:
         if r.get("error"):

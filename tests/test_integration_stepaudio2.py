@@ -44,7 +44,8 @@ pytestmark = [pytest.mark.skipif(U.missing_reason() is not None, reason=str(U.mi
               pytest.mark.usefixtures("one_thread")]
 
 from torch_cfm.integrations.stepaudio2 import (  # noqa: E402
-    TorchCFMDecoder, accelerated, apply_torch_cfm, apply_torch_cfm_to_decoder, undo_torch_cfm, warmup)
+    TorchCFMDecoder, accelerated, apply_torch_cfm, apply_torch_cfm_to_decoder, apply_torch_cfm_to_vocoder,
+    undo_torch_cfm, warmup)
 
 REL = 1e-5  # SPEC §6 fp32 bound, relative Frobenius
 N_STEPS = 10
@@ -156,7 +157,7 @@ def test_flow_warmup_runs_two_streams_per_prompt_then_streams_match(flow):
     call = accelerated(acc).encoder_call
     assert acc.encoder.forward_chunk is call
     report = warmup(acc, prompt_frames=(40, 74), n_timesteps=N_STEPS)
-    assert report == {"streams": 4, "decoder_graphs": 0, "encoder_graphs": 0}
+    assert report == {"streams": 4, "decoder_graphs": 0, "encoder_graphs": 0, "vocoder_graphs": 0}
     assert call.entries == {}  # CPU tensors: never captured, never keyed
     prompt = U.make_prompt(U.TINY, 20, seed=81)
     chunks = U.make_chunks(U.TINY, 6, seed=82)
@@ -383,7 +384,9 @@ def test_gpu_real_token2wav_stream_matches_upstream():
     """The package's own ``Token2wav.stream`` / ``set_stream_cache`` on an instance built without
     model files (``Token2wav.__new__`` plus the attributes its ``__init__`` sets; the TTS-stack
     imports stubbed where absent, HiFT replaced by a recording stub when scipy/librosa are
-    missing), fp32 (TF32 off): the accelerated mel within 1e-5 of the upstream's."""
+    missing), fp32 (TF32 off): the accelerated mel within 1e-5 of the upstream's; with the real
+    HiFT also graphed (``apply_torch_cfm_to_vocoder``) and both runs from the same seed, the
+    waveforms within 1e-4 of each other (the vocoder's random draws are the same ones)."""
     token2wav_cls, real_hift = U.load_token2wav_class()
     size = U.TINY
     base = U.build_flow(size, seed=9).cuda()
@@ -397,6 +400,9 @@ def test_gpu_real_token2wav_stream_matches_upstream():
             t2w = U.make_token2wav(token2wav_cls, copy.deepcopy(base), prompt, real_hift=real_hift)
             if accelerate:
                 apply_torch_cfm(t2w)
+                if t2w.hift.inner is not None:  # the recording stub around the real HiFT
+                    apply_torch_cfm_to_vocoder(t2w.hift.inner)
+            torch.manual_seed(21)
             t2w.stream_cache, t2w.hift_cache_dict = t2w.set_stream_cache("prompt.wav")
             wavs = [t2w.stream(tok[0].tolist(), "prompt.wav", last_chunk=i == len(chunks) - 1, return_waveform=True)
                     for i, tok in enumerate(chunks)]
@@ -408,8 +414,12 @@ def test_gpu_real_token2wav_stream_matches_upstream():
     for i, (a, b) in enumerate(zip(mels_acc, mels_up)):
         assert err_rel_fro(a, b) <= REL, f"chunk {i}"
     assert cache_acc["estimator_att_cache"].shape[4] == prompt.frames + 100  # Token2wav.stream trimmed it
-    for a, b in zip(wavs_acc, wavs_up):
+    for i, (a, b) in enumerate(zip(wavs_acc, wavs_up)):
         assert a.shape == b.shape
+        if real_hift is not None:
+            assert err_rel_fro(torch.from_numpy(a), torch.from_numpy(b)) <= 1e-4, f"waveform chunk {i}"
+    if real_hift is not None:
+        assert vars(t2w.hift.inner)["forward"].graph_count >= 1  # the steady chunks replayed
 
 
 @pytest.mark.gpu

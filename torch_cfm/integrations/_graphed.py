@@ -2,7 +2,7 @@
 
 :class:`GraphedCall` wraps a callable (e.g. an upstream module's bound ``forward_chunk``) whose
 work depends only on its tensor arguments' values and on python values that are part of the
-signature (shapes, dtypes, ``None``-ness, scalars, the autocast state). Per signature: the first
+signature (shapes, dtypes, ``None``-ness, scalars, the autocast state, the TF32 flags). Per signature: the first
 ``warmup`` calls run eagerly; the next call runs eagerly too (its result is returned), captures
 the function over static copies of the inputs, replays the graph on the call's inputs and
 compares the replay with the eager result; only a capture that succeeds and matches (relative
@@ -10,6 +10,12 @@ Frobenius error within the dtype's bound, same structure, shapes, dtypes and fin
 kept. Later calls copy their inputs into the static ones, replay, and return copies of the
 outputs. Anything else (CPU tensors, autograd, a failed or mismatching capture) runs eagerly,
 so the wrapper never changes results beyond the check's bound; ``events`` says what happened.
+
+``random=True`` is for functions that draw from the device's default CUDA generator: the check
+replays from the generator state the eager call started from (a replay reads the generator's
+seed and offset when it starts and advances it by the captured draws, as the eager kernels do),
+so only a graph that reproduces the eager random stream is kept; the generator is then left as
+the eager call left it.
 """
 
 from __future__ import annotations
@@ -92,14 +98,17 @@ class GraphedCall:
         name: for logs and ``events``.
         warmup: eager calls per signature before the capturing call (>= 1).
         max_graphs: graphs kept (least recently used dropped).
+        random: ``fn`` draws from the default CUDA generator (see the module docstring).
     Attributes:
         events: one line per capture, rejection and eviction.
     """
 
-    def __init__(self, fn: Callable, *, name: str, warmup: int = 1, max_graphs: int = 16) -> None:
+    def __init__(self, fn: Callable, *, name: str, warmup: int = 1, max_graphs: int = 16,
+                 random: bool = False) -> None:
         if warmup < 1:
             raise ValueError(f"GraphedCall: warmup must be >= 1, got {warmup}")
         self.fn, self.name, self.warmup, self.max_graphs = fn, name, warmup, max_graphs
+        self.random = random
         self.entries: "OrderedDict[Any, _Entry]" = OrderedDict()
         self.events: list[str] = []
 
@@ -118,7 +127,9 @@ class GraphedCall:
             return self.fn(*args, **kwargs)
         enabled = torch.is_autocast_enabled("cuda")
         autocast = (enabled, torch.get_autocast_dtype("cuda") if enabled else None)
-        key = (_signature(args), _signature(kwargs), autocast)
+        # the fp32 math modes are baked into the captured kernels: part of the key
+        math = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        key = (_signature(args), _signature(kwargs), autocast, math)
         ent = self.entries.get(key)
         if ent is None:
             while len(self.entries) >= self.max_graphs:
@@ -128,9 +139,12 @@ class GraphedCall:
         self.entries.move_to_end(key)
         if ent.graph is None:
             ent.calls += 1
+            capturing = ent.failed is None and ent.calls > self.warmup
+            device = tensors[0].device
+            start = torch.cuda.get_rng_state(device) if capturing and self.random else None
             expected = self.fn(*args, **kwargs)
-            if ent.failed is None and ent.calls > self.warmup:
-                self._capture(ent, args, kwargs, expected, autocast)
+            if capturing:
+                self._capture(ent, args, kwargs, expected, autocast, start, device)
             return expected
         self._copy_in(ent, args, kwargs)
         ent.graph.replay()
@@ -142,7 +156,8 @@ class GraphedCall:
         for dst, src in zip(_leaves((ent.static_args, ent.static_kwargs)), _leaves((args, kwargs))):
             dst.copy_(src)
 
-    def _capture(self, ent: _Entry, args, kwargs, expected, autocast) -> None:
+    def _capture(self, ent: _Entry, args, kwargs, expected, autocast, rng_start, device) -> None:
+        rng_end = None if rng_start is None else torch.cuda.get_rng_state(device)
         try:
             with torch.inference_mode(False), torch.no_grad():
                 ent.static_args = _map(args, torch.clone)
@@ -155,10 +170,15 @@ class GraphedCall:
                 with torch.cuda.graph(graph), cast if autocast[0] else contextlib.nullcontext():
                     ent.static_out = self.fn(*ent.static_args, **ent.static_kwargs)
                 self._copy_in(ent, args, kwargs)
+                if rng_start is not None:
+                    torch.cuda.set_rng_state(rng_start, device)
                 graph.replay()
                 why = _mismatch(ent.static_out, expected)
         except Exception as exc:  # noqa: BLE001 - any capture failure keeps this signature eager
             why = f"capture failed: {type(exc).__name__}: {str(exc)[:200]}"
+        finally:
+            if rng_end is not None:
+                torch.cuda.set_rng_state(rng_end, device)
         if why is not None:
             ent.failed, ent.static_args, ent.static_kwargs, ent.static_out = why, None, None, None
             self._note(f"kept eager ({why}) for inputs " + ", ".join(

@@ -15,8 +15,10 @@ upstream estimator's weights (its ``state_dict``, checked key by key), the decod
 on CPU); the non-streaming solve (``flow.inference``, ``Token2wav.__call__``) through
 :meth:`~torch_cfm.StreamingCFM.forward_chunk`. On CUDA the flow's conformer encoder (the upstream
 module, unchanged) is replayed from CUDA graphs too, one per input shape, each checked against its
-eager call once (:class:`~torch_cfm.integrations._graphed.GraphedCall`; ``capture_encoder``).
-Everything else (token embedding, HiFT, the trims in ``Token2wav.stream``) runs as it is, so
+eager call once (:class:`~torch_cfm.integrations._graphed.GraphedCall`; ``capture_encoder``),
+and a Token2wav's HiFT vocoder from CUDA graphs per input shape, its random draws included
+(:class:`~torch_cfm.integrations.hift.GraphedHiFT`; ``capture_vocoder``).
+Everything else (token embedding, the trims and fade in ``Token2wav.stream``) runs as it is, so
 ``flow.setup_cache``, ``flow.inference_chunk``, ``flow.inference``, ``Token2wav.stream`` and
 ``Token2wav.__call__`` keep their signatures and return the same mel within SPEC §6's oracle.
 
@@ -54,9 +56,10 @@ from ..models.cache import keyed_to_newest_first
 from ..models.checkpoint import check_state_dict, config_from_state_dict
 from ..ops._checks import fail, shape_str
 from ._graphed import GraphedCall
+from .hift import GraphedHiFT, hift_gaps
 
-__all__ = ["apply_torch_cfm", "apply_torch_cfm_to_decoder", "undo_torch_cfm", "accelerated", "warmup",
-           "TorchCFMDecoder"]
+__all__ = ["apply_torch_cfm", "apply_torch_cfm_to_decoder", "apply_torch_cfm_to_vocoder", "undo_torch_cfm",
+           "accelerated", "warmup", "warmup_vocoder", "TorchCFMDecoder"]
 
 _ATTR = "_torch_cfm"  # the accelerated object, on the decoder
 _PATCHED = ("forward_chunk", "forward")  # instance attributes shadowing the decoder's class methods
@@ -253,6 +256,7 @@ class TorchCFMDecoder:
         self._streams: dict[int, _Stream] = {}
         self._solvers: dict[int, StreamingCFM] = {}
         self.encoder_call: Optional[GraphedCall] = None  # the flow encoder's graphed forward_chunk, if any
+        self.vocoder: Optional[GraphedHiFT] = None  # a Token2wav's graphed HiFT, if any
         self._encoder: Optional[nn.Module] = None
 
     # ---------------------------------------------------------------- plumbing
@@ -457,9 +461,29 @@ def apply_torch_cfm_to_decoder(decoder: nn.Module, **options) -> TorchCFMDecoder
     return accel
 
 
+def apply_torch_cfm_to_vocoder(hift: nn.Module, *, max_graphs: int = 16) -> GraphedHiFT:
+    """Replay a ``stepaudio2`` ``HiFTGenerator``'s forward from CUDA graphs, in place: ``hift.forward``
+    becomes a :class:`~torch_cfm.integrations.hift.GraphedHiFT` (same signature and outputs, the
+    random draws from the same default CUDA generator; eager on CPU). Applying again replaces it;
+    :func:`undo_torch_cfm` (of the Token2wav, or of ``hift``) removes it. Returns the wrapper.
+
+    Raises:
+        TypeError: ``hift`` is not a HiFTGenerator (the message names what it lacks).
+    """
+    graphed = GraphedHiFT(hift, max_graphs=max_graphs)
+    hift.forward = graphed
+    return graphed
+
+
+def _vocoder_of(target: Any) -> Optional[nn.Module]:
+    hift = getattr(target, "hift", None)
+    return hift if hift is not None and not hift_gaps(hift) else None
+
+
 def apply_torch_cfm(target: Any, *, dtype: Optional[torch.dtype] = None, graphs: Optional[bool] = None,
                     max_prompt_frames: int = 500, max_chunk_frames: int = 100, device: Optional[torch.device] = None,
-                    fused: Optional[bool] = None, capture_encoder: Optional[bool] = None) -> Any:
+                    fused: Optional[bool] = None, capture_encoder: Optional[bool] = None,
+                    capture_vocoder: Optional[bool] = None) -> Any:
     """Serve the CFM decoder of a ``stepaudio2`` token2wav with torch_cfm, in place.
 
     Args:
@@ -477,6 +501,9 @@ def apply_torch_cfm(target: Any, *, dtype: Optional[torch.dtype] = None, graphs:
             upstream module, batch 1) from CUDA graphs, one per input shape, each checked against
             the eager call once (:class:`~torch_cfm.integrations._graphed.GraphedCall`; a capture
             that fails or disagrees stays eager). Default: ``graphs``, when ``target`` has a flow.
+        capture_vocoder: also replay a Token2wav's ``hift`` from CUDA graphs
+            (:func:`apply_torch_cfm_to_vocoder`). Default: ``graphs``, when ``target.hift`` is a
+            HiFTGenerator on CUDA.
     Returns:
         ``target`` (accelerated in place).
     Raises:
@@ -490,6 +517,12 @@ def apply_torch_cfm(target: Any, *, dtype: Optional[torch.dtype] = None, graphs:
     if capture_encoder and encoder is None:
         fail("apply_torch_cfm", "capture_encoder", "be set only for a target with a flow encoder "
              "(a Token2wav or a flow)", f"{_type_name(target)} without one")
+    hift = _vocoder_of(target)
+    if capture_vocoder and hift is None:
+        held = getattr(target, "hift", None)
+        fail("apply_torch_cfm", "capture_vocoder", "be set only for a Token2wav whose .hift is a HiFTGenerator",
+             f"{_type_name(target)} without .hift" if held is None
+             else f".hift {_type_name(held)} ({', '.join(hift_gaps(held))})")
     accel = apply_torch_cfm_to_decoder(decoder, dtype=dtype, graphs=graphs, max_prompt_frames=max_prompt_frames,
                                        max_chunk_frames=max_chunk_frames, device=device, fused=fused)
     if capture_encoder is None:
@@ -498,7 +531,16 @@ def apply_torch_cfm(target: Any, *, dtype: Optional[torch.dtype] = None, graphs:
         call = GraphedCall(type(encoder).forward_chunk.__get__(encoder), name="encoder.forward_chunk")
         encoder.forward_chunk = call
         accel.encoder_call, accel._encoder = call, encoder
+    if capture_vocoder is None:
+        capture_vocoder = accel.graphs and hift is not None and next(hift.parameters()).is_cuda
+    if capture_vocoder:
+        accel.vocoder = apply_torch_cfm_to_vocoder(hift)
     return target
+
+
+def _undo_vocoder(hift: Optional[nn.Module]) -> None:
+    if hift is not None and isinstance(vars(hift).get("forward"), GraphedHiFT):
+        del vars(hift)["forward"]
 
 
 def _uninstall(decoder: nn.Module) -> None:
@@ -514,13 +556,18 @@ def _uninstall(decoder: nn.Module) -> None:
 
 
 def undo_torch_cfm(target: Any) -> Any:
-    """Restore the upstream decoder methods (the upstream module's own behaviour, bitwise); a
-    target that is not accelerated is left as it is. Returns ``target``.
+    """Restore the upstream methods (the upstream modules' own behaviour, bitwise): the decoder's,
+    the encoder's and a Token2wav's vocoder's; ``target`` may also be a HiFTGenerator. A target
+    that is not accelerated is left as it is. Returns ``target``.
 
     Raises:
         TypeError: ``target`` is not of this model family.
     """
+    if isinstance(target, nn.Module) and not hift_gaps(target):
+        _undo_vocoder(target)
+        return target
     _uninstall(_find_decoder(target, "undo_torch_cfm"))
+    _undo_vocoder(_vocoder_of(target))
     return target
 
 
@@ -557,8 +604,11 @@ def warmup(target: Any, *, prompt_frames: Iterable[int] = (300,), chunk_tokens: 
 
     Args:
         prompt_frames: prompt lengths in mel frames (multiples of the flow's 2 frames per token).
+    With a graphed vocoder (a Token2wav's, :func:`apply_torch_cfm_to_vocoder`): then
+    :func:`warmup_vocoder` at these chunk lengths.
+
     Returns:
-        {"streams": int, "decoder_graphs": int, "encoder_graphs": int}.
+        {"streams": int, "decoder_graphs": int, "encoder_graphs": int, "vocoder_graphs": int}.
     Raises:
         ValueError: ``target`` is not accelerated, or a prompt length that is no whole token count.
     """
@@ -574,7 +624,7 @@ def warmup(target: Any, *, prompt_frames: Iterable[int] = (300,), chunk_tokens: 
         fail(op, "prompt_frames", f"hold positive multiples of {up_rate} (mel frames per token)", repr(prompt_frames))
     if flow is None:
         report = accel.warmup(prompt_frames, (2 * chunk_tokens,), tuple(2 * t for t in last_tokens), n_timesteps)
-        return {"streams": 0, "decoder_graphs": report["graphs"], "encoder_graphs": 0}
+        return {"streams": 0, "decoder_graphs": report["graphs"], "encoder_graphs": 0, "vocoder_graphs": 0}
     param = next(flow.parameters())
     dev, dt = param.device, param.dtype
     if autocast_dtype is None and dt in (torch.float16, torch.bfloat16):
@@ -609,5 +659,50 @@ def warmup(target: Any, *, prompt_frames: Iterable[int] = (300,), chunk_tokens: 
             for n_tok in last_tokens:
                 chunk(dict(cache), tokens(n_tok), spk, True)
             streams += 1
+    hift = _vocoder_of(target)
+    vocoder = vars(hift).get("forward") if hift is not None else None
+    if isinstance(vocoder, GraphedHiFT):
+        warmup_vocoder(vocoder, chunk_frames=(up_rate * chunk_tokens,), last_frames=[up_rate * t for t in last_tokens])
     return {"streams": streams, "decoder_graphs": accel.graph_count(),
-            "encoder_graphs": 0 if accel.encoder_call is None else accel.encoder_call.graph_count}
+            "encoder_graphs": 0 if accel.encoder_call is None else accel.encoder_call.graph_count,
+            "vocoder_graphs": vocoder.graph_count if isinstance(vocoder, GraphedHiFT) else 0}
+
+
+def warmup_vocoder(vocoder: Any, *, chunk_frames: Sequence[int] = (50,), last_frames: Sequence[int] = (56,),
+                   mel_cache_frames: int = 8, rounds: int = 2) -> int:
+    """Capture, now, the vocoder graphs ``Token2wav.stream`` meets: a first chunk (``chunk_frames``
+    mel frames, no source cache), then chunks and last chunks behind the ``mel_cache_frames``
+    cached frames with a source cache of 480 samples per cached frame; each shape ``rounds``
+    times (the first call of a shape runs eagerly). Seeded random mel; the calls draw from the
+    default CUDA generator as any vocoder call does.
+
+    Args:
+        vocoder: a :class:`~torch_cfm.integrations.hift.GraphedHiFT`, or a HiFTGenerator whose
+            forward :func:`apply_torch_cfm_to_vocoder` replaced.
+    Returns:
+        the vocoder's graph count.
+    Raises:
+        ValueError: ``vocoder`` is neither.
+    """
+    if isinstance(vocoder, nn.Module) and isinstance(vars(vocoder).get("forward"), GraphedHiFT):
+        vocoder = vars(vocoder)["forward"]
+    if not isinstance(vocoder, GraphedHiFT):
+        fail("warmup_vocoder", "vocoder", "be a GraphedHiFT or a HiFTGenerator after apply_torch_cfm_to_vocoder",
+             _type_name(vocoder))
+    hift = vocoder.hift
+    param = next(hift.parameters())
+    mels = hift.conv_pre.in_channels if isinstance(getattr(hift, "conv_pre", None), nn.Conv1d) else 80
+    per_frame = 480
+    gen = torch.Generator().manual_seed(0)
+
+    def mel(frames: int) -> torch.Tensor:
+        return torch.randn(1, mels, frames, generator=gen).to(device=param.device, dtype=param.dtype)
+
+    cache = torch.zeros(1, 1, mel_cache_frames * per_frame, device=param.device, dtype=param.dtype)
+    empty = torch.zeros(1, 1, 0, device=param.device, dtype=param.dtype)
+    for _ in range(rounds):
+        for t in chunk_frames:
+            vocoder(mel(t), empty)
+        for t in list(chunk_frames) + list(last_frames):
+            vocoder(mel(mel_cache_frames + t), cache)
+    return vocoder.graph_count

@@ -32,8 +32,9 @@ all of them together. The three stages of a chunk (tokens -> mel -> waveform) ar
   8 cached mel frames, the last ``8 * 480`` source samples and speech samples, a Hamming cross-
   fade over the overlap and the tail held back until the last chunk. Streams whose vocoder input
   has the same length run as one batch through the HiFT's f0 predictor and ``decode`` (its
-  convolutions and ``istft``; CUDA graphs per shape where the capture works); the source
-  module draws random numbers, so it runs per stream on the stream's own random state (seeded at
+  convolutions and inverse STFT; CUDA graphs per shape, made capturable by
+  :func:`~torch_cfm.integrations.hift.capturable`); the source module draws random numbers, so it
+  runs per stream (batch 1, a CUDA graph per length) on the stream's own random state (seeded at
   ``open_stream``): a stream's waveform is that of the upstream per-stream call run after
   ``torch.manual_seed(seed)``, whatever the other streams do.
 
@@ -58,6 +59,7 @@ from torch import nn
 
 from ..models import CFMServer, DiT, StreamingCFM
 from ..models.cache import TRIM_KEEP_OLDEST
+from .hift import capturable, hift_gaps
 from ..ops._checks import fail, shape_str
 from .stepaudio2 import TorchCFMDecoder, _estimator_config, _placement, _type_name
 
@@ -158,16 +160,6 @@ def _flow_gaps(flow: Any) -> list[str]:
     return gaps
 
 
-def _hift_gaps(hift: Any) -> list[str]:
-    gaps = []
-    for name in ("f0_predictor", "f0_upsamp", "m_source"):
-        if not isinstance(getattr(hift, name, None), nn.Module):
-            gaps.append(f"no '{name}' module")
-    if not callable(getattr(hift, "decode", None)):
-        gaps.append("no 'decode' method")
-    return gaps
-
-
 class _RngSlot:
     """Runs a callable on a stream's own random state of ``device``'s default generator."""
 
@@ -226,11 +218,11 @@ class Token2wavServer:
         batch_buckets: sorted batch sizes an encoder or vocoder batch is padded up to (with
             copies of its first row, dropped after: rows never mix), so that shapes repeat for
             CUDA graphs; default: the CFM's slot buckets when ``graphs``, else no padding.
-        stage_graphs: replay the encoder group and the HiFT's f0 predictor and ``decode`` from
-            CUDA graphs, one per shape, each checked once against its eager call
+        stage_graphs: replay the encoder group, the HiFT's f0 predictor, its source module (per
+            stream, on the stream's random state) and its ``decode`` from CUDA graphs, one per
+            shape, each checked once against its eager call
             (:class:`~torch_cfm.integrations._graphed.GraphedCall`; eager on CPU, and where a
-            capture fails or mismatches, e.g. if ``istft`` will not capture). Default: ``graphs``.
-            The HiFT's source module draws random numbers per stream and stays eager.
+            capture fails or mismatches). Default: ``graphs``.
         cfm_options: extra :class:`~torch_cfm.CFMServer` keyword arguments (e.g. ``buckets``).
     Attributes:
         cfm_server: the :class:`~torch_cfm.CFMServer` of every stream's CFM.
@@ -257,9 +249,9 @@ class Token2wavServer:
         if gaps:
             raise TypeError(f"{op}: flow must be a stepaudio2 CausalMaskedDiffWithXvec (or a Token2wav holding one), "
                             f"got {_type_name(flow)} ({', '.join(gaps)})")
-        if hift is not None and _hift_gaps(hift):
+        if hift is not None and hift_gaps(hift):
             raise TypeError(f"{op}: hift must be a stepaudio2 HiFTGenerator, got {_type_name(hift)} "
-                            f"({', '.join(_hift_gaps(hift))})")
+                            f"({', '.join(hift_gaps(hift))})")
         for name, val in (("max_streams", max_streams), ("max_prompt_frames", max_prompt_frames),
                           ("max_chunk_tokens", max_chunk_tokens), ("n_timesteps", n_timesteps)):
             if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
@@ -319,7 +311,7 @@ class Token2wavServer:
         self.batch_buckets = sorted(int(b) for b in batch_buckets) if batch_buckets else None
         self.stage_graphs = self.graphs if stage_graphs is None else bool(stage_graphs)
         self._enc_call, self._ragged_call = self._encode_group, self._ragged_group
-        self._f0_call, self._decode_call = self._hift_f0, self._hift_decode
+        self._f0_call, self._source_call, self._decode_call = self._hift_f0, self._hift_source, self._hift_decode
         if self.stage_graphs:
             from ._graphed import GraphedCall
 
@@ -331,6 +323,8 @@ class Token2wavServer:
                 self._f0_call = GraphedCall(self._hift_f0, name="Token2wavServer.hift_f0", max_graphs=budget)
                 self._decode_call = GraphedCall(self._hift_decode, name="Token2wavServer.hift_decode",
                                                 max_graphs=budget)
+                self._source_call = GraphedCall(self._hift_source, name="Token2wavServer.hift_source",
+                                                max_graphs=budget, random=True)
 
     # ------------------------------------------------------------------ streams
     @property
@@ -643,8 +637,14 @@ class Token2wavServer:
         """The HiFT's f0 predictor and upsampling (the deterministic half of its source)."""
         return self.hift.f0_upsamp(self.hift.f0_predictor(mel)[:, None]).transpose(1, 2)
 
+    def _hift_source(self, up):
+        """The HiFT's source module on one stream's upsampled f0 (B = 1): its merged source."""
+        with capturable(self.hift, self.hift.stft_window):
+            return self.hift.m_source(up)[0]
+
     def _hift_decode(self, mel, source):
-        return self.hift.decode(x=mel, s=source)
+        with capturable(self.hift, self.hift.stft_window):
+            return self.hift.decode(x=mel, s=source)
 
     def _padded(self, count: int) -> int:
         if not self.batch_buckets:
@@ -653,7 +653,7 @@ class Token2wavServer:
 
     def _vocode(self, items) -> dict[Hashable, torch.Tensor]:
         """The vocoder of ``Token2wav.stream`` per stream, batched over equal input lengths."""
-        hift, groups = self.hift, {}
+        groups = {}
         for sid, mel, last in items:
             st = self._streams[sid]
             mel = mel.to(device=self.hift_device, dtype=self.hift_dtype)[None]
@@ -670,7 +670,7 @@ class Token2wavServer:
             sources = []
             for b, (sid, _, _) in enumerate(members):
                 st = self._streams[sid]
-                (s, _, _), st.rng = self._rng.run(st.rng, hift.m_source, up[b:b + 1])
+                s, st.rng = self._rng.run(st.rng, self._source_call, up[b:b + 1])
                 s = s.transpose(1, 2)
                 if cache_len:
                     s[:, :, :cache_len] = st.hift_source
