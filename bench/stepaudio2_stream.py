@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import math
 import os
 import sys
@@ -159,9 +160,34 @@ def vocoder_times(t2w, chunks) -> list:
     return times
 
 
+class GcPauses:
+    """Python garbage collections (generation, ms) while active: a host pause a slow chunk may hold."""
+
+    def __init__(self) -> None:
+        self.pauses: list = []
+        self._t0 = 0.0
+
+    def _cb(self, phase, info) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], (time.perf_counter() - self._t0) * 1e3))
+
+    def __enter__(self):
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._cb)
+
+    def fields(self) -> dict:
+        return dict(gc_collections=len(self.pauses), gc_ms_max=round(max((p[1] for p in self.pauses), default=0.0), 3),
+                    gc_gen2=sum(1 for p in self.pauses if p[0] == 2))
+
+
 def _timing_fields(setup_ms: float, times) -> dict:
     med = _pct(times, 0.5)
-    return dict(setup_ms=round(setup_ms, 3), chunk_ms_p50=round(med, 3), chunk_ms_median=round(med, 3),
+    return dict(slowest_chunk=max(range(len(times)), key=times.__getitem__), chunk_ms_all=[round(t, 2) for t in times],setup_ms=round(setup_ms, 3), chunk_ms_p50=round(med, 3), chunk_ms_median=round(med, 3),
                 chunk_ms_p99=round(_pct(times, 0.99), 3), chunk_ms_max=round(max(times), 3),
                 max_over_median=round(max(times) / med, 3) if med > 0 else None,
                 us_p20=round(_pct(times, 0.2) * 1e3, 1), us_p50=round(med * 1e3, 1),
@@ -230,9 +256,10 @@ def main(argv=None) -> int:
             return accelerated(flow).graph_count() + (encoder_call.graph_count if encoder_call is not None else 0)
 
         graphs_before = captured()
-        mels, setup_ms, times = stream_mel(flow, prompt, chunks, n_steps=n_steps, device=device, dtype=dtype)
+        with GcPauses() as pauses:
+            mels, setup_ms, times = stream_mel(flow, prompt, chunks, n_steps=n_steps, device=device, dtype=dtype)
         dec_times = decoder_times(flow, prompt, chunks, n_steps=n_steps, device=device, dtype=dtype)
-        extra = dict(decoder_ms_p50=round(_pct(dec_times, 0.5), 3),
+        extra = dict(pauses.fields(), decoder_ms_p50=round(_pct(dec_times, 0.5), 3),
                      rest_ms_p50=round(_pct(times, 0.5) - _pct(dec_times, 0.5), 3))
         if provider == "torch_cfm":
             extra.update(graphs=accelerated(flow).graph_count(),
@@ -267,13 +294,28 @@ def main(argv=None) -> int:
                 stream_waveform(t2w, chunks[:3] + chunks[-1:])  # warm (HiFT's cuDNN choices too)
                 t2w.hift.mels.clear()
                 before = vocoder.graph_count if provider == "torch_cfm" else 0
-                setup_ms, times = stream_waveform(t2w, chunks)
+                with GcPauses() as pauses:
+                    setup_ms, times = stream_waveform(t2w, chunks)
+                extra.update(pauses.fields())
                 if provider == "torch_cfm":
                     extra.update(vocoder_graphs=vocoder.graph_count,
                                  captures_during_timing=vocoder.graph_count - before,
                                  vocoder_events=list(vocoder.call.events))
                 extra["vocoder_ms_p50"] = round(_pct(vocoder_times(t2w, chunks), 0.5), 3)
                 rows.append(H.make_row(env, **fields, **_timing_fields(setup_ms, times), **extra))
+                if provider == "torch_cfm":
+                    # what a server does after its warm-up (vLLM's capture-at-startup does the
+                    # same): the objects alive now leave the collector's generations, so that
+                    # no full collection scans them mid-stream.
+                    gc.collect()
+                    gc.freeze()
+                    try:
+                        with GcPauses() as pauses:
+                            setup_ms, times = stream_waveform(t2w, chunks)
+                    finally:
+                        gc.unfreeze()
+                    rows.append(H.make_row(env, **dict(fields, variant="waveform_gc_frozen"),
+                                           **_timing_fields(setup_ms, times), **pauses.fields()))
             except Exception as exc:  # noqa: BLE001 - a failing provider gets a row with its error
                 rows.append(H.make_row(env, error=f"{type(exc).__name__}: {exc}"[:300], **fields))
 

@@ -296,8 +296,8 @@ def test_waveform_first_chunk_covers_the_overlap(flow, hift):
 def test_cuda_graphs_streams_match_upstream():
     """CUDA, fp32, tiny: CFM, encoder and HiFT stages replayed from CUDA graphs (batches padded to
     the slot buckets) over several ticks of three streams; each stream equals the upstream decoding
-    it alone on the same device (TF32 off), and the encoder captured graphs (the HiFT's decode may
-    stay eager if istft will not capture: its events say so)."""
+    it alone on the same device (TF32 off: the same random draws, per stream), and the encoder,
+    the HiFT's f0 predictor, per-stream source and batched decode were replayed from graphs."""
     prev = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -319,8 +319,8 @@ def _cuda_graph_streams():
         for i, o in server.step({i: (chunks[i][k], k == 7) for i in range(3)}).items():
             mels[i].append(o.mel)
             wavs[i].append(o.wav)
-    assert server._enc_call.graph_count > 0, server._enc_call.events  # noqa: SLF001
-    print("encoder:", server._enc_call.events, "\nhift decode:", server._decode_call.events)  # noqa: SLF001
+    for call in (server._enc_call, server._f0_call, server._source_call, server._decode_call):  # noqa: SLF001
+        assert call.graph_count > 0 and sum(e.replays for e in call.entries.values()) > 0, (call.name, call.events)
     for i in range(3):
         # the upstream's HiFT draws on the CUDA generator, seeded like the stream's
         ref_mels, _, _ = R.upstream_stream(flow_gpu, prompts[i], chunks[i], N_STEPS)
@@ -337,7 +337,7 @@ def test_warmup_leaves_nothing_open(flow):
     empty = server.state_bytes()
     report = server.warmup(prompt_frames=(20,), chunk_tokens=(28,), last_chunk_tokens=(5,), ticks=3, rounds=1)
     assert report["streams"] == (1 + 2) * 2 and report["ticks"] > 0  # counts 1 and 2, each reopened once
-    assert report["graphs"] == {"cfm": 0, "encoder": 0, "hift_f0": 0, "hift_decode": 0}  # CPU: eager
+    assert report["graphs"] == {"cfm": 0, "encoder": 0, "hift_f0": 0, "hift_source": 0, "hift_decode": 0}  # CPU: eager
     assert server.open_streams == [] and server.state_bytes() == empty
     prompt = U.make_prompt(U.TINY, 10, seed=8)
     chunks = U.make_chunks(U.TINY, 3, seed=9)

@@ -758,7 +758,8 @@ class Token2wavServer:
         """CUDA graphs captured so far per stage (``cfm``: the CFM server's graph solver)."""
         keys = getattr(self.cfm_server.solve_fn, "_keys", {})
         out = {"cfm": sum(1 for ent in keys.values() if getattr(ent, "graph", None) is not None)}
-        for name, call in (("encoder", self._enc_call), ("hift_f0", self._f0_call), ("hift_decode", self._decode_call)):
+        for name, call in (("encoder", self._enc_call), ("hift_f0", self._f0_call), ("hift_source", self._source_call),
+                           ("hift_decode", self._decode_call)):
             out[name] = getattr(call, "graph_count", 0)
         return out
 
