@@ -42,6 +42,7 @@ admitted in that tick included, to its result; serial providers: its stream's po
 ``tick_ms_p50/p99`` (with the prompt solves), ``step_ms_p50/p99`` (the chunks alone: the
 issue's p99 <= 1.25 x p50 check of no capture after warm-up), ``first_chunk_ms_p50/p99`` (setup
 + the stream's first chunk),
+``captures_measured`` (CUDA graphs captured during the measured ticks: 0 after a complete warm-up),
 ``bytes_per_stream`` (the front's memory plan; CUDA: also the measured peak over the empty server /
 C), stage shares (``share_encoder``/``share_cfm``/``share_vocoder``, torch_cfm rows: a separate
 timed pass), streams and chunks counted. Rows (JSON lines, provenance: gpu, torch, triton, commit)
@@ -59,6 +60,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import math
 import os
 import random
@@ -237,6 +239,12 @@ class TorchCfmProvider:
         else:
             self.server.close_stream(sid)
         del self.done[sid]
+
+    def captures(self) -> int:
+        """CUDA graphs captured so far, every stage (the CFM solver's captures, the stage calls')."""
+        solver = self.server.cfm_server.solve_fn
+        return getattr(solver, "captures", 0) + sum(self.server.graph_counts().values()) - \
+            self.server.graph_counts()["cfm"]
 
     def bytes_per_stream(self) -> int:
         plan = self.server.memory_plan()
@@ -450,8 +458,12 @@ def run_one(provider, c: int, wl: Workload, seed: int) -> dict:
     chunk_lat, tick_times, step_times, first, new_at = [], [], [], [], {}
     frames = streams = chunks = 0
     measured_s = step_s = 0.0
+    captures = getattr(provider, "captures", lambda: 0)
+    captured_before = None
     for tick in range(wl.warm_ticks + wl.ticks):
         measure = tick >= wl.warm_ticks
+        if measure and captured_before is None:
+            captured_before = captures()
         admitted = arrivals.tick(len(remaining))
         t0 = time.perf_counter()
         if admitted:
@@ -491,7 +503,8 @@ def run_one(provider, c: int, wl: Workload, seed: int) -> dict:
             "tick_ms_p50": _pct(tick_times, 0.5), "tick_ms_p99": _pct(tick_times, 0.99),
             "step_ms_p50": _pct(step_times, 0.5), "step_ms_p99": _pct(step_times, 0.99),
             "first_chunk_ms_p50": _pct(first, 0.5), "first_chunk_ms_p99": _pct(first, 0.99),
-            "ticks": len(tick_times), "streams": streams, "chunks": chunks, "measured_s": round(measured_s, 3)}
+            "ticks": len(tick_times), "streams": streams, "chunks": chunks, "measured_s": round(measured_s, 3),
+            "captures_measured": captures() - (captured_before or 0)}
 
 
 def stage_shares(provider: TorchCfmProvider, c: int, wl: Workload) -> dict:
@@ -665,6 +678,7 @@ def main(argv=None) -> list[dict]:
                     rows.append(dict(base, error=f"no HiFT: {hift_error}"))
                     continue
                 try:
+                    gc.collect()  # the last provider's graphs and arenas sit in reference cycles: free them now
                     if device == "cuda":
                         torch.cuda.empty_cache()
                         torch.cuda.reset_peak_memory_stats()
