@@ -699,10 +699,11 @@ def main(argv=None) -> list[dict]:
                     traceback.print_exc()
                     row = dict(base, error=f"{type(exc).__name__}: {str(exc)[:300]}")
                 rows.append(row)
+                H.upsert_rows(os.path.join(args.out, "serving.jsonl"), [row], identity=IDENTITY)  # kept if cut short
                 print(f"{stage:4s} {prov_name:15s} C={c:3d}: {row.get('audio_s_per_s')} audio-s/s, chunk p50 "
                       f"{row.get('chunk_ms_p50')} p99 {row.get('chunk_ms_p99')} ms, first chunk p50 "
                       f"{row.get('first_chunk_ms_p50')} ms {row.get('error') or ''}", flush=True)
-    all_rows = H.upsert_rows(os.path.join(args.out, "serving.jsonl"), rows, identity=IDENTITY)
+    all_rows = H.upsert_rows(os.path.join(args.out, "serving.jsonl"), [], identity=IDENTITY)
     print(write_table(all_rows, os.path.join(args.out, "serving.md"), command))
     plot = write_plot(all_rows, os.path.join(args.out, "serving.png"))
     if plot:
