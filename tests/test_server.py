@@ -151,6 +151,30 @@ def test_idle_padding_slots_keep_their_longer_caches(cfm):
     assert server.cache_length("p") == 45 and server.cache_length("q") == 9
 
 
+def test_padding_takes_free_slots_before_settled_ones(cfm):
+    """Three prompts solved together in a 4-slot bucket of an 8-slot arena, next to a settled
+    request: the padding slot is a free one, so the solve's cache window stays 0 (the settled
+    request's 24 frames would widen it); the results are the solo ones either way."""
+    g = torch.Generator().manual_seed(8)
+    server = CFMServer(cfm, max_requests=8, max_prompt_frames=8, max_chunk_frames=8, slot_buckets=(1, 2, 4, 8),
+                       chunk_buckets=(8,), cache_buckets=(0, 8, 16, 24), graphs=True)  # graphs: keys kept on CPU too
+    solos = {}
+    for rid in ("settled", "a", "b", "c"):
+        solos[rid] = Solo(cfm, torch.randn(80, generator=g), 8)
+    server.open_request("settled", solos["settled"].spks, prompt_len=8)
+    for _ in range(3):
+        mu = torch.randn(80, 8, generator=g)
+        assert close(server.solve_chunk({"settled": mu})["settled"], solos["settled"].chunk(mu))
+    for rid in "abc":
+        server.open_request(rid, solos[rid].spks, prompt_len=8)
+    prompts = {rid: torch.randn(80, 8, generator=g) for rid in "abc"}
+    outs = server.solve_chunk(prompts)
+    for rid, mu in prompts.items():
+        assert close(outs[rid], solos[rid].chunk(mu)), rid
+    last = next(reversed(server.solve_fn.entries()))
+    assert (last.label["slots"], last.label["cache_frames"]) == (4, 0), last.label
+
+
 def test_server_input_errors(cfm):
     server = CFMServer(cfm, max_requests=1, max_prompt_frames=4, max_chunk_frames=6)
     with pytest.raises(ValueError, match=r"^CFMServer.open_request: spks must have shape \(80,\)"):

@@ -330,6 +330,29 @@ def _cuda_graph_streams():
             assert err_rel_fro(a, b) <= 1e-4, f"stream {i} chunk {k} wav"
 
 
+def test_warmup_covers_prompt_solves_next_to_settled_streams(flow):
+    """The CFM solver's keys (kept on CPU too, where it runs eagerly) after ``warmup``: a stream
+    settled at the trim bound, then three arrivals in one tick (a 3-slot prompt solve, padded to
+    the 4-slot bucket: the whole arena, whose window covers the settled stream's cache), then a
+    tick of all four, then a departure and an arrival (a 1-slot prompt solve): no new key, i.e.
+    on CUDA no capture after warm-up."""
+    server = Token2wavServer(flow, None, max_streams=4, max_prompt_frames=80, n_timesteps=N_STEPS, graphs=True)
+    server.warmup(prompt_frames=(80,), chunk_tokens=(28,), ticks=3, rounds=1)
+    solver = server.cfm_server.solve_fn
+    misses = solver.misses
+    prompts = [U.make_prompt(U.TINY, 40, seed=30 + i) for i in range(5)]  # 80 frames: its own T bucket
+    chunks = U.make_chunks(U.TINY, 4, seed=40)[:3]  # 25 + 3 tokens each (the 4th would be a short last chunk)
+    server.open_stream(0, prompts[0].tokens, prompts[0].mel, prompts[0].spk)
+    for c in chunks:  # 80 + 3 x 50 frames: trimmed to 80 + 100
+        server.step({0: c})
+    server.open_many({i: StreamPrompt(p.tokens, p.mel, p.spk) for i, p in enumerate(prompts[1:4], start=1)})
+    server.step({i: chunks[1] for i in range(4)})
+    server.close_stream(2)
+    server.open_stream(4, prompts[4].tokens, prompts[4].mel, prompts[4].spk)
+    server.step({i: chunks[0] for i in (0, 1, 3, 4)})
+    assert solver.misses == misses, [e.label for e in solver._keys.values()][-3:]  # noqa: SLF001
+
+
 def test_warmup_leaves_nothing_open(flow):
     """warmup runs the stream shapes (prompt, chunks to the trim bound, a last chunk) for each
     stream count and closes its streams: the server is empty and serves a stream correctly after."""

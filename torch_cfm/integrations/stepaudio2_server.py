@@ -710,9 +710,9 @@ class Token2wavServer:
             set(self.cfm_server.slot_buckets or [1, self.max_streams]) | {1})
         if cfm_warmup is None:  # the (T, L) solves these streams meet, not every bucket's product
             frames = [(n - self.lookahead) * self.up_rate for n in chunk_tokens]
-            cfm_warmup = dict(pairs=TorchCFMDecoder.stream_shapes(
-                prompt_frames, frames, [n * self.up_rate for n in last_chunk_tokens] or frames[:1]),
-                slot_counts=counts)
+            cfm_warmup = dict(pairs=self.solve_pairs(prompt_frames, frames,
+                                                     [n * self.up_rate for n in last_chunk_tokens] or frames[:1]),
+                              slot_counts=counts)
         self.cfm_server.warmup(**dict(cfm_warmup))
         opened = done = 0
         vocab = self.flow.input_embedding.num_embeddings
@@ -753,6 +753,21 @@ class Token2wavServer:
                     for sid in ids:
                         self.close_stream(sid)
         return {"streams": opened, "ticks": done, "graphs": self.graph_counts()}
+
+    @staticmethod
+    def solve_pairs(prompt_frames: Sequence[int], chunk_frames: Sequence[int],
+                    last_chunk_frames: Sequence[int]) -> list[tuple[int, int]]:
+        """(T, L) of every CFM solve streams of these lengths can produce in one server: each
+        stream's own (:meth:`TorchCFMDecoder.stream_shapes`), and since a solve's cache window
+        covers every slot it solves, idle padding included, each prompt and chunk length at every
+        window any stream meets (a prompt solve padded with a settled stream's slot, a last chunk
+        next to a longer prompt's stream)."""
+        own = TorchCFMDecoder.stream_shapes(prompt_frames, chunk_frames, last_chunk_frames)
+        windows = sorted({lb for _, lb in own if lb > 0})
+        pairs = list(own)
+        for t_len in [*prompt_frames, *chunk_frames, *last_chunk_frames]:
+            pairs += [(t_len, lb) for lb in windows if (t_len, lb) not in pairs]
+        return pairs
 
     def graph_counts(self) -> dict[str, int]:
         """CUDA graphs captured so far per stage (``cfm``: the CFM server's graph solver)."""

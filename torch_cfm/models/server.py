@@ -349,12 +349,12 @@ class CFMServer:
         groups = self._stage(arena, items)
         arena.valid_lengths.copy_(self._host_values(lengths, torch.int32), non_blocking=True)
         # Only the requests of this chunk are solved (compacted) unless every slot is busy.
-        slots = self._solve_slots(arena, sorted(req.slot for _, req, _, _ in items))
+        held = {r.slot: r.cache_len for r in self._requests.values() if r.bucket == bucket}
+        slots = self._solve_slots(arena, sorted(req.slot for _, req, _, _ in items), held)
         slot_index = None
         if len(slots) < arena.rows:
             slot_index = self._host_values(slots, torch.int64).to(self.device, non_blocking=True)
         # Every solved slot (idle padding included) must fit in the cache window.
-        held = {r.slot: r.cache_len for r in self._requests.values() if r.bucket == bucket}
         longest_cache = max(held.get(slot, 0) for slot in slots)
         cache_frames = _round_up(longest_cache, self.cache_buckets, arena.max_cache_frames)
         self._solve(arena, t_len, cache_frames, slot_index)
@@ -533,15 +533,18 @@ class CFMServer:
         host = torch.tensor(values, dtype=dtype)
         return host.pin_memory() if self.device.type == "cuda" else host
 
-    def _solve_slots(self, arena: CacheArena, active: list[int]) -> list[int]:
+    def _solve_slots(self, arena: CacheArena, active: list[int], held: Mapping[int, int]) -> list[int]:
         """The slots one solve covers: the active ones, padded with idle slots (0 frames this
-        chunk, caches unchanged) up to a ``slot_buckets`` size so solve shapes repeat."""
+        chunk, caches unchanged) up to a ``slot_buckets`` size so solve shapes repeat. Padding
+        takes free slots first, then the open requests' slots with the shortest caches (``held``:
+        slot -> cache frames): the cache window covers every solved slot, so padding with a
+        settled stream's slot would widen a prompt solve's window (another shape, more work)."""
         target = _round_up(len(active), self.slot_buckets, arena.rows)
         if target >= arena.rows:
             return list(range(arena.rows))
         taken = set(active)
-        pad = [s for s in range(arena.rows) if s not in taken][:target - len(active)]
-        return sorted(active + pad)
+        spare = sorted((s for s in range(arena.rows) if s not in taken), key=lambda s: (held.get(s, 0), s))
+        return sorted(active + spare[:target - len(active)])
 
     def _get(self, request_id: Hashable, op: str) -> _Request:
         req = self._requests.get(request_id)
