@@ -678,7 +678,7 @@ def main(argv=None) -> list[dict]:
                     rows.append(dict(base, error=f"no HiFT: {hift_error}"))
                     continue
                 try:
-                    gc.collect()  # the last provider's graphs and arenas sit in reference cycles: free them now
+                    gc.collect()  # whatever the last provider left in reference cycles, freed before the next allocates
                     if device == "cuda":
                         torch.cuda.empty_cache()
                         torch.cuda.reset_peak_memory_stats()

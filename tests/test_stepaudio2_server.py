@@ -353,6 +353,25 @@ def test_warmup_covers_prompt_solves_next_to_settled_streams(flow):
     assert solver.misses == misses, [e.label for e in solver._keys.values()][-3:]  # noqa: SLF001
 
 
+def test_a_dropped_server_is_freed_without_the_cycle_collector(flow):
+    """The stage wrappers hold the server's methods weakly: the last reference going frees the
+    server (on CUDA: its arenas and graph pools) at once, not at the next full collection."""
+    import weakref
+
+    server = Token2wavServer(flow, R.build_hift(seed=1), max_streams=2, max_prompt_frames=40, n_timesteps=N_STEPS,
+                             stage_graphs=True)
+    prompt = U.make_prompt(U.TINY, 10, seed=8)
+    server.open_stream("a", prompt.tokens, prompt.mel, prompt.spk)
+    server.step({"a": U.make_chunks(U.TINY, 1, seed=9)[0]})
+    ref = weakref.ref(server)
+    gc.disable()
+    try:
+        del server
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 def test_warmup_leaves_nothing_open(flow):
     """warmup runs the stream shapes (prompt, chunks to the trim bound, a last chunk) for each
     stream count and closes its streams: the server is empty and serves a stream correctly after."""

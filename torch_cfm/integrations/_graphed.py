@@ -21,7 +21,9 @@ the eager call left it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -94,7 +96,8 @@ class GraphedCall:
     """``fn`` replayed from one CUDA graph per input signature (see the module docstring).
 
     Args:
-        fn: the callable (tensors, None, python values, nested in tuples/lists/dicts).
+        fn: the callable (tensors, None, python values, nested in tuples/lists/dicts); a bound
+            method is held weakly (its object is expected to own the wrapper).
         name: for logs and ``events``.
         warmup: eager calls per signature before the capturing call (>= 1).
         max_graphs: graphs kept (least recently used dropped).
@@ -107,7 +110,10 @@ class GraphedCall:
                  random: bool = False) -> None:
         if warmup < 1:
             raise ValueError(f"GraphedCall: warmup must be >= 1, got {warmup}")
-        self.fn, self.name, self.warmup, self.max_graphs = fn, name, warmup, max_graphs
+        # A bound method is held weakly: its object usually owns this wrapper, and a cycle would
+        # keep the captured graphs' memory pools alive until the next full garbage collection.
+        self._fn = weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
+        self.name, self.warmup, self.max_graphs = name, warmup, max_graphs
         self.random = random
         self.entries: "OrderedDict[Any, _Entry]" = OrderedDict()
         self.events: list[str] = []
@@ -115,6 +121,13 @@ class GraphedCall:
     def _note(self, msg: str) -> None:
         self.events.append(msg)
         log.info("%s: %s", self.name, msg)
+
+    @property
+    def fn(self) -> Callable:
+        fn = self._fn()
+        if fn is None:
+            raise ReferenceError(f"GraphedCall {self.name}: the object of its method is gone")
+        return fn
 
     @property
     def graph_count(self) -> int:
