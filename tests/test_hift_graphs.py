@@ -109,6 +109,32 @@ def test_apply_and_undo_on_a_hift_and_errors_name_what_is_missing():
         warmup_vocoder(torch.nn.Linear(2, 2))
 
 
+def test_a_token2wavs_hift_is_graphed_warmed_and_undone_with_its_flow():
+    """``apply_torch_cfm`` on a Token2wav-shaped object (``.flow``, ``.hift``): with
+    ``capture_vocoder=True`` the HiFT's forward is the graphed one (eager on CPU: the upstream
+    output), ``warmup`` runs it too, ``undo_torch_cfm`` removes both patches; asking for it
+    without a HiFT names what was found."""
+    import types
+
+    from torch_cfm.integrations.stepaudio2 import accelerated, apply_torch_cfm, warmup
+
+    hift = _hift()
+    t2w = types.SimpleNamespace(flow=U.build_flow(U.TINY, seed=0), hift=hift)
+    apply_torch_cfm(t2w, capture_vocoder=True)
+    graphed = vars(hift)["forward"]
+    assert isinstance(graphed, GraphedHiFT) and accelerated(t2w).vocoder is graphed
+    report = warmup(t2w, prompt_frames=(20,), last_tokens=(5,))
+    assert report["vocoder_graphs"] == 0 and report["streams"] == 2  # CPU: eager
+    mel = torch.randn(1, 80, 12, generator=torch.Generator().manual_seed(9))
+    (out, _), _ = _seeded(hift, 2, mel)
+    (ref, _), _ = _seeded(type(hift).forward, 2, hift, mel, torch.zeros(1, 1, 0))
+    assert err_rel_fro(out, ref) <= REL
+    undo_torch_cfm(t2w)
+    assert "forward" not in vars(hift) and accelerated(t2w) is None
+    with pytest.raises(ValueError, match=r"capture_vocoder.*\.hift torch\.nn\.modules\.linear\.Linear"):
+        apply_torch_cfm(types.SimpleNamespace(flow=t2w.flow, hift=torch.nn.Linear(1, 1)), capture_vocoder=True)
+
+
 def _vocoder_stream(vocoder, mels):
     """The vocoder part of Token2wav.stream: mel cache (8 frames), source cache (3840 samples)."""
     outs, mel_cache, source_cache = [], None, torch.zeros(1, 1, 0, device="cuda")

@@ -602,11 +602,11 @@ def warmup(target: Any, *, prompt_frames: Iterable[int] = (300,), chunk_tokens: 
     ``Token2wav.stream`` does), the setup without (as ``Token2wav.set_stream_cache``). A decoder
     target: :meth:`TorchCFMDecoder.warmup` over the same mel shapes.
 
-    Args:
-        prompt_frames: prompt lengths in mel frames (multiples of the flow's 2 frames per token).
     With a graphed vocoder (a Token2wav's, :func:`apply_torch_cfm_to_vocoder`): then
     :func:`warmup_vocoder` at these chunk lengths.
 
+    Args:
+        prompt_frames: prompt lengths in mel frames (multiples of the flow's 2 frames per token).
     Returns:
         {"streams": int, "decoder_graphs": int, "encoder_graphs": int, "vocoder_graphs": int}.
     Raises:
