@@ -59,8 +59,8 @@ from torch import nn
 
 from ..models import CFMServer, DiT, StreamingCFM
 from ..models.cache import TRIM_KEEP_OLDEST
-from .hift import capturable, hift_gaps
 from ..ops._checks import fail, shape_str
+from .hift import capturable, hift_gaps
 from .stepaudio2 import TorchCFMDecoder, _estimator_config, _placement, _type_name
 
 try:  # one admission error for the whole library once CFMServer has its own

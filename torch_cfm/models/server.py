@@ -421,8 +421,10 @@ class CFMServer:
         S over the slot buckets (the bucket's whole arena once S reaches it), per batch bucket.
         ``chunk_frames`` / ``cache_frames`` / ``slot_counts`` restrict or replace those sets;
         ``pairs`` replaces the T x Lb product by the (chunk frames, cache frames) pairs a workload
-        meets (e.g. one stream's prompt and chunks under the trim). Given lengths are rounded up to
-        the buckets exactly as a solve rounds them.
+        meets (e.g. one stream's prompt and chunks under the trim). A solve's window covers the
+        caches of the idle slots padding it to its slot bucket too, so with several streams a prompt
+        length also meets the chunks' windows (``Token2wavServer.solve_pairs`` lists them). Given
+        lengths are rounded up to the buckets exactly as a solve rounds them.
 
         Raises:
             ValueError: no ``chunk_buckets`` (or ``cache_buckets``) and no explicit list: exact
