@@ -27,6 +27,10 @@
 #   serving-tick   bench/serving_tick.py: CFMServer(graphs=True) steady tick at 16 and 64 streams (fp16,
 #                  300-frame prompts, 50-frame chunks, caches at 400; SERVING_TICK_ARGS); the same benchmarks on
 #                  the previous commit's tree in the same call: bench/compare_trees.sh
+#   serving        bench/serving.py: the many-stream token2wav front against the upstream per-request path and
+#                  whole-solve graph (SERVING_ARGS, default "--quick --warmup"); stepaudio2-stream:
+#                  bench/stepaudio2_stream.py, one stream (STEPAUDIO2_ARGS). Both need stepaudio2
+#                  importable (pip install --no-deps stepaudio2-minicpmo, or its files on PYTHONPATH)
 #   graph-launch   bench/graph_launch.py: host µs of the solve graphs' launch and of CFMServer.solve_chunk
 #                  (GRAPH_LAUNCH_ARGS, e.g. "--plain-graphs")
 #   ncu-attention  Nsight Compute (full set, SASS source counters) of the attention kernel at
@@ -52,7 +56,8 @@ PYTEST_ONE="python3 -m pytest -q -p no:cacheprovider -p no:benchmark -rfE --tb=s
 PYTEST="$PYTEST_ONE -n ${PYTEST_WORKERS:-16}"
 GPU_TESTS=${GPU_TESTS:-"tests/test_cfm_attention_contract.py tests/test_failures.py tests/test_compile_rules.py tests/test_aoti.py
   tests/test_cfm_attention_triton.py tests/test_cfm_attention_graphs.py tests/test_cfm_attention_numerics.py
-  tests/test_dit_body.py tests/test_dit_body_graphs.py tests/test_graphs.py tests/test_server.py tests/test_warmup.py"}
+  tests/test_dit_body.py tests/test_dit_body_graphs.py tests/test_graphs.py tests/test_server.py tests/test_warmup.py
+  tests/test_integration_stepaudio2.py tests/test_stepaudio2_server.py tests/test_hift_graphs.py"}
 
 limit() { local v="LIMIT_${1//-/_}"; v=${v^^}; echo "${!v:-$2}"; }
 summary() { tail -3 "$1"; grep -E "^(FAILED|ERROR) " "$1" | head -40; }
@@ -131,6 +136,12 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-1
       serving-tick)  # CFMServer(graphs=True) steady tick, 16 and 64 streams (old vs new: bench/compare_trees.sh)
         timeout "$(limit serving-tick 300)" python3 bench/serving_tick.py --out "$OUT" \
           ${SERVING_TICK_ARGS:-} > "$OUT/serving_tick.log" 2>&1; tail -8 "$OUT/serving_tick.log" ;;
+      serving)
+        timeout "$(limit serving 500)" python3 bench/serving.py --out "$OUT" ${SERVING_ARGS:---quick --warmup} \
+          > "$OUT/serving.log" 2>&1; grep -E "audio-s/s|Error" "$OUT/serving.log" | head -40 ;;
+      stepaudio2-stream)
+        timeout "$(limit stepaudio2-stream 200)" python3 bench/stepaudio2_stream.py --out "$OUT" ${STEPAUDIO2_ARGS:-} \
+          > "$OUT/stepaudio2_stream.log" 2>&1; grep -A12 "^| provider" "$OUT/stepaudio2_stream.log" ;;
       graph-launch)  # host cost of the solve graphs' launch and of CFMServer.solve_chunk
         timeout "$(limit graph-launch 150)" python3 bench/graph_launch.py --out "$OUT" ${GRAPH_LAUNCH_ARGS:-} \
           > "$OUT/graph_launch.log" 2>&1
