@@ -64,6 +64,23 @@ def tf32_context(dtype: torch.dtype, precision: Optional[str], device: str) -> C
     return _null_context
 
 
+def capture_cuda_graph(capture: Callable[[], object], *, warm: Optional[Callable[[], object]] = None,
+                       warmup: int = 2) -> tuple:
+    """``warm`` (default: ``capture``) run ``warmup`` times on a side stream, then ``capture``
+    captured into a CUDA graph. Returns (graph, what the captured call returned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            (warm or capture)()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = capture()
+    return graph, out
+
+
 def time_cuda_graph(fn: Callable[[], object], *, calls: int = 20, repeats: int = 30, warmup: int = 3,
                     context: Callable[[], ContextManager] = _null_context, samples: Optional[list] = None,
                     ) -> dict[str, float]:
@@ -73,17 +90,7 @@ def time_cuda_graph(fn: Callable[[], object], *, calls: int = 20, repeats: int =
     per-repeat µs are appended to ``samples`` when given (pooling several captures).
     """
     with context():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
+        graph, _ = capture_cuda_graph(lambda: [fn() for _ in range(calls)], warm=fn, warmup=warmup)
     for _ in range(warmup):
         graph.replay()
     torch.cuda.synchronize()

@@ -242,9 +242,8 @@ class TorchCfmProvider:
 
     def captures(self) -> int:
         """CUDA graphs captured so far, every stage (the CFM solver's captures, the stage calls')."""
-        solver = self.server.cfm_server.solve_fn
-        return getattr(solver, "captures", 0) + sum(self.server.graph_counts().values()) - \
-            self.server.graph_counts()["cfm"]
+        stages = self.server.graph_counts()
+        return getattr(self.server.cfm_server.solve_fn, "captures", 0) + sum(stages.values()) - stages["cfm"]
 
     def bytes_per_stream(self) -> int:
         plan = self.server.memory_plan()
@@ -412,15 +411,7 @@ class UpstreamGraphProvider:
         # same table is made on the device. The math is the upstream's.
         with torch.inference_mode(), torch.device(device):
             if device == "cuda":
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        solve()
-                torch.cuda.current_stream().wait_stream(side)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph):
-                    solve()
+                self.graph, _ = H.capture_cuda_graph(solve)
                 self.fn = self.graph.replay
             else:
                 solve()

@@ -96,12 +96,12 @@ def stream_mel(flow, prompt, chunks, *, n_steps: int, device: str, dtype: torch.
     return mels, setup_ms, times
 
 
-def decoder_times(flow, prompt, chunks, *, n_steps: int, device: str, dtype: torch.dtype) -> list:
-    """ms of each chunk's ``flow.decoder.forward_chunk`` (the CFM solve), in a separate pass with a
-    synchronisation around the decoder call (so the main timing has none)."""
-    dec = flow.decoder
-    inner = dec.forward_chunk  # the instance's (torch_cfm) or the class's (upstream) method
-    had_own = "forward_chunk" in vars(dec)
+def timed_pass(owner, name: str, run, device: str) -> list:
+    """ms of each call of ``owner.<name>`` during ``run()``, a separate pass with a synchronisation
+    around the call (so the main timing has none). The attribute is restored afterwards (an
+    instance attribute put back, a class method left to the class)."""
+    inner = getattr(owner, name)
+    had_own = name in vars(owner)
     times = []
 
     def timed(*a, **k):
@@ -112,14 +112,21 @@ def decoder_times(flow, prompt, chunks, *, n_steps: int, device: str, dtype: tor
         times.append((time.perf_counter() - t0) * 1e3)
         return out
 
-    dec.forward_chunk = timed
+    setattr(owner, name, timed)
     try:
-        stream_mel(flow, prompt, chunks, n_steps=n_steps, device=device, dtype=dtype)
+        run()
     finally:
         if had_own:
-            dec.forward_chunk = inner
+            setattr(owner, name, inner)
         else:
-            del dec.forward_chunk
+            delattr(owner, name)
+    return times
+
+
+def decoder_times(flow, prompt, chunks, *, n_steps: int, device: str, dtype: torch.dtype) -> list:
+    """ms of each chunk's ``flow.decoder.forward_chunk`` (the CFM solve)."""
+    times = timed_pass(flow.decoder, "forward_chunk", lambda: stream_mel(
+        flow, prompt, chunks, n_steps=n_steps, device=device, dtype=dtype), device)
     return times[1:]  # [0] is setup_cache's prompt solve
 
 
@@ -139,25 +146,8 @@ def stream_waveform(t2w, chunks):
 
 
 def vocoder_times(t2w, chunks) -> list:
-    """ms of each chunk's HiFT call inside ``Token2wav.stream``, in a separate pass with a
-    synchronisation around it."""
-    inner = t2w.hift
-    times = []
-
-    def timed(*a, **k):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = inner(*a, **k)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-        return out
-
-    t2w.hift = timed
-    try:
-        stream_waveform(t2w, chunks)
-    finally:
-        t2w.hift = inner
-    return times
+    """ms of each chunk's HiFT call inside ``Token2wav.stream``."""
+    return timed_pass(t2w, "hift", lambda: stream_waveform(t2w, chunks), "cuda")
 
 
 class GcPauses:
