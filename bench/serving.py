@@ -21,6 +21,11 @@ caches and cross-fade). Providers:
 * ``torch_cfm/enc_ragged`` (``mel`` only): the same with ``encoder_batching="ragged"`` (one
   encoder batch across conformer cache lengths: streams in their first chunks next to settled
   ones; with ``--mixed-prompts``, prompts of 3, 6, 8 and 10 s, every reference its own length).
+* ``torch_cfm/paced``: the same front with ``prompt_steps_per_tick=k`` (``--prompt-steps``,
+  default 2): an arriving stream's prompt solve is spread over the next n/k ticks (k Euler steps
+  per tick, the same result) instead of running whole in its arrival tick; streams push chunks
+  once ``ready``. Its ticks carry about k/n of the recent arrivals' prompt work each, so a clump
+  of arrivals no longer makes one long tick; first chunks come n/k ticks later.
 * ``upstream``: the package's own per-request path, one request at a time as ``Token2wav.stream``
   runs it (``flow.setup_cache`` / ``flow.inference_chunk`` + its trims, ``HiFTGenerator`` +
   fade; ``cfm``: ``decoder.forward_chunk`` + the estimator trim), eager, in the flow's dtype
@@ -39,9 +44,10 @@ steps alone: the steady-state rate the upstream_graph peer, which solves no prom
 bound of),
 ``chunk_ms_p50/p99`` (a chunk's latency: from the tick's start, the prompt solves of the streams
 admitted in that tick included, to its result; serial providers: its stream's position in the tick),
-``tick_ms_p50/p99`` (with the prompt solves), ``step_ms_p50/p99`` (the chunks alone: the
-issue's p99 <= 1.25 x p50 check of no capture after warm-up), ``first_chunk_ms_p50/p99`` (setup
-+ the stream's first chunk),
+``tick_ms_p50/p99`` (a whole tick: the arrivals' setup and prompt solves, the chunks; the serving
+loop's period), ``step_ms_p50/p99`` (the step call alone: without the arrivals' setup; the paced
+provider's prompt steps included), ``first_chunk_ms_p50/p99`` (from the start of the stream's
+arrival tick to its first chunk's result),
 ``captures_measured`` (CUDA graphs captured during the measured ticks: 0 after a complete warm-up),
 ``bytes_per_stream`` (the front's memory plan; CUDA: also the measured peak over the empty server /
 C), stage shares (``share_encoder``/``share_cfm``/``share_vocoder``, torch_cfm rows: a separate
@@ -85,6 +91,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 IDENTITY = ("op", "provider", "variant", "stage", "concurrency", "dtype", "gpu")
 FRAME_S = 0.02  # one mel frame = 20 ms (50 Hz)
 STAGE_GRAPHS = [None]  # Token2wavServer(stage_graphs=...): None = with the CFM's graphs; --no-stage-graphs: False
+PROMPT_STEPS = [2]  # the paced provider's prompt_steps_per_tick (--prompt-steps)
 
 
 def graph_report(server) -> dict:
@@ -196,6 +203,8 @@ class TorchCfmProvider:
     reports_first_chunk = True
     encoder_batching = True
 
+    prompt_steps = None  # Token2wavServer(prompt_steps_per_tick=...)
+
     def __init__(self, flow, hift, stage: str, c: int, wl: Workload, inputs: Inputs, device: str, dtype) -> None:
         if stage == "cfm" and self.encoder_batching is not True:
             raise ValueError("the encoder A/B has no cfm stage")
@@ -203,16 +212,24 @@ class TorchCfmProvider:
         self.server = Token2wavServer(flow, hift if stage == "wav" else None, max_streams=c,
                                       max_prompt_frames=wl.prompt_frames, max_chunk_tokens=wl.chunk_tokens,
                                       n_timesteps=wl.n_steps, dtype=dtype, stage_graphs=STAGE_GRAPHS[0],
-                                      encoder_batching=self.encoder_batching)
+                                      encoder_batching=self.encoder_batching,
+                                      prompt_steps_per_tick=self.prompt_steps)
         self.done: dict[int, int] = {}
+        # ticks before the first streams' first chunks (their prompts spread over n/k ticks)
+        self.ramp_ticks = 0 if self.prompt_steps is None else -(-wl.n_steps // self.prompt_steps)
 
     def open(self, ids):
         if self.stage == "cfm":
             cfm = self.server.cfm_server
-            for sid in ids:
-                cfm.open_request(sid, self.inputs.spk80[sid % 4], prompt_len=self.inputs.prompt_frames(sid))
-            cfm.solve_chunk({sid: (self.inputs.mu_prompt[sid % 4], torch.zeros_like(self.inputs.mu_prompt[sid % 4]))
-                             for sid in ids})
+            if self.prompt_steps is not None:  # staged and queued: solved by the next ticks
+                for sid in ids:
+                    mu = self.inputs.mu_prompt[sid % 4]
+                    cfm.open_request(sid, self.inputs.spk80[sid % 4], prompt_mu=mu, prompt_mel=torch.zeros_like(mu))
+            else:
+                for sid in ids:
+                    cfm.open_request(sid, self.inputs.spk80[sid % 4], prompt_len=self.inputs.prompt_frames(sid))
+                cfm.solve_chunk({sid: (self.inputs.mu_prompt[sid % 4],
+                                       torch.zeros_like(self.inputs.mu_prompt[sid % 4])) for sid in ids})
         else:
             self.server.open_many({sid: (p.tokens, p.mel, p.spk, sid) for sid in ids
                                    for p in [self.inputs.prompt(sid)]})
@@ -220,11 +237,26 @@ class TorchCfmProvider:
             self.done[sid] = 0
         _sync(str(self.server.device.type))  # the prompt solves end here, not inside the next step
 
+    def ready(self, ids) -> list:
+        """The streams of ``ids`` that take a chunk this tick (paced: those whose prompt is solved)."""
+        return ids if self.prompt_steps is None else [sid for sid in ids if self.server.cfm_server.ready(sid)]
+
+    def settle(self, ids) -> None:
+        """Empty ticks until every stream of ``ids`` takes chunks."""
+        while len(self.ready(ids)) < len(ids):
+            self.step([])
+
     def step(self, ids) -> dict:
-        """One tick over ``ids``; returns {sid: seconds from the tick's start} (one value: batched)."""
+        """One tick over the ready streams of ``ids`` (paced: the prompt solves under way advance
+        first); returns {sid: seconds from the tick's start} for the streams that got a chunk (one
+        value: batched)."""
         t0 = time.perf_counter()
+        ids = self.ready(ids)
         if self.stage == "cfm":
-            self.server.cfm_server.solve_chunk({sid: self.inputs.mu_chunk[(sid + self.done[sid]) % 4] for sid in ids})
+            self.server.cfm_server.advance_prompts()
+            if ids:
+                self.server.cfm_server.solve_chunk({sid: self.inputs.mu_chunk[(sid + self.done[sid]) % 4]
+                                                    for sid in ids})
         else:
             self.server.step({sid: self.inputs.chunk(sid, self.done[sid]) for sid in ids})
         _sync(str(self.server.device.type))
@@ -250,6 +282,16 @@ class TorchCfmProvider:
         if self.stage == "cfm":
             return plan.cfm
         return plan.cfm + plan.encoder + (plan.vocoder if self.stage == "wav" else 0)
+
+
+class TorchCfmPacedProvider(TorchCfmProvider):
+    """The front with ``prompt_steps_per_tick`` (``--prompt-steps``): prompt solves spread over ticks."""
+
+    name = "torch_cfm/paced"
+
+    @property
+    def prompt_steps(self):  # noqa: D401 - read when the server is built
+        return PROMPT_STEPS[0]
 
 
 class TorchCfmEncPerStreamProvider(TorchCfmProvider):
@@ -437,7 +479,8 @@ class UpstreamGraphProvider:
         return held // self.c
 
 
-PROVIDERS = {"torch_cfm": TorchCfmProvider, "torch_cfm/enc_per_stream": TorchCfmEncPerStreamProvider,
+PROVIDERS = {"torch_cfm": TorchCfmProvider, "torch_cfm/paced": TorchCfmPacedProvider,
+             "torch_cfm/enc_per_stream": TorchCfmEncPerStreamProvider,
              "torch_cfm/enc_ragged": TorchCfmEncRaggedProvider,
              "upstream": UpstreamProvider, "upstream_graph": UpstreamGraphProvider}
 
@@ -451,33 +494,36 @@ def run_one(provider, c: int, wl: Workload, seed: int) -> dict:
     measured_s = step_s = 0.0
     captures = getattr(provider, "captures", lambda: 0)
     captured_before = None
-    for tick in range(wl.warm_ticks + wl.ticks):
-        measure = tick >= wl.warm_ticks
+    warm_ticks = wl.warm_ticks + getattr(provider, "ramp_ticks", 0)
+    for tick in range(warm_ticks + wl.ticks):
+        measure = tick >= warm_ticks
         if measure and captured_before is None:
             captured_before = captures()
         admitted = arrivals.tick(len(remaining))
         t0 = time.perf_counter()
         if admitted:
             provider.open([sid for sid, _ in admitted])
-        setup = time.perf_counter() - t0
+        t_step = time.perf_counter()
+        setup = t_step - t0
         for sid, n in admitted:
             remaining[sid] = n
-            new_at[sid] = setup
+            new_at[sid] = t0  # the start of its arrival tick
         if not remaining:
             continue
-        ids = list(remaining)
-        lat = provider.step(ids)
-        tick_s = time.perf_counter() - t0
+        lat = provider.step(list(remaining))  # the streams that got a chunk (paced: the ready ones)
+        step_end = time.perf_counter()
+        tick_s = step_end - t0
+        ids = list(lat)
         if measure:
             measured_s += tick_s
-            step_s += max(lat.values())
+            step_s += step_end - t_step
             tick_times.append(tick_s * 1e3)
-            step_times.append(max(lat.values()) * 1e3)
+            step_times.append((step_end - t_step) * 1e3)
             streams += len(admitted)
             for sid in ids:  # a tick's prompt solves delay every chunk of that tick
                 chunk_lat.append((setup + lat[sid]) * 1e3)
                 if sid in new_at and provider.reports_first_chunk:
-                    first.append((new_at[sid] + lat[sid]) * 1e3)
+                    first.append((t_step + lat[sid] - new_at[sid]) * 1e3)
             frames += len(ids) * wl.chunk_frames
             chunks += len(ids)
         for sid in ids:
@@ -506,6 +552,7 @@ def stage_shares(provider: TorchCfmProvider, c: int, wl: Workload) -> dict:
         server.stats[key] = 0.0
     ids = [10_000 + i for i in range(c)]
     provider.open(ids)
+    provider.settle(ids)
     for key in ("encoder", "cfm", "vocoder"):
         server.stats[key] = 0.0
     for _ in range(3):
@@ -528,14 +575,16 @@ def write_table(rows: list[dict], path: str, command: str) -> str:
              "audio-s/s = audio seconds produced per wall second (steady: over the chunk steps alone, "
              "without the arriving streams' prompt solves); latencies in ms.", "",
              "| gpu | dtype | stage | provider | C | audio-s/s | steady audio-s/s | chunk p50 | chunk p99 | "
-             "step p50 | step p99/p50 | first chunk p50 | first chunk p99 | bytes/stream | shares enc/cfm/voc | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tick p50 | tick p99/p50 | step p50 | step p99/p50 | first chunk p50 | first chunk p99 | captures | "
+             "bytes/stream | shares enc/cfm/voc | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     def key(r):
         return (r.get("gpu") or "", r.get("dtype") or "", r.get("stage") or "", r.get("provider") or "",
                 r.get("variant") or "", r.get("concurrency") or 0)
 
     for r in sorted(rows, key=key):
         ratio = (r["step_ms_p99"] / r["step_ms_p50"]) if r.get("step_ms_p50") else None
+        tick_ratio = (r["tick_ms_p99"] / r["tick_ms_p50"]) if r.get("tick_ms_p50") else None
         shares = "/".join(_fmt(r.get(f"share_{k}"), 2) for k in ("encoder", "cfm", "vocoder")) \
             if r.get("share_cfm") is not None else ""
         lines.append("| " + " | ".join([str(r.get("gpu")), str(r.get("dtype")), str(r.get("stage")),
@@ -543,8 +592,10 @@ def write_table(rows: list[dict], path: str, command: str) -> str:
                                         str(r.get("concurrency")),
                                         _fmt(r.get("audio_s_per_s"), 2), _fmt(r.get("steady_audio_s_per_s"), 2),
                                         _fmt(r.get("chunk_ms_p50")), _fmt(r.get("chunk_ms_p99")),
+                                        _fmt(r.get("tick_ms_p50")), _fmt(tick_ratio, 2),
                                         _fmt(r.get("step_ms_p50")), _fmt(ratio, 2), _fmt(r.get("first_chunk_ms_p50")),
-                                        _fmt(r.get("first_chunk_ms_p99")), _fmt(r.get("bytes_per_stream")), shares,
+                                        _fmt(r.get("first_chunk_ms_p99")), _fmt(r.get("captures_measured")),
+                                        _fmt(r.get("bytes_per_stream")), shares,
                                         (r.get("error") or "")[:60]]) + " |")
     text = "\n".join(lines) + "\n" + H.provenance_footer(rows, command)
     with open(path, "w") as f:
@@ -595,7 +646,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--concurrency", default=None, help="comma list (default 1,4,16,32,64; --tiny: 1,2)")
     ap.add_argument("--stages", default="cfm,mel,wav")
     ap.add_argument("--providers",
-                    default="torch_cfm,torch_cfm/enc_per_stream,torch_cfm/enc_ragged,upstream,upstream_graph")
+                    default="torch_cfm,torch_cfm/paced,torch_cfm/enc_per_stream,torch_cfm/enc_ragged,upstream,"
+                            "upstream_graph")
+    ap.add_argument("--prompt-steps", type=int, default=2,
+                    help="torch_cfm/paced: prompt_steps_per_tick (Euler steps of a prompt solve per tick)")
     ap.add_argument("--mixed-prompts", action="store_true",
                     help="prompts of 3, 6, 8 and 10 s (tiny: 5, 10, 13, 16 tokens) instead of 6 s each")
     ap.add_argument("--upstream-max", type=int, default=None, help="largest C the serial upstream path runs at")
@@ -610,6 +664,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     STAGE_GRAPHS[0] = False if args.no_stage_graphs else None
+    PROMPT_STEPS[0] = args.prompt_steps
     device = args.device
     dname = args.dtype or ("fp16" if device == "cuda" else "fp32")
     dtype = DTYPES[dname]
@@ -660,7 +715,8 @@ def main(argv=None) -> list[dict]:
                 if prov_name == "upstream" and c > up_max:
                     continue
                 variant = "+".join(v for v, on in (("no_stage_graphs", args.no_stage_graphs and prov_name.startswith(
-                    "torch_cfm")), ("mixed_prompts", args.mixed_prompts)) if on)
+                    "torch_cfm")), ("mixed_prompts", args.mixed_prompts),
+                    (f"prompt_steps_{args.prompt_steps}", prov_name == "torch_cfm/paced")) if on)
                 base = dict(op=OP, provider=prov_name, variant=variant, stage=stage, concurrency=c, dtype=dname,
                             prompt_s=[2 * wl.pool_tokens(i) * FRAME_S for i in range(4)] if mix
                             else wl.prompt_frames * FRAME_S, chunk_s=wl.chunk_frames * FRAME_S,

@@ -27,7 +27,7 @@ def test_smoke_rows_table_plot(tmp_path, capsys):
     got = {(r["stage"], r["provider"]) for r in rows}
     want = {("cfm", "torch_cfm"), ("cfm", "upstream"), ("cfm", "upstream_graph"), ("mel", "torch_cfm"),
             ("mel", "torch_cfm/enc_per_stream"), ("mel", "torch_cfm/enc_ragged"), ("mel", "upstream"),
-            ("wav", "torch_cfm"), ("wav", "upstream")}
+            ("wav", "torch_cfm"), ("wav", "upstream")} | {(s, "torch_cfm/paced") for s in ("cfm", "mel", "wav")}
     assert got == want
     for r in rows:
         if r["stage"] == "wav" and r.get("error", "").startswith("no HiFT"):
@@ -37,8 +37,10 @@ def test_smoke_rows_table_plot(tmp_path, capsys):
         assert r["chunks"] >= r["ticks"] > 0
         for key in ("gpu", "torch", "triton", "commit", "timestamp"):
             assert key in r
-        if r["provider"] != "upstream_graph" and r["streams"]:
+        if r["provider"] != "upstream_graph" and r["streams"] and r["provider"] != "torch_cfm/paced":
             assert r["first_chunk_ms_p50"] > 0
+        if r["provider"] == "torch_cfm/paced":  # prompts spread over ceil(2 steps / 2) = 1 tick
+            assert r["variant"] == "prompt_steps_2" and r["captures_measured"] == 0
         if r["provider"].startswith("torch_cfm"):
             assert r["bytes_per_stream"] > 0
             if r["stage"] != "cfm":

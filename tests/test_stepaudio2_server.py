@@ -172,6 +172,67 @@ def test_mixed_arrivals_departures_and_slot_reuse(flow, hift):
             assert all(w is None for w in got[s][1])
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_paced_prompts_streams_match_each_stream_alone(flow, hift, k):
+    """prompt_steps_per_tick=k: streams opened on different ticks (their prompt solves spread over
+    ceil(n/k) ticks, cohorts at different steps next to chunk ticks of ready streams), one closed
+    while its prompt is under way: every finished stream equals the stream decoded alone."""
+    server = Token2wavServer(flow, hift, max_streams=5, max_prompt_frames=80, n_timesteps=N_STEPS,
+                             prompt_steps_per_tick=k)
+    plan = {"a": (12, 3, 0), "b": (16, 3, 0), "c": (20, 2, 1), "d": (9, 3, 2), "e": (14, 2, 2)}
+    prompts = {s: U.make_prompt(U.TINY, p[0], seed=50 + i) for i, (s, p) in enumerate(plan.items())}
+    chunks = {s: U.make_chunks(U.TINY, p[1], seed=60 + i, last_tokens=9) for i, (s, p) in enumerate(plan.items())}
+    got = {s: ([], []) for s in plan}
+    for tick in range(20):
+        opening = {s: StreamPrompt(prompts[s].tokens, prompts[s].mel, prompts[s].spk, seed=3)
+                   for s, p in plan.items() if p[2] == tick}
+        if opening:
+            assert server.open_many(opening) == {}
+            assert not any(server.ready(s) for s in opening)
+            with pytest.raises(ValueError, match="ready"):
+                server.step({next(iter(opening)): chunks[next(iter(opening))][0]})
+        if tick == 2:
+            server.close_stream("e")  # before its prompt solve ends
+        batch = {s: (chunks[s][len(got[s][0])], len(got[s][0]) == plan[s][1] - 1)
+                 for s in server.open_streams if server.ready(s)}
+        for s, o in server.step(batch).items():
+            got[s][0].append(o.mel)
+            got[s][1].append(o.wav)
+        for s in server.open_streams:
+            if len(got[s][0]) == plan[s][1]:
+                server.close_stream(s)
+    assert server.open_streams == [] and server.cfm_server.pending_prompts == []
+    for s, p in plan.items():
+        if s == "e":
+            assert not got[s][0]
+            continue
+        ref = R.upstream_stream(flow, prompts[s], chunks[s], N_STEPS, hift=hift, seed=3)
+        _check_stream(s, got[s][0], got[s][1], ref)
+
+
+def test_paced_warmup_covers_the_cohorts(flow):
+    """With prompt_steps_per_tick, warmup covers the prompt cohorts' step spans and the chunks:
+    arrivals in bursts next to settled streams create no new CFM solve key (on CUDA: no capture)."""
+    server = Token2wavServer(flow, None, max_streams=4, max_prompt_frames=80, n_timesteps=N_STEPS, graphs=True,
+                             prompt_steps_per_tick=2)
+    server.warmup(prompt_frames=(80,), chunk_tokens=(28,), ticks=3, rounds=1)
+    solver = server.cfm_server.solve_fn
+    misses = solver.misses
+    prompts = [U.make_prompt(U.TINY, 40, seed=70 + i) for i in range(6)]
+    chunk = U.make_chunks(U.TINY, 2, seed=80)[0]  # 25 + 3 tokens (a 1-chunk list holds a short last chunk)
+    opened = 0
+    for tick, arrivals in enumerate((1, 0, 3, 0, 0, 1, 1, 0, 0, 0)):
+        if tick == 5:
+            server.close_stream(0)
+        for _ in range(min(arrivals, 4 - len(server.open_streams))):
+            p = prompts[opened]
+            server.open_stream(opened, p.tokens, p.mel, p.spk)
+            opened += 1
+        server.step({s: chunk for s in server.open_streams if server.ready(s)})
+    assert opened == 5
+    assert solver.misses == misses, [e.label for e in solver._keys.values()][-3:]  # noqa: SLF001
+
+
 @pytest.mark.parametrize("poison", ["prompt_mel", "spk"])
 def test_nan_stream_corrupts_no_other(flow, hift, poison):
     """A stream whose prompt mel (or speaker embedding) holds NaN and Inf is decoded in the same

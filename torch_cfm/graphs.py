@@ -84,7 +84,7 @@ class ArenaGraphSolver:
 
     Plug into the model server: ``server.solve_fn = ArenaGraphSolver()``. Per static key (the
     in-place arena tensors by identity — ``att``, ``cnn``, ``cache_lengths``, ``out_mel``,
-    ``frame_keys`` —, the shapes of the read-only inputs, the python ints, the estimator and its
+    ``frame_keys``, ``x_state`` —, the step span of a solve spread over calls, the shapes of the read-only inputs, the python ints, the estimator and its
     packed weights, torch's TF32 flag) the first ``warmup`` calls run eagerly (they are real
     solves: compile the kernels, create handles), the next call captures (capture runs nothing)
     and replays; later calls copy read-only inputs whose storage changed (e.g. a fresh ``slots``
@@ -156,9 +156,12 @@ class ArenaGraphSolver:
     def __call__(self, estimator, att, cnn, noise, mu, spks, cond, valid_lengths, cache_lengths, prompt_lengths,
                  out_mel, *, cache_frames: int, n_timesteps: int = 10, cfg_rate: float = 0.7,
                  keep_oldest: int = 100, fused: Optional[bool] = None, slots: Optional[torch.Tensor] = None,
-                 frame_keys: Optional[torch.Tensor] = None, x0: Optional[torch.Tensor] = None) -> None:
+                 frame_keys: Optional[torch.Tensor] = None, x0: Optional[torch.Tensor] = None,
+                 steps: Optional[tuple[int, int]] = None, x_state: Optional[torch.Tensor] = None) -> None:
         kwargs = dict(cache_frames=cache_frames, n_timesteps=n_timesteps, cfg_rate=cfg_rate, keep_oldest=keep_oldest,
                       fused=fused)
+        if steps is not None:  # a solve spread over calls: its step span is part of the key
+            kwargs.update(steps=tuple(steps), x_state=x_state)
         read = dict(noise=noise, mu=mu, spks=spks, cond=cond, valid_lengths=valid_lengths,
                     prompt_lengths=prompt_lengths, slots=slots, x0=x0)
 
@@ -168,9 +171,10 @@ class ArenaGraphSolver:
                           inputs["valid_lengths"], cache_lengths, inputs["prompt_lengths"], out_mel,
                           slots=inputs["slots"], frame_keys=frame_keys, **kwargs, **extra)
 
+        static_kwargs = {k: (_sig(v) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
         key = (id(estimator), self._weights_key(estimator, att.dtype, att.device),
                _sig(att), _sig(cnn), _sig(cache_lengths), _sig(out_mel), _sig(frame_keys),
-               tuple((k, _meta(v)) for k, v in read.items()), tuple(sorted(kwargs.items(), key=lambda kv: kv[0])),
+               tuple((k, _meta(v)) for k, v in read.items()), tuple(sorted(static_kwargs.items(), key=lambda kv: kv[0])),
                torch.backends.cuda.matmul.allow_tf32)
         ent = self._keys.get(key)
         if ent is None:
@@ -180,6 +184,8 @@ class ArenaGraphSolver:
                 self._note(f"evicted a solve graph (LRU, budget {self.max_graphs})")
             label = dict(rows=mu.shape[0], slots=None if slots is None else int(slots.shape[0]), t_len=mu.shape[2],
                          cache_frames=cache_frames, dtype=str(att.dtype).replace("torch.", ""))
+            if steps is not None:
+                label["steps"] = tuple(steps)
             ent = GraphEntry(label=label, arena_ptr=att.data_ptr())
             self._keys[key] = ent
         else:

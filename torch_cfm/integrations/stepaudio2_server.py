@@ -27,7 +27,11 @@ all of them together. The three stages of a chunk (tokens -> mel -> waveform) ar
 * **CFM**: one :class:`~torch_cfm.CFMServer` over every stream (a torch_cfm
   :class:`~torch_cfm.DiT` holding the upstream estimator's weights, the decoder's ``rand_noise``
   and ``inference_cfg_rate``): the prompt solves of the streams opened together in one ragged
-  solve, then each tick's chunks in one ragged solve (CUDA graphs on CUDA).
+  solve, then each tick's chunks in one ragged solve (CUDA graphs on CUDA). With
+  ``prompt_steps_per_tick=k`` a prompt solve is spread over the next ticks instead, k of its n
+  Euler steps per ``step`` (the same result): ``open_stream`` returns at once, and the stream
+  takes chunks once :meth:`Token2wavServer.ready` (after n/k ticks). A burst of arrivals then no
+  longer lands on one tick: tick times stay near their median, first chunks come n/k ticks later.
 * **Vocoder** (when a ``HiFTGenerator`` is given): the upstream streaming scheme, per stream
   8 cached mel frames, the last ``8 * 480`` source samples and speech samples, a Hamming cross-
   fade over the overlap and the tail held back until the last chunk. Streams whose vocoder input
@@ -224,6 +228,9 @@ class Token2wavServer:
             (:class:`~torch_cfm.integrations._graphed.GraphedCall`; eager on CPU, and where a
             capture fails or mismatches). Default: ``graphs``.
         cfm_options: extra :class:`~torch_cfm.CFMServer` keyword arguments (e.g. ``buckets``).
+        prompt_steps_per_tick: None (default): a stream's prompt is solved inside ``open_stream``.
+            An int k in [1, n_timesteps]: spread over the next ticks, k Euler steps per ``step``
+            (:class:`~torch_cfm.CFMServer`'s option of that name).
     Attributes:
         cfm_server: the :class:`~torch_cfm.CFMServer` of every stream's CFM.
         flow, hift: the upstream modules (not modified, except that the HiFT's ``stft_window``
@@ -240,7 +247,8 @@ class Token2wavServer:
                  max_memory_bytes: Optional[int] = None, check_finite: bool = False,
                  fused: Optional[bool] = None, timing: bool = False,
                  batch_buckets: Optional[Sequence[int]] = None, stage_graphs: Optional[bool] = None,
-                 cfm_options: Optional[Mapping[str, Any]] = None) -> None:
+                 cfm_options: Optional[Mapping[str, Any]] = None,
+                 prompt_steps_per_tick: Optional[int] = None) -> None:
         op = "Token2wavServer"
         if _flow_gaps(flow) and hasattr(flow, "flow"):
             hift = getattr(flow, "hift", None) if hift is None else hift
@@ -290,7 +298,9 @@ class Token2wavServer:
             options.setdefault("slot_buckets", [b for b in _SLOT_BUCKETS if b < max_streams] + [max_streams])
         self.cfm_server = CFMServer(self.cfm, max_requests=max_streams, max_prompt_frames=max_prompt_frames,
                                     max_chunk_frames=self.max_chunk_frames, device=self.device, dtype=self.dtype,
-                                    fused=fused, graphs=self.graphs, **options)
+                                    fused=fused, graphs=self.graphs, prompt_steps_per_tick=prompt_steps_per_tick,
+                                    **options)
+        self.prompt_steps_per_tick = prompt_steps_per_tick
         self._rng = _RngSlot(next(hift.parameters()).device) if hift is not None else None
         if hift is not None:
             self.samples_per_frame, self.source_cache = hift_stream_constants(hift)
@@ -370,6 +380,10 @@ class Token2wavServer:
         if count > self.max_streams:
             raise AdmissionError(f"{op}: max_streams={self.max_streams} reached ({len(self._streams)} open, "
                                  f"{new} opening); close a stream or build the server with a larger max_streams")
+        if new > self.cfm_server.free_slots:  # slots of streams closed mid-prompt return when their cohort ends
+            raise AdmissionError(f"{op}: max_streams={self.max_streams}: {self.cfm_server.free_slots} CFM slots free "
+                                 f"for {new} opening (a stream closed while its prompt was solved holds its slot for "
+                                 "at most n / prompt_steps_per_tick ticks); retry after the next step")
         if self.max_memory_bytes is not None:
             per = self.memory_plan().total
             if count * per > self.max_memory_bytes:
@@ -377,9 +391,17 @@ class Token2wavServer:
                                      f"{count} streams x {per} bytes per stream = {count * per}")
 
     def open_stream(self, stream_id: Hashable, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor,
-                    spk: torch.Tensor, *, seed: int = 0, waveform: bool = True) -> torch.Tensor:
-        """Open one stream (:meth:`open_many` of one); returns its prompt mel (80, P)."""
-        return self.open_many({stream_id: StreamPrompt(prompt_tokens, prompt_mel, spk, seed, waveform)})[stream_id]
+                    spk: torch.Tensor, *, seed: int = 0, waveform: bool = True) -> Optional[torch.Tensor]:
+        """Open one stream (:meth:`open_many` of one); returns its prompt mel (80, P), or None
+        with ``prompt_steps_per_tick`` (the prompt is solved over the next ticks)."""
+        return self.open_many({stream_id: StreamPrompt(prompt_tokens, prompt_mel, spk, seed, waveform)}).get(stream_id)
+
+    def ready(self, stream_id: Hashable) -> bool:
+        """Whether an open stream takes chunks: False while its prompt solve is spread over ticks
+        (``prompt_steps_per_tick``)."""
+        if stream_id not in self._streams:
+            fail("Token2wavServer.ready", "stream_id", "name an open stream", repr(stream_id))
+        return self.cfm_server.ready(stream_id)
 
     def open_many(self, prompts: Mapping[Hashable, Sequence]) -> dict[Hashable, torch.Tensor]:
         """Open streams together: their encoders and prompt solves run batched.
@@ -388,7 +410,8 @@ class Token2wavServer:
             prompts: ``{stream_id: StreamPrompt}`` or ``{stream_id: (prompt_tokens, prompt_mel,
                 spk[, seed[, waveform]])}`` (see :class:`StreamPrompt`).
         Returns:
-            ``{stream_id: prompt mel (80, P)}`` (the upstream ``setup_cache`` solve).
+            ``{stream_id: prompt mel (80, P)}`` (the upstream ``setup_cache`` solve); ``{}`` with
+            ``prompt_steps_per_tick``: the prompts are solved over the next ticks (:meth:`ready`).
         Raises:
             ValueError: a duplicate id, bad shapes (the message names the stream and argument).
             AdmissionError: too many streams or bytes (the message names the limit).
@@ -434,14 +457,21 @@ class Token2wavServer:
             t1 = self._clock()
             for sid, tokens, mel, spk, seed, waveform in staged:
                 h, cnn, att = enc_out[sid]
-                self.cfm_server.open_request(sid, spks[sid][0], prompt_len=mel.shape[1])
+                if self.prompt_steps_per_tick is None:
+                    self.cfm_server.open_request(sid, spks[sid][0], prompt_len=mel.shape[1])
                 st = _Stream(prompt_frames=mel.shape[1], seed=seed, conf_cnn=cnn, conf_att=att,
                              waveform=waveform and self.hift is not None)
                 if st.waveform:
                     st.rng = self._rng.initial(seed)
                 self._streams[sid] = st
-            mels = self.cfm_server.solve_chunk({sid: (enc_out[sid][0], mel[0].transpose(0, 1))
-                                                for sid, _, mel, *_ in staged})
+            if self.prompt_steps_per_tick is None:
+                mels = self.cfm_server.solve_chunk({sid: (enc_out[sid][0], mel[0].transpose(0, 1))
+                                                    for sid, _, mel, *_ in staged})
+            else:  # staged now, solved by the next ticks' advance_prompts
+                for sid, _, mel, *_ in staged:
+                    self.cfm_server.open_request(sid, spks[sid][0], prompt_mu=enc_out[sid][0],
+                                                 prompt_mel=mel[0].transpose(0, 1), prompt_len=mel.shape[1])
+                mels = {}
             t2 = self._clock()
             self._account(t1 - t0, t2 - t1, 0.0)
         return mels
@@ -474,10 +504,14 @@ class Token2wavServer:
                 (1, n) or (n,) ints as ``Token2wav.stream`` receives them (25 + 3 lookahead; the
                 last chunk without lookahead, flagged). A stream ended by a last chunk takes no
                 more chunks (close it).
+        With ``prompt_steps_per_tick`` every tick (an empty one too) first advances the prompt solves
+        under way by that many Euler steps; chunks are taken from :meth:`ready` streams only.
+
         Returns:
             ``{stream_id: ChunkOutput}`` (mel, and waveform with a vocoder).
         Raises:
-            ValueError: an unknown or ended stream, bad tokens (the message names the stream).
+            ValueError: an unknown or ended stream, a stream not ready, bad tokens (the message
+                names the stream).
         """
         op = "Token2wavServer.step"
         staged = []
@@ -485,6 +519,9 @@ class Token2wavServer:
             st = self._streams.get(sid)
             if st is None:
                 fail(op, "chunks", "name open streams only", repr(sid), f"open streams: {list(self._streams)[:8]}")
+            if not self.cfm_server.ready(sid):
+                fail(op, f"chunks[{sid!r}]", "name a ready stream", "a stream whose prompt solve is under way",
+                     "each step advances it; ready(stream_id) says when it takes chunks")
             if st.done:
                 fail(op, f"chunks[{sid!r}]", "follow no last chunk", "a chunk after the last one",
                      "close the stream")
@@ -500,6 +537,11 @@ class Token2wavServer:
                      + ("; the first chunk of a waveform stream covers the vocoder's 8-frame overlap)"
                         if new_tokens > 2 else ")"), str(tokens.shape[1]))
             staged.append((sid, tokens, st.conf_cnn, st.conf_att, bool(last)))
+        if self.prompt_steps_per_tick is not None:
+            with self._context():
+                t0 = self._clock()
+                self.cfm_server.advance_prompts()  # the prompt mels are not used (Token2wav.stream drops them)
+                self._account(0.0, self._clock() - t0, 0.0)
         if not staged:
             return {}
         with self._context():
@@ -703,16 +745,21 @@ class Token2wavServer:
         length, and closed; all of it ``rounds`` times (the graph runners run a new shape eagerly
         once, then capture it). First the :class:`~torch_cfm.CFMServer` warms up: with
         ``cfm_warmup`` as its keyword arguments, by default the (T, L) pairs of these streams'
-        prompts and chunks (:meth:`TorchCFMDecoder.stream_shapes`) at these stream counts.
+        prompts and chunks (:meth:`TorchCFMDecoder.stream_shapes`) at these stream counts (with
+        ``prompt_steps_per_tick``: the chunks' pairs and the prompt cohorts' step spans).
         Returns {"streams", "ticks", "graphs": {stage: count}}.
         """
         counts = list(stream_counts) if stream_counts is not None else sorted(
             set(self.cfm_server.slot_buckets or [1, self.max_streams]) | {1})
         if cfm_warmup is None:  # the (T, L) solves these streams meet, not every bucket's product
             frames = [(n - self.lookahead) * self.up_rate for n in chunk_tokens]
-            cfm_warmup = dict(pairs=self.solve_pairs(prompt_frames, frames,
-                                                     [n * self.up_rate for n in last_chunk_tokens] or frames[:1]),
-                              slot_counts=counts)
+            last = [n * self.up_rate for n in last_chunk_tokens] or frames[:1]
+            pairs = self.solve_pairs(prompt_frames, frames, last)
+            cfm_warmup = dict(pairs=pairs, slot_counts=counts)
+            if self.prompt_steps_per_tick is not None:  # prompts are never solved whole
+                chunk_lengths = set(frames) | set(last)
+                cfm_warmup.update(pairs=[p for p in pairs if p[0] in chunk_lengths or p[0] not in prompt_frames],
+                                  prompt_frames=list(prompt_frames))
         self.cfm_server.warmup(**dict(cfm_warmup))
         opened = done = 0
         vocab = self.flow.input_embedding.num_embeddings
@@ -733,6 +780,7 @@ class Token2wavServer:
                     self.open_many({sid: (tokens(p_tok + self.lookahead),
                                           torch.randn(1, p_tok * self.up_rate, self.flow.output_size, generator=gen),
                                           torch.randn(1, spk_dim, generator=gen)) for sid in ids})
+                    done += self._until_ready(ids)
                     opened += count
                     for _ in range(ticks):
                         for n in chunk_tokens:
@@ -745,6 +793,7 @@ class Token2wavServer:
                                               torch.randn(1, p_tok * self.up_rate, self.flow.output_size,
                                                           generator=gen),
                                               torch.randn(1, spk_dim, generator=gen)) for sid in ids})
+                        done += self._until_ready(ids)
                         opened += count
                         for _ in range(ticks):
                             self.step({sid: tokens(chunk_tokens[0]) for sid in ids})
@@ -753,6 +802,14 @@ class Token2wavServer:
                     for sid in ids:
                         self.close_stream(sid)
         return {"streams": opened, "ticks": done, "graphs": self.graph_counts()}
+
+    def _until_ready(self, ids) -> int:
+        """Empty ticks until every stream of ``ids`` is ready; returns their count."""
+        ticks = 0
+        while not all(self.ready(sid) for sid in ids):
+            self.step({})
+            ticks += 1
+        return ticks
 
     @staticmethod
     def solve_pairs(prompt_frames: Sequence[int], chunk_frames: Sequence[int],

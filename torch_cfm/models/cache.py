@@ -268,6 +268,8 @@ class CacheArena:
         valid_lengths: (R,) int32 staged chunk frames T_n of the next solve (0 = idle slot).
         mu, cond: (R, 80, Tmax) staged chunk inputs; spks: (R, 80) per-slot speaker embedding.
         out_mel: (R, 80, Tmax) solved mel of the last chunk (frames >= T_n are padding).
+        x_state: (R, 80, Tmax) float32 Euler state of solves spread over several calls
+            (``solve_arena_chunk(steps=...)``), or None when the arena was allocated without it.
     Shapes: R rows (requests) of the bucket, M max cache frames, A append frames, Tmax max chunk frames.
     """
 
@@ -281,13 +283,15 @@ class CacheArena:
     cond: torch.Tensor
     spks: torch.Tensor
     out_mel: torch.Tensor
+    x_state: Optional[torch.Tensor] = None
 
     @classmethod
     def allocate(cls, config: DiTConfig, n_timesteps: int, rows: int, max_cache_frames: int,
                  max_chunk_frames: int, device: torch.device, dtype: torch.dtype,
-                 append_frames: int = 0) -> "CacheArena":
+                 append_frames: int = 0, step_state: bool = False) -> "CacheArena":
         """Zero-filled arena for ``rows`` requests (2*rows CFG rows); ``append_frames`` (A) extra
-        attention frames per cache for in-place appends (``max_chunk_frames`` covers every chunk)."""
+        attention frames per cache for in-place appends (``max_chunk_frames`` covers every chunk);
+        ``step_state``: with the ``x_state`` buffer of solves spread over several calls."""
         for name, val in (("rows", rows), ("max_cache_frames", max_cache_frames),
                           ("max_chunk_frames", max_chunk_frames), ("n_timesteps", n_timesteps)):
             if not isinstance(val, int) or val <= 0:
@@ -309,6 +313,8 @@ class CacheArena:
             cond=torch.zeros((rows, mel, max_chunk_frames), **kw),
             spks=torch.zeros((rows, mel), **kw),
             out_mel=torch.zeros((rows, mel, max_chunk_frames), **kw),
+            x_state=torch.zeros((rows, mel, max_chunk_frames), device=device, dtype=torch.float32)
+            if step_state else None,
         )
 
     @property

@@ -100,6 +100,22 @@ class _Request:
     prompt_len: int
     cache_len: int = 0  # host mirror of arena.cache_lengths[slot]
     chunks: int = 0
+    pending: bool = False  # its prompt solve is spread over ticks and not finished
+
+
+@dataclass
+class _Cohort:
+    """Prompt solves spread over ticks that run together: requests of one bucket admitted before
+    the same tick, ``size`` slots (a slot bucket, so shapes repeat), at Euler step ``next_step``.
+    A member closed before the end stays in the solve as an idle slot (``closed``) and its slot
+    returns to the free list when the cohort ends."""
+
+    bucket: int
+    items: list  # (request id, _Request, T_r)
+    t_len: int
+    index: Optional[torch.Tensor]  # (S,) int64 slots on the device, None = the bucket's every slot
+    next_step: int = 0
+    closed: set = field(default_factory=set)
 
 
 def _round_up(value: int, buckets: Optional[Sequence[int]], limit: int) -> int:
@@ -145,6 +161,16 @@ class CFMServer:
             number of shapes it warms.
         max_memory_bytes: optional limit on the arenas' bytes; a configuration over it raises
             :class:`AdmissionError` naming the limit, the bytes per stream and the streams that fit.
+        prompt_steps_per_tick: None (default): a prompt is solved whole when its request opens.
+            An int k in [1, n]: prompt solves are spread over ticks, k Euler steps per
+            :meth:`advance_prompts` call, the same result as a whole solve (each step reads and
+            writes its own caches only; the Euler state waits in the arena's ``x_state``). A tick
+            then carries about k/n of the recent arrivals' prompt work instead of all of one
+            tick's arrivals at once: tick times stay near their median under bursty arrivals, at
+            the price of n/k ticks before a new request's first chunk. Prompts opened before the
+            same tick form a cohort, solved as slot-bucket-sized groups on free or just-opened
+            slots only (cache window 0), so their shapes are few and warm up ahead
+            (:meth:`warmup` ``prompt_frames``).
     Attributes:
         arenas: list of :class:`CacheArena`, one per bucket (never reallocated).
         solve_fn: the per-bucket solve, default :func:`solve_arena_chunk`; a CUDA-graph runner
@@ -159,7 +185,8 @@ class CFMServer:
                  slot_buckets: Optional[Sequence[int]] = None,
                  device: Optional[torch.device] = None, dtype: Optional[torch.dtype] = None,
                  fused: Optional[bool] = None, graphs: bool = False, append_in_place: bool = True,
-                 max_graphs: int = 8, max_memory_bytes: Optional[int] = None) -> None:
+                 max_graphs: int = 8, max_memory_bytes: Optional[int] = None,
+                 prompt_steps_per_tick: Optional[int] = None) -> None:
         op = "CFMServer"
         for name, val in (("max_requests", max_requests), ("max_chunk_frames", max_chunk_frames)):
             if not isinstance(val, int) or val <= 0:
@@ -182,6 +209,14 @@ class CFMServer:
         self.cache_buckets = sorted(cache_buckets) if cache_buckets else None
         self.slot_buckets = sorted(slot_buckets) if slot_buckets else None
         self.noise = cfm.noise.to(device=self.device, dtype=self.dtype)
+        if prompt_steps_per_tick is not None and (
+                not isinstance(prompt_steps_per_tick, int) or isinstance(prompt_steps_per_tick, bool)
+                or not 1 <= prompt_steps_per_tick <= cfm.n_timesteps):
+            fail(op, "prompt_steps_per_tick", f"be None or an int in [1, n_timesteps={cfm.n_timesteps}]",
+                 repr(prompt_steps_per_tick))
+        self.prompt_steps_per_tick = prompt_steps_per_tick
+        self._admitting: dict[int, list] = {}  # bucket -> (request id, _Request, T_r) opened since the last tick
+        self._cohorts: list[_Cohort] = []
         if max_memory_bytes is not None and (not isinstance(max_memory_bytes, int) or max_memory_bytes <= 0):
             fail(op, "max_memory_bytes", "be a positive int (bytes) or None", repr(max_memory_bytes))
         self.max_memory_bytes = max_memory_bytes
@@ -201,12 +236,19 @@ class CFMServer:
 
     def _arena(self, rows: int, device: torch.device) -> CacheArena:
         return CacheArena.allocate(self.config, self.cfm.n_timesteps, rows, self.max_cache_frames,
-                                   self.max_chunk_frames, device, self.dtype, self._append)
+                                   self.max_chunk_frames, device, self.dtype, self._append,
+                                   step_state=self.prompt_steps_per_tick is not None)
 
     # ------------------------------------------------------------------ requests
     @property
     def open_requests(self) -> list[Hashable]:
         return list(self._requests)
+
+    @property
+    def free_slots(self) -> int:
+        """Request slots a new request can take now (a slot closed mid-prompt returns when its
+        cohort ends)."""
+        return sum(len(free) for free in self._free)
 
     def cache_length(self, request_id: Hashable) -> int:
         """Valid attention-cache frames of an open request (after the last trim)."""
@@ -226,7 +268,10 @@ class CFMServer:
             prompt_len: P for the trim (default: prompt_mu's frames, else 0). When the prompt is
                 not given here, the caller sends it as the first ``solve_chunk``.
         Returns:
-            the prompt chunk's mel (80, P) when prompt_mu is given, else None.
+            the prompt chunk's mel (80, P) when prompt_mu is given, else None. With
+            ``prompt_steps_per_tick`` the prompt is staged and queued instead (None is returned):
+            :meth:`advance_prompts` solves it over the next ticks, and the request takes chunks
+            once :meth:`ready`.
         Raises:
             ValueError: duplicate id, bad shapes, prompt longer than max_prompt_frames.
             AdmissionError (a RuntimeError): no free slot (close a request first); the message
@@ -257,20 +302,120 @@ class CFMServer:
         arena.cache_lengths[slot] = 0
         arena.cnn[:, :, slot].zero_()  # a new request starts with zero conv history (SPEC §2)
         arena.cnn[:, :, arena.rows + slot].zero_()
-        self._requests[request_id] = _Request(bucket, slot, prompt_len)
+        req = self._requests[request_id] = _Request(bucket, slot, prompt_len)
         if prompt_mu is None:
             return None
-        return self.solve_chunk({request_id: (prompt_mu, prompt_mel)})[request_id]
+        if self.prompt_steps_per_tick is None:
+            return self.solve_chunk({request_id: (prompt_mu, prompt_mel)})[request_id]
+        if prompt_mel is not None:
+            prompt_mel = self._as_2d(op, "prompt_mel", prompt_mel)
+            if prompt_mel.shape != prompt_mu.shape:
+                fail(op, "prompt_mel", f"have prompt_mu's shape {shape_str(prompt_mu)}", shape_str(prompt_mel))
+        self._stage(arena, self._groups([(request_id, req, prompt_mu, prompt_mel)]))
+        req.pending = True
+        self._admitting.setdefault(bucket, []).append((request_id, req, prompt_mu.shape[1]))
+        return None
 
     def close_request(self, request_id: Hashable) -> None:
-        """Free the request's slot (its rows become idle; caches are reused by the next request)."""
+        """Free the request's slot (its rows become idle; caches are reused by the next request).
+        A request whose prompt solve is under way leaves its cohort: its slot stays out of use
+        until that cohort's last step (at most n / ``prompt_steps_per_tick`` ticks)."""
         req = self._get(request_id, "CFMServer.close_request")
         arena = self.arenas[req.bucket]
-        arena.cache_lengths[req.slot] = 0
-        arena.prompt_lengths[req.slot] = 0
         del self._requests[request_id]
-        self._free[req.bucket].append(req.slot)
-        self._free[req.bucket].sort()
+        if req.pending:
+            queued = self._admitting.get(req.bucket, [])
+            if any(rid == request_id for rid, _, _ in queued):
+                queued[:] = [item for item in queued if item[0] != request_id]
+            else:
+                cohort = next(c for c in self._cohorts if any(rid == request_id for rid, _, _ in c.items))
+                cohort.closed.add(request_id)
+                return  # the slot is released by _finish_cohort
+        self._release(req.bucket, req.slot)
+
+    def _release(self, bucket: int, slot: int) -> None:
+        arena = self.arenas[bucket]
+        arena.cache_lengths[slot] = 0
+        arena.prompt_lengths[slot] = 0
+        self._free[bucket].append(slot)
+        self._free[bucket].sort()
+
+    def ready(self, request_id: Hashable) -> bool:
+        """Whether an open request takes chunks: False while its prompt solve is spread over ticks."""
+        return not self._get(request_id, "CFMServer.ready").pending
+
+    @property
+    def pending_prompts(self) -> list[Hashable]:
+        """Requests whose prompt solve is queued or under way (``prompt_steps_per_tick``)."""
+        return [rid for rid, req in self._requests.items() if req.pending]
+
+    def advance_prompts(self) -> dict[Hashable, torch.Tensor]:
+        """Advance every queued prompt solve by ``prompt_steps_per_tick`` Euler steps (one call per
+        serving tick, before its :meth:`solve_chunk`). Requests opened since the last call start
+        now, as cohorts of slot-bucket sizes. Returns ``{request_id: prompt mel (80, P)}`` for the
+        prompts whose last step ran; those requests are :meth:`ready` from now on. Without
+        ``prompt_steps_per_tick`` there is nothing to advance ({})."""
+        if self.prompt_steps_per_tick is None:
+            return {}
+        for bucket, queued in self._admitting.items():
+            self._cohorts += self._form_cohorts(bucket, queued)
+        self._admitting = {}
+        done: dict[Hashable, torch.Tensor] = {}
+        for cohort in list(self._cohorts):
+            first = cohort.next_step
+            cohort.next_step = min(first + self.prompt_steps_per_tick, self.cfm.n_timesteps)
+            self._solve_cohort(cohort, (first, cohort.next_step))
+            if cohort.next_step == self.cfm.n_timesteps:
+                done.update(self._finish_cohort(cohort))
+        return done
+
+    def _cohort_sizes(self, count: int, rows: int) -> list[int]:
+        """Group sizes of ``count`` prompts: the largest slot bucket that fits, repeatedly (exact
+        sizes below the smallest bucket, or without slot buckets)."""
+        buckets = [b for b in (self.slot_buckets or []) if b <= rows]
+        sizes = []
+        while count > 0:
+            size = max((b for b in buckets if b <= count), default=count)
+            sizes.append(size)
+            count -= size
+        return sizes
+
+    def _form_cohorts(self, bucket: int, queued: list) -> list[_Cohort]:
+        arena = self.arenas[bucket]
+        cohorts, start = [], 0
+        for size in self._cohort_sizes(len(queued), arena.rows):
+            items = sorted(queued[start:start + size], key=lambda item: item[1].slot)
+            start += size
+            t_len = _round_up(max(t for _, _, t in items), self.chunk_buckets, arena.max_chunk_frames)
+            index = None
+            if size < arena.rows:
+                index = self._host_values([req.slot for _, req, _ in items], torch.int64).to(
+                    self.device, non_blocking=True)
+            cohorts.append(_Cohort(bucket, items, t_len, index))
+        return cohorts
+
+    def _solve_cohort(self, cohort: _Cohort, steps: tuple[int, int]) -> None:
+        arena = self.arenas[cohort.bucket]
+        lengths = [0] * arena.rows
+        for rid, req, t_n in cohort.items:
+            lengths[req.slot] = 0 if rid in cohort.closed else t_n
+        arena.valid_lengths.copy_(self._host_values(lengths, torch.int32), non_blocking=True)
+        window = _round_up(0, self.cache_buckets, arena.max_cache_frames)
+        self._solve(arena, cohort.t_len, window, cohort.index, steps)
+
+    def _finish_cohort(self, cohort: _Cohort) -> dict[Hashable, torch.Tensor]:
+        self._cohorts.remove(cohort)
+        arena = self.arenas[cohort.bucket]
+        live = []
+        for rid, req, t_n in cohort.items:
+            if rid in cohort.closed:
+                self._release(cohort.bucket, req.slot)
+                continue
+            req.cache_len = trimmed_length(t_n, req.prompt_len)
+            req.chunks += 1
+            req.pending = False
+            live.append((rid, req, t_n))
+        return self._gather(arena, live)
 
     def request_caches(self, request_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of a request's caches in the SPEC layout (valid frames only):
@@ -323,6 +468,9 @@ class CFMServer:
         staged: dict[int, list[tuple[Hashable, _Request, torch.Tensor, Optional[torch.Tensor]]]] = {}
         for rid, item in chunks.items():
             req = self._get(rid, op)
+            if req.pending:
+                fail(op, f"chunks[{rid!r}]", "name a ready request", "a request whose prompt solve is under way",
+                     "advance_prompts() solves it over the next ticks; ready(request_id) says when")
             mu, cond = item if isinstance(item, (tuple, list)) else (item, None)
             mu = self._as_2d(op, f"chunks[{rid!r}] mu", mu)
             t_len = mu.shape[1]
@@ -346,7 +494,7 @@ class CFMServer:
         lengths = [0] * arena.rows
         for _, req, mu, _ in items:
             lengths[req.slot] = mu.shape[1]
-        groups = self._stage(arena, items)
+        groups = self._stage(arena, self._groups(items))
         arena.valid_lengths.copy_(self._host_values(lengths, torch.int32), non_blocking=True)
         # Only the requests of this chunk are solved (compacted) unless every slot is busy.
         held = {r.slot: r.cache_len for r in self._requests.values() if r.bucket == bucket}
@@ -371,13 +519,36 @@ class CFMServer:
                 result.update({rid: mel[i] for i, (rid, _, _, _) in enumerate(group)})
         return result
 
-    def _stage(self, arena: CacheArena, items) -> dict[int, tuple[list, Optional[torch.Tensor]]]:
-        """Write the chunks' mu and cond into their slots: one copy per chunk length for all the
-        requests of that length (a launch per request would leave the GPU idle for most of a
-        tick's host time at 64 streams). Returns {T_n: (items, slot index or None for one item)}."""
+    def _gather(self, arena: CacheArena, items) -> dict[Hashable, torch.Tensor]:
+        """{request id: its solved mel (80, T_r)} for (request id, _Request, T_r) items: one gather per
+        length."""
+        groups: dict[int, list] = {}
+        for rid, req, t_n in items:
+            groups.setdefault(t_n, []).append((rid, req))
+        result = {}
+        for t_n, group in groups.items():
+            if len(group) == 1:
+                rid, req = group[0]
+                result[rid] = arena.out_mel[req.slot, :, :t_n].clone()
+            else:
+                index = self._host_values([req.slot for _, req in group], torch.int64).to(self.device,
+                                                                                           non_blocking=True)
+                mel = arena.out_mel[:, :, :t_n].index_select(0, index)
+                result.update({rid: mel[i] for i, (rid, _) in enumerate(group)})
+        return result
+
+    @staticmethod
+    def _groups(items) -> dict[int, list]:
+        """The (request id, _Request, mu, cond) items by chunk length T_n."""
         groups: dict[int, list] = {}
         for item in items:
             groups.setdefault(item[2].shape[1], []).append(item)
+        return groups
+
+    def _stage(self, arena: CacheArena, groups: dict[int, list]) -> dict[int, tuple[list, Optional[torch.Tensor]]]:
+        """Write the chunks' mu and cond into their slots: one copy per chunk length for all the
+        requests of that length (a launch per request would leave the GPU idle for most of a
+        tick's host time at 64 streams). Returns {T_n: (items, slot index or None for one item)}."""
         staged: dict[int, tuple[list, Optional[torch.Tensor]]] = {}
         for t_n, group in groups.items():
             if len(group) == 1:
@@ -400,14 +571,17 @@ class CFMServer:
             staged[t_n] = (group, index)
         return staged
 
-    def _solve(self, arena: CacheArena, t_len: int, cache_frames: int, slot_index: Optional[torch.Tensor]) -> None:
-        """One solve of a bucket's arena at static shapes (T, Lb, S): what ticks and warm-up run."""
+    def _solve(self, arena: CacheArena, t_len: int, cache_frames: int, slot_index: Optional[torch.Tensor],
+               steps: Optional[tuple[int, int]] = None) -> None:
+        """One solve of a bucket's arena at static shapes (T, Lb, S), or Euler steps ``steps`` of one
+        spread over ticks: what ticks, prompt cohorts and warm-up run."""
+        spread = {} if steps is None else dict(steps=steps, x_state=arena.x_state)
         self.solve_fn(
             self.cfm.estimator, arena.att, arena.cnn, self.noise,
             arena.mu[:, :, :t_len], arena.spks, arena.cond[:, :, :t_len],
             arena.valid_lengths, arena.cache_lengths, arena.prompt_lengths, arena.out_mel[:, :, :t_len],
             cache_frames=cache_frames, n_timesteps=self.cfm.n_timesteps, cfg_rate=self.cfm.cfg_rate,
-            fused=self.fused, slots=slot_index, frame_keys=arena.frame_keys)
+            fused=self.fused, slots=slot_index, frame_keys=arena.frame_keys, **spread)
 
     # ------------------------------------------------------------------ start-up
     def warmup_shapes(self, *, chunk_frames: Optional[Iterable[int]] = None,
@@ -464,10 +638,31 @@ class CFMServer:
             shapes += [(bucket, s, t, lb) for s in counts for t, lb in sizes]
         return shapes
 
+    def prompt_shapes(self, prompt_frames: Optional[Iterable[int]] = None) -> list[tuple[int, int, int, tuple]]:
+        """Every (bucket, S, T, steps) a prompt cohort produces with ``prompt_steps_per_tick``: S over
+        the cohort sizes (:meth:`advance_prompts`), T over ``prompt_frames`` (default
+        ``max_prompt_frames``) rounded as a solve rounds them, steps over the spans of the
+        schedule; cache window 0 (rounded up to the cache buckets). [] without pacing."""
+        if self.prompt_steps_per_tick is None:
+            return []
+        given = [self.max_prompt_frames] if prompt_frames is None else [int(v) for v in prompt_frames]
+        if not given or any(not 1 <= v <= self.max_chunk_frames for v in given):
+            fail("CFMServer.warmup", "prompt_frames", f"be a non-empty list of ints in [1, {self.max_chunk_frames}]",
+                 repr(prompt_frames))
+        n, k = self.cfm.n_timesteps, self.prompt_steps_per_tick
+        spans = [(s, min(s + k, n)) for s in range(0, n, k)]
+        shapes = []
+        for bucket, arena in enumerate(self.arenas):
+            sizes = sorted({size for count in range(1, arena.rows + 1) for size in self._cohort_sizes(count, arena.rows)})
+            lengths = sorted({_round_up(v, self.chunk_buckets, arena.max_chunk_frames) for v in given})
+            shapes += [(bucket, size, t, span) for size in sizes for t in lengths for span in spans]
+        return shapes
+
     def warmup(self, *, progress: bool = True, chunk_frames: Optional[Iterable[int]] = None,
                cache_frames: Optional[Iterable[int]] = None,
                slot_counts: Optional[Iterable[int]] = None,
-               pairs: Optional[Iterable[tuple[int, int]]] = None) -> WarmupReport:
+               pairs: Optional[Iterable[tuple[int, int]]] = None,
+               prompt_frames: Optional[Iterable[int]] = None) -> WarmupReport:
         """Compile every kernel and capture every graph of the configured buckets, before serving.
 
         Runs each shape of :meth:`warmup_shapes` (the prompt solves' shapes included: a prompt is
@@ -476,9 +671,14 @@ class CFMServer:
         solver's budget is raised to hold them all. Afterwards no prompt solve or tick of these
         buckets compiles or captures (``solve_fn.captures`` / ``misses`` stay put).
 
+        With ``prompt_steps_per_tick`` the prompt cohorts' step spans are warmed too
+        (:meth:`prompt_shapes` of ``prompt_frames``); ``pairs`` then need only the chunks' (T, L).
+
         Args:
             progress: one stderr line per shape (False = silent).
             chunk_frames, cache_frames, slot_counts, pairs: see :meth:`warmup_shapes`.
+            prompt_frames: prompt lengths whose spread solves to warm (default
+                ``max_prompt_frames``; ignored without ``prompt_steps_per_tick``).
         Returns:
             :class:`WarmupReport` (shapes, graph count, graph-pool and arena bytes, seconds).
         Raises:
@@ -489,29 +689,34 @@ class CFMServer:
         if self._requests:
             raise RuntimeError(f"CFMServer.warmup: {len(self._requests)} requests are open; warm up before "
                                "opening requests")
-        shapes = self.warmup_shapes(chunk_frames=chunk_frames, cache_frames=cache_frames, slot_counts=slot_counts,
-                                    pairs=pairs)
+        shapes = [(*shape, None) for shape in self.warmup_shapes(
+            chunk_frames=chunk_frames, cache_frames=cache_frames, slot_counts=slot_counts, pairs=pairs)]
+        window = _round_up(0, self.cache_buckets, self.max_cache_frames)
+        shapes += [(bucket, size, t, window, span) for bucket, size, t, span in self.prompt_shapes(prompt_frames)]
         solver = self.solve_fn if isinstance(self.solve_fn, ArenaGraphSolver) else None
         if solver is not None:  # keep every warmed key (and any held before)
             solver.max_graphs = max(solver.max_graphs, len(shapes) + len(solver.entries()))
         calls = solver.calls_per_capture(self.device) if solver is not None else 1
         start = time.perf_counter()
         report = WarmupReport(arena_bytes=sum(a.nbytes() for a in self.arenas))
-        for i, (bucket, n_slots, t_len, lb) in enumerate(shapes):
+        for i, (bucket, n_slots, t_len, lb, span) in enumerate(shapes):
             arena = self.arenas[bucket]
             tick = time.perf_counter()
-            arena.valid_lengths.zero_()  # every slot idle: caches and lengths come out unchanged
+            arena.valid_lengths.zero_()  # every slot idle: caches, lengths and Euler states come out unchanged
             index = None if n_slots >= arena.rows else torch.arange(n_slots, device=self.device)
             with torch.no_grad():
                 for _ in range(calls):
-                    self._solve(arena, t_len, lb, index)
+                    self._solve(arena, t_len, lb, index, span)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             label = dict(rows=arena.rows, slots=n_slots, t_len=t_len, cache_frames=lb)
+            if span is not None:
+                label["steps"] = span
             report.shapes.append(label)
             if progress:
                 print(f"CFMServer.warmup [{i + 1}/{len(shapes)}] slots {n_slots}/{arena.rows} T={t_len} "
-                      f"Lb={lb}: {time.perf_counter() - tick:.2f} s", file=sys.stderr, flush=True)
+                      f"Lb={lb}{'' if span is None else f' steps {span[0]}-{span[1]}'}: "
+                      f"{time.perf_counter() - tick:.2f} s", file=sys.stderr, flush=True)
         report.seconds = time.perf_counter() - start
         if solver is not None:
             report.graphs, report.graph_pool_bytes = solver.graph_count, solver.pool_bytes

@@ -59,6 +59,8 @@ def solve_arena_chunk(
     slots: Optional[torch.Tensor] = None,
     frame_keys: Optional[torch.Tensor] = None,
     x0: Optional[torch.Tensor] = None,
+    steps: Optional[tuple[int, int]] = None,
+    x_state: Optional[torch.Tensor] = None,
 ) -> None:
     """Solve one chunk for every row of a cache arena, in place (SPEC §3, ragged per SPEC §2).
 
@@ -121,6 +123,19 @@ def solve_arena_chunk(
             written back through the trim.
         x0: optional (R, 80, T) static buffer: each slot's initial noise, read instead of
             ``noise`` (any float dtype).
+        steps: optional (first, stop), 0 <= first < stop <= n (python ints, static): run Euler
+            steps first .. stop - 1 only, so one solve can be spread over several calls (a prompt
+            solved a few steps per serving tick). Exact: step i reads and writes step i's caches
+            only, and the Euler state between calls is kept in ``x_state`` in float32 (the fused
+            route's own state; the reference route's state is in mu's dtype, which float32 holds
+            exactly). ``first > 0`` starts from ``x_state`` instead of the noise; ``stop < n``
+            stores the state of the rows with ``valid_lengths > 0`` into ``x_state`` and commits
+            nothing else (``out_mel``, ``cache_lengths`` and ``frame_keys`` untouched, and no
+            trim); ``stop == n`` commits as a whole solve does. The valid and cache lengths, the
+            staged inputs and the slot set must be the same in every call of one solve.
+            None = (0, n).
+        x_state: (R, 80, Tmax) float32 static buffer (read and written in place), needed when
+            ``steps`` is not (0, n).
     Shapes: R request slots, T chunk frames (bucket), M arena frames, F noise frames.
     """
     slot_count, _, t_len = mu.shape
@@ -128,6 +143,7 @@ def solve_arena_chunk(
     width = min(arena_frames, t_len + cache_frames)
     dtype = mu.dtype  # the Euler state's (the fused route needs att's: _fused_route)
     ts = euler_timesteps(n_timesteps)
+    first, stop = step_range(steps, n_timesteps, x_state, slot_count, t_len)
     if slots is not None:  # compact: work on the listed slots only
         rows = torch.cat([slots, slots + slot_count])
         mu, cond, spks = mu.index_select(0, slots), cond.index_select(0, slots), spks.index_select(0, slots)
@@ -140,11 +156,29 @@ def solve_arena_chunk(
 
     cl = cl_in.to(torch.int64).clamp(0, cache_frames)
     vl = vl_in.to(torch.int64).clamp(0, t_len)
-    if x0 is None:  # slot r starts from noise frames [L_r, L_r + T); cast by the route
+    state = None if x_state is None else x_state[:, :, :t_len]
+    if state is not None and slots is not None:
+        state_in = state.index_select(0, slots)
+    else:
+        state_in = state
+    if first > 0:  # resume a solve spread over calls
+        x = state_in
+    elif x0 is None:  # slot r starts from noise frames [L_r, L_r + T); cast by the route
         frames = (cl[:, None] + torch.arange(t_len, device=mu.device)[None]).clamp(max=noise.shape[2] - 1)
         x = noise[0].index_select(1, frames.reshape(-1)).view(-1, n_rows, t_len).transpose(0, 1)
     else:
         x = x0
+    commit = stop == n_timesteps
+    span = (first, stop)
+
+    def keep_state(x_out: torch.Tensor) -> None:
+        """A solve continued by a later call: the busy rows' Euler state into ``x_state``."""
+        busy = (vl > 0)[:, None, None]
+        new = torch.where(busy, x_out.to(torch.float32), state_in)
+        if slots is None:
+            state.copy_(new)
+        else:
+            state.index_copy_(0, slots, new)
 
     zeros_mel = torch.zeros_like(mu)
     mu2 = torch.cat([mu, zeros_mel])
@@ -155,8 +189,11 @@ def solve_arena_chunk(
 
     if frame_keys is not None:
         x, new_lengths = _solve_keyed(estimator, att, cnn, frame_keys, slots, x, mu2, spks2, cond2, vl, cl, vl2, cl2,
-                                      prompt, ts, cfg_rate, fused, t_len, cache_frames, keep_oldest)
-        _store_outputs(out_mel, cache_lengths, x, new_lengths, slots)
+                                      prompt, ts, cfg_rate, fused, t_len, cache_frames, keep_oldest, span, commit)
+        if commit:
+            _store_outputs(out_mel, cache_lengths, x, new_lengths, slots)
+        else:
+            keep_state(x)
         return
     index, new_lengths = trim_gather_index(vl + cl, prompt, width, t_len + cache_frames, keep_oldest)
     # Write-back of each step's new attention cache, trimmed: output frame j of a row reads frame
@@ -180,21 +217,43 @@ def solve_arena_chunk(
     precision = _fused_route(estimator, att.device, att.dtype if att.dtype == dtype else None, fused, t_len)
     if precision is not None:
         x = _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, precision,
-                               step_caches, write_back)
+                               step_caches, write_back, span=span)
     else:
         x = _solve_steps_reference(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, fused, step_caches,
-                                   write_back)
-    _store_outputs(out_mel, cache_lengths, x, new_lengths, slots)
+                                   write_back, span=span)
+    if commit:
+        _store_outputs(out_mel, cache_lengths, x, new_lengths, slots)
+    else:
+        keep_state(x)
+
+
+def step_range(steps: Optional[tuple[int, int]], n_timesteps: int, x_state: Optional[torch.Tensor],
+               rows: int, t_len: int) -> tuple[int, int]:
+    """``solve_arena_chunk``'s ``steps`` checked: (first, stop) with 0 <= first < stop <= n, and an
+    ``x_state`` of at least (rows, 80, t_len) float32 where the solve spans several calls."""
+    op = "solve_arena_chunk"
+    if steps is None:
+        return 0, n_timesteps
+    if not (isinstance(steps, tuple) and len(steps) == 2 and all(isinstance(v, int) for v in steps)
+            and 0 <= steps[0] < steps[1] <= n_timesteps):
+        fail(op, "steps", f"be a tuple (first, stop) of ints with 0 <= first < stop <= n_timesteps={n_timesteps}",
+             repr(steps))
+    if steps != (0, n_timesteps) and (
+            not isinstance(x_state, torch.Tensor) or x_state.dtype != torch.float32 or x_state.dim() != 3
+            or x_state.shape[0] != rows or x_state.shape[2] < t_len):
+        fail(op, "x_state", f"be a float32 tensor of shape ({rows}, 80, >= {t_len}) when steps={steps}",
+             shape_str(x_state) if isinstance(x_state, torch.Tensor) else type(x_state).__name__)
+    return steps
 
 
 def _solve_steps_reference(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, fused, step_caches,
-                           write_back) -> torch.Tensor:
-    """The n Euler steps through the estimator's own ``forward_chunk`` (CFG rows, Euler in mu2's
-    dtype); ``step_caches(i)`` gives step i's (att_in newest first, cnn_in),
-    ``write_back(i, new_cnn, new_att)`` stores its new caches. Returns the final x."""
+                           write_back, span: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """Euler steps ``span`` (default all n) through the estimator's own ``forward_chunk`` (CFG
+    rows, Euler in mu2's dtype); ``step_caches(i)`` gives step i's (att_in newest first, cnn_in),
+    ``write_back(i, new_cnn, new_att)`` stores its new caches. Returns the last x."""
     n_rows = x.shape[0]
     x = x.to(mu2.dtype)
-    for i in range(len(ts) - 1):
+    for i in range(*(span or (0, len(ts) - 1))):
         t = torch.full((2 * n_rows,), ts[i], device=x.device, dtype=x.dtype)
         att_in, cnn_in = step_caches(i)
         v, new_cnn, new_att = estimator.forward_chunk(
@@ -228,8 +287,9 @@ def _frame_copies(att: torch.Tensor):
 
 
 def _solve_keyed(estimator, att, cnn, frame_keys, slots, x, mu2, spks2, cond2, vl, cl, vl2, cl2, prompt, ts,
-                 cfg_rate, fused, t_len, cache_frames, keep_oldest) -> tuple[torch.Tensor, torch.Tensor]:
-    """The n Euler steps on a keyed arena (``solve_arena_chunk`` with ``frame_keys``).
+                 cfg_rate, fused, t_len, cache_frames, keep_oldest, span, commit) -> tuple[torch.Tensor, torch.Tensor]:
+    """Euler steps ``span`` on a keyed arena (``solve_arena_chunk`` with ``frame_keys``); ``commit``:
+    the solve's last call (the trim and the frame keys written; before it only the steps' caches).
 
     Three forms, one plan (:func:`~torch_cfm.models.cache.arena_chunk_plan`):
     * fused body, every slot, room for ``Lb + T`` frames: each step appends its keys into the
@@ -273,8 +333,8 @@ def _solve_keyed(estimator, att, cnn, frame_keys, slots, x, mu2, spks2, cond2, v
                 move(att[i], scratch, plan.write_back, rows)
 
         x = _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, precision, step_caches,
-                               after_step, arena=True)
-        if in_place:  # the trim: every step's cache at once
+                               after_step, arena=True, span=span)
+        if in_place and commit:  # the trim: every step's cache at once
             flat = att.flatten(0, 1)
             move(flat, flat, plan.moves)
     else:
@@ -288,7 +348,9 @@ def _solve_keyed(estimator, att, cnn, frame_keys, slots, x, mu2, spks2, cond2, v
             copy(att[i], new_att.contiguous(), plan.new_cache_keys, rows)
 
         x = _solve_steps_reference(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, fused, old_caches,
-                                   write_keyed)
+                                   write_keyed, span=span)
+    if not commit:
+        return x, plan.new_lengths
     kept = plan.new_frame_keys.shape[1]
     if slots is None:
         frame_keys[:, :kept].copy_(plan.new_frame_keys)
@@ -344,8 +406,9 @@ def _schedule_tables(packed: PackedDiT, n_steps: int, precision: str) -> torch.T
 
 
 def _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, precision,
-                       step_caches, write_back, arena: bool = False) -> torch.Tensor:
-    """The n Euler steps on the fused body: the schedule's modulation tables computed once per
+                       step_caches, write_back, arena: bool = False,
+                       span: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """Euler steps ``span`` (default all n) on the fused body: the schedule's modulation tables computed once per
     weights (not per step), the staged input built once and updated in place by one CFG/Euler
     kernel per step, the outputs allocated once. The Euler state is float32.
     ``arena``: ``step_caches`` gives in-place attention arenas (``dit_body_arena_into``) and
@@ -360,7 +423,7 @@ def _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, 
     # a copy: x may be the caller's static x0, and cfg_euler updates the state in place (densely)
     x32 = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
     outs = None
-    for i in range(len(ts) - 1):
+    for i in range(*(span or (0, len(ts) - 1))):
         att_in, cnn_in = step_caches(i)
         if outs is None:
             sizes = check_dit_body(staged, packed.body, tables[i], cnn_in, None if arena else att_in, vl2, cl2,
