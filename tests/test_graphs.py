@@ -163,7 +163,7 @@ def _fill(ent, seed):
 
 
 def _state(ent):
-    return dict({k: v.clone() for k, v in vars(ent.arena).items()}, x0=ent.x0.clone())
+    return dict({k: v.clone() for k, v in ent.arena.tensors().items()}, x0=ent.x0.clone())
 
 
 def _restore(ent, state):

@@ -164,7 +164,7 @@ def test_step_spans_equal_one_whole_solve_and_commit_only_at_the_end(cfm):
 
     run(whole)
     idle_state = spread.x_state[1].clone()
-    before = {k: v.clone() for k, v in vars(spread).items() if isinstance(v, torch.Tensor)}
+    before = {k: v.clone() for k, v in spread.tensors().items()}
     run(spread, (0, 2))
     for name in ("out_mel", "cache_lengths", "frame_keys"):
         assert torch.equal(getattr(spread, name), before[name]), name

@@ -218,7 +218,7 @@ def test_solve_arena_chunk_captures_in_one_cuda_graph(fused, keyed):
     arena = CacheArena.allocate(cfg, 10, 3, 140, 50, dev, dtype, 50 if keyed else 0)
     g = torch.Generator().manual_seed(0)
     _fill_arena(arena, g, [40, 0, 64], [30, 10, 20], [50, 20, 0])
-    start = {k: v.clone() for k, v in arena.__dict__.items()}
+    start = {k: v.clone() for k, v in arena.tensors().items()}
 
     def restore():
         for k, v in start.items():
@@ -231,7 +231,7 @@ def test_solve_arena_chunk_captures_in_one_cuda_graph(fused, keyed):
                           frame_keys=arena.frame_keys if keyed else None)
 
     run()
-    eager = {k: v.clone() for k, v in arena.__dict__.items()}
+    eager = {k: v.clone() for k, v in arena.tensors().items()}
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

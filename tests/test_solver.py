@@ -266,7 +266,7 @@ def _ragged_case(cfm, compact, keyed=False):
     arena.mu.copy_(torch.randn(3, 80, 12, generator=g))
     arena.cond.copy_(torch.randn(3, 80, 12, generator=g))
     arena.valid_lengths.copy_(torch.tensor([10, 0, 6], dtype=torch.int32))
-    before = {k: v.clone() for k, v in arena.__dict__.items() if v is not None}
+    before = {k: v.clone() for k, v in arena.tensors().items()}
     if keyed:
         _scramble(arena, g)
         before["keyed_att"] = arena.att.clone()

@@ -347,7 +347,7 @@ class Token2wavServer:
         after the trim, + one chunk before it, in the encoder's dtype) and the vocoder caches."""
         cfm = 0
         for arena in self.cfm_server.arenas:
-            cfm += sum(t.numel() * t.element_size() for t in vars(arena).values() if isinstance(t, torch.Tensor))
+            cfm += arena.nbytes()
         cfm = -(-cfm // sum(a.rows for a in self.cfm_server.arenas))
         enc = self.flow.encoder
         size = enc.output_size()
@@ -366,8 +366,7 @@ class Token2wavServer:
 
     def state_bytes(self) -> int:
         """Bytes held now: the CFM arenas plus every open stream's encoder/vocoder tensors."""
-        total = sum(t.numel() * t.element_size() for a in self.cfm_server.arenas
-                    for t in vars(a).values() if isinstance(t, torch.Tensor))
+        total = sum(a.nbytes() for a in self.cfm_server.arenas)
         for st in self._streams.values():
             for t in (st.conf_cnn, st.conf_att, st.rng, st.hift_mel, st.hift_source, st.hift_speech):
                 if t is not None:

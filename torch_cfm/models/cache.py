@@ -333,13 +333,17 @@ class CacheArena:
     def max_chunk_frames(self) -> int:
         return self.mu.shape[2]
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every buffer the arena holds, by name (``x_state`` only where allocated)."""
+        return {k: t for k, t in self.__dict__.items() if isinstance(t, torch.Tensor)}
+
     def nbytes(self) -> int:
         """Bytes of every tensor of the arena."""
-        return sum(t.numel() * t.element_size() for t in self.__dict__.values() if isinstance(t, torch.Tensor))
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def data_ptrs(self) -> dict[str, int]:
         """Storage address of each buffer (tests check they never change)."""
-        return {k: t.data_ptr() for k, t in self.__dict__.items() if isinstance(t, torch.Tensor)}
+        return {k: t.data_ptr() for k, t in self.tensors().items()}
 
     def request_caches(self, slot: int, length: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of one slot's caches in the SPEC layout: cnn (n, depth, 2, 2C, 2) and att
