@@ -31,6 +31,8 @@ from typing import Callable, ContextManager, Iterable, Optional, Sequence
 import torch
 
 IDENTITY = ("op", "provider", "variant", "shape", "dtype", "precision", "timing", "gpu")
+# Data files whose rows are told apart by other fields (a .jsonl file keeps its own bench's table)
+IDENTITIES = {"serving": ("op", "provider", "variant", "stage", "concurrency", "dtype", "gpu")}
 ROW_FIELDS = ("op", "provider", "variant", "shape", "dtype", "precision", "timing", "us_p20", "us_p50",
               "us_p80", "rel_err", "error", "gpu", "capability", "torch", "triton", "commit", "timestamp")
 
@@ -447,14 +449,16 @@ def merge_results(sources: Sequence[str], results_dir: str) -> dict[str, int]:
         rows = [r for r in _read_rows(path) if isinstance(r, dict) and r.get("op")]
         if not rows:
             continue
-        target = os.path.join(results_dir, os.path.splitext(os.path.basename(path))[0] + ".json")
+        name, ext = os.path.splitext(os.path.basename(path))
+        target = os.path.join(results_dir, name + ext)
         if os.path.abspath(target) == os.path.abspath(path):
             continue
+        identity = IDENTITIES.get(name, IDENTITY)
         existing = _read_rows(target) if os.path.exists(target) else []
-        index = {_identity(r): i for i, r in enumerate(existing)}
+        index = {_identity(r, identity): i for i, r in enumerate(existing)}
         for row in rows:
             row.setdefault("variant", "")
-            key = _identity(row)
+            key = _identity(row, identity)
             if key not in index:
                 index[key] = len(existing)
                 existing.append(row)
@@ -462,8 +466,12 @@ def merge_results(sources: Sequence[str], results_dir: str) -> dict[str, int]:
                 existing[index[key]] = row
         os.makedirs(results_dir, exist_ok=True)
         with open(target, "w") as f:
-            json.dump(existing, f, indent=1)
-        write_table(target, existing)
+            if ext == ".jsonl":
+                f.writelines(json.dumps(row) + "\n" for row in existing)
+            else:
+                json.dump(existing, f, indent=1)
+        if ext != ".jsonl":  # a .jsonl file's table is its bench's own (e.g. bench/serving.py --tables)
+            write_table(target, existing)
         merged[target] = merged.get(target, 0) + len(rows)
     return merged
 

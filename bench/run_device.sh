@@ -28,7 +28,7 @@
 #                  300-frame prompts, 50-frame chunks, caches at 400; SERVING_TICK_ARGS); the same benchmarks on
 #                  the previous commit's tree in the same call: bench/compare_trees.sh
 #   serving        bench/serving.py: the many-stream token2wav front against the upstream per-request path and
-#                  whole-solve graph (SERVING_ARGS, default "--quick --warmup"); stepaudio2-stream:
+#                  whole-solve graph (SERVING_ARGS, default "--quick --ticks 40 --warmup"); stepaudio2-stream:
 #                  bench/stepaudio2_stream.py, one stream (STEPAUDIO2_ARGS). Both need stepaudio2
 #                  importable (pip install --no-deps stepaudio2-minicpmo, or its files on PYTHONPATH)
 #   graph-launch   bench/graph_launch.py: host µs of the solve graphs' launch and of CFMServer.solve_chunk
@@ -137,7 +137,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-1
         timeout "$(limit serving-tick 300)" python3 bench/serving_tick.py --out "$OUT" \
           ${SERVING_TICK_ARGS:-} > "$OUT/serving_tick.log" 2>&1; tail -8 "$OUT/serving_tick.log" ;;
       serving)
-        timeout "$(limit serving 500)" python3 bench/serving.py --out "$OUT" ${SERVING_ARGS:---quick --warmup} \
+        timeout "$(limit serving 500)" python3 bench/serving.py --out "$OUT" ${SERVING_ARGS:---quick --ticks 40 --warmup} \
           > "$OUT/serving.log" 2>&1; grep -E "audio-s/s|Error" "$OUT/serving.log" | head -40 ;;
       stepaudio2-stream)
         timeout "$(limit stepaudio2-stream 200)" python3 bench/stepaudio2_stream.py --out "$OUT" ${STEPAUDIO2_ARGS:-} \

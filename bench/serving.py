@@ -88,7 +88,7 @@ from torch_cfm.models.cache import TRIM_KEEP_OLDEST  # noqa: E402
 
 OP = "serving"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-IDENTITY = ("op", "provider", "variant", "stage", "concurrency", "dtype", "gpu")
+IDENTITY = H.IDENTITIES[OP]
 FRAME_S = 0.02  # one mel frame = 20 ms (50 Hz)
 STAGE_GRAPHS = [None]  # Token2wavServer(stage_graphs=...): None = with the CFM's graphs; --no-stage-graphs: False
 PROMPT_STEPS = [2]  # the paced provider's prompt_steps_per_tick (--prompt-steps)
@@ -565,6 +565,16 @@ def stage_shares(provider: TorchCfmProvider, c: int, wl: Workload) -> dict:
 
 
 # ---------------------------------------------------------------------------------- output
+def _reproduce(rows: list[dict]) -> str:
+    """The commands behind the rows (each row keeps its own), with their commits."""
+    seen = {}
+    for r in rows:
+        if r.get("command"):
+            seen.setdefault(r["command"], set()).add(str(r.get("commit") or "")[:7])
+    return "; ".join(f"{cmd} ({', '.join(sorted(commits))})" for cmd, commits in seen.items()) or \
+        "python3 bench/serving.py --quick --ticks 40 --warmup (GPU; --device cpu --tiny: CPU smoke)"
+
+
 def _fmt(v, digits=1):
     return "" if v is None else (f"{v:.{digits}f}" if isinstance(v, float) else str(v))
 
@@ -662,7 +672,15 @@ def main(argv=None) -> list[dict]:
                     help="run the front's encoder and HiFT eagerly (the CFM keeps its graphs): the graphs' A/B")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tables", action="store_true",
+                    help="only regenerate serving.md and serving.png from --out's serving.jsonl "
+                         "(after _harness.py --merge)")
     args = ap.parse_args(argv)
+    if args.tables:
+        rows = H.read_rows(os.path.join(args.out, "serving.jsonl"))
+        print(write_table(rows, os.path.join(args.out, "serving.md"), _reproduce(rows)))
+        write_plot(rows, os.path.join(args.out, "serving.png"))
+        return rows
     STAGE_GRAPHS[0] = False if args.no_stage_graphs else None
     PROMPT_STEPS[0] = args.prompt_steps
     device = args.device
@@ -720,7 +738,9 @@ def main(argv=None) -> list[dict]:
                 base = dict(op=OP, provider=prov_name, variant=variant, stage=stage, concurrency=c, dtype=dname,
                             prompt_s=[2 * wl.pool_tokens(i) * FRAME_S for i in range(4)] if mix
                             else wl.prompt_frames * FRAME_S, chunk_s=wl.chunk_frames * FRAME_S,
-                            chunks_per_stream=wl.chunks, n_timesteps=wl.n_steps, tiny=args.tiny, **env)
+                            chunks_per_stream=wl.chunks, n_timesteps=wl.n_steps, tiny=args.tiny, command=command,
+                            prompt_steps_per_tick=args.prompt_steps if prov_name == "torch_cfm/paced" else None,
+                            **env)
                 if stage == "wav" and hift is None:
                     rows.append(dict(base, error=f"no HiFT: {hift_error}"))
                     continue
@@ -751,7 +771,7 @@ def main(argv=None) -> list[dict]:
                       f"{row.get('chunk_ms_p50')} p99 {row.get('chunk_ms_p99')} ms, first chunk p50 "
                       f"{row.get('first_chunk_ms_p50')} ms {row.get('error') or ''}", flush=True)
     all_rows = H.upsert_rows(os.path.join(args.out, "serving.jsonl"), [], identity=IDENTITY)
-    print(write_table(all_rows, os.path.join(args.out, "serving.md"), command))
+    print(write_table(all_rows, os.path.join(args.out, "serving.md"), _reproduce(all_rows)))
     plot = write_plot(all_rows, os.path.join(args.out, "serving.png"))
     if plot:
         print(f"serving: plot {plot}")

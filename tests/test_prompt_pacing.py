@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from oracle import err_rel_fro
+from solo import Solo
 from torch_cfm.graphs import ArenaGraphSolver
-from torch_cfm.models import CFMServer, DiT, DiTConfig, StreamingCFM, trim_attention_cache
+from torch_cfm.models import CFMServer, DiT, DiTConfig, StreamingCFM
 from torch_cfm.models.cache import CacheArena
 from torch_cfm.models.solver import solve_arena_chunk
 
@@ -24,20 +25,6 @@ TOL = 2e-5
 @pytest.fixture(scope="module")
 def cfm():
     return StreamingCFM(DiT(TINY).random_init_(21).eval(), n_timesteps=STEPS, seed=5)
-
-
-class Solo:
-    """One request solved alone, whole solves: forward_chunk + the SPEC §3 trim."""
-
-    def __init__(self, cfm, spks, prompt_len):
-        self.cfm, self.spks, self.prompt_len = cfm, spks, prompt_len
-        self.cnn = self.att = None
-
-    def chunk(self, mu, cond=None):
-        cond = torch.zeros_like(mu) if cond is None else cond
-        mel, self.cnn, att = self.cfm.forward_chunk(mu[None], self.spks[None], cond[None], self.cnn, self.att)
-        self.att = trim_attention_cache(att, self.prompt_len)
-        return mel[0]
 
 
 def _close(a, b):

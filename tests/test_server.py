@@ -7,7 +7,8 @@ import torch
 
 import dit_oracle as O
 from oracle import err_rel_fro
-from torch_cfm.models import CFMServer, DiT, DiTConfig, StreamingCFM, trim_attention_cache
+from solo import Solo
+from torch_cfm.models import CFMServer, DiT, DiTConfig, StreamingCFM
 
 TINY = DiTConfig(hidden=64, depth=2, heads=4, head_dim=16)
 STEPS = 2
@@ -17,20 +18,6 @@ TOL = 2e-5
 @pytest.fixture(scope="module")
 def cfm():
     return StreamingCFM(DiT(TINY).random_init_(12).eval(), n_timesteps=STEPS, seed=3)
-
-
-class Solo:
-    """One request solved alone with StreamingCFM.forward_chunk + the trim (the upstream loop)."""
-
-    def __init__(self, cfm, spks, prompt_len):
-        self.cfm, self.spks, self.prompt_len = cfm, spks, prompt_len
-        self.cnn = self.att = None
-
-    def chunk(self, mu, cond=None):
-        cond = torch.zeros_like(mu) if cond is None else cond
-        mel, self.cnn, att = self.cfm.forward_chunk(mu[None], self.spks[None], cond[None], self.cnn, self.att)
-        self.att = trim_attention_cache(att, self.prompt_len)
-        return mel[0]
 
 
 def close(a, b, tol=TOL):

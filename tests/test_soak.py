@@ -31,6 +31,7 @@ import random
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Optional
 
 import pytest
 import torch
@@ -87,7 +88,8 @@ def _scripts(rng: random.Random, count: int, waveform_every: int) -> list[Script
     return scripts
 
 
-def run_soak(ticks: int, seed: int = 0, n_timesteps: int = 2, max_streams: int = 4) -> dict:
+def run_soak(ticks: int, seed: int = 0, n_timesteps: int = 2, max_streams: int = 4,
+             prompt_steps: Optional[int] = None) -> dict:
     torch.set_num_threads(1)
     rng = random.Random(seed)
     flow = U.build_flow(SIZE, seed=seed)
@@ -98,7 +100,8 @@ def run_soak(ticks: int, seed: int = 0, n_timesteps: int = 2, max_streams: int =
         sc.mels, sc.wavs, _ = R.upstream_stream(flow, sc.prompt, sc.chunks, n_timesteps,
                                                 hift=hift if sc.waveform else None, seed=i)
     server = Token2wavServer(flow, hift, max_streams=max_streams, max_prompt_frames=24,
-                             max_chunk_tokens=28, n_timesteps=n_timesteps, encoder_batching="ragged")
+                             max_chunk_tokens=28, n_timesteps=n_timesteps, encoder_batching="ragged",
+                             prompt_steps_per_tick=prompt_steps)
     empty = server.state_bytes()
     bound = empty + max_streams * (server.memory_plan().encoder + server.memory_plan().vocoder)
     census, next_census = [], max(ticks // 20, 1)
@@ -135,7 +138,7 @@ def run_soak(ticks: int, seed: int = 0, n_timesteps: int = 2, max_streams: int =
         # chunks of a random subset of the open streams
         batch = {}
         for sid, (k, done, stop) in live.items():
-            if done < stop and rng.random() < 0.5:
+            if done < stop and rng.random() < 0.5 and server.ready(sid):
                 sc = scripts[k]
                 batch[sid] = (sc.chunks[done], done == len(sc.chunks) - 1)
         out = server.step(batch)
@@ -202,6 +205,14 @@ def test_soak():
     assert counts["ticks"] >= int(os.environ.get("SOAK_TICKS", "10000"))
     assert counts["completed"] > 0 and counts["left_early"] > 0 and counts["refused"] >= 0
     assert counts["streams"] > 100 and counts["ragged_batches"] > 0
+
+
+def test_soak_paced_prompts():
+    """The same with prompt solves spread over ticks (prompt_steps_per_tick=1, 3 steps: 3 ticks a
+    prompt): streams push once ready, some close while their prompt is under way."""
+    counts = run_soak(int(os.environ.get("SOAK_PACED_TICKS", "3000")), seed=2, n_timesteps=3, prompt_steps=1)
+    _report(counts)
+    assert counts["completed"] > 0 and counts["left_early"] > 0 and counts["streams"] > 100
 
 
 @pytest.mark.slow

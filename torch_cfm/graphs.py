@@ -84,11 +84,11 @@ class ArenaGraphSolver:
 
     Plug into the model server: ``server.solve_fn = ArenaGraphSolver()``. Per static key (the
     in-place arena tensors by identity — ``att``, ``cnn``, ``cache_lengths``, ``out_mel``,
-    ``frame_keys``, ``x_state`` —, the step span of a solve spread over calls, the shapes of the read-only inputs, the python ints, the estimator and its
-    packed weights, torch's TF32 flag) the first ``warmup`` calls run eagerly (they are real
-    solves: compile the kernels, create handles), the next call captures (capture runs nothing)
-    and replays; later calls copy read-only inputs whose storage changed (e.g. a fresh ``slots``
-    tensor) into the captured ones and replay. A capture failure is logged and that key stays
+    ``frame_keys``, ``x_state`` —, the step span of a solve spread over calls, the shapes of the
+    read-only inputs, the python ints, the estimator and its packed weights, torch's TF32 flag)
+    the first ``warmup`` calls run eagerly (they are real solves: compile the kernels, create
+    handles), the next call captures (capture runs nothing) and replays; later calls copy read-only
+    inputs whose storage changed (e.g. a fresh ``slots`` tensor) into the captured ones and replay. A capture failure is logged and that key stays
     eager. At most ``max_graphs`` keys are kept (LRU). On CPU every call runs eagerly; keys and
     counters are kept the same way.
 
@@ -174,7 +174,8 @@ class ArenaGraphSolver:
         static_kwargs = {k: (_sig(v) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
         key = (id(estimator), self._weights_key(estimator, att.dtype, att.device),
                _sig(att), _sig(cnn), _sig(cache_lengths), _sig(out_mel), _sig(frame_keys),
-               tuple((k, _meta(v)) for k, v in read.items()), tuple(sorted(static_kwargs.items(), key=lambda kv: kv[0])),
+               tuple((k, _meta(v)) for k, v in read.items()),
+               tuple(sorted(static_kwargs.items(), key=lambda kv: kv[0])),
                torch.backends.cuda.matmul.allow_tf32)
         ent = self._keys.get(key)
         if ent is None:

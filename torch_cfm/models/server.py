@@ -321,7 +321,6 @@ class CFMServer:
         A request whose prompt solve is under way leaves its cohort: its slot stays out of use
         until that cohort's last step (at most n / ``prompt_steps_per_tick`` ticks)."""
         req = self._get(request_id, "CFMServer.close_request")
-        arena = self.arenas[req.bucket]
         del self._requests[request_id]
         if req.pending:
             queued = self._admitting.get(req.bucket, [])
@@ -653,7 +652,8 @@ class CFMServer:
         spans = [(s, min(s + k, n)) for s in range(0, n, k)]
         shapes = []
         for bucket, arena in enumerate(self.arenas):
-            sizes = sorted({size for count in range(1, arena.rows + 1) for size in self._cohort_sizes(count, arena.rows)})
+            sizes = sorted({size for count in range(1, arena.rows + 1)
+                            for size in self._cohort_sizes(count, arena.rows)})
             lengths = sorted({_round_up(v, self.chunk_buckets, arena.max_chunk_frames) for v in given})
             shapes += [(bucket, size, t, span) for size in sizes for t in lengths for span in spans]
         return shapes
