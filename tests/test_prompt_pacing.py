@@ -120,6 +120,13 @@ def test_pacing_argument_errors(cfm):
         with pytest.raises(ValueError, match="prompt_steps_per_tick"):
             CFMServer(cfm, max_requests=1, max_prompt_frames=4, prompt_steps_per_tick=bad)
     assert CFMServer(cfm, max_requests=1, max_prompt_frames=4).advance_prompts() == {}
+    for k in (None, 2):  # a refused open changes nothing: no slot taken, nothing queued
+        server = CFMServer(cfm, max_requests=1, max_prompt_frames=4, prompt_steps_per_tick=k)
+        with pytest.raises(ValueError, match="prompt_mel"):
+            server.open_request("a", torch.randn(80), prompt_mu=torch.randn(80, 4), prompt_mel=torch.randn(80, 3))
+        with pytest.raises(ValueError, match="max_prompt_frames"):
+            server.open_request("a", torch.randn(80), prompt_mu=torch.randn(80, 5))
+        assert server.open_requests == [] and server.free_slots == 1 and server.pending_prompts == []
 
 
 def test_step_spans_equal_one_whole_solve_and_commit_only_at_the_end(cfm):

@@ -106,7 +106,8 @@ class _Request:
 @dataclass
 class _Cohort:
     """Prompt solves spread over ticks that run together: requests of one bucket admitted before
-    the same tick, ``size`` slots (a slot bucket, so shapes repeat), at Euler step ``next_step``.
+    the same tick, as many as a slot bucket holds (so shapes repeat), solved over their own slots
+    (``index``) and at Euler step ``next_step``.
     A member closed before the end stays in the solve as an idle slot (``closed``) and its slot
     returns to the free list when the cohort ends."""
 
@@ -168,9 +169,9 @@ class CFMServer:
             then carries about k/n of the recent arrivals' prompt work instead of all of one
             tick's arrivals at once: tick times stay near their median under bursty arrivals, at
             the price of n/k ticks before a new request's first chunk. Prompts opened before the
-            same tick form a cohort, solved as slot-bucket-sized groups on free or just-opened
-            slots only (cache window 0), so their shapes are few and warm up ahead
-            (:meth:`warmup` ``prompt_frames``).
+            same tick form a cohort, solved as groups of slot-bucket sizes, each over its own slots
+            only (cache window 0), so their shapes are few and warm up ahead (:meth:`warmup`
+            ``prompt_frames``).
     Attributes:
         arenas: list of :class:`CacheArena`, one per bucket (never reallocated).
         solve_fn: the per-bucket solve, default :func:`solve_arena_chunk`; a CUDA-graph runner
@@ -283,8 +284,15 @@ class CFMServer:
         spks = self._as_2d(op, "spks", spks, vector=True)
         if prompt_mu is not None:
             prompt_mu = self._as_2d(op, "prompt_mu", prompt_mu)
+            if not 1 <= prompt_mu.shape[1] <= self.max_chunk_frames:
+                fail(op, "prompt_mu", f"have 1..{self.max_chunk_frames} frames", str(prompt_mu.shape[1]),
+                     "build the server with a larger max_prompt_frames")
             if prompt_len is None:
                 prompt_len = prompt_mu.shape[1]
+            if prompt_mel is not None:  # checked before a slot is taken: a refused call changes nothing
+                prompt_mel = self._as_2d(op, "prompt_mel", prompt_mel)
+                if prompt_mel.shape != prompt_mu.shape:
+                    fail(op, "prompt_mel", f"have prompt_mu's shape {shape_str(prompt_mu)}", shape_str(prompt_mel))
         prompt_len = 0 if prompt_len is None else prompt_len
         if not isinstance(prompt_len, int) or not 0 <= prompt_len <= self.max_prompt_frames:
             fail(op, "prompt_len", f"be an int in [0, max_prompt_frames={self.max_prompt_frames}]",
@@ -307,10 +315,6 @@ class CFMServer:
             return None
         if self.prompt_steps_per_tick is None:
             return self.solve_chunk({request_id: (prompt_mu, prompt_mel)})[request_id]
-        if prompt_mel is not None:
-            prompt_mel = self._as_2d(op, "prompt_mel", prompt_mel)
-            if prompt_mel.shape != prompt_mu.shape:
-                fail(op, "prompt_mel", f"have prompt_mu's shape {shape_str(prompt_mu)}", shape_str(prompt_mel))
         self._stage(arena, self._groups([(request_id, req, prompt_mu, prompt_mel)]))
         req.pending = True
         self._admitting.setdefault(bucket, []).append((request_id, req, prompt_mu.shape[1]))
