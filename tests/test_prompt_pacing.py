@@ -31,14 +31,15 @@ def _close(a, b):
     return err_rel_fro(a, b) < TOL
 
 
-@pytest.mark.parametrize("k", [1, 2, STEPS])
-def test_paced_streams_equal_solo_streams(cfm, k):
+@pytest.mark.parametrize("k,buckets", [(1, None), (2, None), (STEPS, None), (2, (1, 2, 3))])
+def test_paced_streams_equal_solo_streams(cfm, k, buckets):
     """Arrivals on several ticks (cohorts at different steps), chunk ticks of ready streams in
-    between, closes mid-prompt: each prompt mel, chunk mel and cache equals the solo stream's."""
+    between, closes mid-prompt, one arena or several: each prompt mel, chunk mel and cache equals
+    the solo stream's."""
     g = torch.Generator().manual_seed(k)
     rng = random.Random(k)
-    server = CFMServer(cfm, max_requests=6, max_prompt_frames=14, max_chunk_frames=9, slot_buckets=(1, 2, 4),
-                       prompt_steps_per_tick=k)
+    server = CFMServer(cfm, max_requests=6, buckets=buckets, max_prompt_frames=14, max_chunk_frames=9,
+                       slot_buckets=(1, 2, 4), prompt_steps_per_tick=k)
     ptrs = [a.data_ptrs() for a in server.arenas]
     solos, prompt_out, checked, next_id = {}, {}, 0, 0
     for tick in range(14):
