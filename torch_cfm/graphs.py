@@ -88,9 +88,9 @@ class ArenaGraphSolver:
     read-only inputs, the python ints, the estimator and its packed weights, torch's TF32 flag)
     the first ``warmup`` calls run eagerly (they are real solves: compile the kernels, create
     handles), the next call captures (capture runs nothing) and replays; later calls copy read-only
-    inputs whose storage changed (e.g. a fresh ``slots`` tensor) into the captured ones and replay. A capture failure is logged and that key stays
-    eager. At most ``max_graphs`` keys are kept (LRU). On CPU every call runs eagerly; keys and
-    counters are kept the same way.
+    inputs whose storage changed (e.g. a fresh ``slots`` tensor) into the captured ones and replay.
+    A capture failure is logged and that key stays eager. At most ``max_graphs`` keys are kept
+    (LRU). On CPU every call runs eagerly; keys and counters are kept the same way.
 
     Args:
         solve_fn: the solve to capture (default ``solve_arena_chunk``).

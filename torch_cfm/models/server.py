@@ -409,7 +409,7 @@ class CFMServer:
     def _finish_cohort(self, cohort: _Cohort) -> dict[Hashable, torch.Tensor]:
         self._cohorts.remove(cohort)
         arena = self.arenas[cohort.bucket]
-        live = []
+        by_length: dict[int, list] = {}
         for rid, req, t_n in cohort.items:
             if rid in cohort.closed:
                 self._release(cohort.bucket, req.slot)
@@ -417,8 +417,8 @@ class CFMServer:
             req.cache_len = trimmed_length(t_n, req.prompt_len)
             req.chunks += 1
             req.pending = False
-            live.append((rid, req, t_n))
-        return self._gather(arena, live)
+            by_length.setdefault(t_n, []).append((rid, req))
+        return self._gather(arena, {t_n: (group, self._slot_index(group)) for t_n, group in by_length.items()})
 
     def request_caches(self, request_id: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of a request's caches in the SPEC layout (valid frames only):
@@ -512,33 +512,29 @@ class CFMServer:
         for _, req, mu, _ in items:
             req.cache_len = trimmed_length(req.cache_len + mu.shape[1], req.prompt_len)
             req.chunks += 1
+        return self._gather(arena, groups)
+
+    @staticmethod
+    def _gather(arena: CacheArena, groups: dict[int, tuple[list, Optional[torch.Tensor]]]
+                ) -> dict[Hashable, torch.Tensor]:
+        """{request id: its solved mel (80, T_n)} from ``{T_n: (items, slot index)}`` (items start with
+        (request id, _Request); :meth:`_slot_index` of them): one gather per length, split into views."""
         result = {}
-        for t_n, (group, index) in groups.items():  # one gather per chunk length, split into views
+        for t_n, (group, index) in groups.items():
             if index is None:
-                rid, req, _, _ = group[0]
+                rid, req = group[0][:2]
                 result[rid] = arena.out_mel[req.slot, :, :t_n].clone()
             else:
                 mel = arena.out_mel[:, :, :t_n].index_select(0, index)
-                result.update({rid: mel[i] for i, (rid, _, _, _) in enumerate(group)})
+                result.update({item[0]: mel[i] for i, item in enumerate(group)})
         return result
 
-    def _gather(self, arena: CacheArena, items) -> dict[Hashable, torch.Tensor]:
-        """{request id: its solved mel (80, T_r)} for (request id, _Request, T_r) items: one gather per
-        length."""
-        groups: dict[int, list] = {}
-        for rid, req, t_n in items:
-            groups.setdefault(t_n, []).append((rid, req))
-        result = {}
-        for t_n, group in groups.items():
-            if len(group) == 1:
-                rid, req = group[0]
-                result[rid] = arena.out_mel[req.slot, :, :t_n].clone()
-            else:
-                index = self._host_values([req.slot for _, req in group], torch.int64).to(self.device,
-                                                                                           non_blocking=True)
-                mel = arena.out_mel[:, :, :t_n].index_select(0, index)
-                result.update({rid: mel[i] for i, (rid, _) in enumerate(group)})
-        return result
+    def _slot_index(self, group: list) -> Optional[torch.Tensor]:
+        """The (S,) int64 device index of the slots of ``group`` (items start with (request id,
+        _Request)); None for one item (read and written by plain slicing)."""
+        if len(group) == 1:
+            return None
+        return self._host_values([item[1].slot for item in group], torch.int64).to(self.device, non_blocking=True)
 
     @staticmethod
     def _groups(items) -> dict[int, list]:
@@ -563,8 +559,7 @@ class CFMServer:
                     arena.cond[req.slot, :, :t_n].copy_(cond)
                 staged[t_n] = (group, None)
                 continue
-            index = self._host_values([req.slot for _, req, _, _ in group], torch.int64).to(
-                self.device, non_blocking=True)
+            index = self._slot_index(group)
             arena.mu[:, :, :t_n].index_copy_(0, index, torch.stack([mu for _, _, mu, _ in group]))
             if all(cond is None for _, _, _, cond in group):
                 arena.cond[:, :, :t_n].index_fill_(0, index, 0)

@@ -156,11 +156,11 @@ def solve_arena_chunk(
 
     cl = cl_in.to(torch.int64).clamp(0, cache_frames)
     vl = vl_in.to(torch.int64).clamp(0, t_len)
-    state = None if x_state is None else x_state[:, :, :t_len]
-    if state is not None and slots is not None:
-        state_in = state.index_select(0, slots)
-    else:
-        state_in = state
+    commit = stop == n_timesteps
+    state = state_in = None
+    if first > 0 or not commit:  # the Euler state is read or kept only by a solve spread over calls
+        state = x_state[:, :, :t_len]
+        state_in = state if slots is None else state.index_select(0, slots)
     if first > 0:  # resume a solve spread over calls
         x = state_in
     elif x0 is None:  # slot r starts from noise frames [L_r, L_r + T); cast by the route
@@ -168,7 +168,6 @@ def solve_arena_chunk(
         x = noise[0].index_select(1, frames.reshape(-1)).view(-1, n_rows, t_len).transpose(0, 1)
     else:
         x = x0
-    commit = stop == n_timesteps
     span = (first, stop)
 
     def keep_state(x_out: torch.Tensor) -> None:
@@ -408,9 +407,9 @@ def _schedule_tables(packed: PackedDiT, n_steps: int, precision: str) -> torch.T
 def _solve_steps_fused(estimator, x, mu2, spks2, cond2, vl2, cl2, ts, cfg_rate, precision,
                        step_caches, write_back, arena: bool = False,
                        span: Optional[tuple[int, int]] = None) -> torch.Tensor:
-    """Euler steps ``span`` (default all n) on the fused body: the schedule's modulation tables computed once per
-    weights (not per step), the staged input built once and updated in place by one CFG/Euler
-    kernel per step, the outputs allocated once. The Euler state is float32.
+    """Euler steps ``span`` (default all n) on the fused body: the schedule's modulation tables
+    computed once per weights (not per step), the staged input built once and updated in place by
+    one CFG/Euler kernel per step, the outputs allocated once. The Euler state is float32.
     ``arena``: ``step_caches`` gives in-place attention arenas (``dit_body_arena_into``) and
     ``write_back`` gets None for the attention cache. Returns the final x (rows, 80, T) in float32."""
     from ..kernels.dit_body import cfg_euler  # Triton is optional: imported on the first fused solve
