@@ -284,7 +284,7 @@ SWEEP_V9_PDL = {"none": frozenset(), "linear": frozenset({"linear"}),
                 "linear_rownorm_qk": frozenset({"linear", "rownorm", "cfg_euler", "qk_cache"})}
 
 # --sweep-variants rownorm: (rows per program, num_warps) of the row-norm kernel; (1, 4) is the shipped rule
-SWEEP_ROWNORM = ((1, 4), (1, 1), (1, 2), (2, 2), (2, 4), (4, 4))
+SWEEP_ROWNORM = ((1, 4), (1, 1), (1, 2), (2, 2), (2, 4), (4, 4), (2, 8), (4, 8))
 
 # --sweep-variants fc2: (splits, BN) of v9's split-K fc2 (BodyPlan.fc2_splitk)
 SWEEP_FC2_SPLITK = ((4, 128), (8, 128), (4, 64), (8, 64))
@@ -309,8 +309,8 @@ def sweep_plans(swept: set) -> list:
         plans += [("default", f"sweep_v9_fc2_s{sp}_bn{bn}", _plan("v9", fc2_splitk=(sp, bn)))
                   for sp, bn in SWEEP_FC2_SPLITK]
     if "rownorm" in swept:  # the row-norm kernel's (rows per program, num_warps), on the table's plan
-        plans += [("default", f"sweep_rownorm_r{r}_w{w}", _plan("table", rownorm_launch=(r, w)))
-                  for r, w in SWEEP_ROWNORM]
+        plans += [(variant, f"sweep_{prefix}rownorm_r{r}_w{w}", _plan("table", rownorm_launch=(r, w)))
+                  for variant, prefix in (("default", ""), ("arena", "arena_")) for r, w in SWEEP_ROWNORM]
     if "tf32" in swept:  # fp32-tf32 bodies: v9 with the wgmma GEMM's TF32 form against v1, plain and on the arena
         plans += [("default", "sweep_tf32_v1", _plan("v1")),
                   ("default", "sweep_tf32_v9", _plan("v9", fc1="cublas_gelu", fc2="cublas")),

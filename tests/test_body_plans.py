@@ -17,9 +17,9 @@ FAMILIES = {"fp16": (torch.float16, None), "bf16": (torch.bfloat16, None), "tf32
 
 
 def _expected(family: str, rows: int, wgmma: bool, arena: bool) -> str:
-    """The dispatch of the body before the table: 16-bit bodies v5 at >= 32 rows (v1 on the arena),
-    v9 at <= 8 rows, else v1; TF32 bodies v9 at <= 8 rows, else v1; IEEE bodies v1; v9 is v1 call
-    for call where the wgmma kernel cannot run."""
+    """The dispatch of the body before the table: 16-bit bodies v5 at >= 32 rows (on the arena v1w:
+    v1 with a one-warp row-norm launch), v9 at <= 8 rows, else v1; TF32 bodies v9 at <= 8 rows, else
+    v1; IEEE bodies v1; v9 is v1 call for call where the wgmma kernel cannot run."""
     if family in ("fp16", "bf16"):
         name = "v5" if rows >= 32 else "v9" if rows <= 8 else "v1"
     elif family == "tf32":
@@ -27,7 +27,7 @@ def _expected(family: str, rows: int, wgmma: bool, arena: bool) -> str:
     else:
         name = "v1"
     if arena and name == "v5":
-        name = "v1"
+        name = "v1w"
     if name == "v9" and not wgmma:
         name = "v1"
     return name
@@ -52,6 +52,9 @@ def test_table_reproduces_the_dispatch(family, wgmma, arena):
             assert bp.choose_variant(dtype, precision, rows) == _expected(family, rows, True, False)
         if want == "v1":  # v1 of the dtype family, field for field: v9's fallback is exactly v1
             assert plan == v1, (family, rows)
+        if want == "v1w":  # v1 but for the row-norm launch
+            assert plan.rownorm_launch == (1, 1)
+            assert dataclasses.replace(plan, name="v1", rownorm_launch=None, evidence=v1.evidence) == v1
     # rows unknown: the family's v1
     assert bp.choose_variant(dtype, precision) == "v1"
     assert bp.body_plan(dtype, precision) == v1
@@ -75,10 +78,12 @@ def _assert_cited_rows_exist(plan):
 
 def test_plans_name_their_roles_and_evidence():
     for family, entries in bp.TABLE.items():
-        for lo, hi, plan in entries:
-            assert lo <= hi
+        plans = [p for _, _, p in entries] + [p.arena_plan for _, _, p in entries if p.arena_plan is not None]
+        for plan in plans:
             assert plan.evidence.startswith("bench/"), (family, plan.name)
             _assert_cited_rows_exist(plan)
+        for lo, hi, plan in entries:
+            assert lo <= hi
             for role in ("qkv", "attention", "proj", "conv", "fc1", "fc2", "rownorm", "arena_qkv"):
                 assert getattr(plan, role) in bp.ROLE_KERNELS[role], (plan.name, role)
             assert plan.pdl <= bp.PDL_CAPABLE_KERNELS
@@ -136,14 +141,14 @@ def test_plan_for_explicit_scoped_and_arena():
     x16 = torch.zeros(64, 320, 5, dtype=torch.float16)
     x8 = torch.zeros(8, 320, 5, dtype=torch.float16)
     assert plan_for(x16, None) == bp.V5_16BIT
-    assert plan_for(x16, None, arena=True) == bp.V1_16BIT
+    assert plan_for(x16, None, arena=True) == bp.V1W_16BIT
     assert plan_for(x8, None) == bp.V1_16BIT  # v9 without the wgmma kernel (CPU): v1, call for call
     assert plan_for(x8, None, "v5") == bp.V5_16BIT
     with pytest.raises(ValueError, match="arena"):
         plan_for(x16, None, "v5", arena=True)
     with bp.use_plan("v5"):
         assert plan_for(x8, None) == bp.V5_16BIT
-        assert plan_for(x8, None, arena=True) == bp.V1_16BIT  # a scoped plan without an arena form: its arena plan
+        assert plan_for(x8, None, arena=True) == bp.V1W_16BIT  # a scoped plan without an arena form: its arena plan
         assert plan_for(x8, None, "v1") == bp.V1_16BIT  # an explicit plan wins
         with bp.use_plan(bp.V1_16BIT):
             assert plan_for(x16, None) == bp.V1_16BIT

@@ -450,6 +450,18 @@ def test_gpu_fused_within_oracle(dtype, precision, variant):
         _assert_fused_within_oracle(dtype, precision)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_wide_arena_plan_within_oracle(dtype):
+    """v1w, the plan of 16-bit arena bodies of >= 32 rows (v1 with one-warp row-norm programs), at the
+    shipped widths: within the oracle like every named plan."""
+    from torch_cfm.kernels.body_plans import V1W_16BIT, body_plan, use_plan
+
+    assert body_plan(dtype, None, 32, arena=True) is V1W_16BIT
+    with use_plan(V1W_16BIT):
+        _assert_fused_within_oracle(dtype, None)
+
+
 def _assert_fused_within_oracle(dtype, precision):
     fast, same, ref, valid, cached, t, l_len = _gpu_case(dtype, precision)
     parts = [valid_parts(*(o.cpu() for o in outs), valid, cached, t, l_len) for outs in (fast, same, ref)]

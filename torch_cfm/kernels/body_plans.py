@@ -98,8 +98,15 @@ V1_FP32 = dataclasses.replace(
     V1_16BIT, pdl=frozenset({"rownorm", "cfg_euler"}),
     evidence="bench/results/dit_step.json fp32-tf32 (8,50,400): sweep_v1_pdl_rownorm 1567.4 us vs sweep_v1_pdl_none 1625.3; "
              "(32,50,400) 3001.4 vs 3056.7 (d734227); v5 slower for TF32: sweep_v5_pdl_rownorm 1774.1 / 3344.9")
+# v1 on the in-place arena of >= 32 rows: one 512-channel row per one-warp row-norm program (the rule's
+# four warps leave the row-norm's dependent loads less overlapped at these grids of thousands of programs)
+V1W_16BIT = dataclasses.replace(
+    V1_16BIT, name="v1w", rownorm_launch=(1, 1),
+    evidence="bench/results/dit_step.json arena (N,50,400) fp16, 3 rounds each: sweep_arena_rownorm_r1_w1 1434.3 / "
+             "2313.3 / 3800.5 us vs the rule's sweep_arena_rownorm_r1_w4 1458.3 / 2317.0 / 3844.4 at N = 32 / 64 / 128 "
+             "(4b80244)")
 V5_16BIT = BodyPlan(
-    "v5", attention="attention_cache", arena_plan=V1_16BIT,
+    "v5", attention="attention_cache", arena_plan=V1W_16BIT,
     evidence="bench/results/dit_step.json (32,50,400) fp16: sweep_v5_pdl_none 1528.3 us vs sweep_v1_pdl_rownorm 1682.8 "
              "(d734227); sweep_v5_l2_off 1526.2 vs sweep_v1_l2_off 1635.0 (a867f09)")
 V5_FP32 = dataclasses.replace(V5_16BIT, pdl=V1_FP32.pdl, arena_plan=V1_FP32,
