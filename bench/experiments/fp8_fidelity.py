@@ -18,7 +18,9 @@ estimator); inputs unit-scale seeded Gaussians (mu ~ N(0,1), prompt mel and spks
 
 Runs (each against the float64 torch_cfm run; errors of the concatenated chunk mels, the
 prompt solve's mel reported apart): torch_cfm fp32 / fp16; FP8-emulated variants (float32
-elsewhere); upstream fp16 and fp32 (fp32: checks that both sides solve the same problem).
+elsewhere: all block GEMMs, all but proj, fc1+fc2 only; with ``--runs all`` also qkv+proj only
+and convs only); upstream fp16 (bf16 instead if fp16 fails on CPU) and fp32 (the fp32 run checks
+that both sides solve the same problem: it lands at fp32 rounding of the fp64 reference).
 
 FP8 emulation (:func:`fp8_gemms`): for the chosen block GEMMs -- attention ``to_q/to_k/to_v``
 ("qkv"), ``proj``, the two causal convs ("conv1", "conv2") and ``mlp.fc1`` / ``fc2`` -- the
@@ -34,10 +36,10 @@ the ``F`` that ``torch_cfm.models.dit`` calls ``F.conv1d`` through in ``forward_
 (restored on exit); every hooked GEMM is counted, and a harness check runs the hooks with
 quantisation off against the plain fp32 forward.
 
-Run (about 8 min on 2 cores at the default full size; --quick: hidden 64, depth 2, seconds)::
+Run (full size, default runs: about 10 min on 2 cores, the fp16 runs 160 s each as CPU fp16
+GEMMs are slow; --quick: hidden 64, depth 2, prompt 150, seconds)::
 
-    . /work/venv/bin/activate
-    python bench/experiments/fp8_fidelity.py [--quick] [--prompt 300] [--chunks 8] [--out PATH]
+    python bench/experiments/fp8_fidelity.py [--quick] [--prompt 300] [--chunks 8] [--runs default|all|KEYS] [--out PATH]
 
 Prints a markdown table and writes JSON to ``--out`` (default bench/experiments/fp8_fidelity.json).
 """
