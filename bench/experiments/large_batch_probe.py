@@ -1,7 +1,7 @@
 """Probe for the large-batch body (issue 31): where a 32-128-row step's time goes, and what FP8 buys.
 
-Not a shipped benchmark: it answers the questions that choose the plan, and its printed tables are
-cited by the tuning table and docs/performance.md §4.
+Not a shipped benchmark: it answers the questions that choose the plan; docs/performance.md §4 cites
+its printed numbers.
 
 1. ``gemm``: the body's GEMMs at M = rows x 50 (conv: rows x 52), per role, on cuBLAS fp16 (as the
    v1 plan calls them) and as FP8 e4m3 ``torch._scaled_mm`` with per-row activation and per-column

@@ -98,8 +98,8 @@ V1_FP32 = dataclasses.replace(
     V1_16BIT, pdl=frozenset({"rownorm", "cfg_euler"}),
     evidence="bench/results/dit_step.json fp32-tf32 (8,50,400): sweep_v1_pdl_rownorm 1567.4 us vs sweep_v1_pdl_none 1625.3; "
              "(32,50,400) 3001.4 vs 3056.7 (d734227); v5 slower for TF32: sweep_v5_pdl_rownorm 1774.1 / 3344.9")
-# v1 on the in-place arena of >= 32 rows: one 512-channel row per one-warp row-norm program (the rule's
-# four warps leave the row-norm's dependent loads less overlapped at these grids of thousands of programs)
+# v1 on the in-place arena of >= 32 rows with one 512-channel row per one-warp row-norm program: 0.2-1.6 %
+# faster per step than the rule's four warps at 32-128 rows (fp16 measured; bf16 shares the 16-bit plans)
 V1W_16BIT = dataclasses.replace(
     V1_16BIT, name="v1w", rownorm_launch=(1, 1),
     evidence="bench/results/dit_step.json arena (N,50,400) fp16, 3 rounds each: sweep_arena_rownorm_r1_w1 1434.3 / "
