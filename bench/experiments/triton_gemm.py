@@ -2,9 +2,9 @@
 
 The question it answered: does a Triton GEMM with a tile chosen per role shape beat cuBLAS at the
 body's shapes of 32-128 rows (M = rows x 50, K = 512 or 2048, N = 512-2048)? It does not: at every
-shape its best tile of :data:`CANDIDATES` is 12-60 % slower than cuBLAS (the table in
-docs/performance.md §4; ``python3 bench/experiments/large_batch_probe.py --parts tiles``). The arena
-step with all its GEMMs here was 16-22 % slower, with PDL 11-17 %. Kept so the result can be rerun.
+shape its best tile of :data:`CANDIDATES` is 13-62 % slower than cuBLAS (docs/performance.md §4;
+``python3 bench/experiments/large_batch_probe.py --parts tiles``). The arena step with all its GEMMs
+here was 19-23 % slower, 17 % with PDL on every kernel. Kept so the result can be rerun.
 
     a: (M, K) fp16/bf16, unit stride on K;  w: (N, K) same dtype, unit stride on K;
     bias: (N,) same dtype or None;  out: (M, N) same dtype, unit stride on N.
