@@ -156,3 +156,9 @@ def test_plan_for_explicit_scoped_and_arena():
     assert bp.scoped_plan() is None
     with pytest.raises(ValueError, match="plan"):
         plan_for(torch.zeros(2, 320, 5), "ieee", "v9")
+
+
+def test_describe_table_names_each_bucket_and_arena_plan():
+    text = bp.describe_table()
+    assert "fp16: 0-8 v9, 9-31 v1, 32+ v5 (arena v1w)" in text
+    assert "tf32: 0-8 v9, 9+ v1" in text and "ieee: 0+ v1" in text

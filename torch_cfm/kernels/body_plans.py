@@ -206,11 +206,14 @@ def scoped_plan() -> Union[BodyPlan, str, None]:
 
 
 def describe_table() -> str:
-    """The table in one line per family, e.g. "fp16: 0-8 v9, 9-31 v1, 32+ v5" (for explain())."""
+    """The table in one line per family, e.g. "fp16: 0-8 v9, 9-31 v1, 32+ v5 (arena v1w)" (for explain())."""
     def span(lo: int, hi: int) -> str:
         return f"{lo}+" if hi == ANY_ROWS else f"{lo}-{hi}"
 
-    return "; ".join(f"{fam}: " + ", ".join(f"{span(lo, hi)} {p.name}" for lo, hi, p in entries)
+    def plan_text(p: BodyPlan) -> str:
+        return p.name + (f" (arena {p.arena_plan.name})" if p.arena_plan is not None else "")
+
+    return "; ".join(f"{fam}: " + ", ".join(f"{span(lo, hi)} {plan_text(p)}" for lo, hi, p in entries)
                      for fam, entries in TABLE.items())
 
 
