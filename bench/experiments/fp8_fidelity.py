@@ -21,6 +21,11 @@ prompt solve's mel reported apart): torch_cfm fp32 / fp16; FP8-emulated variants
 elsewhere: all block GEMMs, all but proj, fc1+fc2 only; with ``--runs all`` also qkv+proj only
 and convs only); upstream fp16 (bf16 instead if fp16 fails on CPU) and fp32 (the fp32 run checks
 that both sides solve the same problem: it lands at fp32 rounding of the fp64 reference).
+``--runs block`` (also in ``all``): the finer-grained scaling variants (:data:`SCHEMES`) -- block
+scaling along K ("DeepSeek-style": activations one scale per (token, 128 K), weights one per
+(128 out x 128 K) tile, "blk128x128", or per (out channel, 128 K), "blk1x128") in all block GEMMs,
+all but the convs, fc1+fc2 only; and per-token / block-scaled FP8 everywhere but the convs with the
+convs in fp16 (operands and result rounded through float16, fp32 accumulation).
 
 FP8 emulation (:func:`fp8_gemms`): for the chosen block GEMMs -- attention ``to_q/to_k/to_v``
 ("qkv"), ``proj``, the two causal convs ("conv1", "conv2") and ``mlp.fc1`` / ``fc2`` -- the
@@ -39,9 +44,17 @@ quantisation off against the plain fp32 forward.
 Run (full size, default runs: about 10 min on 2 cores, the fp16 runs 160 s each as CPU fp16
 GEMMs are slow; --quick: hidden 64, depth 2, prompt 150, seconds)::
 
-    python bench/experiments/fp8_fidelity.py [--quick] [--prompt 300] [--chunks 8] [--runs default|all|KEYS] [--out PATH]
+    python bench/experiments/fp8_fidelity.py [--quick] [--prompt 300] [--chunks 8] [--runs default|block|all|KEYS] [--out PATH] [--no-merge]
 
-Prints a markdown table and writes JSON to ``--out`` (default bench/experiments/fp8_fidelity.json).
+Block scaling (:func:`quant_blocks`): one scale = tile absmax / 448 per tile of the last two axes;
+K is the GEMM's reduction axis (for the convs the C input channels of each tap; weight tiles never
+straddle taps). Dequantising both operands with their tile scales and multiplying in float32 is
+the same arithmetic as fp32 accumulation per K block with the two scales applied per block.
+
+Prints a markdown table and merges the rows into the JSON at ``--out`` (default
+bench/experiments/fp8_fidelity.json; same workload required, same-named rows replaced, the earlier
+rows kept, so ``--runs block`` needs no rerun of the slow fp16 runs: their rows are reused and
+printed alongside); ``--no-merge`` overwrites.
 """
 
 from __future__ import annotations
@@ -85,42 +98,99 @@ GROUPS = {  # GEMM group -> block submodule names
     "fc2": ("mlp.fc2",),
 }
 ALL = tuple(GROUPS)
-FP8_VARIANTS = {  # run name -> quantised groups
-    "fp8 all block GEMMs": ALL,
-    "fp8 all but proj": tuple(g for g in ALL if g != "proj"),
-    "fp8 fc1+fc2 only": ("fc1", "fc2"),
-    "fp8 qkv+proj only": ("qkv", "proj"),
-    "fp8 convs only": ("conv1", "conv2"),
+NO_CONV = tuple(g for g in ALL if not g.startswith("conv"))
+CONVS = ("conv1", "conv2")
+SCHEMES = {  # scheme -> (activation (rows, K) block, weight (rows, K) block); None = the whole axis
+    "tok": ((1, None), (1, None)),      # per token / per output channel
+    "blk128": ((1, 128), (128, 128)),   # DeepSeek-style: (token, 128 K) / (128 out x 128 K) blocks
+    "blk1x128": ((1, 128), (1, 128)),   # (token, 128 K) / (out channel, 128 K) blocks
+    "fp16": None,                       # operands and result rounded through float16, fp32 accumulation
+}
+
+
+def _with(groups, scheme, **extra):
+    return {**{g: scheme for g in groups}, **extra}
+
+
+FP8_VARIANTS = {  # run name -> {quantised group: scheme}
+    "fp8 all block GEMMs": _with(ALL, "tok"),
+    "fp8 all but proj": _with(tuple(g for g in ALL if g != "proj"), "tok"),
+    "fp8 fc1+fc2 only": _with(("fc1", "fc2"), "tok"),
+    "fp8 qkv+proj only": _with(("qkv", "proj"), "tok"),
+    "fp8 convs only": _with(CONVS, "tok"),
+    "fp8 blk128x128 all block GEMMs": _with(ALL, "blk128"),
+    "fp8 blk128x128 all but convs": _with(NO_CONV, "blk128"),
+    "fp8 blk128x128 fc1+fc2 only": _with(("fc1", "fc2"), "blk128"),
+    "fp8 blk1x128 all block GEMMs": _with(ALL, "blk1x128"),
+    "fp8 blk1x128 all but convs": _with(NO_CONV, "blk1x128"),
+    "fp8 blk1x128 fc1+fc2 only": _with(("fc1", "fc2"), "blk1x128"),
+    "fp8 all but convs, convs fp16": _with(NO_CONV, "tok", **_with(CONVS, "fp16")),
+    "fp8 blk128x128 all but convs, convs fp16": _with(NO_CONV, "blk128", **_with(CONVS, "fp16")),
 }
 RUN_KEYS = {  # --runs key -> run name, in run order
     "fp32": "torch_cfm fp32", "fp16": "torch_cfm fp16",
     "fp8_all": "fp8 all block GEMMs", "fp8_no_proj": "fp8 all but proj", "fp8_mlp": "fp8 fc1+fc2 only",
     "fp8_attn": "fp8 qkv+proj only", "fp8_conv": "fp8 convs only",
+    "fp8b_all": "fp8 blk128x128 all block GEMMs", "fp8b_no_conv": "fp8 blk128x128 all but convs",
+    "fp8b_mlp": "fp8 blk128x128 fc1+fc2 only",
+    "fp8r_all": "fp8 blk1x128 all block GEMMs", "fp8r_no_conv": "fp8 blk1x128 all but convs",
+    "fp8r_mlp": "fp8 blk1x128 fc1+fc2 only",
+    "fp8_conv16": "fp8 all but convs, convs fp16", "fp8b_conv16": "fp8 blk128x128 all but convs, convs fp16",
     "up16": "upstream fp16", "up_bf16": "upstream bf16", "up32": "upstream fp32",
 }
 RUN_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "up16": torch.float16, "up_bf16": torch.bfloat16,
               "up32": torch.float32}
-EXTRA_RUNS = ("fp8_attn", "fp8_conv", "up_bf16")  # not in --runs default
+BLOCK_RUNS = ("fp8b_all", "fp8b_no_conv", "fp8b_mlp", "fp8r_all", "fp8r_no_conv", "fp8r_mlp", "fp8_conv16",
+              "fp8b_conv16")  # --runs block
+EXTRA_RUNS = ("fp8_attn", "fp8_conv", "up_bf16") + BLOCK_RUNS  # not in --runs default
 
 
 # ------------------------------------------------------------------------------- FP8 emulation
 def quant_rows(x: torch.Tensor, enabled: bool = True) -> torch.Tensor:
     """Per-row (last axis) e4m3 fake quantisation: scale = absmax / 448, float32 out."""
+    return quant_blocks(x, (1, None), enabled)
+
+
+def quant_blocks(x: torch.Tensor, block, enabled: bool = True) -> torch.Tensor:
+    """e4m3 fake quantisation of ``x`` (..., R, K) with one scale (block absmax / 448) per
+    ``block = (rows, cols)`` tile of the last two axes (None = the whole axis; ragged edges get
+    smaller tiles, as zero padding does not change an absmax); float32 out."""
     x = x.to(torch.float32)
     if not enabled:
         return x
-    amax = x.abs().amax(dim=-1, keepdim=True)
+    rb, cb = block
+    *lead, n_r, n_k = x.shape
+    rb, cb = rb or n_r, cb or n_k
+    pr, pk = -n_r % rb, -n_k % cb
+    xp = F.pad(x, (0, pk, 0, pr)) if pr or pk else x
+    tiles = xp.reshape(*lead, (n_r + pr) // rb, rb, (n_k + pk) // cb, cb)
+    amax = tiles.abs().amax(dim=(-3, -1), keepdim=True)
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    return (x / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
+    q = ((tiles / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale).reshape(xp.shape)
+    return q[..., :n_r, :n_k] if pr or pk else q
 
 
-def _linear_forward(mod: torch.nn.Linear, group: str, counts: dict, quantise: bool):
-    w_q = quant_rows(mod.weight.detach(), quantise)  # per output channel
+def quant_operand(x: torch.Tensor, scheme: str, weight: bool, enabled: bool = True) -> torch.Tensor:
+    """An activation ((..., tokens, K)) or weight ((out, K)) operand as ``scheme`` stores it, float32 out."""
+    if not enabled:
+        return x.to(torch.float32)
+    if scheme == "fp16":
+        return x.to(torch.float16).to(torch.float32)
+    return quant_blocks(x, SCHEMES[scheme][1 if weight else 0])
+
+
+def round_result(y: torch.Tensor, scheme: str, enabled: bool = True) -> torch.Tensor:
+    """The GEMM result as ``scheme`` stores it: fp16 rounding for "fp16", else float32 as is."""
+    return y.to(torch.float16).to(torch.float32) if enabled and scheme == "fp16" else y
+
+
+def _linear_forward(mod: torch.nn.Linear, group: str, scheme: str, counts: dict, quantise: bool):
+    w_q = quant_operand(mod.weight.detach(), scheme, True, quantise)
     bias = mod.bias.detach().to(torch.float32)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         counts[group] += 1
-        return (quant_rows(x, quantise) @ w_q.T + bias).to(x.dtype)
+        return round_result(quant_operand(x, scheme, False, quantise) @ w_q.T + bias, scheme, quantise).to(x.dtype)
 
     return forward
 
@@ -133,9 +203,10 @@ class _ConvAsGemm(types.ModuleType):
         super().__init__("torch.nn.functional")
         self._targets, self._counts, self._quantise = targets, counts, quantise
         self._stacked = {}
-        for key, (weight, _, _) in targets.items():
-            c_out, c_in, k = weight.shape  # rows (tap, out channel), per-row scale
-            self._stacked[key] = quant_rows(weight.detach().permute(2, 0, 1).reshape(k * c_out, c_in), quantise)
+        for key, (weight, _, _, scheme) in targets.items():
+            # rows (tap, out channel), K = the C input channels; scales per tap (blocks never straddle taps)
+            per_tap = weight.detach().permute(2, 0, 1)  # (k, c_out, c_in)
+            self._stacked[key] = quant_operand(per_tap, scheme, True, quantise).reshape(-1, per_tap.shape[-1])
 
     def __getattr__(self, name):
         return getattr(F, name)
@@ -144,43 +215,46 @@ class _ConvAsGemm(types.ModuleType):
         hit = self._targets.get(id(weight))
         if hit is None or hit[0] is not weight or args or kwargs:
             return F.conv1d(ext, weight, bias, *args, **kwargs)
-        _, group, _ = hit
+        _, group, _, scheme = hit
         self._counts[group] += 1
         c_out, _, k = weight.shape
         n_rows, _, frames = ext.shape
-        tokens = quant_rows(ext.transpose(1, 2), self._quantise)  # (N, 2 + T, C): one scale per frame
+        tokens = quant_operand(ext.transpose(1, 2), scheme, False, self._quantise)  # (N, 2 + T, C): per frame
         taps = (tokens @ self._stacked[id(weight)].T).view(n_rows, frames, k, c_out)
         t_out = frames - (k - 1)
         out = bias.detach().to(torch.float32).expand(n_rows, t_out, c_out).clone()
         for tap in range(k):
             out = out + taps[:, tap:tap + t_out, tap]
-        return out.transpose(1, 2).to(ext.dtype)
+        return round_result(out, scheme, self._quantise).transpose(1, 2).to(ext.dtype)
 
 
 @contextlib.contextmanager
 def fp8_gemms(model: DiT, groups, counts: dict, quantise: bool = True):
-    """Run ``model``'s reference path with the ``groups`` block GEMMs FP8-emulated (see module doc)."""
+    """Run ``model``'s reference path with the ``groups`` block GEMMs FP8-emulated (see module doc).
+    ``groups``: {group: scheme} (a plain sequence of groups means scheme "tok" for each)."""
+    if not isinstance(groups, dict):
+        groups = {g: "tok" for g in groups}
     linears, convs = [], {}
     for blk in model.blocks:
-        for group in groups:
+        for group, scheme in groups.items():
             for name in GROUPS[group]:
                 mod = blk.get_submodule(name)
                 if isinstance(mod, torch.nn.Conv1d):
-                    convs[id(mod.weight)] = (mod.weight, group, name)
+                    convs[id(mod.weight)] = (mod.weight, group, name, scheme)
                 else:
-                    linears.append((mod, group))
+                    linears.append((mod, group, scheme))
     for group in groups:
         counts.setdefault(group, 0)
     saved_f = dit_module.F
     try:
-        for mod, group in linears:
-            mod.forward = _linear_forward(mod, group, counts, quantise)
+        for mod, group, scheme in linears:
+            mod.forward = _linear_forward(mod, group, scheme, counts, quantise)
         if convs:
             dit_module.F = _ConvAsGemm(convs, counts, quantise)
         yield
     finally:
         dit_module.F = saved_f
-        for mod, _ in linears:
+        for mod, _, _ in linears:
             mod.__dict__.pop("forward", None)
 
 
@@ -275,15 +349,17 @@ def harness_check(master: DiT, w: Workload) -> dict:
         counts = {}
         with fp8_gemms(model, ALL, counts, quantise=False):
             hooked = model.forward_chunk(*args, fused=False)
-        q_counts = {}
-        with fp8_gemms(model, ALL, q_counts, quantise=True):
-            quant = model.forward_chunk(*args, fused=False)
         ref64 = copy.deepcopy(master).double().forward_chunk(*[a.double() for a in args], fused=False)
+        one_forward = {}
+        for scheme in SCHEMES:  # every block GEMM in that scheme
+            with fp8_gemms(model, {g: scheme for g in ALL}, {}, quantise=True):
+                one_forward[scheme] = err_rel_fro(model.forward_chunk(*args, fused=False)[0], ref64[0])
     return {"hooks_off_vs_plain_fp32_rel": err_rel_fro(hooked[0], ref[0]),
             "hooks_off_new_cnn_rel": err_rel_fro(hooked[1], ref[1]),
             "hooks_off_new_att_rel": err_rel_fro(hooked[2], ref[2]),
             "plain_fp32_vs_fp64_rel": err_rel_fro(ref[0], ref64[0]),
-            "fp8_one_forward_vs_fp64_rel": err_rel_fro(quant[0], ref64[0]),
+            "fp8_one_forward_vs_fp64_rel": one_forward["tok"],
+            "one_forward_vs_fp64_rel_by_scheme": one_forward,
             "calls_per_forward": counts}
 
 
@@ -304,9 +380,12 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--runs", default="default",
-                    help="'default' (every run but the two extra FP8 attributions), 'all', or a comma list of "
-                         "run keys: " + ", ".join(RUN_KEYS) + " (the fp64 reference always runs)")
+                    help="'default' (every run but the extra FP8 attributions and the block-scaled / fp16-conv "
+                         "variants), 'block' (only those: " + ", ".join(BLOCK_RUNS) + "), 'all', or a comma "
+                         "list of run keys: " + ", ".join(RUN_KEYS) + " (the fp64 reference always runs)")
     ap.add_argument("--out", default=os.path.join(HERE, "fp8_fidelity.json"))
+    ap.add_argument("--no-merge", action="store_true",
+                    help="overwrite --out instead of merging this invocation's rows into it")
     args = ap.parse_args()
 
     cfg = DiTConfig(hidden=64, depth=2, heads=4, head_dim=16) if args.quick else DiTConfig()
@@ -315,6 +394,8 @@ def main() -> None:
     max_frames = prompt + 100 + args.chunk
     if args.runs == "all":
         keys = list(RUN_KEYS)
+    elif args.runs == "block":
+        keys = list(BLOCK_RUNS)
     elif args.runs == "default":
         keys = [k for k in RUN_KEYS if k not in EXTRA_RUNS]
     else:
@@ -322,6 +403,14 @@ def main() -> None:
         unknown = [k for k in keys if k not in RUN_KEYS]
         if unknown:
             ap.error(f"unknown run keys {unknown}; known: {', '.join(RUN_KEYS)}")
+    setup = {"config": dataclasses.asdict(cfg), "prompt_frames": prompt, "chunks": args.chunks,
+             "chunk_frames": args.chunk, "n_timesteps": N_STEPS, "cfg_rate": CFG_RATE, "seed": args.seed}
+    previous = None
+    if not args.no_merge and os.path.exists(args.out):
+        with open(args.out) as fh:
+            previous = json.load(fh)
+        if any(previous.get(k) != v for k, v in setup.items()):
+            ap.error(f"{args.out} holds a different workload/config; pass another --out or --no-merge")
 
     t_start = time.perf_counter()
     dec32, size = build_upstream_decoder(cfg, args.seed, w, max_frames)
@@ -357,14 +446,21 @@ def main() -> None:
                 timed(RUN_KEYS["up_bf16"], lambda: run_upstream(dec32, torch.bfloat16, w, max_frames))
 
     ref = results["torch_cfm fp64 (reference)"]
-    rows = {name: errors(res, ref) for name, res in results.items()}
+    new_rows = {name: errors(res, ref) for name, res in results.items()}
+    for name, row in new_rows.items():
+        row["quantised_gemm_calls"] = counts.get(name)
+        row["seconds"] = timings[name]
+    old_rows = previous["rows"] if previous else {}
+    if previous:  # same workload, deterministic fp64 reference: the earlier rows stay comparable
+        r_old = old_rows.get("torch_cfm fp64 (reference)", {}).get("cache_lengths")
+        assert r_old in (None, new_rows["torch_cfm fp64 (reference)"]["cache_lengths"])
+    rows = {**old_rows, **new_rows}  # this invocation's rows replace same-named earlier ones
     fp16_ref = rows.get("torch_cfm fp16", {}).get("stream_rel_l2")
     up16 = rows.get("upstream fp16", {}).get("stream_rel_l2")
     for name, row in rows.items():
-        row["quantised_gemm_calls"] = counts.get(name)
         row["x_torch_cfm_fp16"] = row["stream_rel_l2"] / fp16_ref if fp16_ref else None
         row["x_upstream_fp16"] = row["stream_rel_l2"] / up16 if up16 else None
-        row["seconds"] = timings[name]
+        row["from_earlier_invocation"] = name not in new_rows
     total = time.perf_counter() - t_start
 
     lengths = rows["torch_cfm fp64 (reference)"]["cache_lengths"]
@@ -375,8 +471,11 @@ def main() -> None:
           "x upstream fp16 | s |")
     print("|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
-        if name.startswith("torch_cfm fp64"):
+        if name.startswith("torch_cfm fp64") or (name not in new_rows and name not in ("torch_cfm fp16",
+                                                                                      "upstream fp16")):
             continue
+        if name not in new_rows:
+            name = f"{name} (earlier run, from {os.path.basename(args.out)})"
         ratio = lambda v: "-" if v is None else f"{v:.3g}"  # noqa: E731
         print(f"| {name} | {r['stream_rel_l2']:.3e} | {r['stream_max_abs']:.3e} | {r['worst_chunk_rel_l2']:.3e} | "
               f"{r['prompt_rel_l2']:.3e} | {ratio(r['x_torch_cfm_fp16'])} | {ratio(r['x_upstream_fp16'])} | "
@@ -386,12 +485,23 @@ def main() -> None:
     print(f"\nharness check: {json.dumps(check)}")
     print(f"total {total:.0f} s")
 
-    out = {"config": dataclasses.asdict(cfg), "prompt_frames": prompt, "chunks": args.chunks,
-           "chunk_frames": args.chunk, "n_timesteps": N_STEPS, "cfg_rate": CFG_RATE, "seed": args.seed,
-           "fp8_variants": {k: list(v) for k, v in FP8_VARIANTS.items()}, "rows": rows, "failed": notes,
-           "harness_check": check, "reference_seconds": timings.get("torch_cfm fp64 (reference)"),
-           "total_seconds": total, "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "machine": platform.processor() or platform.machine()}
+    invocation = {"runs": [RUN_KEYS[k] for k in keys], "harness_check": check,
+                  "reference_seconds": timings.get("torch_cfm fp64 (reference)"), "total_seconds": total,
+                  "torch": torch.__version__, "threads": torch.get_num_threads(),
+                  "machine": platform.processor() or platform.machine()}
+    variants = {k: v for k, v in FP8_VARIANTS.items() if k in rows}
+    out = {**setup, "fp8_schemes": {k: {"activation_block": v[0], "weight_block": v[1]} if v else
+                                    "operands and result rounded through float16, fp32 accumulation"
+                                    for k, v in SCHEMES.items()},
+           "fp8_variants": variants, "rows": rows, "failed": {**(previous or {}).get("failed", {}), **notes}}
+    if previous:  # earlier invocations: the first one's fields were kept at top level
+        earlier = previous.get("invocations") or [{
+            "runs": [n for n in previous["rows"] if not n.startswith("torch_cfm fp64")],
+            **{k: previous.get(k) for k in ("harness_check", "reference_seconds", "total_seconds", "torch",
+                                            "threads", "machine")}}]
+        out["invocations"] = earlier + [invocation]
+    else:
+        out["invocations"] = [invocation]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(out, fh, indent=1)
