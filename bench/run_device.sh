@@ -40,6 +40,9 @@
 #   wgmma-gemm     bench/wgmma_gemm.py: the wgmma + TMA GEMM (csrc/cuda/dit_linear*) vs cuBLAS at the
 #                  block's K = 512 shapes
 #                  (check, repeated calls, per-role dependent chains with and without PDL; WGMMA_ARGS)
+#   large-batch    bench/experiments/large_batch_probe.py: the 32-128-row body's GEMMs (cuBLAS, FP8, Triton tiles),
+#                  attention on the arena layout and a profiled steady tick (LARGE_BATCH_ARGS, default
+#                  "--parts gemm,attn,tick"); its JSON under $OUT/large_batch
 # 'all': tests memcheck attention dit-full; no stage: an error. The device copy has no .git: pass BENCH_COMMIT.
 # Each stage has its own time limit (LIMIT_<STAGE> seconds, e.g. LIMIT_TESTS=400).
 set -uo pipefail
@@ -133,6 +136,10 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-1
       wgmma-gemm)  # the body's wgmma + TMA GEMM against cuBLAS (WGMMA_ARGS, e.g. "--parts check,repeat")
         timeout "$(limit wgmma-gemm 300)" python3 bench/wgmma_gemm.py ${WGMMA_ARGS:-} --out "$OUT" > "$OUT/wgmma_gemm.log" 2>&1
         tail -60 "$OUT/wgmma_gemm.log" ;;
+      large-batch)
+        timeout "$(limit large-batch 400)" python3 bench/experiments/large_batch_probe.py \
+          ${LARGE_BATCH_ARGS:---parts gemm,attn,tick} --out "$OUT/large_batch" > "$OUT/large_batch.log" 2>&1
+        grep -E '^\{' "$OUT/large_batch.log" | cut -c1-400 | tail -40 ;;
       serving-tick)  # CFMServer(graphs=True) steady tick, 16 and 64 streams (old vs new: bench/compare_trees.sh)
         timeout "$(limit serving-tick 300)" python3 bench/serving_tick.py --out "$OUT" \
           ${SERVING_TICK_ARGS:-} > "$OUT/serving_tick.log" 2>&1; tail -8 "$OUT/serving_tick.log" ;;
