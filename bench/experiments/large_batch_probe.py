@@ -45,25 +45,34 @@ def quant_rows(a: torch.Tensor):
     return (a.float() / scale).to(torch.float8_e4m3fn), scale
 
 
-def gemm_part(rows_list, out_rows):
+def role_operands(rows: int):
+    """(role, M, K, N, gelu, a, w, bias or None, out) of every block GEMM of a ``rows``-row body
+    (M = rows x 50 tokens, the convs rows x 52 history frames), fresh fp16 operands on the GPU."""
     c, mlp = 512, 2048
-    dev = "cuda"
+    m, mc = rows * 50, rows * 52
+    roles = (("qkv", m, c, 3 * c, True, False), ("proj", m, c, c, True, False), ("conv", mc, c, 3 * c, False, False),
+             ("fc1", m, c, mlp, True, True), ("fc2", m, mlp, c, True, False))
+    for role, mm, k, n, has_bias, gelu in roles:
+        a = torch.randn(mm, k, device="cuda", dtype=torch.float16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.float16) / k ** 0.5
+        b = torch.randn(n, device="cuda", dtype=torch.float16) if has_bias else None
+        yield role, mm, k, n, gelu, a, w, b, torch.empty(mm, n, device="cuda", dtype=torch.float16)
+
+
+def cublas_call(a, w, b, out, gelu: bool):
+    """The body's cuBLAS call for one role (GELU in the Lt epilogue for fc1)."""
+    if gelu:
+        return lambda: torch._addmm_activation(b, a, w.t(), use_gelu=True, out=out)
+    if b is not None:
+        return lambda: torch.addmm(b, a, w.t(), out=out)
+    return lambda: torch.mm(a, w.t(), out=out)
+
+
+def gemm_part(rows_list, out_rows):
     for rows in rows_list:
-        m, mc = rows * 50, rows * 52
-        roles = {"qkv": (m, c, 3 * c, True), "proj": (m, c, c, True), "conv": (mc, c, 3 * c, False),
-                 "fc1": (m, c, mlp, True), "fc2": (m, mlp, c, True)}
-        for role, (mm, k, n, has_bias) in roles.items():
-            a = torch.randn(mm, k, device=dev, dtype=torch.float16)
-            w = torch.randn(n, k, device=dev, dtype=torch.float16) / k ** 0.5
-            b = torch.randn(n, device=dev, dtype=torch.float16)
-            out = torch.empty(mm, n, device=dev, dtype=torch.float16)
+        for role, mm, k, n, gelu, a, w, b, out in role_operands(rows):
             flop = 2.0 * mm * k * n
-            if role == "fc1":
-                f16 = lambda: torch._addmm_activation(b, a, w.t(), use_gelu=True, out=out)  # noqa: E731
-            elif has_bias:
-                f16 = lambda: torch.addmm(b, a, w.t(), out=out)  # noqa: E731
-            else:
-                f16 = lambda: torch.mm(a, w.t(), out=out)  # noqa: E731
+            f16 = cublas_call(a, w, b, out, gelu)
             res = {"rows": rows, "role": role, "M": mm, "K": k, "N": n}
             t = time_cuda_graph(f16, calls=20, repeats=15)["us_p50"]
             res["fp16_us"] = t
@@ -75,9 +84,9 @@ def gemm_part(rows_list, out_rows):
                 key = "fp8_fast" if fast else "fp8"
                 try:
                     f8 = lambda: torch._scaled_mm(a8, w8t, scale_a=sa, scale_b=swt,  # noqa: E731
-                                                  bias=b if has_bias else None, out_dtype=torch.float16,
+                                                  bias=b, out_dtype=torch.float16,
                                                   use_fast_accum=fast)
-                    ref = (a.float() @ w.float().t() + (b.float() if has_bias else 0))
+                    ref = a.float() @ w.float().t() + (b.float() if b is not None else 0)
                     got = f8().float()
                     res[key + "_relerr"] = float((got - ref).norm() / ref.norm())
                     t8 = time_cuda_graph(f8, calls=20, repeats=15)["us_p50"]
@@ -96,29 +105,15 @@ def tiles_part(rows_list, out_rows):
     the best tile per (M bucket, K, N) and returns the table's text."""
     import triton_gemm as dense_gemm
 
-    c, mlp = 512, 2048
-    dev = "cuda"
     buckets = {16: (1, 1200), 32: (1201, 2400), 64: (2401, 4800), 128: (4801, 1 << 40)}
     for rows in rows_list:
-        m, mc = rows * 50, rows * 52
-        roles = {"qkv": (m, c, 3 * c, True, False), "proj": (m, c, c, True, False), "conv": (mc, c, 3 * c, False, False),
-                 "fc1": (m, c, mlp, True, True), "fc2": (m, mlp, c, True, False)}
-        for role, (mm, k, n, has_bias, gelu) in roles.items():
-            a = torch.randn(mm, k, device=dev, dtype=torch.float16)
-            w = torch.randn(n, k, device=dev, dtype=torch.float16) / k ** 0.5
-            b = torch.randn(n, device=dev, dtype=torch.float16) if has_bias else None
-            out = torch.empty(mm, n, device=dev, dtype=torch.float16)
-            ref = a.float() @ w.float().t() + (b.float() if has_bias else 0)
+        for role, mm, k, n, gelu, a, w, b, out in role_operands(rows):
+            ref = a.float() @ w.float().t() + (b.float() if b is not None else 0)
             if gelu:
                 ref = torch.nn.functional.gelu(ref, approximate="tanh")
-            if gelu:
-                f16 = lambda: torch._addmm_activation(b, a, w.t(), use_gelu=True, out=out)  # noqa: E731
-            elif has_bias:
-                f16 = lambda: torch.addmm(b, a, w.t(), out=out)  # noqa: E731
-            else:
-                f16 = lambda: torch.mm(a, w.t(), out=out)  # noqa: E731
             res = {"part": "tiles", "rows": rows, "role": role, "M": mm, "K": k, "N": n,
-                   "cublas_us": time_cuda_graph(f16, calls=20, repeats=15)["us_p50"], "tiles": {}}
+                   "cublas_us": time_cuda_graph(cublas_call(a, w, b, out, gelu), calls=20, repeats=15)["us_p50"],
+                   "tiles": {}}
             for tile in dense_gemm.CANDIDATES:
                 try:
                     fn = lambda: dense_gemm.gemm_into(a, w, b, out, gelu=gelu, tile=tile)  # noqa: E731
