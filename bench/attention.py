@@ -1,4 +1,4 @@
-"""Benchmark ``torch_cfm.cfm_attention`` against its peers at the SPEC §7 shapes (H=8, D=64).
+"""Benchmark ``torch_cfm.cfm_attention`` against its peers at the docs/design.md §7 shapes (H=8, D=64).
 
 µs per call inside a CUDA graph (and eager), ragged key lengths (uniform in [K/2, K], fixed seed),
 fresh random inputs, fp16 / bf16 / fp32-tf32 / fp32-ieee, all providers in one run:
@@ -347,7 +347,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="torch_cfm + sdpa_cudnn_mask at 2 shapes, fp16")
     ap.add_argument("--sweep", action="store_true", help="time the kernel's tile/split variants per shape")
     ap.add_argument("--out", default=DEFAULT_OUT, help="directory of attention.json / attention.md")
-    ap.add_argument("--shapes", default=None, help="N,Q,K;N,Q,K... (default: SPEC §7 shapes)")
+    ap.add_argument("--shapes", default=None, help="N,Q,K;N,Q,K... (default: docs/design.md §7 shapes)")
     ap.add_argument("--dtypes", default=None, help=f"comma list of {tuple(DTYPES)}")
     ap.add_argument("--providers", default=None, help=f"comma list of {PROVIDERS}")
     ap.add_argument("--flex-dtypes", default=None,

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""SPEC §6 error ratios of cfm_attention kernel configs on sharp fp32 softmaxes (an experiment tool).
+"""docs/design.md §6 error ratios of cfm_attention kernel configs on sharp fp32 softmaxes (an experiment tool).
 
 For each config, every case is run through the Triton kernel and measured against float64
 (``tests/oracle.py``'s naive attention): ``ratio = err(fast) / (2 · err(fp32 reference) + 1e-6)``
-for the max-abs error (the SPEC §6 rule; a case fails when ratio > 1). Cases: the case pinned by
+for the max-abs error (the docs/design.md §6 rule; a case fails when ratio > 1). Cases: the case pinned by
 ``tests/test_properties.py::test_sharp_fp32_softmax_cases_within_oracle_cuda`` (fp32 "ieee", inputs
 ×2, K = 233), then ``--cases`` random ones with inputs scaled by each of ``--scales`` and their
 keys shuffled (the property that found it), D ∈ {16, 32, 64, 128}, K ∈ [1, 600).

@@ -2,7 +2,7 @@
 """Where the fp32 "ieee" attention error comes from on sharp softmaxes (a diagnostic, GPU).
 
 Runs the cases of ``attention_accuracy.py`` (inputs ×1 and ×2, keys shuffled) and reports, per
-case, SPEC §6 max-abs ratios ``err / (2 · err(fp32 reference) + 1e-6)`` (> 1 fails) of:
+case, docs/design.md §6 max-abs ratios ``err / (2 · err(fp32 reference) + 1e-6)`` (> 1 fails) of:
 
 - ``--parts``: the kernel (its chosen config, with/without q·k slices, FMA dots, no split), and
   its pieces alone, each followed by exact float64 math: the raw q·k scores from a one-dot

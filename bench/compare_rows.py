@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-KEY = ("op", "provider", "variant", "shape", "dtype", "precision", "timing")
+KEY = ("op", "provider", "variant", "shape", "dtype", "precision", "timing", "stage", "concurrency")
 
 
 def load_rows(directory: str) -> dict[str, dict]:
@@ -34,7 +34,7 @@ def load_rows(directory: str) -> dict[str, dict]:
 
 
 def value(row: dict):
-    for name in ("us_p50", "tick_ms_p50", "ms_p50"):
+    for name in ("us_p50", "step_ms_p50", "tick_ms_p50", "ms_p50"):
         if isinstance(row.get(name), (int, float)):
             return name, float(row[name])
     return None, None
@@ -60,7 +60,8 @@ def main(argv=None) -> int:
         flag = " **slower**" if ratio > 1 + args.tolerance else ""
         worse += bool(flag)
         label = o.get("provider", "") + (f"/{o['variant']}" if o.get("variant") else "")
-        shape = ",".join(f"{k}={v}" for k, v in (o.get("shape") or {}).items())
+        shape = ",".join(f"{k}={v}" for k, v in (o.get("shape") or {}).items()) or \
+            " ".join(f"{k}={o[k]}" for k in ("stage", "concurrency") if o.get(k) is not None)
         print(f"| {o['op']} | {label} | {shape} | {o.get('dtype')} {o.get('precision') or ''} | {name} | "
               f"{vo:.1f} | {vn:.1f} | {ratio:.3f}{flag} |")
     only = sorted(set(old) ^ set(new))

@@ -18,9 +18,15 @@ ATTN_ARGS=${ATTN_ARGS:-"--shapes 8,50,450;32,50,450 --dtypes fp16,fp32-tf32 --pr
 STEP_ARGS=${STEP_ARGS:-"--shapes 8,50,400;32,50,400 --dtypes fp16,fp32-tf32 --providers torch_cfm --variants none,arena --no-solve"}
 SOLVE_ARGS=${SOLVE_ARGS:-"--shapes 8,50,400 --dtypes fp16 --providers torch_cfm --variants none --no-steps"}
 SERVER_ARGS=${SERVER_ARGS:-"--streams 16,64 --dtype fp16 --label steady"}
+# the many-stream front, CFM alone (bench/serving.py), and one Token2wav stream (bench/stepaudio2_stream.py)
+SERVING_CFM_ARGS=${SERVING_CFM_ARGS:-"--stages cfm --providers torch_cfm --concurrency 1,16,64 --quick --warmup --dtype fp16"}
+STREAM_ARGS=${STREAM_ARGS:-"--quick"}
 
-build() {  # build <tree> <log> (in place; a warm machine keeps the last call's build)
+build() {  # build <tree> <log> (in place; a warm machine keeps the last call's build: SKIP_BUILD=1 reuses it)
+  if [ "${SKIP_BUILD:-0}" = 1 ] && ls "$1"/torch_cfm/_C*.so > /dev/null 2>&1; then return 0; fi
   (cd "$1" && MAX_JOBS=8 python3 setup.py build_ext --inplace > "$2" 2>&1) || { tail -30 "$2"; return 1; }
+  # a bare checkout: compile_rules/ reached as torch_cfm.compile_rules (what pyproject's package-dir does)
+  [ -e "$1/torch_cfm/compile_rules" ] || [ -e "$1/torch_cfm/_source_layout.py" ] || ln -s ../compile_rules "$1/torch_cfm/compile_rules"
 }
 echo "== build both trees"; date -u
 build "$OLD_TREE" "$OUT/build_old.log" & p1=$!
@@ -36,13 +42,15 @@ run_side() {  # run_side <old|new> <script relative to the tree> <args...>
   # it uses only the public API both trees have
   local repo=()
   [ -f "$tree/$script" ] || { script=$NEW_TREE/$script; repo=(--repo "$tree"); }
-  (cd "$tree" && PYTHONPATH=$tree BENCH_COMMIT=$commit timeout "${LIMIT_EACH:-200}" python3 "$script" "$@" \
+  (cd "$tree" && PYTHONPATH=$tree${PYTHONPATH:+:$PYTHONPATH} BENCH_COMMIT=$commit timeout "${LIMIT_EACH:-200}" python3 "$script" "$@" \
     "${repo[@]}" --out "$OUT/$side" >> "$OUT/$side.log" 2>&1) || echo "$side $script: exit $?"
 }
 both() { echo "== $*"; date -u; run_side old "$@"; run_side new "$@"; }
 for part in ${PARTS:-serving steps solve attention}; do
   case $part in
     serving) both bench/serving_tick.py $SERVER_ARGS ;;
+    serving-cfm) both bench/serving.py $SERVING_CFM_ARGS ;;
+    stream) both bench/stepaudio2_stream.py $STREAM_ARGS ;;
     steps) both bench/dit_step.py $STEP_ARGS ;;
     solve) both bench/dit_step.py $SOLVE_ARGS ;;
     attention) both bench/attention.py $ATTN_ARGS ;;

@@ -1,4 +1,4 @@
-"""Benchmark one DiT estimator step and the whole 10-step CFG chunk solve (SPEC §7, issue 4).
+"""Benchmark one DiT estimator step and the whole 10-step CFG chunk solve (docs/design.md §7, issue 4).
 
 op "dit_step", shape {N, T, L}: one estimator evaluation of a chunk of N rows (all rows full,
 T new frames, L cached frames), µs per call inside a CUDA graph (and eager), providers:
@@ -18,22 +18,21 @@ T new frames, L cached frames), µs per call inside a CUDA graph (and eager), pr
 
 op "cfm_solve_chunk", shape {B, N=2B, T, L}: the whole n-step CFG solve of a chunk:
 
-    torch_cfm             CFMGraphRunner: one graph replay per chunk of the arena solve the
-                          server runs (solve_arena_chunk: keyed arena, appends in place), without
-                          the server's host work
+    torch_cfm             GraphedArenaSolver: one graph replay per chunk of the arena solve the
+                          server runs (keyed arena, appends in place), without the server's host
+                          work
     torch_cfm/server      variant "server": CFMServer(graphs=True) in steady state — one
-                          solve_chunk call (staging, ArenaGraphSolver replay of the whole solve
+                          solve_chunk call (staging, graph replay of the whole solve
                           on the keyed arena: appends in place, the trim refills dropped frames,
                           mel copies) over ONE cache arena; ``arena_bytes`` is that arena,
                           ``peak_extra_bytes`` the peak above it. ``--server-variants`` adds
                           "server_copy" (append_in_place=False: rows copied out and back per
-                          step) and "server_spec" (the arena in the SPEC layout, every step's new
-                          cache written back through the trim: the server before the keyed arena)
+                          step)
     reference_eager       the reference module stepped in Python (CFG + Euler), eager
     reference_graph       that whole loop captured in one CUDA graph
 
 Extra fields per row: ``kernels`` (CUDA kernels per step/solve, torch.profiler), ``floor_us`` (max
-of the compute floor at SPEC §7 ceilings and the weight+cache traffic floor), ``floor_frac``,
+of the compute floor at docs/design.md §7 ceilings and the weight+cache traffic floor), ``floor_frac``,
 ``rel_err`` (velocity / mel vs a float64 run of the same module), ``arena_bytes`` and
 ``graph_pool_bytes`` (solve rows).
 
@@ -64,11 +63,12 @@ from _harness import (cuda_kernel_times, dry_run_timer, env_info, make_row, mark
 
 import torch_cfm.compile_rules  # noqa: E402,F401  registers backend "torch_cfm" (no entry point in an in-place build)
 from torch_cfm.config import BODY_BENCH_SHAPES, DiTConfig, cosine_timesteps  # noqa: E402
-from torch_cfm.graphs import CFMGraphRunner  # noqa: E402
 from torch_cfm.kernels.body_plans import (NAMED, PDL_CAPABLE_KERNELS, PLAN_NAMES, body_plan,  # noqa: E402
                                          choose_variant, family, named_plan, use_plan)
 from torch_cfm.models import random_dit  # noqa: E402
-from torch_cfm.ops.dit_body import _empty_outputs, check_dit_body, dit_body_fused_into, stage_input  # noqa: E402
+from torch_cfm.kernels.dit_body import dit_body_arena_into, dit_body_fused_into  # noqa: E402
+from torch_cfm.models.fused_forward import stage_input  # noqa: E402
+from torch_cfm.ops.dit_body import body_outputs as _empty_outputs, check_dit_body  # noqa: E402
 from torch_cfm.packing import modulation_table, packed_for  # noqa: E402
 
 DTYPES: dict[str, tuple[torch.dtype, Optional[str]]] = {
@@ -77,11 +77,11 @@ DTYPES: dict[str, tuple[torch.dtype, Optional[str]]] = {
     "fp32-tf32": (torch.float32, "tf32"),
     "fp32-ieee": (torch.float32, "ieee"),
 }
-PEAK_TFLOPS = {"fp16": 751.0, "bf16": 751.0, "fp32-tf32": 417.0, "fp32-ieee": 51.0}  # SPEC §7 ceilings
+PEAK_TFLOPS = {"fp16": 751.0, "bf16": 751.0, "fp32-tf32": 417.0, "fp32-ieee": 51.0}  # docs/design.md §7 ceilings
 COPY_TBS = 4.25
 PROVIDERS = ("torch_cfm", "torch_cfm/hook", "torch_cfm/compiled", "torch_cfm/server", "reference_eager", "reference_graph", "torch_compile_graph")
 QUICK_SHAPES = ((8, 50, 400), (32, 50, 400))
-# torch.compile(max-autotune) takes minutes per (shape, dtype): by default only the SPEC §7 anchors
+# torch.compile(max-autotune) takes minutes per (shape, dtype): by default only the docs/design.md §7 anchors
 COMPILE_SHAPES = ((8, 50, 400), (32, 50, 400))
 COMPILE_DTYPES = ("fp16", "fp32-tf32")
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -101,7 +101,7 @@ def _row(env: dict, **fields) -> dict:
 
 
 def floor_us(cfg: DiTConfig, n: int, t: int, l_len: int, dname: str, elem: int) -> float:
-    """max(compute floor, memory floor) of one step in µs (SPEC §7 ceilings)."""
+    """max(compute floor, memory floor) of one step in µs (docs/design.md §7 ceilings)."""
     c, hd, mlp = cfg.hidden, cfg.inner, cfg.mlp_hidden
     per_token = 2 * (3 * c * hd + hd * c + 2 * 3 * c * c + 2 * c * mlp)
     flops = cfg.depth * (n * t * per_token + 4 * n * cfg.heads * t * (t + l_len) * cfg.head_dim)
@@ -174,7 +174,6 @@ def step_providers(model, model_dtype, inp, dname, precision, variants=PLAN_NAME
     fns += [("torch_cfm", v, fused(v)) for v in NAMED[family(dtype, precision)] if v != default and v in variants]
     if "arena" in variants:  # the in-place cache arena (the runner's form): the old keys are not copied
         from torch_cfm.models.cache import reverse_keys
-        from torch_cfm.ops.dit_body import dit_body_arena_into
 
         n_rows, t_len = x_in.shape[0], x_in.shape[2]
         l_len = 0 if inp["att"] is None else inp["att"].shape[3]
@@ -259,9 +258,9 @@ def run_steps(cfg, shapes, dnames, providers, args, env, base) -> list[dict]:
     return rows
 
 
-# v5's fused attention + cache kernel (BodyPlan.attention_launch); {} = its defaults
-SWEEP_V5 = ({}, {"num_warps": 8}, {"num_stages": 2}, {"block_k": 32}, {"block_c": 32}, {"block_c": 64}, {"copy_f": 32},
-            {"copy_f": 128}, {"block_k": 64}, {"block_c": 64, "copy_f": 128})
+# the fused_attention plan's attention + cache kernel (BodyPlan.attention_launch); {} = its defaults
+SWEEP_FUSED_ATTENTION = ({}, {"num_warps": 8}, {"num_stages": 2}, {"block_k": 32}, {"block_c": 32}, {"block_c": 64},
+                         {"copy_f": 32}, {"copy_f": 128}, {"block_k": 64}, {"block_c": 64, "copy_f": 128})
 
 
 def _plan(name: str, **changes):
@@ -278,48 +277,51 @@ def _plan(name: str, **changes):
 SWEEP_PDL = {"none": frozenset(), "rownorm": frozenset({"rownorm", "cfg_euler"}),
              "rownorm_qk": frozenset({"rownorm", "cfg_euler", "qk_cache"}),
              "all": PDL_CAPABLE_KERNELS}
-# --sweep-variants v9: v1 (cuBLAS) against v9 (the wgmma GEMMs) under these PDL sets
-SWEEP_V9_PDL = {"none": frozenset(), "linear": frozenset({"linear"}),
+# --sweep-variants wgmma: the cublas plan against the wgmma plan (its GEMMs on the wgmma kernel) under these
+# PDL sets
+SWEEP_WGMMA_PDL = {"none": frozenset(), "linear": frozenset({"linear"}),
                 "linear_rownorm": frozenset({"linear", "rownorm", "cfg_euler"}),
                 "linear_rownorm_qk": frozenset({"linear", "rownorm", "cfg_euler", "qk_cache"})}
 
 # --sweep-variants rownorm: (rows per program, num_warps) of the row-norm kernel; (1, 4) is the shipped rule
 SWEEP_ROWNORM = ((1, 4), (1, 1), (1, 2), (2, 2), (2, 4), (4, 4), (2, 8), (4, 8))
 
-# --sweep-variants fc2: (splits, BN) of v9's split-K fc2 (BodyPlan.fc2_splitk)
+# --sweep-variants fc2: (splits, BN) of the wgmma plan's split-K fc2 (BodyPlan.fc2_splitk)
 SWEEP_FC2_SPLITK = ((4, 128), (8, 128), (4, 64), (8, 64))
 
 
 def sweep_plans(swept: set) -> list:
     """(provider variant, row tag, plan factory) of each swept plan."""
     plans = []
-    if "v5" in swept:
-        plans += [("default", "sweep_v5_" + ("_".join(f"{k}{v}" for k, v in over.items()) or "default"),
-                   _plan("v5", attention_launch=tuple(over.items()))) for over in SWEEP_V5]
+    if "fused_attention" in swept:
+        plans += [("default", "sweep_fused_attention_" + ("_".join(f"{k}{v}" for k, v in over.items()) or "default"),
+                   _plan("fused_attention", attention_launch=tuple(over.items()))) for over in SWEEP_FUSED_ATTENTION]
     if "pdl" in swept:
-        plans += [("default", f"sweep_{v}_pdl_{name}", _plan(v, pdl=kernels)) for v in ("v1", "v5")
-                  for name, kernels in SWEEP_PDL.items() if name != ("all" if v == "v1" else "rownorm_qk")]
-    if "v9" in swept:
-        plans += [("default", "sweep_v1_pdl_none", _plan("v1", pdl=frozenset()))]
-        plans += [("default", f"sweep_v9_pdl_{name}", _plan("v9", pdl=kernels)) for name, kernels in SWEEP_V9_PDL.items()]
-    if "fc2" in swept:  # v9's MLP GEMMs on cuBLAS or the wgmma kernel (fc2: split-K at each (splits, BN))
-        plans += [("default", "sweep_v1_pdl_none", _plan("v1", pdl=frozenset())),
-                  ("default", "sweep_v9_mlp_cublas", _plan("v9", fc1="cublas_gelu", fc2="cublas")),
-                  ("default", "sweep_v9_fc1_cublas", _plan("v9", fc1="cublas_gelu"))]
-        plans += [("default", f"sweep_v9_fc2_s{sp}_bn{bn}", _plan("v9", fc2_splitk=(sp, bn)))
+        plans += [("default", f"sweep_{v}_pdl_{name}", _plan(v, pdl=kernels)) for v in ("cublas", "fused_attention")
+                  for name, kernels in SWEEP_PDL.items() if name != ("all" if v == "cublas" else "rownorm_qk")]
+    if "wgmma" in swept:
+        plans += [("default", "sweep_cublas_pdl_none", _plan("cublas", pdl=frozenset()))]
+        plans += [("default", f"sweep_wgmma_pdl_{name}", _plan("wgmma", pdl=kernels))
+                  for name, kernels in SWEEP_WGMMA_PDL.items()]
+    if "fc2" in swept:  # the wgmma plan's MLP GEMMs on cuBLAS or the wgmma kernel (fc2: split-K at each (splits, BN))
+        plans += [("default", "sweep_cublas_pdl_none", _plan("cublas", pdl=frozenset())),
+                  ("default", "sweep_wgmma_mlp_cublas", _plan("wgmma", fc1="cublas_gelu", fc2="cublas")),
+                  ("default", "sweep_wgmma_fc1_cublas", _plan("wgmma", fc1="cublas_gelu"))]
+        plans += [("default", f"sweep_wgmma_fc2_s{sp}_bn{bn}", _plan("wgmma", fc2_splitk=(sp, bn)))
                   for sp, bn in SWEEP_FC2_SPLITK]
     if "rownorm" in swept:  # the row-norm kernel's (rows per program, num_warps), on the table's plan
         plans += [(variant, f"sweep_{prefix}rownorm_r{r}_w{w}", _plan("table", rownorm_launch=(r, w)))
                   for variant, prefix in (("default", ""), ("arena", "arena_")) for r, w in SWEEP_ROWNORM]
-    if "tf32" in swept:  # fp32-tf32 bodies: v9 with the wgmma GEMM's TF32 form against v1, plain and on the arena
-        plans += [("default", "sweep_tf32_v1", _plan("v1")),
-                  ("default", "sweep_tf32_v9", _plan("v9", fc1="cublas_gelu", fc2="cublas")),
-                  ("default", "sweep_tf32_v9_mlp", _plan("v9")), ("arena", "sweep_tf32_arena_v9_mlp", _plan("v9")),
-                  ("arena", "sweep_tf32_arena_v1", _plan("v1"))]
-    if "qkv" in swept:  # the step on the in-place arena: v9's QKV GEMM with the q/k-cache epilogue or not; v1
-        plans += [("arena", "sweep_arena_v9_qkv_cache_on", _plan("v9", arena_qkv="wgmma_qk_cache")),
-                  ("arena", "sweep_arena_v9_qkv_cache_off", _plan("v9", arena_qkv="qk_cache")),
-                  ("arena", "sweep_arena_v1", _plan("v1"))]
+    if "tf32" in swept:  # fp32-tf32 bodies: wgmma (the GEMM's TF32 form) against cublas, plain and on the arena
+        plans += [("default", "sweep_tf32_cublas", _plan("cublas")),
+                  ("default", "sweep_tf32_wgmma", _plan("wgmma", fc1="cublas_gelu", fc2="cublas")),
+                  ("default", "sweep_tf32_wgmma_mlp", _plan("wgmma")),
+                  ("arena", "sweep_tf32_arena_wgmma_mlp", _plan("wgmma")),
+                  ("arena", "sweep_tf32_arena_cublas", _plan("cublas"))]
+    if "qkv" in swept:  # the step on the in-place arena: wgmma's QKV GEMM with the q/k-cache epilogue or not; cublas
+        plans += [("arena", "sweep_arena_wgmma_qkv_cache_on", _plan("wgmma", arena_qkv="wgmma_qk_cache")),
+                  ("arena", "sweep_arena_wgmma_qkv_cache_off", _plan("wgmma", arena_qkv="qk_cache")),
+                  ("arena", "sweep_arena_cublas", _plan("cublas"))]
     return plans
 
 
@@ -351,7 +353,7 @@ def run_sweep(cfg, shapes, dnames, args, env, base) -> list[dict]:
                     continue
                 try:
                     plan = factory(dtype, precision, n, variant == "arena")
-                except ValueError:  # no such plan for this dtype family (v9 for IEEE fp32)
+                except ValueError:  # no such plan for this dtype family (wgmma for IEEE fp32)
                     continue
                 todo.append((tag, functools.partial(use_plan, plan), found[0][2]))
             pooled = {tag: [] for tag, _, _ in todo}
@@ -424,7 +426,8 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dic
     def r(*shape):
         return torch.randn(*shape, generator=g)
 
-    mu, cond, spks, x0 = r(b, 80, t), r(b, 80, t), r(b, 80), r(b, 80, t)
+    mu, cond, spks, noise = r(b, 80, t), r(b, 80, t), r(b, 80), r(1, 80, l_len + t)
+    x0 = noise[0, :, l_len:].expand(b, -1, -1)  # every request at cache length L starts here
     att = r(n_steps, cfg.depth, 2 * b, cfg.heads, l_len, 2 * cfg.head_dim)
     cnn = r(n_steps, cfg.depth, 2 * b, 2 * cfg.hidden, 2)
 
@@ -432,14 +435,14 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dic
         z = torch.zeros_like
         d = lambda v: v.to(device=DEVICE, dtype=dtype)  # noqa: E731
         return (d(torch.cat([mu, z(mu)])), d(torch.cat([spks, z(spks)])), d(torch.cat([cond, z(cond)])),
-                d(x0), d(cnn), d(att))
+                d(x0), d(cnn), d(att), noise.to(DEVICE))
 
     mel64 = None
     if DEVICE == "cuda":
         try:
             m64 = copy.deepcopy(base).to(device=DEVICE, dtype=torch.float64)
             with torch.no_grad():
-                mel64 = reference_solve(m64, *rows2(torch.float64), n_steps)
+                mel64 = reference_solve(m64, *rows2(torch.float64)[:6], n_steps)
             del m64
         except Exception:  # noqa: BLE001
             traceback.print_exc()
@@ -449,12 +452,12 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dic
         model = copy.deepcopy(base).to(device=DEVICE, dtype=dtype)
         ctx = tf32_ctx(dtype, precision)
         fl = n_steps * floor_us(cfg, 2 * b, t, l_len, dname, torch.finfo(dtype).bits // 8)
-        mu2, spks2, cond2, x0d, cnnd, attd = rows2(dtype)
+        mu2, spks2, cond2, x0d, cnnd, attd, noised = rows2(dtype)
         common = dict(op="cfm_solve_chunk", shape=shape, dtype=dname.split("-")[0], precision=precision,
                       floor_us=round(fl, 2))
         if "torch_cfm" in args.provider_set:
             rows.append(_row(env, **solve_fused_row(model, dtype, precision, b, t, l_len, n_steps,
-                                                    (mu2, spks2, cond2, x0d, cnnd, attd), mel64, common, args)))
+                                                    (mu2, spks2, cond2, noised, cnnd, attd), mel64, common, args)))
         def ref():
             return reference_solve(model, mu2, spks2, cond2, x0d, cnnd, attd, n_steps)
 
@@ -487,20 +490,17 @@ def settled_server(model, dtype, b: int, t: int, l_len: int, n_steps: int, gener
                    variant: str = "server"):
     """CFMServer(graphs=True) with ``b`` requests whose caches have settled at ``l_len`` frames
     (prompt P = l_len - 100, the trim keeps P + 100), its steady-state key warmed up and captured.
-    ``variant``: "server" (default server), "server_copy" (append_in_place=False), "server_spec"
-    (the solve called without the arena's frame keys: SPEC-layout arena, the pre-keyed server).
+    ``variant``: "server" (default server), "server_copy" (append_in_place=False).
     Returns (server, chunks): ``server.solve_chunk(chunks)`` is then one graph replay."""
-    from torch_cfm.graphs import ArenaGraphSolver
-    from torch_cfm.models import CFMServer, StreamingCFM, solve_arena_chunk
     from torch_cfm.models.cache import TRIM_KEEP_OLDEST
+    from torch_cfm.serving import CFMServer
+    from torch_cfm.solve import StreamingCFM
 
     prompt = max(l_len - TRIM_KEEP_OLDEST, 1)
     server = CFMServer(StreamingCFM(model, n_timesteps=n_steps), max_requests=b, max_prompt_frames=prompt,
                        max_chunk_frames=t, chunk_buckets=(t,), cache_buckets=(l_len,),
                        device=torch.device(DEVICE), dtype=dtype, graphs=True,
                        append_in_place=variant != "server_copy")
-    if variant == "server_spec":
-        server.solve_fn = ArenaGraphSolver(lambda *a, frame_keys=None, **k: solve_arena_chunk(*a, **k))
     d = lambda *shape: torch.randn(*shape, generator=generator).to(DEVICE, dtype)  # noqa: E731
     for r in range(b):
         server.open_request(r, d(80), prompt_mu=d(80, prompt), prompt_mel=d(80, prompt))
@@ -546,7 +546,7 @@ def run_server(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[di
                 row["arena_bytes"] = sum(a.nbytes() for a in server.arenas)
                 if DEVICE == "cuda":
                     row["peak_extra_bytes"] = torch.cuda.max_memory_allocated() - mem0 - row["arena_bytes"]
-                row["captured"] = any(e.replays for e in getattr(server.solve_fn, "_keys", {}).values())
+                row["captured"] = any(e.replays for e in server.graph_cache.entries())
                 if args.profile_server and DEVICE == "cuda":  # where a served chunk's time goes
                     from torch.profiler import ProfilerActivity, profile
 
@@ -571,34 +571,56 @@ def run_server(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[di
 
 
 def solve_fused_row(model, dtype, precision, b, t, l_len, n_steps, tensors, mel64, common, args) -> dict:
-    """One torch_cfm row of the chunk solve: CFMGraphRunner graph replay of the arena solve."""
-    mu2, spks2, cond2, x0d, cnnd, attd = tensors
-    runner = CFMGraphRunner(model, dtype=dtype, device=DEVICE, n_timesteps=n_steps, precision=precision,
-                            batch_buckets=(b,), chunk_buckets=(t,), cache_buckets=(l_len,))
+    """One torch_cfm row of the chunk solve: the graph replay of the arena solve over a keyed arena of
+    L + T frames per cache holding the B requests' caches (no trim, no host work)."""
+    from torch_cfm.graphs import GraphCache
+    from torch_cfm.models import CacheArena
+    from torch_cfm.solve import ArenaSolver, GraphedArenaSolver
+
+    mu2, spks2, cond2, noise, cnnd, attd = tensors
     row = dict(common, provider="torch_cfm", variant="", timing="cuda_graph")
     try:
         with torch.no_grad():
             mem0 = torch.cuda.memory_allocated() if DEVICE == "cuda" else 0
-            mel, _, _ = runner.solve(mu2[:b], spks2[:b], cond2[:b], x0d.float(), attd, cnnd)
-            ent = runner.entry((b, t, l_len))
-            graph = next((e for e in runner.solver.entries() if e.arena_ptr == ent.arena.att.data_ptr()), None)
-            row["arena_bytes"] = ent.arena_bytes()
-            row["buffers_bytes"] = ent.arena.nbytes() + ent.x0.numel() * ent.x0.element_size()
-            row["graph_pool_bytes"] = None if graph is None else graph.pool_bytes
-            row["captured"] = graph is not None and graph.graph is not None
-            row["capture_error"] = None if graph is None else graph.failed
+            arena = CacheArena.allocate(model.config, n_steps, b, l_len + t, t, torch.device(DEVICE), dtype)
+            arena.mu[:, :, :t].copy_(mu2[:b])
+            arena.cond[:, :, :t].copy_(cond2[:b])
+            arena.spks.copy_(spks2[:b])
+            arena.att[:, :, :, :, :l_len].copy_(attd)
+            arena.cnn.copy_(cnnd)
+            arena.valid_lengths.fill_(t)
+            arena.prompt_lengths.fill_(l_len + t)  # no trim
+            start = {k: v.clone() for k, v in arena.tensors().items()}
+            solver = ArenaSolver(model, n_timesteps=n_steps, keep_oldest=l_len + t)
+            cache = GraphCache("dit_step", max_graphs=1)
+            graphed = GraphedArenaSolver(solver, cache)
+
+            def run(graphs=True):
+                (graphed if graphs else solver)(arena, noise, t_len=t, cache_frames=l_len)
+
+            for _ in range(cache.calls_per_capture(torch.device(DEVICE))):  # eager warm-up, then the capture
+                for k, v in start.items():
+                    getattr(arena, k).copy_(v)
+                arena.cache_lengths.fill_(l_len)
+                run()
+            mel = arena.out_mel[:, :, :t].clone()
+            entry = cache.entries()[0]
+            row["arena_bytes"] = sum(arena.tensors()[k].numel() * arena.tensors()[k].element_size() for k in ("att", "cnn"))
+            row["buffers_bytes"] = arena.nbytes()
+            row["graph_pool_bytes"] = entry.pool_bytes
+            row["captured"] = entry.graph is not None
+            row["capture_error"] = entry.failed
             if DEVICE == "cuda":
                 row["allocated_delta_bytes"] = torch.cuda.memory_allocated() - mem0
             if mel64 is not None:
                 row["rel_err"] = rel_err(mel.float(), mel64)
-            row.update(time_replay(lambda: runner.run(ent), args))
-            row["kernels"] = count_kernels(lambda: runner.run_eager(ent))
+            row.update(time_replay(run, args))
+            row["kernels"] = count_kernels(lambda: run(graphs=False))
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     print(f"solve {common['shape']} {dtype} torch_cfm: p50 {row.get('us_p50')} us, rel_err "
           f"{row.get('rel_err')}, arena {row.get('arena_bytes')}, pool {row.get('graph_pool_bytes')}", flush=True)
-    del runner
     return row
 
 
@@ -665,24 +687,25 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 shapes, fp16 + fp32-tf32, no torch.compile")
     ap.add_argument("--out", default=DEFAULT_OUT)
-    ap.add_argument("--shapes", default=None, help="N,T,L;N,T,L... (default SPEC §7 body shapes)")
+    ap.add_argument("--shapes", default=None, help="N,T,L;N,T,L... (default docs/design.md §7 body shapes)")
     ap.add_argument("--dtypes", default=None, help=f"comma list of {tuple(DTYPES)}")
     ap.add_argument("--providers", default=None, help=f"comma list of {PROVIDERS}")
     ap.add_argument("--solve-dtypes", default=None, help="dtypes of the chunk-solve rows (default = --dtypes)")
     ap.add_argument("--no-solve", action="store_true")
     ap.add_argument("--no-steps", action="store_true")
     ap.add_argument("--compile-all", action="store_true",
-                    help="torch_compile_graph at every shape/dtype (default: SPEC §7 anchor shapes, fp16/fp32-tf32)")
+                    help="torch_compile_graph at every shape/dtype (default: docs/design.md §7 anchor shapes, fp16/fp32-tf32)")
     ap.add_argument("--sweep", action="store_true",
                     help="also time the plans of --sweep-variants (sweep_plans)")
     ap.add_argument("--sweep-rounds", type=int, default=1,
                     help="captures per sweep plan, interleaved in a new order each round (A/B at the few-%% level)")
-    ap.add_argument("--sweep-variants", default="v5,pdl",
-                    help="what the sweep covers (comma list: v5 launch overrides; pdl: body PDL kernel sets; "
-                         "v9: the wgmma GEMMs against v1 under PDL sets; fc2: v9's split-K fc2 configs; "
-                         "rownorm: the row-norm kernel's rows per program and warps on the table's plan; "
-                         "qkv: the arena step with and without v9's QKV + cache epilogue; "
-                         "tf32: v9's TF32 GEMMs against v1 for fp32-tf32 bodies)")
+    ap.add_argument("--sweep-variants", default="fused_attention,pdl",
+                    help="what the sweep covers (comma list: fused_attention: its attention kernel's launch "
+                         "overrides; pdl: body PDL kernel sets; wgmma: the wgmma plan against cublas under PDL "
+                         "sets; fc2: the wgmma plan's split-K fc2 configs; rownorm: the row-norm kernel's rows "
+                         "per program and warps on the table's plan; qkv: the arena step with and without the "
+                         "wgmma QKV + cache epilogue; tf32: the wgmma plan's TF32 GEMMs against cublas for "
+                         "fp32-tf32 bodies)")
     ap.add_argument("--sweep-kernels", action="store_true",
                     help="also write each sweep plan's per-kernel table (eager, torch.profiler) under --out")
     ap.add_argument("--variants", default=",".join(PLAN_NAMES + ("arena",)),
@@ -691,12 +714,12 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--server-variants", default="server",
-                    help="comma list of server, server_copy, server_spec (torch_cfm/server rows)")
+                    help="comma list of server, server_copy (torch_cfm/server rows)")
     ap.add_argument("--profile-server", action="store_true",
                     help="print a torch.profiler table of two steady-state CFMServer.solve_chunk calls")
     ap.add_argument("--default-variant", default=None,
                     help="run every body not given a plan on this named plan (kernels.body_plans.use_plan), "
-                         "e.g. v1 to time the runner/server on v1's kernels")
+                         "e.g. cublas to time the runner/server on that plan's kernels")
     ap.add_argument("--dry-run", action="store_true", help="CPU smoke test (TRITON_INTERPRET=1, tiny model)")
     args = ap.parse_args(argv)
     with use_plan(args.default_variant) if args.default_variant else contextlib.nullcontext():

@@ -86,7 +86,7 @@ def time_graph(graph: torch.cuda.CUDAGraph, repeats: int) -> dict:
 
 def build_server(model, dtype):
     server, chunks = settled_server(model, dtype, B, T, L, 10, torch.Generator().manual_seed(2))
-    ents = [e for e in server.solve_fn._keys.values() if e.graph is not None]
+    ents = [e for e in server.graph_cache.entries() if e.graph is not None]
     return server, chunks, ents[-1].graph
 
 
@@ -137,14 +137,14 @@ def launch_probe(graph: torch.cuda.CUDAGraph, server, chunks, repeats: int) -> d
             graph.replay()
             xs.append((time.perf_counter() - t0) * 1e6)
         row[f"replay_after_{name}_us_p50"] = med(xs)
-    inner, marks = server.solve_fn, []
+    inner, marks = server.solver, []
 
     def timed(*args, **kwargs):
         marks.append(time.perf_counter())
         inner(*args, **kwargs)
         marks.append(time.perf_counter())
 
-    server.solve_fn = timed
+    server.solver = timed
     parts = {"staging": [], "solve_call": [], "outputs": []}
     try:
         for _ in range(repeats):
@@ -156,26 +156,34 @@ def launch_probe(graph: torch.cuda.CUDAGraph, server, chunks, repeats: int) -> d
             parts["solve_call"].append((marks[-1] - marks[-2]) * 1e6)
             parts["outputs"].append((t1 - marks[-1]) * 1e6)
     finally:
-        server.solve_fn = inner
+        server.solver = inner
     torch.cuda.synchronize()
     row.update({f"solve_chunk_{k}_us_p50": med(v) for k, v in parts.items()})
     return row
 
 
 def build_runner(model, dtype, precision):
-    from torch_cfm.graphs import CFMGraphRunner
+    """The arena solve of B requests at (T, L) replayed from its graph, without a server's host work:
+    (solve callable, graph)."""
+    from torch_cfm.graphs import GraphCache
+    from torch_cfm.models import CacheArena
+    from torch_cfm.solve import ArenaSolver, GraphedArenaSolver
 
-    runner = CFMGraphRunner(model, dtype=dtype, device="cuda", n_timesteps=10, precision=precision,
-                            batch_buckets=(B,), chunk_buckets=(T,), cache_buckets=(L,))
-    ent = runner.entry((B, T, L))
-    for buf in (ent.arena.att, ent.arena.mu, ent.arena.cond, ent.arena.spks, ent.x0):
+    arena = CacheArena.allocate(model.config, 10, B, L + T, T, torch.device("cuda"), dtype)
+    for buf in (arena.att, arena.mu, arena.cond, arena.spks):
         buf.normal_()
-    for _ in range(runner.solver.calls_per_capture(torch.device("cuda"))):  # eager warm-up, then the capture
-        ent.arena.valid_lengths.fill_(T)  # full chunks over settled caches, as in the server row
-        ent.arena.cache_lengths.fill_(L)
-        runner.run(ent)
-    graph = next(e.graph for e in runner.solver.entries() if e.arena_ptr == ent.arena.att.data_ptr())
-    return runner, graph
+    noise = torch.randn(1, 80, L + T, device="cuda")
+    cache = GraphCache("graph_launch", max_graphs=1)
+    graphed = GraphedArenaSolver(ArenaSolver(model, n_timesteps=10, keep_oldest=L + T), cache)
+
+    def run():
+        graphed(arena, noise, t_len=T, cache_frames=L)
+
+    for _ in range(cache.calls_per_capture(torch.device("cuda"))):  # eager warm-up, then the capture
+        arena.valid_lengths.fill_(T)  # full chunks over settled caches, as in the server row
+        arena.cache_lengths.fill_(L)
+        run()
+    return run, cache.entries()[0].graph
 
 
 def main(argv=None) -> int:

@@ -1,6 +1,6 @@
 """The dependent-phase floor of one estimator step under the H200's measured ingest limit (no GPU needed).
 
-SPEC §7's floor (``floor_us`` in bench/dit_step.py: FLOPs at the matmul ceiling, or weights and caches
+docs/design.md §7's floor (``floor_us`` in bench/dit_step.py: FLOPs at the matmul ceiling, or weights and caches
 once through HBM) is 0.09 ms at (8, 50, 400) fp16. It is not what bounds this workload. Every phase of
 a block needs the whole output of the phase before it, and every SM takes in its operands at a
 limited rate. The model that fitted every measured GEMM chain (bench/wgmma_gemm.py; docs/performance.md):
@@ -30,8 +30,8 @@ fc1, fc2. Two structures:
   taps.
 
 Both are floors of the in-place (arena) step. The functional step also copies the old cache frames
-into the new cache tensor (SPEC §2). That is HBM traffic, 52 µs at (8, 50, 400) fp16 and 210 µs at
-N = 32 (SPEC §7's copy rate), which a copy engine could overlap with the compute.
+into the new cache tensor (docs/design.md §2). That is HBM traffic, 52 µs at (8, 50, 400) fp16 and 210 µs at
+N = 32 (docs/design.md §7's copy rate), which a copy engine could overlap with the compute.
 
     python3 bench/ingest_floor.py [--rates 50,55,67] [--syncs 1.0,0.5,0] [--out bench/results]
 """

@@ -13,7 +13,7 @@ the Triton version of the GPU box for numbers that match it, e.g. on the CPU box
     PYTHONPATH=/tmp/tri36 python3 bench/kernel_resources.py            # sm_90 (H100/H200)
 
 One line per kernel configuration: the attention kernel as ``choose_config`` picks it for the
-SPEC §7 shapes, and the body's v5 attention + cache kernel at its launch parameters; with
+docs/design.md §7 shapes, and the body's v5 attention + cache kernel at its launch parameters; with
 ``--only cuda_attention``, every instantiation of the hand-written CUDA attention kernel
 (``csrc/cuda/``, compiled with the local ``nvcc``; no Triton needed). Not a
 benchmark (nothing runs): spills predict slowness, their absence does not predict speed.

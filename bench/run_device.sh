@@ -22,8 +22,8 @@
 #                  DIT_ARGS narrows it, e.g. "--no-solve --variants none --providers torch_cfm")
 #   dit-compile    the torch.compile max-autotune peer at (8,50,400) fp16 with torch_cfm and the
 #                  reference graph in the same run (~3 min of compilation)
-#   cuda-ablation  bench/cuda_attention_ablation.py: the CUDA attention kernel's configs, whole and with
-#                  loads / dots switched off (CUDA_ABLATION_ARGS)
+#   cuda-ablation  bench/cuda_attention_ablation.py: every config of the CUDA attention kernel, next to
+#                  a one-kernel floor (CUDA_ABLATION_ARGS)
 #   serving-tick   bench/serving_tick.py: CFMServer(graphs=True) steady tick at 16 and 64 streams (fp16,
 #                  300-frame prompts, 50-frame chunks, caches at 400; SERVING_TICK_ARGS); the same benchmarks on
 #                  the previous commit's tree in the same call: bench/compare_trees.sh
@@ -43,7 +43,16 @@
 #   large-batch    bench/experiments/large_batch_probe.py: the 32-128-row body's GEMMs (cuBLAS, FP8, Triton tiles),
 #                  attention on the arena layout and a profiled steady tick (LARGE_BATCH_ARGS, default
 #                  "--parts gemm,attn,tick"); its JSON under $OUT/large_batch
+#   cutlass        bench/cutlass_gemm.py: the CUTLASS GEMMs (build_cutlass/libtcfm_cutlass.so, built on the CPU machine by
+#                  csrc/cutlass/build.sh and carried) against cuBLAS per role at 32/64/128 rows (CUTLASS_ARGS)
+#   vocoder        bench/vocoder.py: the many-stream HiFT vocoder's decode of 64 chunks vs the upstream HiFT (VOCODER_ARGS)
+#   vllm-omni      bench/serving_vllm_omni.py: vLLM-Omni's BatchedToken2Wav as shipped, patched, and Token2wavServer
+#                  (VLLM_ARGS; needs the vllm-omni wheel: carry .whl)
+#   minicpmo-stream  bench/minicpmo_stream.py: one minicpmo-utils Token2wav stream after apply_torch_cfm vs upstream
+#                  (needs .upstream/minicpmo-utils carried)
+#   compare        bench/compare_trees.sh against OLD_TREE (carried checkout of the previous commit; PARTS)
 # 'all': tests memcheck attention dit-full; no stage: an error. The device copy has no .git: pass BENCH_COMMIT.
+# Wheels under .whl/ (carried) are installed first (--no-deps); SKIP_BUILD=1 keeps a warm machine's build.
 # Each stage has its own time limit (LIMIT_<STAGE> seconds, e.g. LIMIT_TESTS=400).
 set -uo pipefail
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -79,11 +88,19 @@ timing_tests() {
 export CXX=${TORCH_CFM_CXX:-g++} CC=${TORCH_CFM_CC:-gcc}
 # The optional CUDA extension (csrc/cuda/) for the H200 only, its sources compiled in parallel.
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16}
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl > /dev/null 2>&1 \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 {
   echo "== build"; date -u; $CXX --version | head -1
   # pip's editable install re-runs pip with build isolation under setuptools 81 (no network there):
   # build the extension in place instead.
-  python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  if [ "${SKIP_BUILD:-0}" != 1 ] || ! ls torch_cfm/_C*.so > /dev/null 2>&1; then
+    python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  fi
+  # a bare checkout has no installer to map compile_rules/ to torch_cfm.compile_rules (pyproject's package-dir)
+  [ -e torch_cfm/compile_rules ] || ln -s ../compile_rules torch_cfm/compile_rules
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -m torch_cfm > "$OUT/explain.txt" 2>&1; cat "$OUT/explain.txt"
@@ -127,7 +144,7 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-1
           --variants none --providers torch_cfm,reference_graph,torch_compile_graph --out "$OUT" \
           > "$OUT/dit_compile.log" 2>&1
         grep -E "^dit_step" "$OUT/dit_compile.log" ;;
-      cuda-ablation)  # the CUDA attention kernel with its loads / dots switched off (CUDA_ABLATION_ARGS)
+      cuda-ablation)  # every config of the CUDA attention kernel (CUDA_ABLATION_ARGS)
         timeout "$(limit cuda-ablation 150)" python3 bench/cuda_attention_ablation.py ${CUDA_ABLATION_ARGS:-} --out "$OUT" \
           > "$OUT/cuda_ablation.log" 2>&1; cat "$OUT/cuda_ablation.log" | tail -40 ;;
       sm-ingest)
@@ -167,6 +184,21 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-1
           grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy" "$OUT/ncu_attention_${d}_details.txt" | head -8
           rm -f "$OUT/ncu_attention_$d.ncu-rep"  # the text exports come back (results.tgz); the report is large
         done ;;
+      cutlass)
+        timeout "$(limit cutlass 200)" python3 bench/cutlass_gemm.py --so build_cutlass/libtcfm_cutlass.so \
+          ${CUTLASS_ARGS:-} --out "$OUT/cutlass" > "$OUT/cutlass.log" 2>&1; tail -45 "$OUT/cutlass.log" ;;
+      vocoder)
+        timeout "$(limit vocoder 240)" python3 bench/vocoder.py ${VOCODER_ARGS:-} --out "$OUT" > "$OUT/vocoder.log" 2>&1
+        tail -30 "$OUT/vocoder.log" ;;
+      vllm-omni)
+        timeout "$(limit vllm-omni 480)" python3 bench/serving_vllm_omni.py ${VLLM_ARGS:---quick --dtypes fp16} \
+          --out "$OUT" > "$OUT/vllm_omni.log" 2>&1; tail -30 "$OUT/vllm_omni.log" ;;
+      minicpmo-stream)
+        STEPAUDIO2_PATH=.upstream/minicpmo-utils timeout "$(limit minicpmo-stream 200)" python3 bench/minicpmo_stream.py \
+          ${MINICPMO_ARGS:-} --out "$OUT" > "$OUT/minicpmo_stream.log" 2>&1; tail -20 "$OUT/minicpmo_stream.log" ;;
+      compare)
+        OLD_TREE=${OLD_TREE:-.old} LIMIT_EACH=${LIMIT_EACH:-240} timeout "$(limit compare 560)" bash bench/compare_trees.sh \
+          > "$OUT/compare.log" 2>&1; tail -30 "$OUT/compare.log" ;;
       *) echo "unknown stage $stage" ;;
     esac
   done

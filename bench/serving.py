@@ -11,16 +11,24 @@ never idles: the throughput regime); ``--warm-ticks`` ticks are run first and no
 CFM's graphs of every batch size met are captured there; ``--warmup`` runs the front's warm-up).
 
 Stages (``--stages``): ``cfm`` (the CFM alone: random encoder outputs), ``mel`` (tokens -> mel:
-embedding, conformer encoder, CFM) and ``wav`` (tokens -> waveform: + HiFT with its streaming
-caches and cross-fade). Providers:
+embedding, conformer encoder, CFM), ``wav`` (tokens -> waveform: + the vocoder with its streaming
+caches and cross-fade) and ``voc`` (the vocoder alone, every open stream's 1 s chunk a tick:
+``torch_cfm`` = Token2wavServer's vocoder stage; ``upstream_ieee`` / ``upstream_tf32`` = the
+package's ``HiFTGenerator`` over the same streams batched per tick, IEEE and TF32 convolutions).
+Providers:
 
-* ``torch_cfm``: :class:`torch_cfm.integrations.stepaudio2_server.Token2wavServer`, one tick =
+* ``torch_cfm``: :class:`torch_cfm.serving.Token2wavServer`, one tick =
   one ``step`` over every open stream (``cfm``: its ``cfm_server.solve_chunk``); CUDA graphs.
 * ``torch_cfm/enc_per_stream`` (``mel`` only): the same with ``encoder_batching=False`` (the
   conformer encoder one stream at a time, under CUDA graphs per shape): batching's A/B.
 * ``torch_cfm/enc_ragged`` (``mel`` only): the same with ``encoder_batching="ragged"`` (one
   encoder batch across conformer cache lengths: streams in their first chunks next to settled
   ones; with ``--mixed-prompts``, prompts of 3, 6, 8 and 10 s, every reference its own length).
+* ``torch_cfm/voices``: the same front with its voice-prompt cache (``voice_cache_bytes``): the
+  streams' prompts are ``--voices`` K distinct voices (``all``: every stream its own), each
+  solved once (at ``--warmup``, or on its first arrival) and copied into every later stream that
+  opens with it; rows report ``voice_hits``/``voice_misses`` and ``open_hit_gpu_ms_p50`` (GPU time
+  of an open served from the cache).
 * ``torch_cfm/paced``: the same front with ``prompt_steps_per_tick=k`` (``--prompt-steps``,
   default 2): an arriving stream's prompt solve is spread over the next n/k ticks (k Euler steps
   per tick, the same result) instead of running whole in its arrival tick; streams push chunks
@@ -50,8 +58,8 @@ provider's prompt steps included), ``first_chunk_ms_p50/p99`` (from the start of
 arrival tick to its first chunk's result),
 ``captures_measured`` (CUDA graphs captured during the measured ticks: 0 after a complete warm-up),
 ``bytes_per_stream`` (the front's memory plan; CUDA: also the measured peak over the empty server /
-C), stage shares (``share_encoder``/``share_cfm``/``share_vocoder``, torch_cfm rows: a separate
-timed pass), streams and chunks counted. Rows (JSON lines, provenance: gpu, torch, triton, commit)
+C), stage shares (``share_encoder``/``share_cfm``/``share_vocoder``, and ``ms_encoder``/``ms_cfm``/``ms_vocoder``
+per tick, torch_cfm rows: a separate timed pass), streams and chunks counted. Rows (JSON lines, provenance: gpu, torch, triton, commit)
 are upserted into ``serving.jsonl`` (identity: op, provider, variant, stage, concurrency, dtype,
 gpu) under
 ``--out`` (default ``bench/results``); ``serving.md`` (table) and ``serving.png`` (throughput and
@@ -83,7 +91,7 @@ sys.path[:0] = [HERE, os.path.join(ROOT, "tests"), ROOT]
 
 import _harness as H  # noqa: E402
 import upstream_flow as U  # noqa: E402
-from torch_cfm.integrations.stepaudio2_server import Token2wavServer  # noqa: E402
+from torch_cfm.serving import StreamPrompt, Token2wavServer  # noqa: E402
 from torch_cfm.models.cache import TRIM_KEEP_OLDEST  # noqa: E402
 
 OP = "serving"
@@ -92,16 +100,20 @@ IDENTITY = H.IDENTITIES[OP]
 FRAME_S = 0.02  # one mel frame = 20 ms (50 Hz)
 STAGE_GRAPHS = [None]  # Token2wavServer(stage_graphs=...): None = with the CFM's graphs; --no-stage-graphs: False
 PROMPT_STEPS = [2]  # the paced provider's prompt_steps_per_tick (--prompt-steps)
+VOICE_CACHE_BYTES = 8 << 30  # the voices provider's cache budget
 
 
 def graph_report(server) -> dict:
     """CUDA graphs the front's stages captured, and why any shape stayed eager (first note)."""
     out = {}
-    for name in ("_enc_call", "_f0_call", "_source_call", "_decode_call"):
-        call = getattr(server, name, None)
+    stages = {"enc_call": server.encoder.call}
+    for name in ("call", "f0_call", "source_call", "decode_call"):
+        if server.vocoder is not None and hasattr(server.vocoder, name):
+            stages[f"vocoder_{name}"] = getattr(server.vocoder, name)
+    for name, call in stages.items():
         if hasattr(call, "graph_count"):
             eager = [e for e in call.events if e.startswith("kept eager")]
-            out[name.strip("_")] = {"graphs": call.graph_count, "eager_note": eager[0][:160] if eager else None}
+            out[name] = {"graphs": call.graph_count, "eager_note": eager[0][:160] if eager else None}
     return out
 
 
@@ -126,6 +138,25 @@ class Workload:
     @property
     def chunk_frames(self) -> int:
         return 2 * (self.chunk_tokens - 3)
+
+
+class _GpuTimer:
+    """CUDA events around a block (``ms`` after it; None when off)."""
+
+    def __init__(self, on: bool) -> None:
+        self.on, self.ms = on, None
+
+    def __enter__(self):
+        if self.on:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        return self
+
+    def __exit__(self, *exc):
+        if self.on:
+            self.end.record()
+            self.end.synchronize()
+            self.ms = self.start.elapsed_time(self.end)
 
 
 def _sync(device: str) -> None:
@@ -175,20 +206,40 @@ class Arrivals:
 
 # ---------------------------------------------------------------------------------- inputs
 class Inputs:
-    """Per-stream prompt and chunk tokens (a small pool, reused), on the device."""
+    """Per-stream prompts (``voices`` distinct ones, reused; None: every stream its own) and chunk
+    tokens (a small pool), on the device."""
 
-    def __init__(self, size: U.FlowSize, wl: Workload, device: str, dtype: torch.dtype, pool: int = 4) -> None:
-        self.prompts = [U.make_prompt(size, wl.pool_tokens(i), seed=100 + i, device=device, dtype=dtype)
-                        for i in range(pool)]
+    def __init__(self, size: U.FlowSize, wl: Workload, device: str, dtype: torch.dtype,
+                 voices: Optional[int] = 4) -> None:
+        self.size, self.wl, self.device, self.dtype, self.voices = size, wl, device, dtype, voices
+        self._prompts: dict[int, tuple] = {}
         gen = torch.Generator().manual_seed(7)
         self.chunks = [torch.randint(0, size.vocab, (1, wl.chunk_tokens), generator=gen, dtype=torch.int32).to(device)
-                       for _ in range(pool)]
-        self.mu_prompt = [torch.randn(80, 2 * wl.pool_tokens(i), generator=gen).to(device, dtype) for i in range(pool)]
-        self.mu_chunk = [torch.randn(80, wl.chunk_frames, generator=gen).to(device, dtype) for _ in range(pool)]
-        self.spk80 = [torch.randn(80, generator=gen).to(device, dtype) for _ in range(pool)]
+                       for _ in range(4)]
+        self.mu_chunk = [torch.randn(80, wl.chunk_frames, generator=gen).to(device, dtype) for _ in range(4)]
+
+    def voice(self, sid) -> int:
+        return sid % self.voices if self.voices else sid
+
+    def _voice_inputs(self, sid) -> tuple:
+        v = self.voice(sid)
+        if v not in self._prompts:
+            gen = torch.Generator().manual_seed(1000 + v)
+            frames = 2 * self.wl.pool_tokens(v)
+            self._prompts[v] = (U.make_prompt(self.size, self.wl.pool_tokens(v), seed=100 + v, device=self.device,
+                                              dtype=self.dtype),
+                                torch.randn(80, frames, generator=gen).to(self.device, self.dtype),
+                                torch.randn(80, generator=gen).to(self.device, self.dtype))
+        return self._prompts[v]
 
     def prompt(self, sid):
-        return self.prompts[sid % len(self.prompts)]
+        return self._voice_inputs(sid)[0]
+
+    def mu_prompt(self, sid) -> torch.Tensor:
+        return self._voice_inputs(sid)[1]
+
+    def spk80(self, sid) -> torch.Tensor:
+        return self._voice_inputs(sid)[2]
 
     def prompt_frames(self, sid) -> int:
         return self.prompt(sid).frames
@@ -204,6 +255,7 @@ class TorchCfmProvider:
     encoder_batching = True
 
     prompt_steps = None  # Token2wavServer(prompt_steps_per_tick=...)
+    voice_cache = False  # Token2wavServer(voice_cache_bytes=...): streams open with their voice key
 
     def __init__(self, flow, hift, stage: str, c: int, wl: Workload, inputs: Inputs, device: str, dtype) -> None:
         if stage == "cfm" and self.encoder_batching is not True:
@@ -213,29 +265,61 @@ class TorchCfmProvider:
                                       max_prompt_frames=wl.prompt_frames, max_chunk_tokens=wl.chunk_tokens,
                                       n_timesteps=wl.n_steps, dtype=dtype, stage_graphs=STAGE_GRAPHS[0],
                                       encoder_batching=self.encoder_batching,
-                                      prompt_steps_per_tick=self.prompt_steps)
+                                      prompt_steps_per_tick=self.prompt_steps,
+                                      voice_cache_bytes=VOICE_CACHE_BYTES if self.voice_cache else None)
+        self.open_gpu_ms: list[float] = []
         self.done: dict[int, int] = {}
         # ticks before the first streams' first chunks (their prompts spread over n/k ticks)
         self.ramp_ticks = 0 if self.prompt_steps is None else -(-wl.n_steps // self.prompt_steps)
 
     def open(self, ids):
-        if self.stage == "cfm":
-            cfm = self.server.cfm_server
-            if self.prompt_steps is not None:  # staged and queued: solved by the next ticks
-                for sid in ids:
-                    mu = self.inputs.mu_prompt[sid % 4]
-                    cfm.open_request(sid, self.inputs.spk80[sid % 4], prompt_mu=mu, prompt_mel=torch.zeros_like(mu))
-            else:
-                for sid in ids:
-                    cfm.open_request(sid, self.inputs.spk80[sid % 4], prompt_len=self.inputs.prompt_frames(sid))
-                cfm.solve_chunk({sid: (self.inputs.mu_prompt[sid % 4],
-                                       torch.zeros_like(self.inputs.mu_prompt[sid % 4])) for sid in ids})
-        else:
-            self.server.open_many({sid: (p.tokens, p.mel, p.spk, sid) for sid in ids
-                                   for p in [self.inputs.prompt(sid)]})
+        hits = self.voice_cache and all(self._cached(sid) for sid in ids)
+        timer = _GpuTimer(self.server.device.type == "cuda" and hits)
+        with timer:
+            self._open(ids)
+        if timer.ms is not None:
+            self.open_gpu_ms.append(timer.ms / len(ids))
         for sid in ids:
             self.done[sid] = 0
         _sync(str(self.server.device.type))  # the prompt solves end here, not inside the next step
+
+    def _cached(self, sid) -> bool:
+        return self.server.cfm_server.voice_state(self.inputs.voice(sid)) is not None
+
+    def _open(self, ids):
+        inp = self.inputs
+        if self.stage == "cfm":
+            cfm = self.server.cfm_server
+            if self.prompt_steps is not None or self.voice_cache:  # per stream: a copy, or staged and queued
+                for sid in ids:
+                    mu = inp.mu_prompt(sid)
+                    cfm.open_request(sid, inp.spk80(sid), prompt_mu=mu, prompt_mel=torch.zeros_like(mu),
+                                     voice=inp.voice(sid) if self.voice_cache else None)
+            else:
+                for sid in ids:
+                    cfm.open_request(sid, inp.spk80(sid), prompt_len=inp.prompt_frames(sid))
+                cfm.solve_chunk({sid: (inp.mu_prompt(sid), torch.zeros_like(inp.mu_prompt(sid))) for sid in ids})
+        else:
+            self.server.open_many({sid: StreamPrompt(p.tokens, p.mel, p.spk, sid,
+                                                     voice=inp.voice(sid) if self.voice_cache else None)
+                                   for sid in ids for p in [inp.prompt(sid)]})
+
+    def warm_voices(self) -> None:
+        """Every voice of the workload solved once into the cache (``--warmup``)."""
+        if not (self.voice_cache and self.inputs.voices):
+            return
+        for v in range(self.inputs.voices):
+            self.open([-1 - v])
+            self.settle([-1 - v])
+            self.close(-1 - v)
+        self.open_gpu_ms.clear()
+
+    def voice_report(self) -> dict:
+        voices = self.server.cfm_server.voices
+        if voices is None:
+            return {}
+        return {"voice_hits": voices.hits, "voice_misses": voices.misses, "voices": self.inputs.voices or "all",
+                "open_hit_gpu_ms_p50": _pct(self.open_gpu_ms, 0.5), "open_hit_gpu_ms_p99": _pct(self.open_gpu_ms, 0.99)}
 
     def ready(self, ids) -> list:
         """The streams of ``ids`` that take a chunk this tick (paced: those whose prompt is solved)."""
@@ -275,7 +359,8 @@ class TorchCfmProvider:
     def captures(self) -> int:
         """CUDA graphs captured so far, every stage (the CFM solver's captures, the stage calls')."""
         stages = self.server.graph_counts()
-        return getattr(self.server.cfm_server.solve_fn, "captures", 0) + sum(stages.values()) - stages["cfm"]
+        cache = self.server.cfm_server.graph_cache
+        return (0 if cache is None else cache.captures) + sum(stages.values()) - stages["cfm"]
 
     def bytes_per_stream(self) -> int:
         plan = self.server.memory_plan()
@@ -294,6 +379,13 @@ class TorchCfmPacedProvider(TorchCfmProvider):
         return PROMPT_STEPS[0]
 
 
+class TorchCfmVoicesProvider(TorchCfmProvider):
+    """The front with its voice-prompt cache: streams open with their voice key (``--voices``)."""
+
+    name = "torch_cfm/voices"
+    voice_cache = True
+
+
 class TorchCfmEncPerStreamProvider(TorchCfmProvider):
     """The front with its encoder run one stream at a time (``encoder_batching=False``; under CUDA
     graphs per stream shape): the A/B of batching the conformer encoder."""
@@ -308,6 +400,67 @@ class TorchCfmEncRaggedProvider(TorchCfmProvider):
 
     name = "torch_cfm/enc_ragged"
     encoder_batching = "ragged"
+
+
+class VocoderProvider:
+    """The vocoder stage alone (stage ``voc``): every open stream's 1 s chunk of mel a tick."""
+
+    name = "torch_cfm"
+    reports_first_chunk = False
+    kind, tf32 = "torch_cfm", None  # Token2wavServer(vocoder=kind); the upstream peers' cuDNN TF32
+
+    def __init__(self, flow, hift, stage: str, c: int, wl: Workload, inputs: Inputs, device: str, dtype) -> None:
+        if stage != "voc":
+            raise ValueError(f"{self.name} runs the voc stage only")
+        self.server = Token2wavServer(flow, hift, max_streams=c, max_prompt_frames=wl.prompt_frames,
+                                      max_chunk_tokens=wl.chunk_tokens, n_timesteps=wl.n_steps, dtype=dtype,
+                                      stage_graphs=STAGE_GRAPHS[0], vocoder=self.kind)
+        self.stage, self.device, self.done = self.server.vocoder, device, {}
+        gen = torch.Generator().manual_seed(11)
+        self.mels = [(0.5 * torch.randn(80, wl.chunk_frames, generator=gen)).to(device) for _ in range(4)]
+
+    def _flags(self):
+        import contextlib
+
+        return contextlib.nullcontext() if self.tf32 is None else torch.backends.cudnn.flags(
+            enabled=True, allow_tf32=self.tf32)
+
+    def open(self, ids):
+        for sid in ids:
+            self.stage.open(sid, seed=sid)
+            self.done[sid] = 0
+
+    def step(self, ids) -> dict:
+        t0 = time.perf_counter()
+        with self._flags(), torch.no_grad():
+            self.stage([(sid, self.mels[(sid + self.done[sid]) % 4], False) for sid in ids])
+        _sync(self.device)
+        dt = time.perf_counter() - t0
+        for sid in ids:
+            self.done[sid] += 1
+        return {sid: dt for sid in ids}
+
+    def close(self, sid):
+        self.stage.close(sid)
+        del self.done[sid]
+
+    def captures(self) -> int:
+        return self.server.graph_counts()["vocoder"] if "vocoder" in self.server.graph_counts() else 0
+
+    def bytes_per_stream(self) -> int:
+        return self.stage.stream_bytes()
+
+
+class UpstreamVocoderIeee(VocoderProvider):
+    """The package's HiFT modules batched per tick (Token2wavServer(vocoder="upstream")), IEEE fp32 convolutions."""
+
+    name, kind, tf32 = "upstream_ieee", "upstream", False
+
+
+class UpstreamVocoderTf32(VocoderProvider):
+    """The same with TF32 convolutions (PyTorch's cuDNN default)."""
+
+    name, kind, tf32 = "upstream_tf32", "upstream", True
 
 
 class UpstreamProvider:
@@ -336,7 +489,7 @@ class UpstreamProvider:
             with torch.inference_mode(), self._autocast():
                 if self.stage == "cfm":
                     dec = self.flow.decoder
-                    mu, spk = self.inputs.mu_prompt[sid % 4][None], self.inputs.spk80[sid % 4][None]
+                    mu, spk = self.inputs.mu_prompt(sid)[None], self.inputs.spk80(sid)[None]
                     _, cnn, att = dec.forward_chunk(mu, spk, torch.zeros_like(mu), n_timesteps=self.wl.n_steps)
                     st = {"cnn": cnn.clone(), "att": att.clone()}
                 else:
@@ -360,7 +513,7 @@ class UpstreamProvider:
                 if self.stage == "cfm":
                     dec = self.flow.decoder
                     _, cnn, att = dec.forward_chunk(self.inputs.mu_chunk[(sid + st["done"]) % 4][None],
-                                                    self.inputs.spk80[sid % 4][None],
+                                                    self.inputs.spk80(sid)[None],
                                                     torch.zeros_like(self.inputs.mu_chunk[0][None]),
                                                     n_timesteps=self.wl.n_steps, cnn_cache=st["cnn"],
                                                     att_cache=st["att"])
@@ -480,6 +633,8 @@ class UpstreamGraphProvider:
 
 
 PROVIDERS = {"torch_cfm": TorchCfmProvider, "torch_cfm/paced": TorchCfmPacedProvider,
+             "torch_cfm/voices": TorchCfmVoicesProvider, "upstream_ieee": UpstreamVocoderIeee,
+             "upstream_tf32": UpstreamVocoderTf32,
              "torch_cfm/enc_per_stream": TorchCfmEncPerStreamProvider,
              "torch_cfm/enc_ragged": TorchCfmEncRaggedProvider,
              "upstream": UpstreamProvider, "upstream_graph": UpstreamGraphProvider}
@@ -561,7 +716,9 @@ def stage_shares(provider: TorchCfmProvider, c: int, wl: Workload) -> dict:
         provider.close(sid)
     server.timing = False
     total = sum(server.stats[k] for k in ("encoder", "cfm", "vocoder")) or float("nan")
-    return {f"share_{k}": round(server.stats[k] / total, 3) for k in ("encoder", "cfm", "vocoder")}
+    out = {f"share_{k}": round(server.stats[k] / total, 3) for k in ("encoder", "cfm", "vocoder")}
+    out.update({f"ms_{k}": round(server.stats[k] / 3 * 1e3, 3) for k in ("encoder", "cfm", "vocoder")})
+    return out
 
 
 # ---------------------------------------------------------------------------------- output
@@ -584,20 +741,22 @@ def write_table(rows: list[dict], path: str, command: str) -> str:
              "Poisson arrivals, 6 s prompts, 1 s chunks; every open stream pushes a chunk each tick. "
              "audio-s/s = audio seconds produced per wall second (steady: over the chunk steps alone, "
              "without the arriving streams' prompt solves); latencies in ms.", "",
-             "| gpu | dtype | stage | provider | C | audio-s/s | steady audio-s/s | chunk p50 | chunk p99 | "
+             "| run | gpu | dtype | stage | provider | C | audio-s/s | steady audio-s/s | chunk p50 | chunk p99 | "
              "tick p50 | tick p99/p50 | step p50 | step p99/p50 | first chunk p50 | first chunk p99 | captures | "
-             "bytes/stream | shares enc/cfm/voc | error |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "bytes/stream | ms enc/cfm/voc per tick | voice hits/misses | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    labels = H.run_labels(rows)
     def key(r):
-        return (r.get("gpu") or "", r.get("dtype") or "", r.get("stage") or "", r.get("provider") or "",
-                r.get("variant") or "", r.get("concurrency") or 0)
+        return (labels[H.run_of(r)], r.get("gpu") or "", r.get("dtype") or "", r.get("stage") or "",
+                r.get("provider") or "", r.get("variant") or "", r.get("concurrency") or 0)
 
     for r in sorted(rows, key=key):
         ratio = (r["step_ms_p99"] / r["step_ms_p50"]) if r.get("step_ms_p50") else None
         tick_ratio = (r["tick_ms_p99"] / r["tick_ms_p50"]) if r.get("tick_ms_p50") else None
-        shares = "/".join(_fmt(r.get(f"share_{k}"), 2) for k in ("encoder", "cfm", "vocoder")) \
-            if r.get("share_cfm") is not None else ""
-        lines.append("| " + " | ".join([str(r.get("gpu")), str(r.get("dtype")), str(r.get("stage")),
+        stage_ms = "/".join(_fmt(r.get(f"ms_{k}"), 2) for k in ("encoder", "cfm", "vocoder")) \
+            if r.get("ms_cfm") is not None else ""
+        hits = f"{r['voice_hits']}/{r['voice_misses']}" if r.get("voice_hits") is not None else ""
+        lines.append("| " + " | ".join([labels[H.run_of(r)], str(r.get("gpu")), str(r.get("dtype")), str(r.get("stage")),
                                         str(r.get("provider")) + (f" ({r['variant']})" if r.get("variant") else ""),
                                         str(r.get("concurrency")),
                                         _fmt(r.get("audio_s_per_s"), 2), _fmt(r.get("steady_audio_s_per_s"), 2),
@@ -605,8 +764,9 @@ def write_table(rows: list[dict], path: str, command: str) -> str:
                                         _fmt(r.get("tick_ms_p50")), _fmt(tick_ratio, 2),
                                         _fmt(r.get("step_ms_p50")), _fmt(ratio, 2), _fmt(r.get("first_chunk_ms_p50")),
                                         _fmt(r.get("first_chunk_ms_p99")), _fmt(r.get("captures_measured")),
-                                        _fmt(r.get("bytes_per_stream")), shares,
+                                        _fmt(r.get("bytes_per_stream")), stage_ms, hits,
                                         (r.get("error") or "")[:60]]) + " |")
+    lines += ["", "Runs (compare rows of one run only):", H.run_legend(rows, labels)]
     text = "\n".join(lines) + "\n" + H.provenance_footer(rows, command)
     with open(path, "w") as f:
         f.write(text)
@@ -660,6 +820,8 @@ def main(argv=None) -> list[dict]:
                             "upstream_graph")
     ap.add_argument("--prompt-steps", type=int, default=2,
                     help="torch_cfm/paced: prompt_steps_per_tick (Euler steps of a prompt solve per tick)")
+    ap.add_argument("--voices", default="4",
+                    help="distinct prompts the streams open with (an int, or 'all': every stream its own)")
     ap.add_argument("--mixed-prompts", action="store_true",
                     help="prompts of 3, 6, 8 and 10 s (tiny: 5, 10, 13, 16 tokens) instead of 6 s each")
     ap.add_argument("--upstream-max", type=int, default=None, help="largest C the serial upstream path runs at")
@@ -705,7 +867,7 @@ def main(argv=None) -> list[dict]:
         U.resize_scratch_buffers(flow, wl.prompt_frames + TRIM_KEEP_OLDEST + wl.chunk_frames)
     flow = flow.to(device=device, dtype=dtype)
     hift, hift_error = None, None
-    if "wav" in args.stages:
+    if "wav" in args.stages or "voc" in args.stages:
         try:
             import importlib
 
@@ -721,27 +883,32 @@ def main(argv=None) -> list[dict]:
         except Exception as exc:  # noqa: BLE001 - scipy missing, typically
             hift_error = f"{type(exc).__name__}: {exc}"[:300]
             print(f"serving: no HiFT ({hift_error}); the wav stage is skipped")
-    inputs = Inputs(size, wl, device, dtype)
+    voices = None if args.voices == "all" else int(args.voices)
+    inputs = Inputs(size, wl, device, dtype, voices=voices)
     rows = []
     command = "python bench/serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
     for stage in args.stages.split(","):
         for prov_name in args.providers.split(","):
-            if (prov_name == "upstream_graph" and stage != "cfm") or \
-                    (prov_name in ("torch_cfm/enc_per_stream", "torch_cfm/enc_ragged") and stage != "mel"):
+            if stage == "voc":
+                if prov_name not in ("torch_cfm", "upstream_ieee", "upstream_tf32"):
+                    continue
+            elif prov_name in ("upstream_ieee", "upstream_tf32") or (prov_name == "upstream_graph" and stage != "cfm") \
+                    or (prov_name in ("torch_cfm/enc_per_stream", "torch_cfm/enc_ragged") and stage != "mel"):
                 continue
             for c in cs:
                 if prov_name == "upstream" and c > up_max:
                     continue
                 variant = "+".join(v for v, on in (("no_stage_graphs", args.no_stage_graphs and prov_name.startswith(
                     "torch_cfm")), ("mixed_prompts", args.mixed_prompts),
-                    (f"prompt_steps_{args.prompt_steps}", prov_name == "torch_cfm/paced")) if on)
+                    (f"prompt_steps_{args.prompt_steps}", prov_name == "torch_cfm/paced"),
+                    (f"voices_{args.voices}", prov_name == "torch_cfm/voices")) if on)
                 base = dict(op=OP, provider=prov_name, variant=variant, stage=stage, concurrency=c, dtype=dname,
                             prompt_s=[2 * wl.pool_tokens(i) * FRAME_S for i in range(4)] if mix
                             else wl.prompt_frames * FRAME_S, chunk_s=wl.chunk_frames * FRAME_S,
                             chunks_per_stream=wl.chunks, n_timesteps=wl.n_steps, tiny=args.tiny, command=command,
                             prompt_steps_per_tick=args.prompt_steps if prov_name == "torch_cfm/paced" else None,
                             **env)
-                if stage == "wav" and hift is None:
+                if stage in ("wav", "voc") and hift is None:
                     rows.append(dict(base, error=f"no HiFT: {hift_error}"))
                     continue
                 try:
@@ -750,15 +917,18 @@ def main(argv=None) -> list[dict]:
                         torch.cuda.empty_cache()
                         torch.cuda.reset_peak_memory_stats()
                         mem0 = torch.cuda.memory_allocated()
-                    prov = PROVIDERS[prov_name](flow, hift, stage, c, wl, inputs, device, dtype)
-                    if args.warmup and prov_name.startswith("torch_cfm"):
+                    cls = VocoderProvider if stage == "voc" and prov_name == "torch_cfm" else PROVIDERS[prov_name]
+                    prov = cls(flow, hift, stage, c, wl, inputs, device, dtype)
+                    if args.warmup and prov_name.startswith("torch_cfm") and stage != "voc":
                         warm = prov.server.warmup(prompt_frames=(wl.prompt_frames,), chunk_tokens=(wl.chunk_tokens,))
                         print(f"warmup: {warm}", flush=True)
+                        prov.warm_voices()
                     row = dict(base, **run_one(prov, c, wl, args.seed + c))
                     row["bytes_per_stream"] = prov.bytes_per_stream()
+                    row.update(prov.voice_report() if hasattr(prov, "voice_report") else {})
                     if device == "cuda":
                         row["measured_bytes_per_stream"] = (torch.cuda.max_memory_allocated() - mem0) // c
-                    if prov_name.startswith("torch_cfm") and stage != "cfm":
+                    if prov_name.startswith("torch_cfm") and stage in ("mel", "wav"):
                         row.update(stage_shares(prov, c, wl))
                         row["stage_graphs"] = graph_report(prov.server)
                     del prov

@@ -63,7 +63,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 def measure(streams: int, args, env: dict, tree: str) -> dict:
     import torch_cfm
-    from torch_cfm.models import CFMServer, DiT, DiTConfig, StreamingCFM
+    from torch_cfm import CFMServer, DiT, DiTConfig, StreamingCFM
 
     dry = args.dry_run
     device = torch.device("cpu" if dry else "cuda")

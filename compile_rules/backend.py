@@ -141,7 +141,7 @@ _DEFAULT_BACKEND = TorchCfmBackend()
 
 
 def torch_cfm_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):
-    """The registered ``"torch_cfm"`` backend (default :class:`RulesConfig`: SPEC §5 policy)."""
+    """The registered ``"torch_cfm"`` backend (default :class:`RulesConfig`: docs/design.md §5 policy)."""
     return _DEFAULT_BACKEND(gm, example_inputs, **kwargs)
 
 

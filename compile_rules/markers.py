@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from torch_cfm.ops.dit_body import stage_input
+from torch_cfm.models.fused_forward import stage_input
 from torch_cfm.packing import PackedDiT, modulation_table, pack_dit
 
 # The marker op and mark_dit_step live below the models (the model marks its own step); the rules
@@ -91,7 +91,7 @@ class PackBinding:
 
     Args:
         arg_index: position of each parameter in the compiled graph's arguments.
-        params: the parameters at compile time; names: their SPEC §1 names.
+        params: the parameters at compile time; names: their docs/design.md §1 names.
         dtype, device: of the pack. buffers: the pack's tensors (``packed_tensors`` order).
     """
 

@@ -13,7 +13,7 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(torch_cfm, m) {
-  // Ragged, cache-aware attention (SPEC §4). Output (N, H, Q, D) stored as contiguous (N, Q, H, D).
+  // Ragged, cache-aware attention (docs/design.md §4). Output (N, H, Q, D) stored as contiguous (N, Q, H, D).
   m.def(
       "cfm_attention(Tensor q, Tensor k, Tensor v, Tensor? key_lengths=None, Tensor? mask=None, "
       "Tensor? kv_rows=None, str precision=\"auto\") -> Tensor");

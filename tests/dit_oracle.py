@@ -1,4 +1,4 @@
-"""An independent, deliberately plain implementation of SPEC §1-3 (the DiT and the CFM solve).
+"""An independent, deliberately plain implementation of docs/design.md §1-3 (the DiT and the CFM solve).
 
 Written from the SPEC text only: no torch_cfm import, no nn.Module, explicit per-row loops and
 explicit formulas (LayerNorm, Mish, GELU-tanh, causal conv as a sum of taps, softmax over the
@@ -145,7 +145,7 @@ def row_forward(sd, x, mu, t, spks, cond, cnn=None, att=None, key_valid=None):
 
 
 def batch_forward(sd, x, mask, mu, t, spks=None, cond=None):
-    """Full forward of SPEC §1 with a (N, 1, T) key mask, row by row: (N, 80, T)."""
+    """Full forward of docs/design.md §1 with a (N, 1, T) key mask, row by row: (N, 80, T)."""
     outs = []
     for n in range(x.shape[0]):
         s = torch.zeros(x.shape[1], dtype=x.dtype) if spks is None else spks[n]
@@ -156,7 +156,7 @@ def batch_forward(sd, x, mask, mu, t, spks=None, cond=None):
 
 
 def batch_chunk(sd, x, mu, t, spks, cond, cnn=None, att=None, valid_lengths=None, cache_lengths=None):
-    """Ragged chunk forward (SPEC §2) row by row on the VALID parts only.
+    """Ragged chunk forward (docs/design.md §2) row by row on the VALID parts only.
 
     Returns lists per row: velocity (80, T_n), cnn (depth, 2C, 2), att (depth, H, T_n + L_n, 2D).
     """
@@ -178,7 +178,7 @@ def cosine_schedule(n):
 
 
 def solve_request(sd, mu, spks, cond, noise, n_steps=10, cfg_rate=0.7, cnn=None, att=None):
-    """One request's chunk solve (SPEC §3), its two CFG rows computed separately.
+    """One request's chunk solve (docs/design.md §3), its two CFG rows computed separately.
 
     mu, cond (80, T); spks (80,); noise (1, 80, F); cnn: (n, depth, 2, 2C, 2) or None; att:
     (n, depth, 2, H, L, 2D) or None, index 0 of the third axis = cond row, 1 = uncond row.
@@ -205,7 +205,7 @@ def solve_request(sd, mu, spks, cond, noise, n_steps=10, cfg_rate=0.7, cnn=None,
 
 
 def trim(att, prompt_len, keep_oldest=100):
-    """SPEC §3 streaming trim on the frame axis (-2) of a newest-first cache."""
+    """docs/design.md §3 streaming trim on the frame axis (-2) of a newest-first cache."""
     frames = att.shape[-2]
     if frames <= prompt_len + keep_oldest:
         return att

@@ -8,7 +8,7 @@ It disables PyTorch's caching allocator (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``, s
 torch is imported) so every tensor is its own allocation and an out-of-bounds access lands outside
 it, where memcheck sees it. Every tensor is allocated at its exact size (no slack), views such as
 the K/V halves of an interleaved cache end exactly at their buffer's end, and each result is also
-compared with the float64 oracle (SPEC §6), so the script fails (exit 1) on wrong numbers too.
+compared with the float64 oracle (docs/design.md §6), so the script fails (exit 1) on wrong numbers too.
 
 Covered: ``cfm_attention`` (fp16, bf16, fp32 TF32 and IEEE) with K = 0, 1, block multiples +-1
 and >= 600, Q = 1 and odd Q, lengths 0/1/K/out of range, masks (dense and stride 0), kv_rows
@@ -139,7 +139,8 @@ def check_body(dtype: torch.dtype, precision: str, quick: bool) -> int:
     import dit_oracle as O
     from torch_cfm.kernels.body_plans import NAMED, family
     from torch_cfm.models.dit import random_dit
-    from torch_cfm.ops.dit_body import dit_body_fused_into, stage_input
+    from torch_cfm.kernels.dit_body import dit_body_fused_into
+    from torch_cfm.models.fused_forward import stage_input
     from torch_cfm.packing import modulation_table, packed_for
 
     specs = [S.ChunkSpec(0, 3, 7, 9, 1, valid=(7, 0, 3), cached=(9, 4, 0)),
@@ -191,7 +192,7 @@ def check_body_arena(model, packed, table, x_in, a: dict, prec, vels, spec, dtyp
     the old keys reversed at [0, L_n) and NaN after them; the appended keys and the velocity must
     come out finite, the velocity near the float64 oracle."""
     from torch_cfm.models.cache import reverse_keys
-    from torch_cfm.ops.dit_body import dit_body_arena_into
+    from torch_cfm.kernels.dit_body import dit_body_arena_into
 
     n, t_len = spec.n, spec.t_len
     cfg = model.config

@@ -1,4 +1,4 @@
-"""The SPEC §6 accuracy oracle, independent of torch_cfm's own reference code.
+"""The docs/design.md §6 accuracy oracle, independent of torch_cfm's own reference code.
 
 A fast path passes when ``err(fast) <= 2 * err(same-dtype reference) + 1e-6`` for both the max
 absolute error and the relative Frobenius error, each measured against a float64 result.
@@ -27,13 +27,13 @@ def err_rel_fro(out: torch.Tensor, ref64: torch.Tensor) -> float:
 
 
 def max_abs_bound(e_ref: float) -> float:
-    """SPEC §6's max-abs bound for a fast result, from the same-dtype reference's max-abs error."""
+    """docs/design.md §6's max-abs bound for a fast result, from the same-dtype reference's max-abs error."""
     return 2 * e_ref + ABS_FLOOR
 
 
 def assert_within_oracle(fast: torch.Tensor, same_dtype_ref: torch.Tensor, ref64: torch.Tensor,
                          name: str = "output", tf32: bool = False) -> None:
-    """SPEC §6 for one tensor: fast vs the same-dtype reference, both measured against fp64.
+    """docs/design.md §6 for one tensor: fast vs the same-dtype reference, both measured against fp64.
 
     ``tf32=True`` (fp32 run with TF32 dots): the bound is the larger of the 2x rule and the
     SPEC's TF32 bound (3e-3 relative; for max-abs, 3e-3 of the reference's largest magnitude).
@@ -60,7 +60,7 @@ def assert_within_oracle(fast: torch.Tensor, same_dtype_ref: torch.Tensor, ref64
 
 
 def naive_attention64(q, k, v, key_lengths=None, mask=None, kv_rows=None) -> torch.Tensor:
-    """Loop-per-row float64 attention written straight from SPEC §4 (the oracle's ground truth)."""
+    """Loop-per-row float64 attention written straight from docs/design.md §4 (the oracle's ground truth)."""
     n_rows, heads, q_len, head_dim = q.shape
     out = torch.zeros(n_rows, heads, q_len, head_dim, dtype=torch.float64)
     for n in range(n_rows):

@@ -1,4 +1,4 @@
-"""One request solved alone, whole solves: ``StreamingCFM.forward_chunk`` then the SPEC §3 trim, the
+"""One request solved alone, whole solves: ``StreamingCFM.forward_chunk`` then the docs/design.md §3 trim, the
 loop the upstream runs per stream. The server tests compare every batched, ragged or spread-out
 solve with it."""
 

@@ -195,7 +195,7 @@ def attention_specs(
 
 @dataclass(frozen=True)
 class TF32Policy:
-    """One way a user sets fp32 dot precision for ``cfm_attention`` (SPEC §4/§5).
+    """One way a user sets fp32 dot precision for ``cfm_attention`` (docs/design.md §4/§5).
 
     torch_flag: ``torch.backends.cuda.matmul.allow_tf32`` during the call.
     env: value of ``TORCH_CFM_TF32`` (None = unset).
@@ -354,7 +354,7 @@ def tf32_operand(x: torch.Tensor) -> torch.Tensor:
 
 
 def attention_same_dtype(case: AttnCase, tf32: bool = False) -> torch.Tensor:
-    """SPEC §6 baseline: the attention math run in the inputs' dtype (dense, written here).
+    """docs/design.md §6 baseline: the attention math run in the inputs' dtype (dense, written here).
 
     ``tf32`` (float32 inputs): TF32 math emulated exactly where a TF32 kernel loses precision —
     both dots take TF32 operands (q, k, the probabilities and v truncated to 10 mantissa bits)

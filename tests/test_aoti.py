@@ -52,7 +52,7 @@ def step_inputs(device="cpu", dtype=torch.float32, n_rows=2, t_len=4, cache_len=
 
 
 def check_against_oracle(model, args, out, same_dtype):
-    """SPEC §6 on each row's valid frames: velocity, conv cache and attention cache."""
+    """docs/design.md §6 on each row's valid frames: velocity, conv cache and attention cache."""
     x, mu, t, spks, cond, cnn, att, valid, cached = (a.cpu() for a in args)
     sd = dit_oracle.to_dtype(model.state_dict())
     vels, cnns, atts = dit_oracle.batch_chunk(sd, x.double(), mu.double(), t.double(), spks.double(),

@@ -1,5 +1,5 @@
 """bench/stepaudio2_stream.py end to end on CPU at the tiny size (``--quick --device cpu --tiny``):
-rows for both providers with every results field, provenance, the mel within SPEC §6 of the fp64
+rows for both providers with every results field, provenance, the mel within docs/design.md §6 of the fp64
 flow, the waveform rows present with their reason (``Token2wav.stream`` needs CUDA)."""
 
 import json

@@ -1,10 +1,10 @@
 """The body's tuning table (:mod:`torch_cfm.kernels.body_plans`): the plan each (dtype, dot precision,
-rows) gets, written out by hand from the dispatch rule it replaced, with and without the wgmma kernel."""
+rows) gets, written out by hand from the dispatch rule it replaced, with and without the wgmma kernel;
+every plan's evidence resolves to rows of bench/results/dit_step.json that support it."""
 
 import dataclasses
 import json
 import os
-import re
 
 import pytest
 import torch
@@ -17,19 +17,20 @@ FAMILIES = {"fp16": (torch.float16, None), "bf16": (torch.bfloat16, None), "tf32
 
 
 def _expected(family: str, rows: int, wgmma: bool, arena: bool) -> str:
-    """The dispatch of the body before the table: 16-bit bodies v5 at >= 32 rows (on the arena v1w:
-    v1 with a one-warp row-norm launch), v9 at <= 8 rows, else v1; TF32 bodies v9 at <= 8 rows, else
-    v1; IEEE bodies v1; v9 is v1 call for call where the wgmma kernel cannot run."""
+    """The dispatch of the body before the table: 16-bit bodies fused_attention at >= 32 rows (on the
+    arena cublas_warp_rownorm: cublas with a one-warp row-norm launch), wgmma at <= 8 rows, else
+    cublas; TF32 bodies wgmma at <= 8 rows, else cublas; IEEE bodies cublas; wgmma is cublas call for
+    call where the wgmma kernel cannot run."""
     if family in ("fp16", "bf16"):
-        name = "v5" if rows >= 32 else "v9" if rows <= 8 else "v1"
+        name = "fused_attention" if rows >= 32 else "wgmma" if rows <= 8 else "cublas"
     elif family == "tf32":
-        name = "v9" if rows <= 8 else "v1"
+        name = "wgmma" if rows <= 8 else "cublas"
     else:
-        name = "v1"
-    if arena and name == "v5":
-        name = "v1w"
-    if name == "v9" and not wgmma:
-        name = "v1"
+        name = "cublas"
+    if arena and name == "fused_attention":
+        name = "cublas_warp_rownorm"
+    if name == "wgmma" and not wgmma:
+        name = "cublas"
     return name
 
 
@@ -42,46 +43,89 @@ def test_wgmma_rows_bound_is_eight():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_table_reproduces_the_dispatch(family, wgmma, arena):
     dtype, precision = FAMILIES[family]
-    v1 = bp.body_plan(dtype, precision, 9 if family != "ieee" else 2)
-    assert v1.name == "v1"
+    cublas = bp.body_plan(dtype, precision, 9 if family != "ieee" else 2)
+    assert cublas.name == "cublas"
     for rows in ROWS:
         plan = bp.resolve_plan(bp.body_plan(dtype, precision, rows, arena=arena), wgmma=wgmma)
         want = _expected(family, rows, wgmma, arena)
         assert plan.name == want, (family, rows, wgmma, arena, plan.name)
         if not arena:
             assert bp.choose_variant(dtype, precision, rows) == _expected(family, rows, True, False)
-        if want == "v1":  # v1 of the dtype family, field for field: v9's fallback is exactly v1
-            assert plan == v1, (family, rows)
-        if want == "v1w":  # v1 but for the row-norm launch
+        if want == "cublas":  # cublas of the dtype family, field for field: wgmma's fallback is exactly cublas
+            assert plan == cublas, (family, rows)
+        if want == "cublas_warp_rownorm":  # cublas but for the row-norm launch
             assert plan.rownorm_launch == (1, 1)
-            assert dataclasses.replace(plan, name="v1", rownorm_launch=None, evidence=v1.evidence) == v1
-    # rows unknown: the family's v1
-    assert bp.choose_variant(dtype, precision) == "v1"
-    assert bp.body_plan(dtype, precision) == v1
+            assert dataclasses.replace(plan, name="cublas", rownorm_launch=None, evidence=cublas.evidence) == cublas
+    # rows unknown: the family's cublas
+    assert bp.choose_variant(dtype, precision) == "cublas"
+    assert bp.body_plan(dtype, precision) == cublas
 
 
-def _assert_cited_rows_exist(plan):
-    """Every (variant, commit) an evidence string cites is a row of the data file it names."""
-    path, _, text = plan.evidence.partition(" ")
+def _plans_in_use():
+    """Every plan a body call can run: the table's, their arena plans and fallbacks, unknown rows'."""
+    plans = {}
+    todo = [p for entries in bp.TABLE.values() for _, _, p in entries] + list(bp.UNKNOWN_ROWS.values())
+    while todo:
+        plan = todo.pop()
+        if id(plan) not in plans:
+            plans[id(plan)] = plan
+            todo += [p for p in (plan.arena_plan, plan.fallback) if p is not None]
+    return list(plans.values())
+
+
+def _same_run(a: dict, b: dict) -> bool:
+    if a.get("run_id") or b.get("run_id"):
+        return a.get("run_id") == b.get("run_id")
+    return (a["commit"], a["timestamp"]) == (b["commit"], b["timestamp"])
+
+
+def test_evidence_rows_resolve_and_support_each_plan():
+    """Each plan a body call can run cites (its row, the alternative's row) pairs: both rows exist
+    once in the data file, were measured in one run at one shape and dtype without error, and the
+    plan's row is the faster."""
+    for plan in _plans_in_use():
+        assert plan.evidence, plan.name
+        rows = bp.evidence_rows(plan)
+        assert len(rows) == 2 * len(plan.evidence)
+        for (chosen_id, other_id), chosen, other in zip(plan.evidence, rows[::2], rows[1::2]):
+            assert bp.row_id(chosen) == chosen_id and bp.row_id(other) == other_id
+            assert chosen is not other
+            assert _same_run(chosen, other), (plan.name, chosen_id, other_id)
+            for key in ("shape", "dtype", "precision", "timing", "gpu"):
+                assert chosen[key] == other[key], (plan.name, key, chosen_id, other_id)
+            assert not chosen["error"] and not other["error"]
+            assert chosen["us_p50"] < other["us_p50"], (plan.name, chosen_id, chosen["us_p50"], other["us_p50"])
+
+
+def test_every_named_plans_evidence_resolves():
+    for plans in bp.NAMED.values():
+        for plan in plans.values():
+            assert len(bp.evidence_rows(plan)) == 2 * len(plan.evidence)
+
+
+def test_row_ids_name_exactly_one_row_or_fail():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with open(os.path.join(root, path)) as f:
+    with open(os.path.join(root, bp.EVIDENCE_DATA)) as f:
         rows = json.load(f)
-    present = {(r.get("variant") or "", str(r.get("commit", ""))[:7]) for r in rows}
-    variants = {v for v, _ in present}
-    for name in re.findall(r"\b(sweep_[a-z0-9_]+|v\d)\b", text):
-        if name.endswith("_") or name.endswith("_*"):
-            continue
-        assert name in variants or name in ("v1", "v5", "v9"), (plan.name, name)
-    for commit in re.findall(r"\(([0-9a-f]{7})\)", text):
-        assert any(c == commit for _, c in present), (plan.name, commit)
+    row = next(r for r in rows if r["provider"] == "torch_cfm" and r["variant"] == "arena")
+    assert bp.find_row(rows, bp.row_id(row)) is row
+    assert bp.row_id(dict(row, variant="", run_id="20261205T101500Z-3fa2c1")).startswith("dit_step/table/")
+    assert bp.row_id(dict(row, run_id="20261205T101500Z-3fa2c1")).endswith("/20261205T101500Z-3fa2c1")
+    with pytest.raises(ValueError, match="names 0 rows"):
+        bp.find_row(rows, "dit_step/arena/8x50x400/fp16/20000101T000000Z")
+    with pytest.raises(ValueError, match="rid"):
+        bp.find_row(rows, "dit_step/arena/8x50x400/fp16/2026-12-01")
+    twice = [row, dict(row)]
+    with pytest.raises(ValueError, match="names 2 rows"):
+        bp.find_row(twice, bp.row_id(row))
+    with pytest.raises(ValueError, match="evidence"):
+        bp.BodyPlan("x", evidence=("dit_step/a/1x2x3/fp16/20261201T000000Z",))
+    with pytest.raises(ValueError, match="evidence"):
+        bp.BodyPlan("x", evidence=(("dit_step/a/1x2x3/fp16/commit", "dit_step/b/1x2x3/fp16/20261201T000000Z"),))
 
 
-def test_plans_name_their_roles_and_evidence():
+def test_plans_name_their_roles():
     for family, entries in bp.TABLE.items():
-        plans = [p for _, _, p in entries] + [p.arena_plan for _, _, p in entries if p.arena_plan is not None]
-        for plan in plans:
-            assert plan.evidence.startswith("bench/"), (family, plan.name)
-            _assert_cited_rows_exist(plan)
         for lo, hi, plan in entries:
             assert lo <= hi
             for role in ("qkv", "attention", "proj", "conv", "fc1", "fc2", "rownorm", "arena_qkv"):
@@ -93,38 +137,39 @@ def test_plans_name_their_roles_and_evidence():
         assert all(a[1] + 1 == b[0] for a, b in zip(spans, spans[1:]))
 
 
-def test_v9_plans_differ_from_v1_only_in_gemms_pdl_and_arena_epilogue():
-    v9, v1 = bp.body_plan(torch.float16, None, 8), bp.body_plan(torch.float16, None, 16)
-    assert (v9.qkv, v9.proj, v9.conv, v9.fc1, v9.fc2, v9.arena_qkv) == (
+def test_wgmma_plans_differ_from_cublas_only_in_gemms_pdl_and_arena_epilogue():
+    wgmma, cublas = bp.body_plan(torch.float16, None, 8), bp.body_plan(torch.float16, None, 16)
+    assert (wgmma.qkv, wgmma.proj, wgmma.conv, wgmma.fc1, wgmma.fc2, wgmma.arena_qkv) == (
         "wgmma", "wgmma", "wgmma", "wgmma_gelu", "wgmma_splitk", "wgmma_qk_cache")
-    assert v9.pdl == {"linear", "rownorm", "qk_cache"} and v1.pdl == frozenset()
-    assert dataclasses.replace(v9, name="v1", qkv="cublas", proj="cublas", conv="cublas", fc1="cublas_gelu",
+    assert wgmma.pdl == {"linear", "rownorm", "qk_cache"} and cublas.pdl == frozenset()
+    assert dataclasses.replace(wgmma, name="cublas", qkv="cublas", proj="cublas", conv="cublas", fc1="cublas_gelu",
                                fc2="cublas", arena_qkv="qk_cache", pdl=frozenset(), fallback=None,
-                               evidence=v1.evidence) == v1
+                               evidence=cublas.evidence) == cublas
     tf = bp.body_plan(torch.float32, "tf32", 8)
     assert tf.arena_qkv == "qk_cache" and tf.fc2 == "wgmma_splitk"
     assert bp.body_plan(torch.float32, "ieee", 8).pdl == {"rownorm", "cfg_euler"}
 
 
 def test_named_plans_and_bad_names():
-    assert bp.named_plan("v5", torch.float32, "ieee").attention == "attention_cache"
-    assert bp.named_plan("v9", torch.float16, None) == bp.body_plan(torch.float16, None, 8)
+    assert bp.PLAN_NAMES == ("cublas", "fused_attention", "wgmma")
+    assert bp.named_plan("fused_attention", torch.float32, "ieee").attention == "attention_cache"
+    assert bp.named_plan("wgmma", torch.float16, None) == bp.body_plan(torch.float16, None, 8)
     plan = bp.body_plan(torch.float16, None, 64)
     assert bp.named_plan(plan, torch.float16, None) is plan
     with pytest.raises(ValueError, match="plan"):
-        bp.named_plan("v4", torch.float16, None)
+        bp.named_plan("v5", torch.float16, None)
     with pytest.raises(ValueError, match="plan"):
-        bp.named_plan("v9", torch.float32, "ieee")
+        bp.named_plan("wgmma", torch.float32, "ieee")
 
 
 def test_pdl_of_a_plan():
     pytest.importorskip("triton")
     from torch_cfm.kernels._launch import plan_pdl
 
-    v1_32 = bp.body_plan(torch.float32, "tf32", 64)
-    assert plan_pdl(v1_32, "rownorm", torch.device("cpu")) is False  # no PDL on CPU
+    cublas_32 = bp.body_plan(torch.float32, "tf32", 64)
+    assert plan_pdl(cublas_32, "rownorm", torch.device("cpu")) is False  # no PDL on CPU
     with pytest.raises(AssertionError):
-        plan_pdl(v1_32, "rownrom", torch.device("cpu"))
+        plan_pdl(cublas_32, "rownrom", torch.device("cpu"))
 
 
 def test_plans_are_checked():
@@ -140,25 +185,26 @@ def test_plan_for_explicit_scoped_and_arena():
 
     x16 = torch.zeros(64, 320, 5, dtype=torch.float16)
     x8 = torch.zeros(8, 320, 5, dtype=torch.float16)
-    assert plan_for(x16, None) == bp.V5_16BIT
-    assert plan_for(x16, None, arena=True) == bp.V1W_16BIT
-    assert plan_for(x8, None) == bp.V1_16BIT  # v9 without the wgmma kernel (CPU): v1, call for call
-    assert plan_for(x8, None, "v5") == bp.V5_16BIT
+    assert plan_for(x16, None) == bp.FUSED_ATTENTION_16BIT
+    assert plan_for(x16, None, arena=True) == bp.CUBLAS_WARP_ROWNORM_16BIT
+    assert plan_for(x8, None) == bp.CUBLAS_16BIT  # wgmma without the wgmma kernel (CPU): cublas, call for call
+    assert plan_for(x8, None, "fused_attention") == bp.FUSED_ATTENTION_16BIT
     with pytest.raises(ValueError, match="arena"):
-        plan_for(x16, None, "v5", arena=True)
-    with bp.use_plan("v5"):
-        assert plan_for(x8, None) == bp.V5_16BIT
-        assert plan_for(x8, None, arena=True) == bp.V1W_16BIT  # a scoped plan without an arena form: its arena plan
-        assert plan_for(x8, None, "v1") == bp.V1_16BIT  # an explicit plan wins
-        with bp.use_plan(bp.V1_16BIT):
-            assert plan_for(x16, None) == bp.V1_16BIT
-        assert plan_for(x16, None) == bp.V5_16BIT
+        plan_for(x16, None, "fused_attention", arena=True)
+    with bp.use_plan("fused_attention"):
+        assert plan_for(x8, None) == bp.FUSED_ATTENTION_16BIT
+        # a scoped plan without an arena form: its arena plan
+        assert plan_for(x8, None, arena=True) == bp.CUBLAS_WARP_ROWNORM_16BIT
+        assert plan_for(x8, None, "cublas") == bp.CUBLAS_16BIT  # an explicit plan wins
+        with bp.use_plan(bp.CUBLAS_16BIT):
+            assert plan_for(x16, None) == bp.CUBLAS_16BIT
+        assert plan_for(x16, None) == bp.FUSED_ATTENTION_16BIT
     assert bp.scoped_plan() is None
     with pytest.raises(ValueError, match="plan"):
-        plan_for(torch.zeros(2, 320, 5), "ieee", "v9")
+        plan_for(torch.zeros(2, 320, 5), "ieee", "wgmma")
 
 
 def test_describe_table_names_each_bucket_and_arena_plan():
     text = bp.describe_table()
-    assert "fp16: 0-8 v9, 9-31 v1, 32+ v5 (arena v1w)" in text
-    assert "tf32: 0-8 v9, 9+ v1" in text and "ieee: 0+ v1" in text
+    assert "fp16: 0-8 wgmma, 9-31 cublas, 32+ fused_attention (arena cublas_warp_rownorm)" in text
+    assert "tf32: 0-8 wgmma, 9+ cublas" in text and "ieee: 0+ cublas" in text

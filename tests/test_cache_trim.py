@@ -172,7 +172,7 @@ def test_reference_skips_and_renames_rows_per_the_contract():
 
 
 def test_reference_implements_the_trim_rule():
-    """The oracle itself against a per-row loop of the SPEC §3 rule (independent of both)."""
+    """The oracle itself against a per-row loop of the docs/design.md §3 rule (independent of both)."""
     dst, src, index, _ = make_case(CASES[0])
     out = trim_copy_reference(dst.clone(), src, index)
     n_req, width = index.shape

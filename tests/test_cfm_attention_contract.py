@@ -1,4 +1,4 @@
-"""The ``cfm_attention`` contract (SPEC §4): argument errors, fake-kernel metadata, opcheck.
+"""The ``cfm_attention`` contract (docs/design.md §4): argument errors, fake-kernel metadata, opcheck.
 
 * Every bad argument raises ``ValueError`` whose message starts ``cfm_attention: <arg> ...``, on
   four paths: the public wrapper (eager), the registered op (C++ CPU kernel), the fake kernel

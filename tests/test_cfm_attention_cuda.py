@@ -1,7 +1,7 @@
 """The hand-written CUDA kernel of cfm_attention (csrc/cuda/, torch_cfm.kernels.cfm_attention_cuda).
 
 GPU cases (gpu marker; skipped where torch_cfm._C_cuda is not built): every instantiated tile
-config × fp16/bf16/fp32-TF32 against the SPEC §6 oracle with ragged lengths (0, 1, tile edges, K),
+config × fp16/bf16/fp32-TF32 against the docs/design.md §6 oracle with ragged lengths (0, 1, tile edges, K),
 masks, pool rows, the interleaved cache halves, NaN padding and Q at query-tile edges; graph
 replay == eager bitwise; no host sync; the op's dispatch under TORCH_CFM_ATTENTION_KERNEL.
 CPU cases: the env choice and the coverage reasons.
@@ -45,7 +45,7 @@ def _launch(config):
 
 
 def _check(a: dict, dtype: torch.dtype, config) -> None:
-    """The kernel into a NaN-poisoned out vs the SPEC §6 oracle, references computed on the GPU
+    """The kernel into a NaN-poisoned out vs the docs/design.md §6 oracle, references computed on the GPU
     (float64 ground truth; same-dtype reference for fp16/bf16, the TF32 bound for fp32)."""
     n, h, q_len, d = a["q"].shape
     out = torch.full((n, q_len, h, d), float("nan"), device="cuda", dtype=dtype).transpose(1, 2)

@@ -1,4 +1,4 @@
-"""SPEC §6 oracle for every ``cfm_attention`` feature, on CPU always and CUDA (gpu-marked).
+"""docs/design.md §6 oracle for every ``cfm_attention`` feature, on CPU always and CUDA (gpu-marked).
 
 Each case is a fixed spec (no randomness beyond its seed) compared with the fp64 loop oracle
 ``tests/oracle.py::naive_attention64``: ``err(op) <= 2 * err(same-dtype math) + 1e-6`` for max-abs
@@ -108,7 +108,7 @@ def test_matches_oracle(spec, device, dtype, precision):
 
 @pytest.mark.parametrize("device,dtype,precision", MODES)
 def test_clamped_lengths_and_rows(device, dtype, precision):
-    """Out-of-range key_lengths clamp to [0, K] and kv_rows to [0, R) (SPEC §4)."""
+    """Out-of-range key_lengths clamp to [0, K] and kv_rows to [0, R) (docs/design.md §4)."""
     spec = SPEC(n=4, h=2, q_len=5, k_len=70, d=32, seed=7,
                 lengths=(-5, 2**31 - 1, 71, -(2**31)), kv_rows=(-3, 9, 1, 2**31 - 1), pool=3)
     case = S.build_attention(spec, device, dtype)

@@ -5,14 +5,14 @@ so setting it inside this pytest process would either come too late (the kernel 
 imported) or leak into every Triton kernel imported afterwards (GPU runs of other tests). The
 cases therefore run in one child process started with ``TRITON_INTERPRET=1``: the parent draws the
 inputs (seeded), the child builds the strided views, poisons ``out`` with NaN, calls the launcher
-and saves the outputs; the parent checks them against the SPEC §6 oracle.
+and saves the outputs; the parent checks them against the docs/design.md §6 oracle.
 
-Same-dtype reference (SPEC §6, the FlashAttention idiom): ``cfm_attention_reference`` with
+Same-dtype reference (docs/design.md §6, the FlashAttention idiom): ``cfm_attention_reference`` with
 ``compute_dtype`` = the input dtype, i.e. for fp16 every matmul and the softmax run in fp16. It is
 "plain PyTorch math in the same dtype"; the kernel (fp32 accumulation and softmax, P rounded to
 fp16 for the second dot) must land within twice its error. For fp32 the reference computes in
 fp32 and SPEC's IEEE bound (1e-5 relative) is checked as well. The interpreter ignores
-``input_precision``, so TF32 and bf16 are covered by the gpu-marked cases only (SPEC §8).
+``input_precision``, so TF32 and bf16 are covered by the gpu-marked cases only (docs/design.md §10).
 """
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ def _gpu_inputs(n, h, q_len, k_len, d, dtype, *, seed=0, mask=False, pool=0, len
 
 
 def _gpu_check(a, dtype, precision, config=None, launch=None):
-    """Run ``launch`` (default the Triton launcher) into a NaN-poisoned out, check the SPEC §6 oracle."""
+    """Run ``launch`` (default the Triton launcher) into a NaN-poisoned out, check the docs/design.md §6 oracle."""
     from torch_cfm.kernels.cfm_attention import cfm_attention_triton
 
     n, h, q_len, d = a["q"].shape

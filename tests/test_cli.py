@@ -111,7 +111,7 @@ def test_unreadable_checkpoint_message_is_one_whole_line(tmp_path, kind, content
 def test_too_many_steps_is_one_line(argv, needle, capsys):
     assert demo.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("python -m torch_cfm.demo: error: ") and needle in err
+    assert err.count("\n") == 1 and err.startswith("python3 -m torch_cfm.demo: error: ") and needle in err
 
 
 def test_steps_100000_in_a_subprocess_is_one_line_without_traceback():
@@ -126,8 +126,8 @@ def test_arena_too_big_for_free_memory_is_one_line(monkeypatch, capsys):
     assert demo.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert "the server's cache arena for --steps 7 --requests 2 --chunks 1 --chunk-frames 8 needs " in err
-    assert "but cpu has 0.0 GiB free; lower --steps, --requests, --chunks or --chunk-frames" in err
+    assert "the server's cache arena for --steps 7 --requests 2 --chunks 1 --chunk-frames 8 --prompt-frames 4 needs " in err
+    assert "but cpu has 0.0 GiB free; lower --prompt-frames, --steps, --requests, --chunks or --chunk-frames" in err
 
 
 def test_available_memory_is_known_on_this_machine():
@@ -163,5 +163,5 @@ def test_ci_runs_the_readme_test_command_verbatim():
     with open(os.path.join(root, "README.md")) as f:
         readme = f.read()
     body = ci.split("readme_test_command() {", 1)[1].split("}", 1)[0].strip()
-    assert body.startswith("python3 -m pip install") and body.endswith("python3 -m pytest -q"), body
+    assert body.startswith("python3 -m venv .venv && . .venv/bin/activate && python3 -m pip install") and body.endswith("python3 -m pytest -q"), body
     assert f"```bash\n{body}\n```" in readme

@@ -1,4 +1,4 @@
-"""Compile rules (torch_cfm.compile_rules): the passes fire iff the SPEC §5 policy says so.
+"""Compile rules (torch_cfm.compile_rules): the passes fire iff the docs/design.md §5 policy says so.
 
 CPU tests decide with a faked device (``RulesConfig(assume_device="cuda", capability=...)``) or
 on fake CUDA tensors, and inspect the graphs before/after; the rewritten DiT step still runs on
@@ -173,7 +173,7 @@ def graph_targets(gm):
 
 
 def assert_step_within_oracle(model, args, fast, same_dtype):
-    """SPEC §6 on the valid part of every row: velocity and both caches vs the fp64 oracle."""
+    """docs/design.md §6 on the valid part of every row: velocity and both caches vs the fp64 oracle."""
     x, mu, t, spks, cond, cnn, att, valid, cached = args
     sd = dit_oracle.to_dtype(model.state_dict())
     vels, cnns, atts = dit_oracle.batch_chunk(sd, x.double().cpu(), mu.double().cpu(), t.double().cpu(),
@@ -696,7 +696,7 @@ def full_lengths(n_rows, t_len, cache_len):
 def test_gpu_real_swap_within_oracle(dtype, tf32_flag, no_compile_caches):
     from torch._inductor.utils import run_and_get_code
 
-    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 fuses with TF32 (SPEC §5)
+    torch.backends.cuda.matmul.allow_tf32 = True  # fp32 fuses with TF32 (docs/design.md §5)
     model = gpu_model(dtype)
     args = step_inputs(GPU_CFG, n_rows=4, t_len=10, cache_len=12, dtype=dtype, device="cuda")
     be = TorchCfmBackend()
@@ -819,7 +819,7 @@ def test_gpu_linear_before_attention_on_a_side_stream(mode):
 def compiled_and_direct_step():
     """(config, direct, compiled, args) of the timing tests: a depth-4 fp16 step at (8,50,400),
     called directly on the fused path and through torch.compile(backend="torch_cfm")."""
-    from torch_cfm.ops.dit_body import dit_forward_chunk_fused
+    from torch_cfm.models.fused_forward import dit_forward_chunk_fused
 
     config = DiTConfig(depth=4)
     model = gpu_model(torch.float16, config)

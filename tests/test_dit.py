@@ -1,4 +1,4 @@
-"""DiT estimator (SPEC §1-2) against the plain oracle in tests/dit_oracle.py.
+"""DiT estimator (docs/design.md §1-2) against the plain oracle in tests/dit_oracle.py.
 
 CPU fp32/fp64 with tiny configs; the default config in fp16/bf16 runs on the GPU (gpu marker).
 """
@@ -13,12 +13,13 @@ from oracle import assert_within_oracle, err_rel_fro
 from torch_cfm import policy
 from torch_cfm.models import DiT, DiTConfig, config_from_state_dict, load_checkpoint
 from torch_cfm.models import dit as dit_module
+from torch_cfm.models import dit_blocks
 
 TINY = DiTConfig(hidden=64, depth=2, heads=4, head_dim=16)
 
 
 def spec_table(cfg: DiTConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter name and shape, typed in from the SPEC §1 table."""
+    """Every parameter name and shape, typed in from the docs/design.md §1 table."""
     c, d, inner = cfg.hidden, cfg.head_dim, cfg.heads * cfg.head_dim
     names = {
         "t_embedder.mlp.0.weight": (c, 256), "t_embedder.mlp.0.bias": (c,),
@@ -175,7 +176,7 @@ def test_first_chunk_without_caches_matches_oracle_and_full_forward():
 
 
 def test_prefix_mask_forward_equals_ragged_chunk_on_valid_frames():
-    # Masked keys + causal convs: a padded tail changes nothing before it (SPEC §1-2).
+    # Masked keys + causal convs: a padded tail changes nothing before it (docs/design.md §1-2).
     model = make_model()
     x, mu, t, spks, cond, _, _ = inputs(3, 10, 0)
     vl = lengths([10, 4, 7])
@@ -272,14 +273,14 @@ def test_random_init_is_seeded_realistic_and_every_gate_matters():
 
 def test_chunk_attention_uses_key_lengths_not_dense_masks(monkeypatch):
     calls = []
-    real = dit_module.cfm_attention
+    real = dit_blocks.cfm_attention
 
     def spy(q, k, v, **kw):
         calls.append(kw)
         assert k.data_ptr() + 16 * k.element_size() == v.data_ptr()  # K|V halves of one cache buffer
         return real(q, k, v, **kw)
 
-    monkeypatch.setattr(dit_module, "cfm_attention", spy)
+    monkeypatch.setattr(dit_blocks, "cfm_attention", spy)
     model = make_model()
     x, mu, t, spks, cond, cnn, att = inputs(2, 5, 3)
     model.forward_chunk(x, mu, t, spks, cond, cnn, att, valid_lengths=lengths([5, 2]), cache_lengths=lengths([3, 1]))
@@ -298,12 +299,12 @@ def test_fused_hook_is_called_when_policy_says_fused(monkeypatch):
 
     monkeypatch.setattr(dit_module, "dit_forward_chunk_fused", fake_fused)
     monkeypatch.setattr(policy, "decide", lambda device, dtype, fused=None, **kw: policy.Decision(
-        True, "triton", "tf32", True, (), "argument"))
+        True, "sm80", "triton", "tf32", True, (), "argument"))
     assert model.forward_chunk(x, mu, t, spks, cond, cnn, att) == "fused-result"
     assert seen["kw"]["precision"] == "tf32" and seen["args"][5] is cnn
     # policy says reference -> the reference path
     monkeypatch.setattr(policy, "decide", lambda device, dtype, fused=None, **kw: policy.Decision(
-        False, "reference", None, False, (), "argument"))
+        False, "reference", "reference", None, False, (), "argument"))
     out = model.forward_chunk(x, mu, t, spks, cond, cnn, att)
     assert isinstance(out, tuple) and out[0].shape == (2, 80, 5)
 

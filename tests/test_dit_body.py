@@ -2,10 +2,10 @@
 
 * CPU: the op's CPU kernel (reference math on packed weights) against the independent SPEC
   oracle ``tests/dit_oracle.py`` in float64 (ragged rows, every cache); fp32 against the
-  SPEC §6 oracle with the model's reference path as the same-dtype reference; padded row ==
+  docs/design.md §6 oracle with the model's reference path as the same-dtype reference; padded row ==
   solo row; autocast; packing/repacking; ValueErrors; fake metadata; opcheck.
 * Triton interpreter (child process, ``TRITON_INTERPRET=1``): the fused driver (every kernel
-  variant) in fp32/fp16 on tiny shapes against the fp64 reference (SPEC §6), incl. no caches,
+  variant) in fp32/fp16 on tiny shapes against the fp64 reference (docs/design.md §6), incl. no caches,
   T_n = 0, L = 0, T = 1.
 * GPU (``gpu`` marker, H200): fused vs the model's reference path for fp16 / bf16 / fp32-tf32 /
   fp32-ieee with ragged rows at the shipped widths (C=512, H=8, D=64; 4 blocks), outputs and
@@ -28,7 +28,8 @@ from oracle import IEEE_REL_BOUND, assert_within_oracle, err_rel_fro
 from shards import run_shards
 from torch_cfm.config import DiTConfig
 from torch_cfm.models import random_dit
-from torch_cfm.ops.dit_body import check_dit_body, dit_body, dit_forward_chunk_fused, stage_input
+from torch_cfm.models.fused_forward import dit_forward_chunk_fused, stage_input
+from torch_cfm.ops.dit_body import check_dit_body, dit_body
 from torch_cfm.packing import clear_packed, modulation_table, pack_dit, packed_for
 from torch_cfm.reference.dit_body import dit_body_reference
 
@@ -297,26 +298,27 @@ _INTERP_BASE = [
          per_row_t=True),
     dict(name="nokeys_row_f32", dtype=torch.float32, n=2, t=4, l_len=3, valid=[4, 0], cached=[3, 0]),
 ]
-# The plans by name (torch_cfm.kernels.body_plans.NAMED); v9 runs as v1 call for call on CPU (no wgmma kernel)
-VARIANTS = ("v1", "v5")
+# The plans by name (torch_cfm.kernels.body_plans.NAMED); wgmma runs as cublas call for call on CPU (no
+# wgmma kernel)
+VARIANTS = ("cublas", "fused_attention")
 INTERP_CASES = [dict(c, name=f"{c['name']}_{v}", variant=v) for v in VARIANTS for c in _INTERP_BASE]
 # The shipped widths (C = 512, H = 8, D = 64), one block: the launch rules of the real model
 # (e.g. one row per rownorm program), which the tiny config never reaches.
 WIDE = DiTConfig(depth=1)
 INTERP_CASES += [dict(name=f"wide_f32_{v}", dtype=torch.float32, n=2, t=3, l_len=2, valid=[3, 2], cached=[2, 1],
-                      variant=v, wide=True) for v in ("v1", "v5")]
-# v5 at the shipped widths in fp16: a 16-query tile over T = 5, a key walk of two 64-frame tiles
+                      variant=v, wide=True) for v in ("cublas", "fused_attention")]
+# fused_attention at the shipped widths in fp16: a 16-query tile over T = 5, a key walk of two 64-frame tiles
 INTERP_CASES += [dict(name=f"wide_f16_{v}", dtype=torch.float16, n=2, t=5, l_len=70, valid=[5, 1], cached=[70, 33],
-                      variant=v, wide=True) for v in ("v5",)]
+                      variant=v, wide=True) for v in ("fused_attention",)]
 # several query tiles per (row, head): only the first writes the cache, every one attends
 INTERP_CASES += [dict(name=f"qtiles_f32_{v}", dtype=torch.float32, n=2, t=40, l_len=9, valid=[40, 17],
-                      cached=[9, 3], variant=v) for v in ("v1", "v5")]
+                      cached=[9, 3], variant=v) for v in ("cublas", "fused_attention")]
 
 # the in-place arena (dit_body_arena_into): the same oracle on its output turned back to SPEC layout
-INTERP_CASES += [dict(c, name=f"{c['name']}_arena", variant="v1", arena=True)
+INTERP_CASES += [dict(c, name=f"{c['name']}_arena", variant="cublas", arena=True)
                  for c in _INTERP_BASE if c["name"] in ("ragged_f32", "nocache_f32", "ragged_f16", "nokeys_row_f32")]
 INTERP_CASES += [dict(name="wide_f16_arena", dtype=torch.float16, n=2, t=5, l_len=70, valid=[5, 1], cached=[70, 33],
-                      variant="v1", wide=True, arena=True)]
+                      variant="cublas", wide=True, arena=True)]
 
 
 def _interp_args(case):
@@ -340,7 +342,7 @@ def _run_arena(x_in, w, table, cnn, att, valid, cached, out, case):
     appends, the result turned back to the newest-first layout (zeros past each row's length)."""
     from strategies import poisoned_arena
     from torch_cfm.models.cache import reverse_keys
-    from torch_cfm.ops.dit_body import dit_body_arena_into
+    from torch_cfm.kernels.dit_body import dit_body_arena_into
 
     vel, cnn_out, att_out = out
     shape = att_out.shape[:3] + (case["t"] + case["l_len"], att_out.shape[4])
@@ -350,7 +352,8 @@ def _run_arena(x_in, w, table, cnn, att, valid, cached, out, case):
 
 
 def _child(out_path: str, shard: int = 0, shards: int = 1) -> None:
-    from torch_cfm.ops.dit_body import _empty_outputs, dit_body_fused_into
+    from torch_cfm.kernels.dit_body import dit_body_fused_into
+    from torch_cfm.ops.dit_body import body_outputs as _empty_outputs
 
     results = {}
     for case in INTERP_CASES[shard::shards]:
@@ -398,7 +401,7 @@ def test_triton_driver_interpreter_within_oracle(case, interp_results):
 
 
 # --------------------------------------------------------------------------------------------
-# GPU: fused vs the model's reference path (SPEC §6), shipped widths, 4 blocks
+# GPU: fused vs the model's reference path (docs/design.md §6), shipped widths, 4 blocks
 # --------------------------------------------------------------------------------------------
 
 GPU_CFG = DiTConfig(depth=4)
@@ -439,7 +442,7 @@ def _gpu_case(dtype, precision, seed=20):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", VARIANTS + ("v9",))  # v9: on CPU v1 call for call, so GPU-only here
+@pytest.mark.parametrize("variant", VARIANTS + ("wgmma",))  # wgmma: cublas call for call on CPU, so GPU-only here
 @pytest.mark.parametrize("dtype,precision", GPU_PRECISIONS, ids=["fp16", "bf16", "fp32-tf32", "fp32-ieee"])
 def test_gpu_fused_within_oracle(dtype, precision, variant):
     from torch_cfm.kernels.body_plans import NAMED, family, use_plan
@@ -453,12 +456,12 @@ def test_gpu_fused_within_oracle(dtype, precision, variant):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_gpu_wide_arena_plan_within_oracle(dtype):
-    """v1w, the plan of 16-bit arena bodies of >= 32 rows (v1 with one-warp row-norm programs), at the
-    shipped widths: within the oracle like every named plan."""
-    from torch_cfm.kernels.body_plans import V1W_16BIT, body_plan, use_plan
+    """cublas_warp_rownorm, the plan of 16-bit arena bodies of >= 32 rows (cublas with one-warp row-norm
+    programs), at the shipped widths: within the oracle like every named plan."""
+    from torch_cfm.kernels.body_plans import CUBLAS_WARP_ROWNORM_16BIT, body_plan, use_plan
 
-    assert body_plan(dtype, None, 32, arena=True) is V1W_16BIT
-    with use_plan(V1W_16BIT):
+    assert body_plan(dtype, None, 32, arena=True) is CUBLAS_WARP_ROWNORM_16BIT
+    with use_plan(CUBLAS_WARP_ROWNORM_16BIT):
         _assert_fused_within_oracle(dtype, None)
 
 
@@ -518,7 +521,7 @@ if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--child":
 def test_arena_form_rejects_a_bad_arena():
     """dit_body_arena_into: ValueError naming att_arena for a wrong rank, row count, too few frames
     or another dtype, before anything is written."""
-    from torch_cfm.ops.dit_body import dit_body_arena_into
+    from torch_cfm.kernels.dit_body import dit_body_arena_into
 
     model = random_dit(TINY, seed=3)
     packed = pack_dit(model, torch.float32, "cpu")

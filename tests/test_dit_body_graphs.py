@@ -9,7 +9,7 @@ import torch
 
 from test_dit_body import GPU_CFG, TINY, make_inputs
 from torch_cfm.models import random_dit
-from torch_cfm.ops.dit_body import stage_input
+from torch_cfm.models.fused_forward import stage_input
 from torch_cfm.packing import modulation_table, pack_dit, packed_for
 
 
@@ -106,8 +106,8 @@ def test_body_pdl_rule_off_on_cpu_and_by_plan(monkeypatch):
     for dtype in (torch.float16, torch.bfloat16):
         for rows in (16, 64, None):
             assert not any(launch.plan_pdl(body_plan(dtype, None, rows), k, cuda) for k in names)
-        v9 = body_plan(dtype, None, 8)
-        assert [launch.plan_pdl(v9, k, cuda) for k in names + ("linear",)] == [True, True, False, False, True]
+        wgmma = body_plan(dtype, None, 8)
+        assert [launch.plan_pdl(wgmma, k, cuda) for k in names + ("linear",)] == [True, True, False, False, True]
     plan = dataclasses.replace(body_plan(torch.float16, None, 16), pdl=frozenset({"qk_cache"}))
     assert launch.plan_pdl(plan, "qk_cache", cuda) is True
     assert launch.plan_pdl(plan, "rownorm", cuda) is False
@@ -115,7 +115,7 @@ def test_body_pdl_rule_off_on_cpu_and_by_plan(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["v1", "v5", "v9"])
+@pytest.mark.parametrize("variant", ["cublas", "fused_attention", "wgmma"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_gpu_body_pdl_replays_equal_no_pdl_eager_bitwise(dtype, variant):
     """The body's own kernels load weights, tables, lengths and old caches before their PDL wait:
@@ -123,7 +123,8 @@ def test_gpu_body_pdl_replays_equal_no_pdl_eager_bitwise(dtype, variant):
     equals the body without PDL, eager, bitwise."""
     import torch_cfm.kernels.dit_body as kernels
     from torch_cfm.kernels.body_plans import PDL_CAPABLE_KERNELS, named_plan
-    from torch_cfm.ops.dit_body import _empty_outputs, check_dit_body, dit_body_fused_into
+    from torch_cfm.kernels.dit_body import dit_body_fused_into
+    from torch_cfm.ops.dit_body import body_outputs as _empty_outputs, check_dit_body
 
     dev = torch.device("cuda")
     if not kernels.pdl_supported(dev):

@@ -1,7 +1,7 @@
 """The DiT GEMM on the SM90a wgmma kernel (``torch_cfm.kernels.dit_linear_cuda``).
 
 CPU: the support rules (``not_supported_reasons``) and the tile rule. GPU (gpu-marked, SM90 with
-the extension built for 9.0a): the SPEC §6 oracle against a float64 product, next to cuBLAS's own
+the extension built for 9.0a): the docs/design.md §6 oracle against a float64 product, next to cuBLAS's own
 error, at the body's shapes and the tile edges (M in 1, 63, 64, 65; TMA zero fill, masked
 stores), every flag (bias, no bias, GELU) and tile width, with poisoned rows past M left alone;
 a chain of PDL launches captured in a CUDA graph, replayed on new inputs, bitwise equal to the
@@ -199,7 +199,7 @@ def _tf32_rounded(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("m,k,n,bias,gelu", TF32_SHAPES)
 def test_gpu_linear_tf32_within_oracle(m, k, n, bias, gelu):
     """fp32 operands in TF32 against exact TF32 math (operands rounded to nearest TF32, products summed
-    in float64), the 2x rule of SPEC §6 without its TF32 relaxation: a kernel that truncated its
+    in float64), the 2x rule of docs/design.md §6 without its TF32 relaxation: a kernel that truncated its
     operands would fail it. (Not cuBLAS as the baseline: at M = 1 it runs an IEEE fp32 GEMV even with
     TF32 allowed, an error 3000x smaller.)"""
     _skip_unless_runnable()

@@ -2,7 +2,7 @@
 
 CPU (hypothesis): a valid call is mutated at random (rank, dtype, device, head dim, mismatched
 k/v/caches, lengths/mask/kv_rows of the wrong kind, precision) and must raise ``ValueError``
-naming the argument; or mutated in a way SPEC §4 defines (last-dim / index-vector strides,
+naming the argument; or mutated in a way docs/design.md §4 defines (last-dim / index-vector strides,
 negative or huge lengths and pool rows, N=0, H=0, Q=0, K=0) and must give the documented result:
 
 * any strides are accepted: the result equals the same values laid out contiguously;
@@ -153,7 +153,7 @@ def contiguous_args(a: dict) -> dict:
 
 def check_documented(draw, spec: S.AttnSpec, dtype: torch.dtype, kind: str, path: str,
                      dev: str = "cpu") -> None:
-    """Mutations with a defined meaning: run them and compare with what SPEC §4 says."""
+    """Mutations with a defined meaning: run them and compare with what docs/design.md §4 says."""
     if kind in ("empty_n", "empty_h", "empty_q", "empty_k"):
         field = {"empty_n": "n", "empty_h": "h", "empty_q": "q_len", "empty_k": "k_len"}[kind]
         spec = replace(spec, **{field: 0})

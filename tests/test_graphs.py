@@ -1,6 +1,7 @@
-"""CUDA graphs of the arena solve (torch_cfm.graphs): the bucketed runner's buckets and LRU
-budget, its solves vs the SPEC oracle, CUDA-graph replay == eager bitwise, capture-failure
-fallback (gpu marker), the graph solver in the server.
+"""CUDA graphs of the arena solve (torch_cfm.graphs.GraphCache, torch_cfm.solve.GraphedArenaSolver):
+the cache's keys, LRU budget and counters, the bucket policy, arena solves of bucketed shapes vs
+the float64 oracle, CUDA-graph replay == eager bitwise, capture-failure fallback (gpu marker),
+the graphed solver in the server.
 
 The CPU solve runs the fused route's Triton kernels under ``TRITON_INTERPRET=1`` in a child
 process (see tests/test_cfm_attention_triton.py for why); the parent checks against
@@ -20,10 +21,14 @@ import torch
 import dit_oracle as O
 from oracle import assert_within_oracle
 from test_dit_body import GPU_CFG, TINY
+from torch_cfm.buckets import Buckets, round_up
 from torch_cfm.config import cosine_timesteps
-from torch_cfm.graphs import CFMGraphRunner
+from torch_cfm.graphs import GraphCache
+from torch_cfm import policy
 from torch_cfm.kernels import body_plans
-from torch_cfm.models import random_dit
+from torch_cfm.models import CacheArena, random_dit
+from torch_cfm.models.cache import keyed_to_newest_first
+from torch_cfm.solve import ArenaSolver, GraphedArenaSolver
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 N_STEPS = 3
@@ -42,61 +47,108 @@ def _solve_inputs(cfg, b, t, l_len, n_steps, seed=0, dtype=torch.float32, device
     return mu, spks, cond, noise, att, cnn
 
 
-def test_buckets_and_lru_eviction():
-    model = random_dit(TINY, seed=0)
-    runner = CFMGraphRunner(model, dtype=torch.float32, device="cpu", n_timesteps=2, batch_buckets=(1, 2, 4),
-                            chunk_buckets=(8, 16), cache_buckets=(0, 8), max_graphs=2)
-    assert runner.bucket_for(3, 9, 5) == (4, 16, 8)
-    assert runner.bucket_for(2, 8, 0) == (2, 8, 0)
-    assert runner.bucket_for(5, 8, 0) is None and runner.bucket_for(1, 17, 0) is None
-    e1 = runner.entry((1, 8, 0))
-    assert e1.arena.att.shape == (2, 2, 2, 4, 8, 32) and e1.arena.mu.shape == (1, 80, 8)  # in place: L + T frames
-    assert e1.x0.shape == (1, 80, 8)
-    assert e1.arena_bytes() == 4 * (2 * 2 * 2 * 4 * 8 * 32 + 2 * 2 * 2 * 128 * 2)
-    runner.entry((2, 8, 0))
-    runner.entry((1, 8, 0))  # touch: (2, 8, 0) is now the least recently used
-    runner.entry((4, 16, 8))
-    assert set(runner.graphs) == {(1, 8, 0), (4, 16, 8)}
-    assert any("evicted bucket (2, 8, 0)" in e for e in runner.events)
-    with pytest.raises(ValueError, match="max_graphs"):
-        CFMGraphRunner(model, dtype=torch.float32, device="cpu", max_graphs=0)
+def test_graph_cache_keys_lru_and_counters():
+    cache = GraphCache("t", max_graphs=2)
+    calls = []
+    for key in ("a", "b", "a", "c"):  # "b" is the least recently used when "c" arrives
+        cache.run(key, lambda k=key: calls.append(k), device=torch.device("cpu"), label=key)
+    assert calls == ["a", "b", "a", "c"]  # off CUDA every call runs eagerly
+    assert [e.label for e in cache.entries()] == ["a", "c"]
+    assert (cache.hits, cache.misses, cache.captures, cache.graph_count) == (1, 3, 0, 0)
+    assert any("evicted a graph (LRU, budget 2)" in e for e in cache.events)
+    assert cache.calls_per_capture(torch.device("cpu")) == 1
+    assert cache.calls_per_capture(torch.device("cuda")) == 2
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_graphs"):
+            GraphCache("t", max_graphs=bad)
+        with pytest.raises(ValueError, match="warmup"):
+            GraphCache("t", warmup=bad)
 
 
-# (B, T, L) requests solved in a (bucket) arena; lengths per request (ragged) or None
-RUNNER_CASES = [
-    dict(name="bucketed_ragged", b=2, t=6, l_len=4, valid=[6, 3], cached=[4, 2],
-         buckets=dict(batch_buckets=(4,), chunk_buckets=(8,), cache_buckets=(6,))),
-    dict(name="exact_nocache", b=1, t=5, l_len=0, valid=None, cached=None,
-         buckets=dict(batch_buckets=(1,), chunk_buckets=(5,), cache_buckets=(0,))),
+def test_bucket_policy():
+    b = Buckets.of(chunks=(16, 8), caches=(0, 8), slots=(4, 1, 2))
+    assert (b.chunks, b.caches, b.slots) == ((8, 16), (0, 8), (1, 2, 4))
+    assert (b.chunk(9, 100), b.cache(5, 100), b.slot_count(3, 100)) == (16, 8, 4)
+    assert b.chunk(17, 20) == 20 and b.slot_count(5, 4) == 4  # past the last bucket: the limit
+    assert Buckets().chunk(7, 100) == 7 and round_up(7, None, 100) == 7  # no table: exact
+    g = Buckets.for_graphs(max_chunk_frames=300, max_cache_frames=400, max_slots=20)
+    assert g.chunks[-1] == 300 and 56 in g.chunks and 50 in g.chunks
+    assert g.caches == tuple(range(0, 400, 50)) + (400,)
+    assert g.slots == (1, 2, 4, 8, 12, 16, 20)
+
+
+# (B, T, L) requests solved in a bucketed arena: B slots, T chunk frames, L cache frames; lengths
+# per request (ragged) or None
+ARENA_CASES = [
+    dict(name="bucketed_ragged", b=2, t=6, l_len=4, valid=[6, 3], cached=[4, 2], bucket=(4, 8, 6)),
+    dict(name="exact_nocache", b=1, t=5, l_len=0, valid=None, cached=None, bucket=(1, 5, 0)),
 ]
 
 
-def _runner_solve(case):
+def bucket_arena(model, bucket, n_steps, dtype, device) -> CacheArena:
+    """A keyed arena of one (B, T, L) bucket: B slots of L + T frames (no append room)."""
+    batch, t_len, cache_len = bucket
+    return CacheArena.allocate(model.config, n_steps, batch, cache_len + t_len, t_len, torch.device(device), dtype)
+
+
+def stage(arena: CacheArena, mu, spks, cond, att, cnn, valid=None, cached=None) -> None:
+    """B requests' inputs and newest-first caches (rows [cond x B | uncond x B]) into the first B
+    slots of ``arena`` (frame j = key j); the other slots idle."""
+    b, _, t_len = mu.shape
+    dev, dtype, rows = arena.att.device, arena.att.dtype, arena.rows
+    cache_len = 0 if att is None else att.shape[4]
+    for t in (arena.mu, arena.cond, arena.spks, arena.cnn, arena.valid_lengths, arena.cache_lengths,
+              arena.prompt_lengths):
+        t.zero_()
+    arena.mu[:b, :, :t_len] = mu.to(dev, dtype)
+    arena.cond[:b, :, :t_len] = cond.to(dev, dtype)
+    arena.spks[:b] = spks.to(dev, dtype)
+    arena.valid_lengths[:b] = torch.full((b,), t_len, dtype=torch.int32) if valid is None else valid
+    arena.cache_lengths[:b] = torch.full((b,), cache_len, dtype=torch.int32) if cached is None else cached
+    arena.prompt_lengths.fill_(arena.max_cache_frames)  # no trim
+    arena.frame_keys.copy_(torch.arange(arena.max_cache_frames, device=dev, dtype=torch.int32))
+    slots = torch.cat([torch.arange(b), rows + torch.arange(b)]).to(dev)
+    if att is not None and cache_len:
+        arena.att[:, :, slots, :, :cache_len] = att.to(dev, dtype)
+    arena.cnn[:, :, slots] = cnn.to(dev, dtype)
+
+
+def solved(arena: CacheArena, b: int, t_len: int, width: int):
+    """(mel (B, 80, T), cnn, att newest first (n, depth, 2B, H, width, 2D)) of the first B slots."""
+    dev, rows = arena.att.device, arena.rows
+    slots = torch.cat([torch.arange(b), rows + torch.arange(b)]).to(dev)
+    keys = arena.frame_keys[torch.cat([torch.arange(b), torch.arange(b)]).to(dev)]
+    lengths = torch.cat([arena.cache_lengths[:b]] * 2)
+    att = keyed_to_newest_first(arena.att[:, :, slots], keys, lengths, width)
+    return arena.out_mel[:b, :, :t_len].clone(), arena.cnn[:, :, slots].clone(), att
+
+
+def _arena_solve(case):
     model = random_dit(TINY, seed=1)
     mu, spks, cond, noise, att, cnn = _solve_inputs(TINY, case["b"], case["t"], case["l_len"], N_STEPS, seed=2)
-    runner = CFMGraphRunner(model, dtype=torch.float32, device="cpu", n_timesteps=N_STEPS, precision="ieee",
-                            **case["buckets"])
-    off = case["l_len"]
-    x0 = noise[0, :, off:off + case["t"]].expand(case["b"], -1, -1)
+    arena = bucket_arena(model, case["bucket"], N_STEPS, torch.float32, "cpu")
     valid = None if case["valid"] is None else torch.tensor(case["valid"], dtype=torch.int32)
     cached = None if case["cached"] is None else torch.tensor(case["cached"], dtype=torch.int32)
-    return model, runner.solve(mu, spks, cond, x0, att if off else None, cnn, valid, cached)
+    stage(arena, mu, spks, cond, att if case["l_len"] else None, cnn, valid, cached)
+    _, t_bucket, l_bucket = case["bucket"]
+    ArenaSolver(model, n_timesteps=N_STEPS)(arena, noise, t_len=t_bucket, cache_frames=l_bucket)
+    return model, solved(arena, case["b"], case["t"], case["t"] + case["l_len"])
 
 
 def _child(out_path: str) -> None:
     """The fused route forced on CPU (the policy never picks it there): the Triton body on the
-    runner's in-place arena, as on the GPU."""
-    from torch_cfm.models import solver
+    bucket's in-place arena, as on the GPU."""
+    from torch_cfm.solve import steppers
 
     calls = []
-    solver._fused_route = lambda *args: calls.append(args) or "ieee"
-    results = {c["name"]: _runner_solve(c)[1] for c in RUNNER_CASES}
+    steppers.fused_precision = lambda *args: calls.append(args) or "ieee"
+    results = {c["name"]: _arena_solve(c)[1] for c in ARENA_CASES}
     assert calls, "the fused route was not taken"
     torch.save(results, out_path)
 
 
 @pytest.fixture(scope="module")
-def runner_results(tmp_path_factory):
+def arena_results(tmp_path_factory):
     out_path = str(tmp_path_factory.mktemp("graphs_interp") / "out.pt")
     env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", out_path], env=env, cwd=_HERE,
@@ -106,7 +158,8 @@ def runner_results(tmp_path_factory):
 
 
 def _oracle_request(sd, case, b, mu, spks, cond, noise, att, cnn, dtype=torch.float64, n_steps=N_STEPS):
-    """dit_oracle.solve_request for request b on its valid frames; (mel, cnn, att) in ``dtype``."""
+    """dit_oracle.solve_request for request b on its valid frames; (mel, cnn, att) in ``dtype``.
+    Each request starts from the noise at its own cache length (docs/design.md §3)."""
     bsz = case["b"]
     tn = case["t"] if case["valid"] is None else case["valid"][b]
     ln = case["l_len"] if case["cached"] is None else case["cached"][b]
@@ -114,15 +167,13 @@ def _oracle_request(sd, case, b, mu, spks, cond, noise, att, cnn, dtype=torch.fl
     sd = O.to_dtype(sd, d)
     a = att[:, :, [b, bsz + b], :, :ln].to(d) if case["l_len"] else None
     c = cnn[:, :, [b, bsz + b]].to(d)
-    # the oracle slices noise at the cache length; the runner got noise at the bucket's L offset
-    shift = case["l_len"] - ln
-    nz = noise[:, :, shift:].to(d)
-    return O.solve_request(sd, mu[b, :, :tn].to(d), spks[b].to(d), cond[b, :, :tn].to(d), nz, n_steps, 0.7, c, a), tn, ln
+    return O.solve_request(sd, mu[b, :, :tn].to(d), spks[b].to(d), cond[b, :, :tn].to(d), noise.to(d), n_steps, 0.7,
+                           c, a), tn, ln
 
 
-@pytest.mark.parametrize("case", RUNNER_CASES, ids=[c["name"] for c in RUNNER_CASES])
-def test_runner_eager_matches_oracle(case, runner_results):
-    mel, cnn_out, att_out = runner_results[case["name"]]
+@pytest.mark.parametrize("case", ARENA_CASES, ids=[c["name"] for c in ARENA_CASES])
+def test_bucketed_arena_solve_matches_oracle(case, arena_results):
+    mel, cnn_out, att_out = arena_results[case["name"]]
     model = random_dit(TINY, seed=1)
     mu, spks, cond, noise, att, cnn = _solve_inputs(TINY, case["b"], case["t"], case["l_len"], N_STEPS, seed=2)
     sd = model.state_dict()
@@ -143,41 +194,58 @@ def test_runner_eager_matches_oracle(case, runner_results):
 # GPU: graphs
 # --------------------------------------------------------------------------------------------
 
-def _gpu_runner(dtype, **kw):
-    model = random_dit(GPU_CFG, seed=11).to(device="cuda", dtype=dtype)
-    runner = CFMGraphRunner(model, dtype=dtype, device="cuda", n_timesteps=4, batch_buckets=(2, 4),
-                            chunk_buckets=(50,), cache_buckets=(64,), **kw)
-    return model, runner
+class _GpuBucket:
+    """One (B=4, T=50, L=64) bucket arena of the GPU model, solved eagerly or through a graph cache
+    (no trim: the threshold lies past L + T)."""
+
+    def __init__(self, dtype, precision=None):
+        self.model = random_dit(GPU_CFG, seed=11).to(device="cuda", dtype=dtype)
+        self.arena = bucket_arena(self.model, (4, 50, 64), 4, dtype, "cuda")
+        self.noise = torch.randn(1, 80, 200, generator=torch.Generator().manual_seed(3)).cuda()
+        self.solver = ArenaSolver(self.model, n_timesteps=4, keep_oldest=114)
+        self.cache = GraphCache("test", max_graphs=4)
+        self.graphed = GraphedArenaSolver(self.solver, self.cache)
+        self.tf32 = None if dtype != torch.float32 or precision is None else precision == "tf32"
+
+    def run(self, graphs: bool = True) -> None:
+        scope = contextlib.nullcontext() if self.tf32 is None else policy.tf32_scope(self.tf32)
+        with scope, torch.no_grad():
+            (self.graphed if graphs else self.solver)(self.arena, self.noise, t_len=50, cache_frames=64)
+
+    def captured(self) -> bool:
+        return self.cache.graph_count == 1
 
 
-def _fill(ent, seed):
+def _fill(arena, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    arena = ent.arena
-    for t in (arena.mu, arena.cond, arena.spks, arena.att, arena.cnn, ent.x0):
+    for t in (arena.mu, arena.cond, arena.spks, arena.att, arena.cnn):
         t.copy_(torch.randn(t.shape, generator=g, device="cuda", dtype=torch.float32))
-    rows, t_len, cache_len = arena.rows, ent.key[1], ent.key[2]
-    arena.valid_lengths.copy_(torch.randint(0, t_len + 1, (rows,), generator=g, device="cuda", dtype=torch.int32))
-    arena.cache_lengths.copy_(torch.randint(0, cache_len + 1, (rows,), generator=g, device="cuda", dtype=torch.int32))
+    rows = arena.rows
+    arena.valid_lengths.copy_(torch.randint(0, 51, (rows,), generator=g, device="cuda", dtype=torch.int32))
+    arena.cache_lengths.copy_(torch.randint(0, 65, (rows,), generator=g, device="cuda", dtype=torch.int32))
     arena.prompt_lengths.zero_()
     arena.frame_keys.copy_(torch.arange(arena.max_cache_frames, device="cuda", dtype=torch.int32))
 
 
-def _state(ent):
-    return dict({k: v.clone() for k, v in ent.arena.tensors().items()}, x0=ent.x0.clone())
+def _state(arena):
+    return {k: v.clone() for k, v in arena.tensors().items()}
 
 
-def _restore(ent, state):
+def _restore(arena, state):
     for k, v in state.items():
-        (ent.x0 if k == "x0" else getattr(ent.arena, k)).copy_(v)
+        getattr(arena, k).copy_(v)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,plan", [(torch.float16, None), (torch.bfloat16, None), (torch.float32, None),
-                                        (torch.float16, "v1"), (torch.bfloat16, "v1"), (torch.float32, "v1"),
-                                        (torch.float16, "v5"), (torch.float32, "v5")],
-                         ids=["fp16", "bf16", "fp32", "fp16-v1", "bf16-v1", "fp32-v1", "fp16-v5", "fp32-v5"])
+                                        (torch.float16, "cublas"), (torch.bfloat16, "cublas"),
+                                        (torch.float32, "cublas"), (torch.float16, "fused_attention"),
+                                        (torch.float32, "fused_attention")],
+                         ids=["fp16", "bf16", "fp32", "fp16-cublas", "bf16-cublas", "fp32-cublas",
+                              "fp16-fused_attention", "fp32-fused_attention"])
 def test_gpu_replay_equals_eager_bitwise(dtype, plan):
-    """The table's plan (8 rows: v9 where the wgmma kernel is built), and v1 / v5 forced (their arena forms)."""
+    """The table's plan (8 rows: the wgmma plan where its kernel is built), and cublas / fused_attention
+    forced (their arena forms)."""
     with body_plans.use_plan(plan) if plan else contextlib.nullcontext():
         _replay_equals_eager_bitwise(dtype)
 
@@ -185,34 +253,33 @@ def test_gpu_replay_equals_eager_bitwise(dtype, plan):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,precision", [(torch.float16, None), (torch.float32, "tf32")], ids=["fp16", "tf32"])
 def test_gpu_replay_equals_eager_bitwise_tf32(dtype, precision):
-    """The fp16 and TF32 bodies of 8 rows (the v9 plans on SM90a, all launched with PDL): replays == eager,
+    """The fp16 and TF32 bodies of 8 rows (the wgmma plans on SM90a, all launched with PDL): replays == eager,
     bitwise."""
     _replay_equals_eager_bitwise(dtype, precision=precision)
 
 
 def _replay_equals_eager_bitwise(dtype, **kw):
-    _, runner = _gpu_runner(dtype, **kw)
-    ent = runner.entry((4, 50, 64))
-    for _ in range(runner.solver.calls_per_capture(torch.device("cuda"))):  # eager warm-up, then the capture
-        _fill(ent, 0)
-        runner.run(ent)
-    assert runner.graphs[(4, 50, 64)], runner.events
-    _fill(ent, 1)
-    start = _state(ent)
+    bucket = _GpuBucket(dtype, **kw)
+    arena = bucket.arena
+    for _ in range(bucket.cache.calls_per_capture(torch.device("cuda"))):  # eager warm-up, then the capture
+        _fill(arena, 0)
+        bucket.run()
+    assert bucket.captured(), bucket.cache.events
+    _fill(arena, 1)
+    start = _state(arena)
     # poison the outputs (the in-place arena holds its inputs too: only what lies past each row's old keys)
-    arena = ent.arena
     arena.out_mel.fill_(float("nan"))
     frames = torch.arange(arena.att.shape[4], device="cuda")
     old = torch.cat([arena.cache_lengths] * 2).long()
     past = (frames[None, :] >= old[:, None]).view(1, 1, -1, 1, frames.numel(), 1)
     arena.att.masked_fill_(past, float("nan"))
-    runner.run(ent)
-    replayed = _state(ent)
-    _restore(ent, start)
-    runner.run(ent)  # a second replay from the same state gives the same outputs
+    bucket.run()
+    replayed = _state(arena)
+    _restore(arena, start)
+    bucket.run()  # a second replay from the same state gives the same outputs
     assert torch.equal(replayed["out_mel"], arena.out_mel)
-    _restore(ent, start)
-    runner.run_eager(ent)
+    _restore(arena, start)
+    bucket.run(graphs=False)
     torch.cuda.synchronize()
     assert torch.equal(replayed["cache_lengths"], arena.cache_lengths)
     assert torch.equal(replayed["frame_keys"], arena.frame_keys)
@@ -227,24 +294,27 @@ def _replay_equals_eager_bitwise(dtype, **kw):
 
 
 @pytest.mark.gpu
-def test_gpu_runner_matches_reference_solver():
+def test_gpu_bucket_solve_matches_reference_solver():
     dtype = torch.float16
-    model, runner = _gpu_runner(dtype)
+    bucket = _GpuBucket(dtype)
     case = dict(b=3, t=50, l_len=64, valid=[50, 31, 2], cached=[64, 10, 0])
     mu, spks, cond, noise, att, cnn = _solve_inputs(GPU_CFG, 3, 50, 64, 4, seed=5)
-    x0 = noise[0, :, 64:114].expand(3, -1, -1)
+    bucket.noise = noise[0].float().cuda()[None]
+    valid, cached = torch.tensor(case["valid"], dtype=torch.int32), torch.tensor(case["cached"], dtype=torch.int32)
+    for _ in range(bucket.cache.calls_per_capture(torch.device("cuda"))):  # staged again until its graph exists
+        stage(bucket.arena, mu, spks, cond, att, cnn, valid, cached)
+        bucket.run()
+    assert bucket.captured(), bucket.cache.events
+    mel, cnn_out, att_out = solved(bucket.arena, 3, 50, 114)
+    model = bucket.model
     d = lambda t: t.to(device="cuda", dtype=dtype)  # noqa: E731
-    mel, cnn_out, att_out = runner.solve(d(mu), d(spks), d(cond), x0.cuda(), d(att), d(cnn),
-                                         torch.tensor(case["valid"], dtype=torch.int32),
-                                         torch.tensor(case["cached"], dtype=torch.int32))
-    assert runner.graphs[(4, 50, 64)]
     sd = random_dit(GPU_CFG, seed=11).state_dict()
     for b in range(3):
         (r_mel, r_cnn, r_att), tn, ln = _oracle_request(sd, dict(case, name=""), b, mu, spks, cond, noise, att, cnn,
                                                         n_steps=4)
         # same-dtype reference: the model's reference path step by step in fp16 on the GPU
         ts = [float(v) for v in cosine_timesteps(4, torch.float64)]
-        xs = noise[0, :, 64:64 + tn][None].float().cuda()
+        xs = noise[0, :, ln:ln + tn][None].float().cuda()
         rows_c = d(cnn[:, :, [b, 3 + b]])
         rows_a = d(att[:, :, [b, 3 + b], :, :ln])
         zeros = torch.zeros_like(d(mu[b:b + 1, :, :tn]))
@@ -267,36 +337,35 @@ def test_gpu_runner_matches_reference_solver():
 
 @pytest.mark.gpu
 def test_gpu_capture_failure_falls_back_with_reason(monkeypatch):
-    _, runner = _gpu_runner(torch.float16)
+    bucket = _GpuBucket(torch.float16)
 
     def broken(*a, **k):
         raise RuntimeError("simulated capture failure")
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", broken)
-    ent = runner.entry((2, 50, 64))
-    for _ in range(runner.solver.calls_per_capture(torch.device("cuda"))):  # eager warm-up, then the capture
-        _fill(ent, 3)
-        runner.run(ent)
-    failed = [e.failed for e in runner.solver.entries()]
-    assert not runner.graphs[(2, 50, 64)] and len(failed) == 1 and "simulated capture failure" in failed[0]
-    assert any("capture failed, eager instead" in e for e in runner.events)
-    assert torch.isfinite(ent.arena.out_mel[ent.arena.valid_lengths.bool()].float()).all()
+    for _ in range(bucket.cache.calls_per_capture(torch.device("cuda"))):  # eager warm-up, then the capture
+        _fill(bucket.arena, 3)
+        bucket.run()
+    failed = [e.failed for e in bucket.cache.entries()]
+    assert not bucket.captured() and len(failed) == 1 and "simulated capture failure" in failed[0]
+    assert any("capture failed" in e for e in bucket.cache.events)
+    arena = bucket.arena
+    assert torch.isfinite(arena.out_mel[arena.valid_lengths.bool()].float()).all()
 
 
 @pytest.mark.gpu
-def test_gpu_arena_graph_solver_in_server_bitwise():
-    from torch_cfm.graphs import ArenaGraphSolver
-    from torch_cfm.models.solver import StreamingCFM
+def test_gpu_graphed_server_equals_eager_server_bitwise():
+    from torch_cfm.serving import CFMServer
+    from torch_cfm.solve import StreamingCFM
 
     model = random_dit(GPU_CFG, seed=50).to(device="cuda", dtype=torch.float16)
 
-    def make():
+    def make(graphs):
         cfm = StreamingCFM(model, n_timesteps=4)
-        return cfm.server(max_requests=2, max_prompt_frames=60, max_chunk_frames=50, chunk_buckets=[50],
-                          cache_buckets=[160], fused=True)
+        return CFMServer(cfm, max_requests=2, max_prompt_frames=60, max_chunk_frames=50, chunk_buckets=[50],
+                         cache_buckets=[160], fused=True, graphs=graphs)
 
-    eager, graphed = make(), make()
-    graphed.solve_fn = ArenaGraphSolver()
+    eager, graphed = make(False), make(True)
     g = torch.Generator().manual_seed(0)
     h = lambda *shape: torch.randn(*shape, generator=g).to(device="cuda", dtype=torch.float16)  # noqa: E731
     spk = {r: h(80) for r in "xy"}
@@ -310,19 +379,7 @@ def test_gpu_arena_graph_solver_in_server_bitwise():
         for r in "xy":
             assert torch.isfinite(want[r].float()).all()
             assert torch.equal(want[r], got[r]), r
-    assert any("captured" in e for e in graphed.solve_fn.events), graphed.solve_fn.events
-
-
-def test_arena_graph_solver_validates_and_runs_eager_on_cpu():
-    from torch_cfm.graphs import ArenaGraphSolver
-
-    with pytest.raises(ValueError, match="max_graphs"):
-        ArenaGraphSolver(max_graphs=0)
-    calls = []
-    solver = ArenaGraphSolver(lambda *a, **k: calls.append(k["cache_frames"]))
-    t = torch.zeros(1)
-    solver(None, t, t, t, t.view(1, 1, 1), t, t, t, t, t, t, cache_frames=3)
-    assert calls == [3]
+    assert any("captured" in e for e in graphed.graph_cache.events), graphed.graph_cache.events
 
 
 if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--child":

@@ -22,7 +22,7 @@ its module's ``torch`` for a shim while it runs (``upstream_flow.token2wav_on_cp
 test runs the same methods unpatched on CUDA (with the real HiFT when scipy is there).
 
 GPU (``@pytest.mark.gpu``, shipped sizes): fp16, bf16 and TF32 streams, accelerated error vs the
-fp64 upstream <= 2x the upstream module's own error in that dtype + 1e-6 (SPEC §6).
+fp64 upstream <= 2x the upstream module's own error in that dtype + 1e-6 (docs/design.md §6).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from torch_cfm.integrations.stepaudio2 import (  # noqa: E402
     TorchCFMDecoder, accelerated, apply_torch_cfm, apply_torch_cfm_to_decoder, apply_torch_cfm_to_vocoder,
     undo_torch_cfm, warmup)
 
-REL = 1e-5  # SPEC §6 fp32 bound, relative Frobenius
+REL = 1e-5  # docs/design.md §6 fp32 bound, relative Frobenius
 N_STEPS = 10
 
 
@@ -96,6 +96,29 @@ def test_stream_matches_upstream_through_the_trims(flow, prompt_tokens, graphs):
     assert (stream.server.cache_buckets is not None) == graphs
     assert stream.solves == 1 + len(chunks)
     assert 1 <= stream.loads < len(chunks)
+
+
+def test_a_prompt_set_up_again_is_a_copy_of_its_first_solve(flow):
+    """``setup_cache`` of a prompt already solved (a second ``set_stream_cache`` of one prompt)
+    comes from the voice cache: the same mel and caches, bitwise, and the stream continues the
+    same; another prompt (or the cache off) is solved."""
+    acc = _accelerated(flow)
+    prompt, other = U.make_prompt(U.TINY, 20, seed=5), U.make_prompt(U.TINY, 20, seed=6)
+    chunk = U.make_chunks(U.TINY, 2, seed=7)[0]
+    first = {k: v.clone() for k, v in acc.setup_cache(prompt.tokens, prompt.mel, prompt.spk,
+                                                       n_timesteps=N_STEPS).items()}
+    mel_1, _ = acc.inference_chunk(chunk, prompt.spk, dict(first), n_timesteps=N_STEPS)
+    acc.setup_cache(other.tokens, other.mel, other.spk, n_timesteps=N_STEPS)
+    again = acc.setup_cache(prompt.tokens, prompt.mel, prompt.spk, n_timesteps=N_STEPS)
+    voices = accelerated(acc)._streams[N_STEPS].server.voices
+    assert (voices.hits, voices.misses, len(voices)) == (1, 2, 2)
+    for key in ("estimator_att_cache", "estimator_cnn_cache"):
+        assert torch.equal(again[key], first[key]), key
+    mel_2, _ = acc.inference_chunk(chunk, prompt.spk, dict(again), n_timesteps=N_STEPS)
+    assert torch.equal(mel_1, mel_2)
+    off = _accelerated(flow, voice_cache_bytes=None)
+    off.setup_cache(prompt.tokens, prompt.mel, prompt.spk, n_timesteps=N_STEPS)
+    assert accelerated(off)._streams[N_STEPS].server.voices is None
 
 
 def test_one_accelerated_flow_serves_streams_of_different_prompt_lengths_in_turn(flow):
@@ -158,7 +181,7 @@ def test_flow_warmup_runs_two_streams_per_prompt_then_streams_match(flow):
     assert acc.encoder.forward_chunk is call
     report = warmup(acc, prompt_frames=(40, 74), n_timesteps=N_STEPS)
     assert report == {"streams": 4, "decoder_graphs": 0, "encoder_graphs": 0, "vocoder_graphs": 0}
-    assert call.entries == {}  # CPU tensors: never captured, never keyed
+    assert call.cache.entries() == []  # CPU tensors: never captured, never keyed
     prompt = U.make_prompt(U.TINY, 20, seed=81)
     chunks = U.make_chunks(U.TINY, 6, seed=82)
     _assert_stream_close(U.run_stream(flow, prompt, chunks), U.run_stream(acc, prompt, chunks))
@@ -424,7 +447,7 @@ def test_gpu_real_token2wav_stream_matches_upstream():
 
 @pytest.mark.gpu
 def test_gpu_graphed_encoder_replays_equal_its_eager_calls():
-    from torch_cfm.integrations._graphed import GraphedCall
+    from torch_cfm.graphs import GraphedCall
 
     flow = U.build_flow(U.TINY, seed=12).cuda()
     enc = flow.encoder
@@ -442,7 +465,7 @@ def test_gpu_graphed_encoder_replays_equal_its_eager_calls():
             out = call(xs, last_chunk=False, cnn_cache=cnn, att_cache=att)
             for a, b in zip(out, ref):
                 assert a.shape == b.shape and err_rel_fro(a, b) <= 1e-6, f"call {i}"
-    assert call.graph_count == 1 and next(iter(call.entries.values())).replays == 2, call.events
+    assert call.graph_count == 1 and call.cache.entries()[0].replays == 2, call.events
     noisy = GraphedCall(lambda t: t + torch.rand_like(t), name="noisy")  # a replay cannot equal its eager call
     x = torch.randn(64, device="cuda")
     with torch.inference_mode():

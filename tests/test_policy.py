@@ -1,4 +1,4 @@
-"""SPEC §5 dispatch policy: one decision function, env > argument > torch setting."""
+"""docs/design.md §5 dispatch policy: one decision function, env > argument > torch setting."""
 
 import contextlib
 
@@ -28,7 +28,10 @@ def matmul_tf32(enabled: bool):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_types_fuse_on_sm80_plus(dtype):
     d = decide(CUDA, dtype, capability=H200, env={})
-    assert d.fused and d.reasons == () and d.attention_kernel == "triton" and d.precision is None
+    assert d.fused and d.reasons == () and d.backend == "sm80" and d.precision is None
+    # the kernel that runs: the CUDA kernel where it is built (and not switched off), else Triton
+    assert d.attention_kernel == ("cuda" if policy._cuda_extension_present() else "triton")
+    assert decide(CUDA, dtype, capability=H200, env={policy.ENV_ATTENTION_KERNEL: "triton"}).attention_kernel == "triton"
 
 
 def test_fp32_needs_tf32():
@@ -40,13 +43,13 @@ def test_fp32_needs_tf32():
 
 def test_old_gpu_gets_sdpa_and_a_reason_with_numbers():
     d = decide(CUDA, torch.float16, capability=T4, env={})
-    assert not d.fused and d.attention_kernel == "sdpa"
+    assert not d.fused and d.backend == d.attention_kernel == "sdpa"
     assert d.reasons == ("needs NVIDIA SM80+, found SM75",)
 
 
 def test_cpu_is_reference():
     d = decide(CPU, torch.float32, tf32=False, env={})
-    assert not d.fused and d.attention_kernel == "reference"
+    assert not d.fused and d.backend == d.attention_kernel == "reference"
     assert d.reasons == ("needs a CUDA device, found cpu", "fp32 with TF32 off")
 
 

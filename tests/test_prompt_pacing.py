@@ -1,7 +1,7 @@
 """Prompt solves spread over ticks (``CFMServer(prompt_steps_per_tick=k)``): every stream's prompt and
 chunks equal that stream solved alone with whole solves (``StreamingCFM.forward_chunk`` + the trim,
 the upstream loop), whatever the arrivals, closes and chunk ticks in between; the step-span
-contract of ``solve_arena_chunk``; the warm-up covers every cohort shape."""
+contract of the arena solver; the warm-up covers every cohort shape."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ import torch
 
 from oracle import err_rel_fro
 from solo import Solo
-from torch_cfm.graphs import ArenaGraphSolver
-from torch_cfm.models import CFMServer, DiT, DiTConfig, StreamingCFM
+from torch_cfm.graphs import GraphCache
+from torch_cfm.models import DiT, DiTConfig
 from torch_cfm.models.cache import CacheArena
-from torch_cfm.models.solver import solve_arena_chunk
+from torch_cfm.serving import CFMServer
+from torch_cfm.solve import ArenaSolver, StreamingCFM
 
 TINY = DiTConfig(hidden=64, depth=2, heads=4, head_dim=16)
 STEPS = 5
@@ -131,7 +132,7 @@ def test_pacing_argument_errors(cfm):
 
 
 def test_step_spans_equal_one_whole_solve_and_commit_only_at_the_end(cfm):
-    """solve_arena_chunk(steps=...) called span by span = one call, bitwise on CPU; before the last span
+    """ArenaSolver(steps=...) called span by span = one call, bitwise on CPU; before the last span
     out_mel, lengths and keys are untouched and an idle row keeps its state; only the spans' steps' caches
     are written."""
     g = torch.Generator().manual_seed(3)
@@ -152,10 +153,7 @@ def test_step_spans_equal_one_whole_solve_and_commit_only_at_the_end(cfm):
 
     def run(a, steps=None, slots=None):
         a.valid_lengths.copy_(lengths)
-        extra = {} if steps is None else dict(steps=steps, x_state=a.x_state)
-        solve_arena_chunk(cfm.estimator, a.att, a.cnn, cfm.noise, a.mu, a.spks, a.cond, a.valid_lengths,
-                          a.cache_lengths, a.prompt_lengths, a.out_mel, cache_frames=0, n_timesteps=STEPS,
-                          frame_keys=a.frame_keys, slots=slots, **extra)
+        ArenaSolver(cfm.estimator, n_timesteps=STEPS)(a, cfm.noise, t_len=10, cache_frames=0, slots=slots, steps=steps)
 
     run(whole)
     idle_state = spread.x_state[1].clone()
@@ -175,15 +173,13 @@ def test_step_spans_equal_one_whole_solve_and_commit_only_at_the_end(cfm):
 def test_step_span_errors(cfm):
     cfg = cfm.estimator.config
     a = CacheArena.allocate(cfg, STEPS, 1, 8, 4, torch.device("cpu"), torch.float32)
-    call = dict(cache_frames=0, n_timesteps=STEPS, frame_keys=a.frame_keys)
-    args = (cfm.estimator, a.att, a.cnn, cfm.noise, a.mu, a.spks, a.cond, a.valid_lengths, a.cache_lengths,
-            a.prompt_lengths, a.out_mel)
+    solver = ArenaSolver(cfm.estimator, n_timesteps=STEPS)
     for bad in ((2, 2), (0, STEPS + 1), (-1, 2), [0, 2], (0.0, 2)):
         with pytest.raises(ValueError, match="steps"):
-            solve_arena_chunk(*args, steps=bad, **call)
+            solver(a, cfm.noise, t_len=4, cache_frames=0, steps=bad)
     with pytest.raises(ValueError, match="x_state"):
-        solve_arena_chunk(*args, steps=(0, 2), **call)
-    solve_arena_chunk(*args, steps=(0, STEPS), **call)  # the whole span needs no state
+        solver(a, cfm.noise, t_len=4, cache_frames=0, steps=(0, 2))
+    solver(a, cfm.noise, t_len=4, cache_frames=0, steps=(0, STEPS))  # the whole span needs no state
 
 
 def test_warmup_covers_every_cohort_shape(cfm):
@@ -191,8 +187,8 @@ def test_warmup_covers_every_cohort_shape(cfm):
     compile or capture)."""
     server = CFMServer(cfm, max_requests=5, max_prompt_frames=12, max_chunk_frames=6, chunk_buckets=(6,),
                        cache_buckets=(0, 16, 112), slot_buckets=(1, 2, 4), graphs=True, prompt_steps_per_tick=2)
-    solver = server.solve_fn
-    assert isinstance(solver, ArenaGraphSolver)
+    solver = server.graph_cache
+    assert isinstance(solver, GraphCache)
     shapes = server.prompt_shapes([9, 12])
     # cohort sizes 1, 2, 4 and 5 - 4 = 1; T 9 -> 12 (the staging length); spans (0,2) (2,4) (4,5)
     assert {(s, t, span) for _, s, t, span in shapes} == {(s, 12, span) for s in (1, 2, 4) for span in

@@ -2,10 +2,10 @@
 
 Every property draws a spec from ``tests/strategies.py`` (shapes incl. N=1, Q=1, K=0..640,
 block multiples +-1; interleaved K/V halves, transposed q, expanded masks; lengths 0/1/K/random;
-kv_rows pools) and checks one statement of SPEC §4/§5/§6 against the fp64 loop oracle of
+kv_rows pools) and checks one statement of docs/design.md §4/§5/§6 against the fp64 loop oracle of
 ``tests/oracle.py`` or against the op itself on a related input:
 
-* oracle bound (SPEC §6) for fp32/fp16/bf16 (CPU kernel upcasts; CUDA: TF32 and IEEE fp32);
+* oracle bound (docs/design.md §6) for fp32/fp16/bf16 (CPU kernel upcasts; CUDA: TF32 and IEEE fp32);
 * permuting cache frames, with their validity, leaves outputs unchanged (no positions);
 * inserting padded rows (own caches, own lengths, garbage values) leaves other rows bitwise equal;
 * a query with no valid key returns exactly 0 (on a NaN-poisoned allocator);
@@ -68,7 +68,7 @@ def fp32_precisions(device: str, dtype: torch.dtype) -> st.SearchStrategy[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# SPEC §6 oracle
+# docs/design.md §6 oracle
 # --------------------------------------------------------------------------------------------
 
 def check_oracle_bound(device, spec, dtype, data):

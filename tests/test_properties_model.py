@@ -9,7 +9,7 @@ independent row-by-row oracle ``tests/dit_oracle.py`` in float64; the same-dtype
 oracle run in the compute dtype. Velocity (valid frames) AND both caches (valid frames) are
 checked. Properties:
 
-* SPEC §6 oracle bound (fp32/fp16/bf16; on CUDA fp32 with TF32 and IEEE);
+* docs/design.md §6 oracle bound (fp32/fp16/bf16; on CUDA fp32 with TF32 and IEEE);
 * permuting each row's cached frames (valid ones among themselves) changes nothing but the
   order of the copied cache frames;
 * inserting padded rows changes no other row beyond the oracle (GEMM tiling may depend on N);
@@ -44,6 +44,7 @@ from shards import run_shards
 O = pytest.importorskip("dit_oracle")
 dit = pytest.importorskip("torch_cfm.models.dit")
 body = pytest.importorskip("torch_cfm.ops.dit_body")
+fused_forward = pytest.importorskip("torch_cfm.models.fused_forward")
 from torch_cfm.diagnostics import machine_report  # noqa: E402
 
 GPU_SETTINGS = S.gpu_settings()
@@ -65,7 +66,7 @@ def run_path(model, a: dict, path: str, precision: Optional[str] = None):
     kw = dict(valid_lengths=a["valid_lengths"], cache_lengths=a["cache_lengths"])
     with torch.no_grad():
         if path == "fused":
-            return body.dit_forward_chunk_fused(model, *args, **kw, precision=precision)
+            return fused_forward.dit_forward_chunk_fused(model, *args, **kw, precision=precision)
         return model.forward_chunk(*args, **kw, fused=False if path == "reference" else None)
 
 
@@ -94,7 +95,7 @@ def oracle_in_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def oracle(model, a: dict, dtype: torch.dtype = torch.float64, device: str = "cpu"):
     """Per-row oracle outputs (lists of velocity, cnn, att) in ``dtype`` on ``device``; below
-    float64 every step (time features included) runs in ``dtype``: the SPEC §6 baseline."""
+    float64 every step (time features included) runs in ``dtype``: the docs/design.md §6 baseline."""
     with oracle_in_dtype(dtype):
         return _oracle(model, a, dtype, device)
 
@@ -155,7 +156,7 @@ def tf32_flag(enabled: bool) -> Iterator[None]:
 
 
 # --------------------------------------------------------------------------------------------
-# SPEC §6 oracle
+# docs/design.md §6 oracle
 # --------------------------------------------------------------------------------------------
 
 def check_chunk_within_oracle(device, path, spec, data):
@@ -416,7 +417,7 @@ def check_autocast_outputs_follow_ambient_dtype(device, spec, ambient, path):
 
             packed = packed_for(model, torch.float32, device)
             table = modulation_table(packed, a["t"].reshape(-1).to(device))
-            x_in = body.stage_input(a["x"], a["mu"], a["spks"], a["cond"], torch.float32)
+            x_in = fused_forward.stage_input(a["x"], a["mu"], a["spks"], a["cond"], torch.float32)
             outs = body.dit_body(x_in, packed.body, table, a["cnn_cache"], a["att_cache"],
                                  valid_lengths=a["valid_lengths"], cache_lengths=a["cache_lengths"])
         else:
@@ -451,7 +452,7 @@ def test_autocast_outputs_follow_ambient_dtype_cuda(spec, ambient, path):
 @contextlib.contextmanager
 def spy_fused() -> Iterator[list]:
     """Record calls of the fused hook ``dit_forward_chunk_fused`` (with their precision)."""
-    module = importlib.import_module("torch_cfm.ops.dit_body")
+    module = importlib.import_module("torch_cfm.models.dit")
     saved = module.dit_forward_chunk_fused
     calls: list = []
 
@@ -514,9 +515,10 @@ def test_explain_reports_the_body_path_that_runs_cuda(spec, dtype, pol):
 
 def _triton_body(model, a: dict, variant: str):
     """The fused driver (``dit_body_fused_into``) on CPU tensors, outputs pre-filled with NaN so
-    any element it leaves unwritten fails the checks (padding must be finite, SPEC §2).
+    any element it leaves unwritten fails the checks (padding must be finite, docs/design.md §2).
     ``variant`` "arena": the in-place form (``dit_body_arena_into``) on a NaN-poisoned arena of
     T + L frames holding the old keys reversed; its result turned back to newest-first."""
+    from torch_cfm.kernels.dit_body import dit_body_arena_into, dit_body_fused_into
     from torch_cfm.models.cache import reverse_keys
     from torch_cfm.packing import modulation_table, packed_for
 
@@ -531,13 +533,13 @@ def _triton_body(model, a: dict, variant: str):
     with torch.no_grad():
         packed = packed_for(model, dtype, dev)
         table = modulation_table(packed, a["t"].reshape(-1).to(dev))
-        x_in = body.stage_input(a["x"], a["mu"], a["spks"], a["cond"], dtype)
+        x_in = fused_forward.stage_input(a["x"], a["mu"], a["spks"], a["cond"], dtype)
         if variant == "arena":
             arena, valid, cached = S.poisoned_arena(a["att_cache"], a["valid_lengths"], a["cache_lengths"],
                                                     out[2].shape, t_len, dtype, dev)
-            body.dit_body_arena_into(x_in, packed.body, table, a["cnn_cache"], arena, valid, cached, "ieee", out[:2])
+            dit_body_arena_into(x_in, packed.body, table, a["cnn_cache"], arena, valid, cached, "ieee", out[:2])
             return out[0], out[1], reverse_keys(arena, valid + cached)
-        body.dit_body_fused_into(x_in, packed.body, table, a["cnn_cache"], a["att_cache"], a["valid_lengths"],
+        dit_body_fused_into(x_in, packed.body, table, a["cnn_cache"], a["att_cache"], a["valid_lengths"],
                                  a["cache_lengths"], "ieee", out, variant)
     return out
 
@@ -545,7 +547,7 @@ def _triton_body(model, a: dict, variant: str):
 def interpreter_main(examples: int, shard: int = 0, shards: int = 1) -> None:
     """Entry point of the child process: oracle, empty rows, non-finite containment and padded
     rows on every Triton body plan and the in-place arena form, run by the interpreter (fp32
-    and fp16: the interpreter's bf16 dot is wrong, SPEC §8; depth-1 tiny configs)."""
+    and fp16: the interpreter's bf16 dot is wrong, docs/design.md §10; depth-1 tiny configs)."""
     from hypothesis import settings
 
     from torch_cfm.kernels.body_plans import PLAN_NAMES
@@ -564,8 +566,9 @@ def interpreter_main(examples: int, shard: int = 0, shards: int = 1) -> None:
                lambda spec, path, data: check_nonfinite_in_one_row_stays_there("cpu", spec, path, data)),
               ("padded_rows", specs,
                lambda spec, path, data: check_padded_rows_change_no_other_row("cpu", spec, path, data)))
-    # "arena": the in-place form (_triton_body); "v9" differs from v1 only in its CUDA GEMMs (v1 on CPU)
-    for variant in (tuple(v for v in PLAN_NAMES if v != "v9") + ("arena",))[shard::shards]:
+    # "arena": the in-place form (_triton_body); "wgmma" differs from "cublas" only in its CUDA GEMMs
+    # (cublas on CPU)
+    for variant in (tuple(v for v in PLAN_NAMES if v != "wgmma") + ("arena",))[shard::shards]:
         for name, strategy, check in checks:
             @settings(max_examples=examples, deadline=None, derandomize=True, database=None)
             @given(spec=strategy, data=st.data())

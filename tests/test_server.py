@@ -1,4 +1,4 @@
-"""CFMServer: ragged batches equal solo solves, the SPEC §3 trim, arenas that never move."""
+"""CFMServer: ragged batches equal solo solves, the docs/design.md §3 trim, arenas that never move."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import torch
 import dit_oracle as O
 from oracle import err_rel_fro
 from solo import Solo
-from torch_cfm.models import CFMServer, DiT, DiTConfig, StreamingCFM
+from torch_cfm.models import DiT, DiTConfig
+from torch_cfm.serving import CFMServer
+from torch_cfm.solve import ArenaSolver, StreamingCFM
 
 TINY = DiTConfig(hidden=64, depth=2, heads=4, head_dim=16)
 STEPS = 2
@@ -158,7 +160,7 @@ def test_padding_takes_free_slots_before_settled_ones(cfm):
     outs = server.solve_chunk(prompts)
     for rid, mu in prompts.items():
         assert close(outs[rid], solos[rid].chunk(mu)), rid
-    last = next(reversed(server.solve_fn.entries()))
+    last = next(reversed(server.graph_cache.entries()))
     assert (last.label["slots"], last.label["cache_frames"]) == (4, 0), last.label
 
 
@@ -197,12 +199,13 @@ def _fill_arena(arena, g, cache_lengths, prompt_lengths, valid_lengths):
 def test_solve_arena_chunk_captures_in_one_cuda_graph(fused, keyed):
     """Replay == eager, bitwise; keyed: the in-place form (fused) and the reference form, through
     a trim (keep 30: slot 0 goes 90 -> 60 frames, idle slot 2 64 -> 50)."""
-    from torch_cfm.models import CacheArena, solve_arena_chunk
+    from torch_cfm.models import CacheArena
 
     cfg, dev, dtype = DiTConfig(), torch.device("cuda"), torch.float16
     model = DiT(cfg).random_init_(0).to(dev, dtype).eval()
     noise = StreamingCFM(model).noise.to(dev, dtype)
-    arena = CacheArena.allocate(cfg, 10, 3, 140, 50, dev, dtype, 50 if keyed else 0)
+    arena = CacheArena.allocate(cfg, 10, 3, 140, 50, dev, dtype, 50 if keyed else 0, keyed=keyed)
+    solver = ArenaSolver(model, n_timesteps=10, keep_oldest=30 if keyed else 100, fused=fused)
     g = torch.Generator().manual_seed(0)
     _fill_arena(arena, g, [40, 0, 64], [30, 10, 20], [50, 20, 0])
     start = {k: v.clone() for k, v in arena.tensors().items()}
@@ -212,10 +215,7 @@ def test_solve_arena_chunk_captures_in_one_cuda_graph(fused, keyed):
             getattr(arena, k).copy_(v)
 
     def run():
-        solve_arena_chunk(model, arena.att, arena.cnn, noise, arena.mu, arena.spks, arena.cond,
-                          arena.valid_lengths, arena.cache_lengths, arena.prompt_lengths, arena.out_mel,
-                          cache_frames=64, fused=fused, keep_oldest=30 if keyed else 100,
-                          frame_keys=arena.frame_keys if keyed else None)
+        solver(arena, noise, t_len=50, cache_frames=64)
 
     run()
     eager = {k: v.clone() for k, v in arena.tensors().items()}
@@ -296,19 +296,21 @@ def test_gpu_steady_state_solve_chunk_never_syncs():
 
 
 def test_graphs_option_installs_the_graph_solver_and_matches_eager():
-    """CFMServer(graphs=True) swaps in the CUDA-graph solver (eager on CPU): same mel, bitwise."""
-    from torch_cfm.graphs import ArenaGraphSolver
-    from torch_cfm.models import DiT, DiTConfig, StreamingCFM
+    """CFMServer(graphs=True) solves through the graph cache (eager on CPU): same mel, bitwise."""
+    from torch_cfm.graphs import GraphCache
+    from torch_cfm.solve import GraphedArenaSolver
 
     cfm = StreamingCFM(DiT(DiTConfig(hidden=64, depth=2, heads=4, head_dim=16)).random_init_(0),
                        n_timesteps=3, seed=0)
     mels = []
     for graphs in (False, True):
-        server = cfm.server(max_requests=2, max_prompt_frames=40, graphs=graphs)
-        assert isinstance(server.solve_fn, ArenaGraphSolver) is graphs
+        server = CFMServer(cfm, max_requests=2, max_prompt_frames=40, graphs=graphs)
+        assert isinstance(server.solver, GraphedArenaSolver) is graphs
+        assert isinstance(server.graph_cache, GraphCache) is graphs
         gen = torch.Generator().manual_seed(1)
         server.open_request("a", torch.randn(80, generator=gen), prompt_mu=torch.randn(80, 30, generator=gen),
                             prompt_mel=torch.randn(80, 30, generator=gen))
         mels.append(server.solve_chunk({"a": torch.randn(80, 50, generator=gen)})["a"])
     assert torch.isfinite(mels[0]).all() and mels[0].abs().max() > 0
     assert torch.equal(mels[0], mels[1])
+    assert server.graph_cache.misses == 2 and server.graph_cache.captures == 0  # the prompt and the chunk

@@ -9,7 +9,9 @@ when its chunks come or what the other streams do: so each script is decoded alo
 upstream modules (``token2wav_reference.upstream_stream``: ``flow.setup_cache``/``inference_chunk``
 with ``Token2wav.stream``'s trims, its HiFT stage for the waveform scripts), and every chunk of every
 stream is compared with that reference (prefix for streams that left early), fp32, 1e-5 relative.
-A few scripts are waveform streams (HiFT: slow on CPU), the rest mel-only. The encoder batches
+A few scripts are waveform streams (HiFT: slow on CPU), the rest mel-only; the server runs its
+default vocoder (torch_cfm's, a random stream per stream) and both sources run without their
+additive noise, so the upstream HiFT is the reference there too. The encoder batches
 ragged (``encoder_batching="ragged"``: equal cache lengths through the upstream ``forward_chunk``,
 mixed ones left-padded and masked), so both of its batched paths run.
 
@@ -42,7 +44,7 @@ from oracle import err_rel_fro
 
 pytestmark = pytest.mark.skipif(U.missing_reason() is not None, reason=str(U.missing_reason()))
 
-from torch_cfm.integrations.stepaudio2_server import AdmissionError, StreamPrompt, Token2wavServer  # noqa: E402
+from torch_cfm.serving import AdmissionError, StreamPrompt, Token2wavServer  # noqa: E402
 
 REL = 1e-5
 SIZE = R.SOAK
@@ -97,11 +99,14 @@ def run_soak(ticks: int, seed: int = 0, n_timesteps: int = 2, max_streams: int =
     scripts = _scripts(rng, 24, waveform_every=12)
     for i, sc in enumerate(scripts):
         sc.waveform = sc.waveform and hift is not None
-        sc.mels, sc.wavs, _ = R.upstream_stream(flow, sc.prompt, sc.chunks, n_timesteps,
-                                                hift=hift if sc.waveform else None, seed=i)
+        with R.NoNoise():
+            sc.mels, sc.wavs, _ = R.upstream_stream(flow, sc.prompt, sc.chunks, n_timesteps,
+                                                    hift=hift if sc.waveform else None, seed=i)
     server = Token2wavServer(flow, hift, max_streams=max_streams, max_prompt_frames=24,
                              max_chunk_tokens=28, n_timesteps=n_timesteps, encoder_batching="ragged",
                              prompt_steps_per_tick=prompt_steps)
+    if hift is not None:
+        R.quiet_vocoder(server)
     empty = server.state_bytes()
     bound = empty + max_streams * (server.memory_plan().encoder + server.memory_plan().vocoder)
     census, next_census = [], max(ticks // 20, 1)

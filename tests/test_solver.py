@@ -1,4 +1,4 @@
-"""StreamingCFM (SPEC §3) and the arena solve against the oracle's per-request solve."""
+"""StreamingCFM (docs/design.md §3) and the arena solve against the oracle's per-request solve."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import dit_oracle as O
 from oracle import err_rel_fro
-from torch_cfm.models import (CacheArena, DiT, DiTConfig, StreamingCFM, euler_timesteps, solve_arena_chunk,
-                              trim_attention_cache, trim_gather_index)
+from torch_cfm.models import CacheArena, DiT, DiTConfig, trim_attention_cache, trim_gather_index
+from torch_cfm.solve import ArenaSolver, StreamingCFM, euler_timesteps
 from torch_cfm.models.cache import arena_chunk_plan, keyed_to_newest_first
 from torch_cfm.reference.cache_trim import move_frames_reference, trim_copy_reference
 
@@ -131,7 +131,7 @@ def _frames_as_cache(tokens: torch.Tensor) -> torch.Tensor:
 
 def _drive_keyed_arena(rows: int, keep: int, prompt: list[int], max_chunk: int, chunks: list) -> bool:
     """Drive a keyed arena of token ids chunk by chunk through ``arena_chunk_plan`` and check it
-    against python lists that follow SPEC §2-3 literally (new cache = [current ; old], then the
+    against python lists that follow docs/design.md §2-3 literally (new cache = [current ; old], then the
     trim): every valid frame holds the token its frame key names, the keys are a permutation, and
     the in-place form (append + ``moves``), the copy-out form (``old_frames`` + append +
     ``write_back``) and the reference form (``old_by_key`` + ``new_cache_keys``) agree.
@@ -234,8 +234,8 @@ def test_arena_chunk_plan_property(stream):
     _drive_keyed_arena(*stream)
 
 
-def _arena(cfm, rows, max_cache, max_chunk):
-    return CacheArena.allocate(TINY, STEPS, rows, max_cache, max_chunk, torch.device("cpu"), torch.float32)
+def _arena(cfm, rows, max_cache, max_chunk, keyed=False):
+    return CacheArena.allocate(TINY, STEPS, rows, max_cache, max_chunk, torch.device("cpu"), torch.float32, keyed=keyed)
 
 
 def _scramble(arena: CacheArena, g: torch.Generator) -> None:
@@ -255,7 +255,8 @@ def _ragged_case(cfm, compact, keyed=False):
     ``keyed``: the arena is keyed, scrambled, has append room, and the trim keeps 3 old frames (so
     slot 0 is trimmed: 7 + 10 > 4 + 3); in place without ``compact``, copied out with it."""
     g = torch.Generator().manual_seed(9)
-    arena = CacheArena.allocate(TINY, STEPS, 3, 40, 12, torch.device("cpu"), torch.float32, 12 if keyed else 0)
+    arena = CacheArena.allocate(TINY, STEPS, 3, 40, 12, torch.device("cpu"), torch.float32, 12 if keyed else 0,
+                                keyed=keyed)
     # slot 0: cache 7 frames (prompt 4); slot 1: idle with 5 cached frames; slot 2: no cache yet
     for slot, frames in RAGGED_INIT.items():
         arena.att[:, :, [slot, 3 + slot], :, :frames] = torch.randn(STEPS, 2, 2, 4, frames, 32, generator=g)
@@ -272,10 +273,8 @@ def _ragged_case(cfm, compact, keyed=False):
         before["keyed_att"] = arena.att.clone()
     ptrs = arena.data_ptrs()
     slots = torch.tensor([0, 2]) if compact else None
-    solve_arena_chunk(cfm.estimator, arena.att, arena.cnn, cfm.noise, arena.mu[:, :, :10], arena.spks,
-                      arena.cond[:, :, :10], arena.valid_lengths, arena.cache_lengths, arena.prompt_lengths,
-                      arena.out_mel[:, :, :10], cache_frames=7, n_timesteps=STEPS, cfg_rate=0.7, slots=slots,
-                      keep_oldest=3 if keyed else 100, frame_keys=arena.frame_keys if keyed else None)
+    solver = ArenaSolver(cfm.estimator, n_timesteps=STEPS, cfg_rate=0.7, keep_oldest=3 if keyed else 100)
+    solver(arena, cfm.noise, t_len=10, cache_frames=7, slots=slots)
     assert arena.data_ptrs() == ptrs
     return before, arena
 
@@ -321,15 +320,15 @@ def test_solve_arena_chunk_ragged_rows_match_oracle_and_idle_rows_stay(cfm, sd, 
 def _fused_route_child(out_path: str) -> None:
     """Child (TRITON_INTERPRET=1): the same cases with the fused route forced on CPU (the policy
     never picks it there): schedule tables, the staged input updated by cfg_euler, Triton body."""
-    from torch_cfm.models import solver
+    from torch_cfm.solve import schedule, steppers
 
     calls = []
-    solver._fused_route = lambda *args: calls.append(args) or "ieee"
+    steppers.fused_precision = lambda *args: calls.append(args) or "ieee"
     cfm = StreamingCFM(DiT(TINY).random_init_(8).eval(), n_timesteps=STEPS, seed=5)
     results = {(compact, keyed): _ragged_case(cfm, compact, keyed) for compact in (False, True)
                for keyed in (False, True)}
     assert calls, "the fused route was not taken"
-    assert len(solver._SCHEDULE_TABLES) == 1, "the schedule tables were not cached per packed weights"
+    assert len(schedule._TABLES) == 1, "the schedule tables were not cached per packed weights"
     torch.save({c: (b, dict(vars(a))) for c, (b, a) in results.items()}, out_path)
 
 
@@ -366,9 +365,7 @@ def test_solve_arena_chunk_trims_every_step_cache(cfm):
     arena.prompt_lengths[0] = 8
     arena.valid_lengths[0] = 20
     old = arena.att.clone()
-    solve_arena_chunk(cfm.estimator, arena.att, arena.cnn, cfm.noise, arena.mu, arena.spks, arena.cond,
-                      arena.valid_lengths, arena.cache_lengths, arena.prompt_lengths, arena.out_mel,
-                      cache_frames=100, n_timesteps=STEPS)
+    ArenaSolver(cfm.estimator, n_timesteps=STEPS)(arena, cfm.noise, t_len=20, cache_frames=100)
     assert arena.cache_lengths.tolist() == [108]
     # new cache = [20 current ; 100 old] = 120 frames > 8 + 100: keep [:8] (newest current frames)
     # then the last 100 frames, i.e. new frames 20..119 = the 100 old frames, for every step.

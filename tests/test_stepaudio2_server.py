@@ -1,8 +1,8 @@
-"""torch_cfm.integrations.stepaudio2_server (many token2wav streams per tick) against the upstream.
+"""torch_cfm.serving.Token2wavServer (many token2wav streams per tick) against the upstream.
 
 Every stream's mel, waveform and caches are compared with that stream decoded alone by the real
 upstream modules (``tests/token2wav_reference.py``: ``flow.setup_cache`` / ``inference_chunk`` with
-``Token2wav.stream``'s trims, and its HiFT vocoder stage), fp32 on CPU at tiny sizes, SPEC §6:
+``Token2wav.stream``'s trims, and its HiFT vocoder stage), fp32 on CPU at tiny sizes, docs/design.md §6:
 within 1e-5 relative (Frobenius). The upstream flow modules load without the package's TTS stack
 (see ``tests/upstream_flow.py``); the waveforms are compared when scipy is installed (the upstream
 ``hifigan`` imports it; without it the same tests check mel and caches only). Cases: whole streams
@@ -25,8 +25,7 @@ from oracle import err_rel_fro
 pytestmark = [pytest.mark.skipif(U.missing_reason() is not None, reason=str(U.missing_reason())),
               pytest.mark.usefixtures("one_thread")]
 
-from torch_cfm.integrations.stepaudio2_server import (  # noqa: E402
-    AdmissionError, StreamPrompt, Token2wavServer)
+from torch_cfm.serving import AdmissionError, StreamPrompt, Token2wavServer  # noqa: E402
 
 REL = 1e-5
 N_STEPS = 4
@@ -87,17 +86,17 @@ def test_whole_streams_match_each_stream_alone(flow, hift, encoder_batching, bat
     cache equal the stream decoded alone upstream; also with encoder and vocoder batches padded
     to 4 rows (the CUDA-graph shapes; stage_graphs runs eagerly on CPU), and with the encoder
     batched across cache lengths ("ragged": left-padded, masked; padded to 50-frame buckets)."""
-    server = Token2wavServer(flow, hift, max_streams=4, max_prompt_frames=80, n_timesteps=N_STEPS,
+    server = Token2wavServer(flow, hift, vocoder="upstream", max_streams=4, max_prompt_frames=80, n_timesteps=N_STEPS,
                              encoder_batching=encoder_batching, batch_buckets=batch_buckets,
                              stage_graphs=batch_buckets is not None)
     ragged_batches = []
-    inner = server._ragged_call  # noqa: SLF001 - count the ragged batches
+    inner = server.encoder.ragged_call  # count the ragged batches
 
     def counted(tokens, *args):
         ragged_batches.append(tokens.shape[0])
         return inner(tokens, *args)
 
-    server._ragged_call = counted  # noqa: SLF001
+    server.encoder.ragged_call = counted
     prompts = [U.make_prompt(U.TINY, p, seed=10 + i) for i, p in enumerate((20, 20, 13))]
     chunks = [U.make_chunks(U.TINY, 6, seed=20 + i, last_tokens=(7, 7, 11)[i]) for i in range(3)]
     server.open_many({i: StreamPrompt(p.tokens, p.mel, p.spk, seed=100 + i) for i, p in enumerate(prompts)})
@@ -136,7 +135,7 @@ def test_mixed_arrivals_departures_and_slot_reuse(flow, hift):
     """Streams open at different ticks (alone and several at once), push on some ticks only, one
     leaves before its last chunk, its slot goes to a new stream, one is mel-only: each stream's
     output equals the stream decoded alone."""
-    server = Token2wavServer(flow, hift, max_streams=3, max_prompt_frames=80, n_timesteps=N_STEPS)
+    server = Token2wavServer(flow, hift, vocoder="upstream", max_streams=3, max_prompt_frames=80, n_timesteps=N_STEPS)
     plan = {  # id: (prompt tokens, chunk count, opened at tick, pushes on ticks where (tick % m) == 0, waveform)
         "a": (12, 4, 0, 1, True), "b": (16, 3, 1, 2, False), "c": (16, 5, 1, 1, True),
         "d": (9, 3, 4, 1, True)}
@@ -177,7 +176,7 @@ def test_paced_prompts_streams_match_each_stream_alone(flow, hift, k):
     """prompt_steps_per_tick=k: streams opened on different ticks (their prompt solves spread over
     ceil(n/k) ticks, cohorts at different steps next to chunk ticks of ready streams), one closed
     while its prompt is under way: every finished stream equals the stream decoded alone."""
-    server = Token2wavServer(flow, hift, max_streams=5, max_prompt_frames=80, n_timesteps=N_STEPS,
+    server = Token2wavServer(flow, hift, vocoder="upstream", max_streams=5, max_prompt_frames=80, n_timesteps=N_STEPS,
                              prompt_steps_per_tick=k)
     plan = {"a": (12, 3, 0), "b": (16, 3, 0), "c": (20, 2, 1), "d": (9, 3, 2), "e": (14, 2, 2)}
     prompts = {s: U.make_prompt(U.TINY, p[0], seed=50 + i) for i, (s, p) in enumerate(plan.items())}
@@ -216,7 +215,7 @@ def test_paced_warmup_covers_the_cohorts(flow):
     server = Token2wavServer(flow, None, max_streams=4, max_prompt_frames=80, n_timesteps=N_STEPS, graphs=True,
                              prompt_steps_per_tick=2)
     server.warmup(prompt_frames=(80,), chunk_tokens=(28,), ticks=3, rounds=1)
-    solver = server.cfm_server.solve_fn
+    solver = server.cfm_server.graph_cache
     misses = solver.misses
     prompts = [U.make_prompt(U.TINY, 40, seed=70 + i) for i in range(6)]
     chunk = U.make_chunks(U.TINY, 2, seed=80)[0]  # 25 + 3 tokens (a 1-chunk list holds a short last chunk)
@@ -230,7 +229,7 @@ def test_paced_warmup_covers_the_cohorts(flow):
             opened += 1
         server.step({s: chunk for s in server.open_streams if server.ready(s)})
     assert opened == 5
-    assert solver.misses == misses, [e.label for e in solver._keys.values()][-3:]  # noqa: SLF001
+    assert solver.misses == misses, [e.label for e in solver.entries()][-3:]
 
 
 @pytest.mark.parametrize("poison", ["prompt_mel", "spk"])
@@ -238,7 +237,7 @@ def test_nan_stream_corrupts_no_other(flow, hift, poison):
     """A stream whose prompt mel (or speaker embedding) holds NaN and Inf is decoded in the same
     ticks as two clean ones, then closed and its slot reused: every clean stream (the later one
     in the poisoned slot too) equals its stream decoded alone; check_finite=True rejects it."""
-    server = Token2wavServer(flow, hift, max_streams=3, max_prompt_frames=80, n_timesteps=N_STEPS)
+    server = Token2wavServer(flow, hift, vocoder="upstream", max_streams=3, max_prompt_frames=80, n_timesteps=N_STEPS)
     prompts = [U.make_prompt(U.TINY, 20, seed=40 + i) for i in range(4)]
     chunks = [U.make_chunks(U.TINY, 4, seed=50 + i) for i in range(4)]
     bad = U.make_prompt(U.TINY, 20, seed=40)
@@ -341,7 +340,7 @@ def test_errors(flow):
 def test_waveform_first_chunk_covers_the_overlap(flow, hift):
     """The vocoder's cross-fade needs 8 mel frames from the first chunk (the upstream fails on a
     shorter one): ValueError naming the tokens; a mel-only stream takes the short chunk."""
-    server = Token2wavServer(flow, hift, max_streams=2, max_prompt_frames=40, n_timesteps=N_STEPS)
+    server = Token2wavServer(flow, hift, vocoder="upstream", max_streams=2, max_prompt_frames=40, n_timesteps=N_STEPS)
     prompt = U.make_prompt(U.TINY, 10, seed=1)
     server.open_stream("w", prompt.tokens, prompt.mel, prompt.spk)
     server.open_stream("m", prompt.tokens, prompt.mel, prompt.spk, waveform=False)
@@ -370,7 +369,7 @@ def test_cuda_graphs_streams_match_upstream():
 def _cuda_graph_streams():
     flow_gpu = U.build_flow(U.TINY, seed=0).cuda()
     hift_gpu = R.build_hift(seed=3).cuda()
-    server = Token2wavServer(flow_gpu, hift_gpu, max_streams=4, max_prompt_frames=80, n_timesteps=N_STEPS)
+    server = Token2wavServer(flow_gpu, hift_gpu, vocoder="upstream", max_streams=4, max_prompt_frames=80, n_timesteps=N_STEPS)
     assert server.graphs and server.stage_graphs
     prompts = [U.make_prompt(U.TINY, p, seed=10 + i, device="cuda") for i, p in enumerate((20, 20, 13))]
     chunks = [[c.cuda() for c in U.make_chunks(U.TINY, 8, seed=20 + i)] for i in range(3)]
@@ -380,8 +379,8 @@ def _cuda_graph_streams():
         for i, o in server.step({i: (chunks[i][k], k == 7) for i in range(3)}).items():
             mels[i].append(o.mel)
             wavs[i].append(o.wav)
-    for call in (server._enc_call, server._f0_call, server._source_call, server._decode_call):  # noqa: SLF001
-        assert call.graph_count > 0 and sum(e.replays for e in call.entries.values()) > 0, (call.name, call.events)
+    for call in (server.encoder.call, server.vocoder.f0_call, server.vocoder.source_call, server.vocoder.decode_call):
+        assert call.graph_count > 0 and sum(e.replays for e in call.cache.entries()) > 0, (call.name, call.events)
     for i in range(3):
         # the upstream's HiFT draws on the CUDA generator, seeded like the stream's
         ref_mels, _, _ = R.upstream_stream(flow_gpu, prompts[i], chunks[i], N_STEPS)
@@ -399,7 +398,7 @@ def test_warmup_covers_prompt_solves_next_to_settled_streams(flow):
     on CUDA no capture after warm-up."""
     server = Token2wavServer(flow, None, max_streams=4, max_prompt_frames=80, n_timesteps=N_STEPS, graphs=True)
     server.warmup(prompt_frames=(80,), chunk_tokens=(28,), ticks=3, rounds=1)
-    solver = server.cfm_server.solve_fn
+    solver = server.cfm_server.graph_cache
     misses = solver.misses
     prompts = [U.make_prompt(U.TINY, 40, seed=30 + i) for i in range(5)]  # 80 frames: its own T bucket
     chunks = U.make_chunks(U.TINY, 4, seed=40)[:3]  # 25 + 3 tokens each (the 4th would be a short last chunk)
@@ -411,7 +410,7 @@ def test_warmup_covers_prompt_solves_next_to_settled_streams(flow):
     server.close_stream(2)
     server.open_stream(4, prompts[4].tokens, prompts[4].mel, prompts[4].spk)
     server.step({i: chunks[0] for i in (0, 1, 3, 4)})
-    assert solver.misses == misses, [e.label for e in solver._keys.values()][-3:]  # noqa: SLF001
+    assert solver.misses == misses, [e.label for e in solver.entries()][-3:]
 
 
 def test_a_dropped_server_is_freed_without_the_cycle_collector(flow):
@@ -440,7 +439,7 @@ def test_warmup_leaves_nothing_open(flow):
     empty = server.state_bytes()
     report = server.warmup(prompt_frames=(20,), chunk_tokens=(28,), last_chunk_tokens=(5,), ticks=3, rounds=1)
     assert report["streams"] == (1 + 2) * 2 and report["ticks"] > 0  # counts 1 and 2, each reopened once
-    assert report["graphs"] == {"cfm": 0, "encoder": 0, "hift_f0": 0, "hift_source": 0, "hift_decode": 0}  # CPU: eager
+    assert report["graphs"] == {"cfm": 0, "encoder": 0, "vocoder": 0}  # CPU: eager
     assert server.open_streams == [] and server.state_bytes() == empty
     prompt = U.make_prompt(U.TINY, 10, seed=8)
     chunks = U.make_chunks(U.TINY, 3, seed=9)
@@ -454,7 +453,7 @@ def test_warmup_leaves_nothing_open(flow):
 def test_gpu_shipped_streams_within_the_oracle(mode):
     """Shipped sizes on the GPU, the flow halved as ``Token2wav(float16=True)`` does: three streams
     (two 6 s prompts, one 4 s) through the front in the same ticks; each stream's mel against the
-    fp64 upstream decoding it alone is no worse than the upstream module in that dtype (SPEC §6)."""
+    fp64 upstream decoding it alone is no worse than the upstream module in that dtype (docs/design.md §6)."""
     import copy
     import dataclasses
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_cfm.graphs import ArenaGraphSolver
-from torch_cfm.models import CFMServer, DiT, DiTConfig, StreamingCFM
-from torch_cfm.models.server import AdmissionError
+from torch_cfm.graphs import GraphCache
+from torch_cfm.models import DiT, DiTConfig
+from torch_cfm.serving import AdmissionError, CFMServer
+from torch_cfm.solve import StreamingCFM
 
 TINY = DiTConfig(hidden=64, depth=2, heads=4, head_dim=16)
 STEPS = 2
@@ -28,7 +29,7 @@ def _server(cfm, **kw):
     return CFMServer(cfm, **args)
 
 
-def _labels(solver: ArenaGraphSolver) -> set:
+def _labels(solver: GraphCache) -> set:
     return {tuple(sorted(e.label.items())) for e in solver.entries()}
 
 
@@ -54,7 +55,7 @@ def test_warmup_pairs_are_rounded_like_a_solve(cfm):
     with pytest.raises(ValueError, match="pairs"):
         server.warmup_shapes(pairs=[(0, 4)])
     report = server.warmup(pairs=[(3, 0), (7, 5)], slot_counts=[1], progress=False)
-    assert len(report.shapes) == 4 and server.solve_fn.misses == 4
+    assert len(report.shapes) == 4 and server.graph_cache.misses == 4
 
 
 def test_load_request_caches_round_trips_and_checks(cfm):
@@ -84,7 +85,7 @@ def test_load_request_caches_round_trips_and_checks(cfm):
 
 def test_warmup_covers_every_later_prompt_and_tick(cfm, capsys):
     server = _server(cfm)
-    solver = server.solve_fn
+    solver = server.graph_cache
     report = server.warmup()
     err = capsys.readouterr().err
     assert err.count("CFMServer.warmup [") == 27 and "[27/27]" in err and "27 shapes" in err
@@ -194,7 +195,7 @@ def test_gpu_no_capture_after_warmup_and_graphs_match_eager(dtype):
               cache_buckets=(0, 100, 160), slot_buckets=(1, 4), device=torch.device("cuda"), dtype=dtype)
     graphed, eager = CFMServer(cfm, graphs=True, **kw), CFMServer(cfm, **kw)
     report = graphed.warmup(progress=False)
-    solver = graphed.solve_fn
+    solver = graphed.graph_cache
     assert report.graphs == len(report.shapes) == solver.captures == 2 * 3 * 3, solver.events
     assert report.graph_pool_bytes > 0 and graphed.memory_plan().graph_pool_bytes == report.graph_pool_bytes
     captures, misses = solver.captures, solver.misses

@@ -74,6 +74,24 @@ def upstream_vocoder(hift, mels: list[torch.Tensor], seed: int, last: bool = Tru
     return out
 
 
+class NoNoise:
+    """Within: ``torch.randn_like`` returns zeros, so the upstream HiFT source adds no noise (a
+    deterministic reference for vocoders that draw their own noise)."""
+
+    def __enter__(self):
+        self.saved = torch.randn_like
+        torch.randn_like = lambda x, **kw: torch.zeros_like(x, **kw)
+
+    def __exit__(self, *exc):
+        torch.randn_like = self.saved
+
+
+def quiet_vocoder(server) -> None:
+    """The additive noise of a Token2wavServer's torch_cfm vocoder switched off (tests only)."""
+    source = server.vocoder.vocoder.source
+    source.sigma_voiced = source.sigma_unvoiced = 0.0
+
+
 def upstream_stream(flow, prompt: U.Prompt, chunks: list[torch.Tensor], n_timesteps: int,
                     hift=None, seed: int = 0, last: bool = True):
     """One stream alone through the upstream modules: ([mel (80, T)], [wav] or None, final cache).

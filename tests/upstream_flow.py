@@ -14,7 +14,7 @@ call the package's own classes.
 over the DiT estimator) at a given size with seeded random weights of realistic scale, and
 resizes the streaming scratch buffers the upstream code hard-codes for the shipped sizes
 (``DiT.att_cache_buffer`` / ``cnn_cache_buffer``, ``CausalConditionalCFM.att_cache_buffer`` /
-``cnn_cache_buffer``: SPEC §8).
+``cnn_cache_buffer``: docs/design.md §10).
 """
 
 from __future__ import annotations

@@ -16,16 +16,14 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         f"({exc}). Rebuild in place: python -m pip install --no-build-isolation --no-deps -e ."
     ) from exc
 
-from . import _source_layout
-
-_source_layout.install()  # before anything imports torch_cfm.compile_rules
-
 from . import policy  # noqa: E402
 from .compile import compile  # noqa: E402,A004  torch_cfm.compile(model, **options) (compile rules)
 from .config import DiTConfig, SolverConfig  # noqa: E402
 from .diagnostics import explain  # noqa: E402
-from .models import CFMServer, DiT, StreamingCFM, load_checkpoint  # noqa: E402
+from .models import DiT, load_checkpoint  # noqa: E402
 from .ops import cfm_attention, dit_body  # noqa: E402
+from .serving import CFMServer  # noqa: E402
+from .solve import StreamingCFM  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -29,7 +29,7 @@ def compile(  # noqa: A001 - mirrors torch.compile
 
     The rules swap the fused DiT body in for each reference estimator step and pin the fp32
     precision of every ``cfm_attention`` when :func:`torch_cfm.policy.decide` allows it for the
-    traced dtype/device and the TF32 state at trace time (SPEC §5); elsewhere the reference
+    traced dtype/device and the TF32 state at trace time (docs/design.md §5); elsewhere the reference
     path is compiled as is. ``torch_cfm.explain(model, example_inputs)`` lists the decisions.
 
     Args:

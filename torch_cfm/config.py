@@ -1,4 +1,4 @@
-"""Shapes and constants of torch_cfm: the one home for every number the SPEC fixes.
+"""Shapes and constants of torch_cfm: the one home for every number docs/design.md fixes.
 
 ``DiTConfig`` describes the estimator (defaults = the shipped MiniCPM-o 4.5 / Step-Audio2 token2wav
 checkpoint); ``SolverConfig`` the CFM solve. Tests build tiny configs from the same classes.
@@ -28,7 +28,7 @@ TIME_EMBED_MAX_PERIOD = 10000.0
 
 @dataclass(frozen=True)
 class DiTConfig:
-    """The estimator's sizes. Defaults are the shipped checkpoint (SPEC §1).
+    """The estimator's sizes. Defaults are the shipped checkpoint (docs/design.md §1).
 
     Attributes:
         in_channels: channels of ``concat(x, mu, spks, cond)`` (320 = 4 x 80).
@@ -75,7 +75,7 @@ class DiTConfig:
 
 @dataclass(frozen=True)
 class SolverConfig:
-    """The streaming CFM solve (SPEC §3)."""
+    """The streaming CFM solve (docs/design.md §3)."""
 
     n_timesteps: int = 10
     cfg_rate: float = 0.7
@@ -91,7 +91,7 @@ def cosine_timesteps(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return (1.0 - torch.cos(0.5 * math.pi * i / n)).to(dtype)
 
 
-# The benchmark shapes of SPEC §7, used by bench/ and the GPU tests.
+# The benchmark shapes of docs/design.md §7, used by bench/ and the GPU tests.
 ATTENTION_BENCH_SHAPES: tuple[tuple[int, int, int], ...] = (
     (2, 50, 450), (8, 50, 450), (16, 50, 450), (32, 50, 450),
     (8, 100, 500), (16, 150, 524), (8, 300, 300),

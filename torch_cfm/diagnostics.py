@@ -50,14 +50,14 @@ def machine_report(device: Optional[torch.device] = None) -> str:
                  f"{policy.ENV_PDL}={os.environ.get(policy.ENV_PDL, '<unset>')}; attention grids of one wave, "
                  "fp32 body row-norm kernels, the body's wgmma GEMMs and the kernels around them)")
     from .kernels import cfm_attention_cuda, dit_linear_cuda
-    from .kernels.body_plans import describe_table, wgmma_roles
+    from .kernels.body_plans import WGMMA_MAX_ROWS, describe_table, wgmma_roles
 
     lines.append(f"  attention:  {policy.ENV_ATTENTION_KERNEL}={os.environ.get(policy.ENV_ATTENTION_KERNEL, '<unset>')}; "
                  f"CUDA kernel {cfm_attention_cuda.build_status()}")
     why_not = dit_linear_cuda.device_reason(device) or (
         None if policy.pdl_allowed(device) else "PDL is off; the wgmma plans run their GEMMs only with it")
     lines.append("  body GEMMs: " + ("wgmma kernel (16-bit and TF32 bodies of at most "
-                                      f"{dit_linear_cuda.V9_MAX_ROWS} rows: {wgmma_roles()}; else cuBLAS)"
+                                      f"{WGMMA_MAX_ROWS} rows: {wgmma_roles()}; else cuBLAS)"
                                       if why_not is None else f"cuBLAS ({why_not})"))
     lines.append(f"  body plans: rows -> plan ({describe_table()}; torch_cfm/kernels/body_plans.py)")
     lines.append("ops:")
@@ -65,8 +65,8 @@ def machine_report(device: Optional[torch.device] = None) -> str:
         d = policy.decide(device, dtype)
         name = str(dtype).replace("torch.", "")
         prec = f" precision={d.precision}" if d.precision else ""
-        family = " (SM80+: the CUDA kernel per call where its tile rule picks it, else Triton)" \
-            if d.attention_kernel == "triton" else ""
+        family = " (where its tile rule picks it and it covers the call, else Triton)" \
+            if d.attention_kernel == "cuda" else ""
         lines.append(f"  cfm_attention [{name}]: kernel={d.attention_kernel}{prec}{family}")
         lines.append(f"  dit_body      [{name}]: {'fused' if d.fused else 'reference'}"
                      + (f" [{d.source}]" if d.source != "policy" else ""))

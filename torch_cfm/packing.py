@@ -2,7 +2,7 @@
 
 The fused body (``torch_cfm::dit_body``) never reads ``nn.Module`` attributes: it takes a flat
 list of tensors laid out for its GEMMs (:class:`PackedDiT`). Packing reads parameters by their
-SPEC §1 state_dict names only, so it works for any module (or plain state_dict) that uses the
+docs/design.md §1 state_dict names only, so it works for any module (or plain state_dict) that uses the
 upstream checkpoint's names. A pack is built once per (module, dtype, device) and rebuilt when a
 parameter changes (new storage, in-place update, or dtype/device move): the staleness key is each
 parameter's ``(data_ptr, _version, dtype, shape)``, a host-side read that never synchronises.
@@ -21,7 +21,7 @@ Body weight list (the op's ``weights`` argument), in this order::
     out_w (Cout, C), out_b (Cout,)
 
 Modulation table (the op's ``mod_table``): (R, depth+1, 9, C) float32 (float64 for a float64
-body), R = 1 (every row shares t) or N. Row i < depth holds block i's 9 vectors in the SPEC
+body), R = 1 (every row shares t) or N. Row i < depth holds block i's 9 vectors in the contract's
 order shift_a, scale_a, gate_a, shift_m, scale_m, gate_m, shift_c, scale_c, gate_c with every
 scale stored as ``1 + scale``; row ``depth`` holds the final layer's (shift, 1 + scale) then zeros.
 """
@@ -91,16 +91,16 @@ def _depth_of(params: Mapping[str, torch.Tensor]) -> int:
     while f"blocks.{depth}.attn.to_q.weight" in params:
         depth += 1
     if depth == 0:
-        raise ValueError("pack_dit: model must have SPEC §1 parameters blocks.<i>.attn.to_q.weight, "
+        raise ValueError("pack_dit: model must have docs/design.md §1 parameters blocks.<i>.attn.to_q.weight, "
                          "found none; pass the DiT estimator (or its state_dict)")
     return depth
 
 
 def pack_dit(source: ParamSource, dtype: torch.dtype, device: torch.device | str) -> PackedDiT:
-    """Pack a DiT's parameters (SPEC §1 names) for the fused body, without caching.
+    """Pack a DiT's parameters (docs/design.md §1 names) for the fused body, without caching.
 
     Args:
-        source: the estimator module or its state_dict (names exactly as SPEC §1).
+        source: the estimator module or its state_dict (names exactly as docs/design.md §1).
         dtype: compute dtype of the body weights (float16 | bfloat16 | float32 | float64).
         device: where the packed tensors live.
     Returns:
@@ -115,7 +115,7 @@ def pack_dit(source: ParamSource, dtype: torch.dtype, device: torch.device | str
 
     def get(name: str) -> torch.Tensor:
         if name not in p:
-            raise ValueError(f"pack_dit: model must have parameter {name!r} (SPEC §1), got none")
+            raise ValueError(f"pack_dit: model must have parameter {name!r} (docs/design.md §1), got none")
         return p[name].detach()
 
     def cast(t: torch.Tensor, dt: torch.dtype = dtype) -> torch.Tensor:
@@ -251,7 +251,7 @@ def clear_packed(module: Optional[torch.nn.Module] = None) -> None:
 
 
 def timestep_features(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """SPEC §1 sinusoidal features ``[cos(1000 t w_j) | sin(1000 t w_j)]``: (R,) -> (R, 256)."""
+    """docs/design.md §1 sinusoidal features ``[cos(1000 t w_j) | sin(1000 t w_j)]``: (R,) -> (R, 256)."""
     half = TIME_EMBED_DIM // 2
     j = torch.arange(half, device=t.device, dtype=dtype)
     freqs = torch.exp(-math.log(TIME_EMBED_MAX_PERIOD) * j / half)

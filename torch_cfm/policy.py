@@ -1,4 +1,4 @@
-"""The dispatch policy of SPEC §5: one function, used by eager dispatch, compile passes and explain.
+"""The dispatch policy of docs/design.md §5: one function, used by eager dispatch, compile passes and explain.
 
 ``decide()`` answers "which path runs for this device/dtype/TF32 state?" and returns a
 :class:`Decision` whose ``reasons`` say why whenever the answer is "not fused". ``TORCH_CFM_*``
@@ -15,7 +15,7 @@ import contextlib
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Optional
+from typing import Iterator, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -25,6 +25,7 @@ ENV_FUSED = "TORCH_CFM_FUSED"
 ENV_TF32 = "TORCH_CFM_TF32"
 ENV_PDL = "TORCH_CFM_PDL"
 ENV_ATTENTION_KERNEL = "TORCH_CFM_ATTENTION_KERNEL"
+ENV_VLLM_OMNI = "TORCH_CFM_VLLM_OMNI"  # the vLLM-Omni plugin's switch and options (integrations/vllm_omni)
 ATTENTION_KERNEL_CHOICES = ("auto", "triton", "cuda")
 PDL_MIN_CAPABILITY = (9, 0)  # griddepcontrol (programmatic dependent launch) is SM90+
 
@@ -38,7 +39,12 @@ class Decision:
 
     Attributes:
         fused: the fused DiT body / compile-rule swap is used.
-        attention_kernel: "triton" (CUDA SM80+), "sdpa" (older CUDA) or "reference" (CPU/other).
+        backend: the kernels that exist here: "sm80" (NVIDIA SM80+: torch_cfm's Triton kernels and,
+            where built, its CUDA kernels), "sdpa" (older CUDA: attention through SDPA, no fused
+            body) or "reference" (CPU and others: plain PyTorch and the C++ CPU kernel).
+        attention_kernel: the kernel ``cfm_attention`` runs here: "cuda" (the optional CUDA kernel
+            is built and allowed, and covers this dtype; a call whose shape it does not cover runs
+            Triton), "triton", "sdpa" or "reference".
         precision: dot precision for fp32 inputs, "tf32" or "ieee"; None for fp16/bf16.
         tf32: whether TF32 is allowed (after env > explicit > torch setting).
         reasons: why ``fused`` is False (empty when fused); each a short clause with the numbers.
@@ -46,6 +52,7 @@ class Decision:
     """
 
     fused: bool
+    backend: str
     attention_kernel: str
     precision: Optional[str]
     tf32: bool
@@ -57,7 +64,15 @@ class Decision:
         extra = f" [{self.source}]" if self.source != "policy" else ""
         prec = f", precision={self.precision}" if self.precision else ""
         why = f" — {'; '.join(self.reasons)}" if self.reasons else ""
-        return f"{verdict}{extra} (attention={self.attention_kernel}{prec}){why}"
+        return f"{verdict}{extra} (backend={self.backend}, attention={self.attention_kernel}{prec}){why}"
+
+
+def env_setting(name: str, env: Optional[Mapping[str, str]] = None) -> str:
+    """The raw value of a ``TORCH_CFM_*`` variable ("" when unset), for the readers of the settings
+    that are not dispatch decisions (the vLLM-Omni plugin's options)."""
+    if not name.startswith("TORCH_CFM_"):
+        raise ValueError(f"env_setting: name must be a TORCH_CFM_* variable, got {name!r}")
+    return (os.environ if env is None else env).get(name, "")
 
 
 def _parse_flag(env: Mapping[str, str], name: str) -> Optional[bool]:
@@ -120,13 +135,22 @@ def pdl_allowed(device: torch.device, env: Optional[Mapping[str, str]] = None,
     return device.type == "cuda" and capability is not None and tuple(capability) >= PDL_MIN_CAPABILITY
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_extension_present() -> bool:
+    """Whether the optional CUDA extension ``torch_cfm._C_cuda`` was built (whether it loads is
+    checked where it is used: ``kernels.cfm_attention_cuda``)."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch_cfm._C_cuda") is not None
+
+
 def attention_kernel_choice(env: Optional[Mapping[str, str]] = None) -> str:
     """Which SM80+ kernel ``cfm_attention`` may use, from env ``TORCH_CFM_ATTENTION_KERNEL``.
 
     "auto" (default): the hand-written CUDA kernel (optional build, ``torch_cfm._C_cuda``) where it
     covers the call and its tile rule picks it, Triton otherwise; "triton": always Triton; "cuda":
     the CUDA kernel, and a ValueError with its reasons where it does not cover the call. A launch
-    detail under the decision's ``attention_kernel == "triton"`` (the SM80+ family), read at call
+    detail of the decision's ``backend == "sm80"``, read at call
     (or capture / trace) time like the TF32 setting."""
     env = os.environ if env is None else env
     raw = env.get(ENV_ATTENTION_KERNEL, "").strip().lower() or "auto"
@@ -145,7 +169,7 @@ def decide(
     capability: Optional[tuple[int, int]] = None,
     env: Optional[Mapping[str, str]] = None,
 ) -> Decision:
-    """Decide the path for a computation in ``dtype`` on ``device`` (SPEC §5).
+    """Decide the path for a computation in ``dtype`` on ``device`` (docs/design.md §5).
 
     Args:
         device: where the tensors live.
@@ -165,11 +189,11 @@ def decide(
     is_nvidia = device.type == "cuda" and torch.version.hip is None
 
     if device.type == "cuda" and is_nvidia and capability is not None and capability >= MIN_CAPABILITY:
-        attention_kernel = "triton"
+        backend = "sm80"
     elif device.type == "cuda":
-        attention_kernel = "sdpa"
+        backend = "sdpa"
     else:
-        attention_kernel = "reference"
+        backend = "reference"
 
     reasons: list[str] = []
     if device.type != "cuda":
@@ -189,6 +213,11 @@ def decide(
     precision: Optional[str] = None
     if dtype == torch.float32:
         precision = "tf32" if allow_tf32 else "ieee"
+    attention_kernel = backend
+    if backend == "sm80":
+        covered = dtype in (torch.float16, torch.bfloat16) or precision == "tf32"
+        cuda = covered and _cuda_extension_present() and attention_kernel_choice(env) != "triton"
+        attention_kernel = "cuda" if cuda else "triton"
 
     override, source = _parse_flag(env, ENV_FUSED), "env"
     if override is None and fused is not None:
@@ -196,11 +225,11 @@ def decide(
     if override is not None:
         if override and (device.type != "cuda" or dtype not in ATTENTION_DTYPES):
             # An override cannot make a kernel exist: CPU has only the reference.
-            return Decision(False, attention_kernel, precision, allow_tf32,
+            return Decision(False, backend, attention_kernel, precision, allow_tf32,
                             tuple(r for r in reasons if r != "fp32 with TF32 off"), source)
-        return Decision(override, attention_kernel, precision, allow_tf32,
+        return Decision(override, backend, attention_kernel, precision, allow_tf32,
                         () if override else (f"disabled by {source}",), source)
-    return Decision(not reasons, attention_kernel, precision, allow_tf32, tuple(reasons), "policy")
+    return Decision(not reasons, backend, attention_kernel, precision, allow_tf32, tuple(reasons), "policy")
 
 
 def resolve_precision(dtype: torch.dtype, precision: str = "auto") -> Optional[str]:
@@ -226,3 +255,78 @@ def tf32_scope(enabled: bool) -> Iterator[None]:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = matmul
         torch.backends.cudnn.allow_tf32 = cudnn
+
+
+# --------------------------------------------------------------------------------------------
+# the vocoder's precision
+# --------------------------------------------------------------------------------------------
+
+VOCODER_PRECISIONS = ("auto", "ieee", "tf32", "fp16", "bf16", "fp64")
+VOCODER_TF32_MIN_CAPABILITY = (8, 0)
+
+
+class VocoderPrecision(NamedTuple):
+    """``(choice, reasons)``: the precision that runs and why it is not what was asked or the
+    fastest one (each reason a short clause with the numbers)."""
+
+    choice: str
+    reasons: tuple[str, ...]
+
+    def describe(self) -> str:
+        return self.choice + (f" — {'; '.join(self.reasons)}" if self.reasons else "")
+
+
+def vocoder_precision(device: torch.device | str, dtype: torch.dtype, precision: str = "auto", *,
+                      capability: Optional[tuple[int, int]] = None,
+                      cudnn_tf32: Optional[bool] = None) -> VocoderPrecision:
+    """The HiFT vocoder convolutions' precision for a module of ``dtype`` on ``device``
+    (:class:`torch_cfm.models.vocoder.HiFTVocoder`).
+
+    "ieee": float32 operands and IEEE convolutions; "tf32": float32 operands, TF32 tensor-core
+    convolutions (PyTorch's cuDNN default, what the upstream module gets on SM80+); "fp16" /
+    "bf16": 16-bit convolution operands (float32 accumulation and elementwise math); "fp64":
+    references. "auto" is never less exact than the upstream module at PyTorch's default
+    precision: the module's own dtype, and for float32 TF32 exactly where cuDNN would use it.
+
+    Args:
+        device: where the vocoder runs.
+        dtype: the upstream module's parameter dtype (float32, float64, float16 or bfloat16).
+        precision: one of :data:`VOCODER_PRECISIONS`; "auto" follows the module and torch.
+        capability: pretend the CUDA device has this capability (tests, explain for other GPUs).
+        cudnn_tf32: the cuDNN TF32 permission to assume (default: ``torch.backends.cudnn.allow_tf32``).
+    Returns:
+        :class:`VocoderPrecision` ``(choice, reasons)``.
+    Raises:
+        ValueError: an unknown ``precision`` or an unsupported ``dtype``.
+    """
+    device = torch.device(device)
+    if precision not in VOCODER_PRECISIONS:
+        raise ValueError(f"vocoder_precision: precision must be one of {VOCODER_PRECISIONS}, got {precision!r}")
+    if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        raise ValueError(f"vocoder_precision: dtype must be float32/float64/float16/bfloat16, got {dtype}")
+    if capability is None:
+        capability = device_capability(device)
+    allow = torch.backends.cudnn.allow_tf32 if cudnn_tf32 is None else bool(cudnn_tf32)
+    tf32_gap = None
+    if device.type != "cuda":
+        tf32_gap = f"TF32 needs NVIDIA CUDA SM80+, found {device.type}"
+    elif capability is None:
+        tf32_gap = "TF32 needs NVIDIA CUDA SM80+, found a device of unknown capability"
+    elif tuple(capability) < VOCODER_TF32_MIN_CAPABILITY:
+        tf32_gap = f"TF32 needs NVIDIA SM80+, found SM{capability[0]}{capability[1]}"
+
+    if precision == "auto":
+        if dtype == torch.float64:
+            return VocoderPrecision("fp64", ())
+        if dtype == torch.float16:
+            return VocoderPrecision("fp16", ("a float16 module",))
+        if dtype == torch.bfloat16:
+            return VocoderPrecision("bf16", ("a bfloat16 module",))
+        if tf32_gap is not None:
+            return VocoderPrecision("ieee", (tf32_gap,))
+        if not allow:
+            return VocoderPrecision("ieee", ("cuDNN TF32 off (torch.backends.cudnn.allow_tf32=False)",))
+        return VocoderPrecision("tf32", ())
+    if precision == "tf32" and tf32_gap is not None:
+        return VocoderPrecision("ieee", (f"tf32 requested; {tf32_gap}",))
+    return VocoderPrecision(precision, ())

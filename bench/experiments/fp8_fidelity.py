@@ -10,7 +10,7 @@ Workload: one stream as ``Token2wav.stream`` drives the decoder: a prompt solve 
 frames, prompt mel as ``cond``), then ``--chunks`` chunks of ``--chunk`` frames (``cond`` = 0),
 each a 10-step Euler solve with CFG (r = 0.7) through torch_cfm's ``StreamingCFM`` (reference
 path: ``fused=False`` on CPU) driven by ``tests/solo.py``'s ``Solo`` (whole ``forward_chunk``
-then the SPEC §3 trim to prompt + 100 frames, so trims happen from chunk 3 on). The upstream
+then the docs/design.md §3 trim to prompt + 100 frames, so trims happen from chunk 3 on). The upstream
 decoder (built by ``tests/upstream_flow.build_flow`` with the same estimator weights, its
 ``rand_noise`` replaced by the same noise) gets the same mu / spks / cond and the same trims.
 Weights: ``DiT(cfg).random_init_(seed + 2)`` (what ``build_flow`` loads into the upstream
@@ -32,7 +32,7 @@ FP8 emulation (:func:`fp8_gemms`): for the chosen block GEMMs -- attention ``to_
 activation is quantised per token (row absmax / 448 -> scale, ``x / scale`` cast to
 ``torch.float8_e4m3fn`` and back, times scale) and the weight per output channel the same way;
 the dequantised operands are multiplied in float32 and the bias added in float32. The convs run
-as the fused body plans them (SPEC §4): ONE GEMM over the ``[cache ; chunk]`` frames (2 + T
+as the fused body plans them (docs/design.md §4): ONE GEMM over the ``[cache ; chunk]`` frames (2 + T
 tokens) against the tap-stacked weight (3·C output channels, one scale per tap and output
 channel), then the 3-tap shifted sum in float32. ``in_proj``, ``t_embedder``, the adaLN
 modulations, the final layer, norms, softmax/attention and the residual stream stay float32.
@@ -78,7 +78,7 @@ sys.path.insert(1, os.path.join(ROOT, "tests"))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-import torch_cfm.models.dit as dit_module  # noqa: E402
+import torch_cfm.models.dit_blocks as dit_blocks  # noqa: E402
 from torch_cfm import policy  # noqa: E402
 from torch_cfm.models import DiT, DiTConfig, StreamingCFM, trim_attention_cache  # noqa: E402
 
@@ -245,15 +245,15 @@ def fp8_gemms(model: DiT, groups, counts: dict, quantise: bool = True):
                     linears.append((mod, group, scheme))
     for group in groups:
         counts.setdefault(group, 0)
-    saved_f = dit_module.F
+    saved_f = dit_blocks.F
     try:
         for mod, group, scheme in linears:
             mod.forward = _linear_forward(mod, group, scheme, counts, quantise)
         if convs:
-            dit_module.F = _ConvAsGemm(convs, counts, quantise)
+            dit_blocks.F = _ConvAsGemm(convs, counts, quantise)
         yield
     finally:
-        dit_module.F = saved_f
+        dit_blocks.F = saved_f
         for mod, _, _ in linears:
             mod.__dict__.pop("forward", None)
 

@@ -9,7 +9,7 @@ Rules, in the order they run on a graph:
    torch_cfm op's input from its own in-place writes (pytorch#198031).
 
 One object serves every hook because Inductor's custom-pass slots take one pass on torch 2.11
-and a list on 2.13 (SPEC §8): the same instance goes into our backend (Dynamo graph, before
+and a list on 2.13 (docs/design.md §10): the same instance goes into our backend (Dynamo graph, before
 AOT dispatch), ``pre_grad_custom_pass`` and ``joint_custom_pre_pass``; each rule matches
 only what exists at that stage. ``uuid()`` hashes the rules' source and every input of a
 decision (config, env, TF32 state, device capability), so Inductor's caches never return a
@@ -67,7 +67,7 @@ class TorchCfmPass(CustomGraphPass):
     (every run, most recent last, bounded).
 
     Args:
-        config: :class:`RulesConfig` (overrides for the policy; defaults follow SPEC §5).
+        config: :class:`RulesConfig` (overrides for the policy; defaults follow docs/design.md §5).
     """
 
     def __init__(self, config: Optional[RulesConfig] = None):

@@ -16,7 +16,7 @@ class RulesConfig:
     """What the rules may assume, beyond the traced graph.
 
     Attributes:
-        fused: explicit override for every site (None = SPEC §5 policy; env TORCH_CFM_FUSED wins).
+        fused: explicit override for every site (None = docs/design.md §5 policy; env TORCH_CFM_FUSED wins).
         tf32: explicit TF32 permission for fp32 sites (None = torch's setting at trace time;
             env TORCH_CFM_TF32 wins).
         capability: pretend the CUDA device has this (major, minor) capability (tests, explain

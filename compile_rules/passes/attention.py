@@ -55,7 +55,7 @@ def apply(graph: torch.fx.Graph, ctx: RuleContext, skip: Collection[torch.fx.Nod
                 action = "pinned"
                 requested = decision.precision
             detail += f" precision={requested}"
-        reasons = () if decision.attention_kernel == "triton" else tuple(
+        reasons = () if decision.backend == "sm80" else tuple(
             r for r in decision.reasons if r != "fp32 with TF32 off")
         if action == "kept" and not ctx.record_kept:
             continue  # recorded already on the Dynamo graph

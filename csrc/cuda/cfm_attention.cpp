@@ -26,7 +26,7 @@ void cfm_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const c10::optional<at::Tensor>& key_lengths, const c10::optional<at::Tensor>& mask,
                        const c10::optional<at::Tensor>& kv_rows, at::Tensor& out, int64_t block_k,
                        int64_t q_groups, int64_t key_splits, int64_t buffers, int64_t cluster,
-                       int64_t kv_groups, bool pdl, int64_t ablate) {
+                       int64_t kv_groups, bool pdl) {
   TORCH_CHECK_VALUE(q.is_cuda() && q.dim() == 4 && q.size(3) == 64,
                     "cfm_attention (CUDA kernel): needs CUDA inputs with D = 64");
   TORCH_CHECK_VALUE(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && out.stride(3) == 1,
@@ -50,7 +50,6 @@ void cfm_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   p.k_len = static_cast<int>(k.size(2));
   p.n_pool = static_cast<int>(k.size(0));
   p.q_tiles = static_cast<int>((q.size(2) + 16 * q_groups - 1) / (16 * q_groups));
-  p.ablate = static_cast<int>(ablate);
   p.scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(static_cast<double>(q.size(3))));
   const int64_t rows_heads = q.size(0) * q.size(1);
   if (rows_heads == 0 || p.q_len == 0) return;
@@ -106,7 +105,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("v"), pybind11::arg("key_lengths"), pybind11::arg("mask"), pybind11::arg("kv_rows"),
         pybind11::arg("out"), pybind11::arg("block_k"), pybind11::arg("q_groups"), pybind11::arg("key_splits"),
         pybind11::arg("buffers"), pybind11::arg("cluster") = 1, pybind11::arg("kv_groups") = 1,
-        pybind11::arg("pdl") = false, pybind11::arg("ablate") = 0);
+        pybind11::arg("pdl") = false);
   m.def("dit_linear_into", &torch_cfm::dit_linear::linear_into,
         "out = a @ w.T (+ bias) (GELU) on the SM90a wgmma kernel (csrc/cuda/dit_linear_kernel.cuh)",
         pybind11::arg("a"), pybind11::arg("w"), pybind11::arg("bias"), pybind11::arg("out"), pybind11::arg("block_n"),

@@ -12,11 +12,11 @@
 // C > 1 (SM90): a cluster of C CTAs holds C consecutive query tiles of one (row, head), which read
 // the same keys. Each K/V row is fetched from L2 once, by one CTA, as a bulk copy multicast into
 // every CTA of the cluster (cp.async.bulk .multicast::cluster, completion on an mbarrier per tile):
-// L2 reads drop C-fold. At SPEC §7's small shapes every SM's copies together are bound by L2's total
+// L2 reads drop C-fold. At docs/design.md §7's small shapes every SM's copies together are bound by L2's total
 // read rate (docs/performance.md). A cluster walks its tiles in rounds of NBUF tiles per
 // split, with a cluster barrier between rounds (one round at K <= WK·BK·NBUF).
 //
-// Semantics are SPEC §4 (the Triton kernel's): keys >= key_lengths[n] (clamped to [0, K]) are never
+// Semantics are docs/design.md §4 (the Triton kernel's): keys >= key_lengths[n] (clamped to [0, K]) are never
 // read (cp.async zero-fills them; the bulk-copy path skips them and zeroes V's rows, K's are masked,
 // so NaN padding cannot leak), masked keys get probability 0, and a query with no valid key gets
 // exactly 0 (exponents are taken against 0 instead of -inf).
@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
     }
   };
   auto load_tile = [&](int i) {  // C = 1: the split's i-th tile (always KVG commit groups)
-    const bool live = i < my_tiles && !(p.ablate & 2);
+    const bool live = i < my_tiles;
     if (live) copy_rows(i, false);
     if constexpr (KVG == 2) cp_async_commit();
     if (live) copy_rows(i, true);
@@ -317,20 +317,15 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
       T* k_dst = split_kv + b * (2 * BK * G::kRow);
       T* v_dst = k_dst + BK * G::kRow;
       const uint32_t k_bar = bar_s + 8 * ((split * NBUF + b) * 2), v_bar = k_bar + 8;
-      if (!(p.ablate & 2)) {
-        if (stid == 0) {
-          mbarrier_expect_tx(k_bar, valid * D * sizeof(T));
-          mbarrier_expect_tx(v_bar, valid * D * sizeof(T));
-        }
-        for (int r = rank + C * stid; r < valid; r += C * kSplitThreads) {
-          bulk_copy_multicast(smem_addr(k_dst + r * G::kRow), k_base + (key0 + r) * p.k_sk, D * sizeof(T), k_bar,
-                              (1u << C) - 1);
-          bulk_copy_multicast(smem_addr(v_dst + r * G::kRow), v_base + (key0 + r) * p.v_sk, D * sizeof(T), v_bar,
-                              (1u << C) - 1);
-        }
-      } else if (stid == 0) {
-        mbarrier_expect_tx(k_bar, 0);
-        mbarrier_expect_tx(v_bar, 0);
+      if (stid == 0) {
+        mbarrier_expect_tx(k_bar, valid * D * sizeof(T));
+        mbarrier_expect_tx(v_bar, valid * D * sizeof(T));
+      }
+      for (int r = rank + C * stid; r < valid; r += C * kSplitThreads) {
+        bulk_copy_multicast(smem_addr(k_dst + r * G::kRow), k_base + (key0 + r) * p.k_sk, D * sizeof(T), k_bar,
+                            (1u << C) - 1);
+        bulk_copy_multicast(smem_addr(v_dst + r * G::kRow), v_base + (key0 + r) * p.v_sk, D * sizeof(T), v_bar,
+                            (1u << C) - 1);
       }
       for (int c = stid; c < (BK - valid) * (D / kChunk); c += kSplitThreads) {
         const int r = valid + c / (D / kChunk);
@@ -354,7 +349,6 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
     mask0 = p.mask + n * p.m_sn + min(qi0, p.q_len - 1) * p.m_sq;
     mask1 = p.mask + n * p.m_sn + min(qi1, p.q_len - 1) * p.m_sq;
   }
-  const bool compute = !(p.ablate & 1);
 
   // S = Q Kᵀ for this warp's 16 queries × the tile's BK keys from key0, masked, then the online
   // softmax update of (m, l, O); s keeps P for the P V step.
@@ -496,12 +490,12 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
       const int key0 = (it * WK + split) * BK;
       const T* k_s = split_kv + (it % NBUF) * (2 * BK * G::kRow);
       float s[BK / 8][4];
-      if (compute) scores_and_softmax(key0, k_s, s);
+      scores_and_softmax(key0, k_s, s);
       if constexpr (KVG == 2) {
         cp_async_wait<2 * NBUF - 2>();
         split_barrier();  // tile `it`'s V has landed
       }
-      if (compute) add_pv(k_s + BK * G::kRow, s);
+      add_pv(k_s + BK * G::kRow, s);
       split_barrier();  // the split is done with this buffer before it is refilled
       load_tile(it + NBUF);
     }
@@ -528,10 +522,10 @@ __global__ void __launch_bounds__(WQ * WK * 32, 1) cfm_attention_fwd_kernel(cons
         const T* k_s = split_kv + b * (2 * BK * G::kRow);
         mbarrier_wait(k_bar, round & 1);
         float s[BK / 8][4];
-        if (compute) scores_and_softmax((it * WK + split) * BK, k_s, s);
+        scores_and_softmax((it * WK + split) * BK, k_s, s);
         mbarrier_wait(k_bar + 8, round & 1);
         split_barrier();  // the split's zeroed V rows are visible
-        if (compute) add_pv(k_s + BK * G::kRow, s);
+        add_pv(k_s + BK * G::kRow, s);
       }
     }
   }

@@ -24,8 +24,6 @@ struct Params {
   int64_t o_sn, o_sh, o_sq;
   int n_heads, q_len, k_len, n_pool, q_tiles;  // q_tiles: 16·WQ-query tiles of Q
   float scale_log2;  // log2(e) / sqrt(D)
-  int ablate;        // bench-only ablation (bench/cuda_attention_ablation.py): 1 skips the dots and
-                     // softmax, 2 skips the K/V loads, 3 both; 0 in every real call
 };
 
 // Shared-memory geometry of one instantiation (ELEM: bytes per element). Plain C++, so the binding

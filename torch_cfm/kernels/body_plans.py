@@ -3,10 +3,14 @@
 A :class:`BodyPlan` names the kernel of every role of one body call (the QKV GEMM, the attention with
 its q/k-norm + cache write, proj, the two conv-tap GEMMs, fc1 + GELU, fc2, the row-norm boundaries,
 the QKV GEMM on the in-place arena) and the body kernels launched with programmatic dependent launch.
-:data:`TABLE` maps (dtype family, row bucket) to the plan measured fastest there; each plan carries the
-bench result that chose it (``evidence``). :func:`torch_cfm.kernels.dit_body.dit_body_triton` reads one
-plan and nothing else; benches and tests pass a plan (or a plan's name, or :func:`use_plan` around a
-path that takes none) to compare others. Pure data, no Triton import: explain() reads it anywhere.
+Plans are named after what they run: "cublas" (cuBLAS GEMMs, Triton row-norm, q/k-cache and
+attention kernels), "cublas_warp_rownorm" (the same with one-warp row-norm programs),
+"fused_attention" (the q/k norm and cache write fused into the attention kernel) and "wgmma" (the
+GEMMs on the SM90a wgmma kernel). :data:`TABLE` maps (dtype family, row bucket) to the plan measured
+fastest there; each plan cites the bench rows that chose it (``evidence``, resolved by
+:func:`evidence_rows`). :func:`torch_cfm.kernels.dit_body.dit_body_triton` reads one plan and nothing
+else; benches and tests pass a plan (or a plan's name, or :func:`use_plan` around a path that takes
+none) to compare others. Pure data, no Triton import: explain() reads it anywhere.
 
 Adding a plan is one entry: a ``BodyPlan`` constant and its row bucket in :data:`TABLE`.
 """
@@ -15,6 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
+import json
+import os
+import re
 from typing import Iterator, Optional, Union
 
 import torch
@@ -37,6 +45,15 @@ ROLE_KERNELS = {
 # the wait are why it exists). cfm_attention keeps its own rule (kernels.cfm_attention.use_pdl).
 PDL_CAPABLE_KERNELS = frozenset({"rownorm", "qk_cache", "attention_cache", "cfg_euler", "linear"})
 
+# A bench row id names one torch_cfm row of the step bench's data file: its variant ("table" for the
+# table's own plan, variant ""), shape, dtype (fp32 with its dot precision) and run: the row's run_id,
+# or for rows written before run ids its UTC timestamp, e.g.
+# "dit_step/sweep_arena_rownorm_r1_w1/32x50x400/fp16/20261204T203301Z".
+EVIDENCE_DATA = os.path.join("bench", "results", "dit_step.json")
+ROW_ID_FORM = "dit_step/<variant>/<N>x<T>x<L>/<fp16|bf16|fp32-tf32|fp32-ieee>/<run id or YYYYMMDDTHHMMSSZ>"
+_ROW_ID = re.compile(r"dit_step/(?P<variant>[^/]+)/(?P<shape>\d+x\d+x\d+)/(?P<dtype>fp16|bf16|fp32-tf32|fp32-ieee)/"
+                     r"(?P<run>\d{8}T\d{6}Z(?:-[0-9a-f]+)?)$")
+
 
 @dataclasses.dataclass(frozen=True)
 class BodyPlan:
@@ -48,7 +65,8 @@ class BodyPlan:
     (name, value) pairs in place of ``dit_attention.attention_tiles``' launch parameters (the
     attention_cache kernel); ``fallback``: the plan run where the wgmma kernel cannot (not SM90a, or PDL
     off); ``arena_plan``: the plan run on the in-place arena when this one has no arena form (None: it
-    has one); ``evidence``: the measurement behind it.
+    has one); ``evidence``: the measurement behind it, as (this plan's row, the alternative's row)
+    pairs of bench row ids (:func:`row_id`), each pair measured in one run.
     """
 
     name: str
@@ -66,7 +84,7 @@ class BodyPlan:
     attention_launch: tuple = ()
     fallback: Optional["BodyPlan"] = None
     arena_plan: Optional["BodyPlan"] = None
-    evidence: str = ""
+    evidence: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for role, kernels in ROLE_KERNELS.items():
@@ -76,6 +94,10 @@ class BodyPlan:
         if not self.pdl <= PDL_CAPABLE_KERNELS:
             raise ValueError(f"BodyPlan {self.name!r}: pdl must be a subset of {sorted(PDL_CAPABLE_KERNELS)}, "
                              f"got {sorted(self.pdl)}")
+        for pair in self.evidence:
+            if len(pair) != 2 or not all(isinstance(i, str) and _ROW_ID.match(i) for i in pair):
+                raise ValueError(f"BodyPlan {self.name!r}: evidence must be (row id, row id) pairs of the form "
+                                 f"{ROW_ID_FORM}, got {pair!r}")
 
     @property
     def uses_wgmma(self) -> bool:
@@ -86,58 +108,85 @@ class BodyPlan:
     def roles(self) -> str:
         """The roles off cuBLAS, for explain()."""
         off = [f"{role}={getattr(self, role)}" for role in ROLE_KERNELS
-               if getattr(self, role) != getattr(V1_16BIT, role)]
+               if getattr(self, role) != getattr(CUBLAS_16BIT, role)]
         return ", ".join(off) or "cuBLAS GEMMs, Triton row-norm and q/k-cache kernels"
 
 
-# Evidence cites rows of that data file by (N, T, L) dtype, variant and commit.
-V1_16BIT = BodyPlan(
-    "v1",
-    evidence="bench/results/dit_step.json (32,50,400) fp16: v1 1645.5 us vs v9 2286.9 (8a7e8d6); bf16 v1 1726.8 (fee2b65)")
-V1_FP32 = dataclasses.replace(
-    V1_16BIT, pdl=frozenset({"rownorm", "cfg_euler"}),
-    evidence="bench/results/dit_step.json fp32-tf32 (8,50,400): sweep_v1_pdl_rownorm 1567.4 us vs sweep_v1_pdl_none 1625.3; "
-             "(32,50,400) 3001.4 vs 3056.7 (d734227); v5 slower for TF32: sweep_v5_pdl_rownorm 1774.1 / 3344.9")
-# v1 on the in-place arena of >= 32 rows with one 512-channel row per one-warp row-norm program: 0.2-1.6 %
-# faster per step than the rule's four warps at 32-128 rows (fp16 measured; bf16 shares the 16-bit plans)
-V1W_16BIT = dataclasses.replace(
-    V1_16BIT, name="v1w", rownorm_launch=(1, 1),
-    evidence="bench/results/dit_step.json arena (N,50,400) fp16, 3 rounds each: sweep_arena_rownorm_r1_w1 1434.3 / "
-             "2313.3 / 3800.5 us vs the rule's sweep_arena_rownorm_r1_w4 1458.3 / 2317.0 / 3844.4 at N = 32 / 64 / 128 "
-             "(4b80244)")
-V5_16BIT = BodyPlan(
-    "v5", attention="attention_cache", arena_plan=V1W_16BIT,
-    evidence="bench/results/dit_step.json (32,50,400) fp16: sweep_v5_pdl_none 1528.3 us vs sweep_v1_pdl_rownorm 1682.8 "
-             "(d734227); sweep_v5_l2_off 1526.2 vs sweep_v1_l2_off 1635.0 (a867f09)")
-V5_FP32 = dataclasses.replace(V5_16BIT, pdl=V1_FP32.pdl, arena_plan=V1_FP32,
-                              evidence="bench/results/dit_step.json (A/B only): fp32-tf32 sweep_v5_* 6-11 % over sweep_v1_* (d734227)")
-V9_16BIT = BodyPlan(
-    "v9", qkv="wgmma", proj="wgmma", conv="wgmma", fc1="wgmma_gelu", fc2="wgmma_splitk", arena_qkv="wgmma_qk_cache",
-    pdl=frozenset({"linear", "rownorm", "qk_cache"}), fallback=V1_16BIT,
-    evidence="bench/results/dit_step.json (8,50,400) fp16: sweep_v9_pdl_linear_rownorm_qk 821.4 us vs sweep_v1_pdl_none 929.8 "
-             "(061791a); arena sweep_arena_v9_qkv_cache_on 730.7 vs _off 734.6 (8a7e8d6)")
-V9_TF32 = dataclasses.replace(
-    V9_16BIT, arena_qkv="qk_cache", fallback=V1_FP32,
-    evidence="bench/results/dit_step.json (8,50,400) fp32-tf32: sweep_tf32_v9_mlp 1415.0 us vs sweep_tf32_v1 1523.2; "
-             "arena qkv epilogue sweep_tf32_arena_v9_mlp_qkv_cache 1370.7 vs sweep_tf32_arena_v9_mlp 1347.4 (3f88bc0)")
+# Evidence pairs: (a row of the plan, a row of the alternative it was chosen over), both of one run of
+# bench/results/dit_step.json (ids: :func:`row_id`, quoting each row's variant as the data file spells it).
+# cuBLAS GEMMs with Triton row-norm, q/k-cache and attention kernels: where the wgmma GEMMs lose
+CUBLAS_16BIT = BodyPlan(
+    "cublas",
+    evidence=(("dit_step/v1/32x50x400/fp16/20261203T040904Z", "dit_step/v9/32x50x400/fp16/20261203T040904Z"),
+              ("dit_step/sweep_v1_pdl_none/32x50x400/fp16/20261202T173730Z",
+               "dit_step/sweep_v9_pdl_linear_rownorm_qk/32x50x400/fp16/20261202T173730Z")))
+# TF32 / IEEE bodies: the row-norm and Euler kernels under PDL; the fused attention + cache kernel loses in fp32
+CUBLAS_FP32 = dataclasses.replace(
+    CUBLAS_16BIT, pdl=frozenset({"rownorm", "cfg_euler"}),
+    evidence=(("dit_step/sweep_v1_pdl_rownorm/8x50x400/fp32-tf32/20261201T062427Z",
+               "dit_step/sweep_v1_pdl_none/8x50x400/fp32-tf32/20261201T062427Z"),
+              ("dit_step/sweep_v1_pdl_rownorm/32x50x400/fp32-tf32/20261201T062427Z",
+               "dit_step/sweep_v1_pdl_none/32x50x400/fp32-tf32/20261201T062427Z"),
+              ("dit_step/sweep_v1_pdl_rownorm/8x50x400/fp32-tf32/20261201T062427Z",
+               "dit_step/sweep_v5_pdl_rownorm/8x50x400/fp32-tf32/20261201T062427Z"),
+              ("dit_step/sweep_v1_pdl_rownorm/32x50x400/fp32-tf32/20261201T062427Z",
+               "dit_step/sweep_v5_pdl_rownorm/32x50x400/fp32-tf32/20261201T062427Z")))
+# cublas on the in-place arena of >= 32 rows: one 512-channel row per one-warp row-norm program
+CUBLAS_WARP_ROWNORM_16BIT = dataclasses.replace(
+    CUBLAS_16BIT, name="cublas_warp_rownorm", rownorm_launch=(1, 1),
+    evidence=tuple((f"dit_step/sweep_arena_rownorm_r1_w1/{n}x50x400/fp16/20261204T203301Z",
+                    f"dit_step/sweep_arena_rownorm_r1_w4/{n}x50x400/fp16/20261204T203301Z") for n in (32, 64, 128)))
+# cuBLAS GEMMs, the q/k norm and cache write fused into the attention kernel (kernels.dit_attention)
+FUSED_ATTENTION_16BIT = BodyPlan(
+    "fused_attention", attention="attention_cache", arena_plan=CUBLAS_WARP_ROWNORM_16BIT,
+    evidence=(("dit_step/sweep_v5_pdl_none/32x50x400/fp16/20261201T062427Z",
+               "dit_step/sweep_v1_pdl_rownorm/32x50x400/fp16/20261201T062427Z"),
+              ("dit_step/sweep_v5_body_pdl_off/32x50x400/fp16/20261201T052125Z",
+               "dit_step/sweep_v1_body_pdl_off/32x50x400/fp16/20261201T052125Z"),
+              ("dit_step/sweep_v5_l2_off/32x50x400/fp16/20261202T134007Z",
+               "dit_step/sweep_v1_l2_off/32x50x400/fp16/20261202T134007Z")))
+# fp32 form for A/B runs only: no bucket picks it (CUBLAS_FP32's evidence has it slower)
+FUSED_ATTENTION_FP32 = dataclasses.replace(FUSED_ATTENTION_16BIT, pdl=CUBLAS_FP32.pdl, arena_plan=CUBLAS_FP32,
+                                           evidence=())
+# qkv, proj, the conv GEMMs and the MLP on the SM90a wgmma kernel (fc2 split-K), loading weights under PDL
+WGMMA_16BIT = BodyPlan(
+    "wgmma", qkv="wgmma", proj="wgmma", conv="wgmma", fc1="wgmma_gelu", fc2="wgmma_splitk", arena_qkv="wgmma_qk_cache",
+    pdl=frozenset({"linear", "rownorm", "qk_cache"}), fallback=CUBLAS_16BIT,
+    evidence=(("dit_step/sweep_v9_pdl_linear_rownorm_qk/8x50x400/fp16/20261202T175202Z",
+               "dit_step/sweep_v1_pdl_none/8x50x400/fp16/20261202T175202Z"),
+              ("dit_step/sweep_arena_v9_qkv_cache_on/8x50x400/fp16/20261203T040823Z",
+               "dit_step/sweep_arena_v9_qkv_cache_off/8x50x400/fp16/20261203T040823Z"),
+              ("dit_step/sweep_arena_v9_qkv_cache_on/8x50x400/fp16/20261203T040823Z",
+               "dit_step/sweep_arena_v1/8x50x400/fp16/20261203T040823Z")))
+# TF32: the q/k-cache epilogue of the arena's QKV GEMM loses there, so the arena keeps the q/k-cache kernel
+WGMMA_TF32 = dataclasses.replace(
+    WGMMA_16BIT, arena_qkv="qk_cache", fallback=CUBLAS_FP32,
+    evidence=(("dit_step/sweep_tf32_v9_mlp/8x50x400/fp32-tf32/20261203T072215Z",
+               "dit_step/sweep_tf32_v1/8x50x400/fp32-tf32/20261203T072215Z"),
+              ("dit_step/sweep_tf32_arena_v9_mlp/8x50x400/fp32-tf32/20261203T072215Z",
+               "dit_step/sweep_tf32_arena_v9_mlp_qkv_cache/8x50x400/fp32-tf32/20261203T072215Z"),
+              ("dit_step/sweep_tf32_arena_v9_mlp/8x50x400/fp32-tf32/20261203T072215Z",
+               "dit_step/sweep_tf32_arena_v1/8x50x400/fp32-tf32/20261203T072215Z")))
 
 # (dtype family) -> ((first row, last row, plan), ...): the buckets cover 0 .. ANY_ROWS
 TABLE: dict[str, tuple[tuple[int, int, BodyPlan], ...]] = {
-    "fp16": ((0, WGMMA_MAX_ROWS, V9_16BIT), (WGMMA_MAX_ROWS + 1, 31, V1_16BIT), (32, ANY_ROWS, V5_16BIT)),
-    "bf16": ((0, WGMMA_MAX_ROWS, V9_16BIT), (WGMMA_MAX_ROWS + 1, 31, V1_16BIT), (32, ANY_ROWS, V5_16BIT)),
-    "tf32": ((0, WGMMA_MAX_ROWS, V9_TF32), (WGMMA_MAX_ROWS + 1, ANY_ROWS, V1_FP32)),
-    "ieee": ((0, ANY_ROWS, V1_FP32),),
+    "fp16": ((0, WGMMA_MAX_ROWS, WGMMA_16BIT), (WGMMA_MAX_ROWS + 1, 31, CUBLAS_16BIT),
+             (32, ANY_ROWS, FUSED_ATTENTION_16BIT)),
+    "bf16": ((0, WGMMA_MAX_ROWS, WGMMA_16BIT), (WGMMA_MAX_ROWS + 1, 31, CUBLAS_16BIT),
+             (32, ANY_ROWS, FUSED_ATTENTION_16BIT)),
+    "tf32": ((0, WGMMA_MAX_ROWS, WGMMA_TF32), (WGMMA_MAX_ROWS + 1, ANY_ROWS, CUBLAS_FP32)),
+    "ieee": ((0, ANY_ROWS, CUBLAS_FP32),),
 }
 # The plan of a family when the rows are not known
-UNKNOWN_ROWS = {"fp16": V1_16BIT, "bf16": V1_16BIT, "tf32": V1_FP32, "ieee": V1_FP32}
+UNKNOWN_ROWS = {"fp16": CUBLAS_16BIT, "bf16": CUBLAS_16BIT, "tf32": CUBLAS_FP32, "ieee": CUBLAS_FP32}
 # Plans by name per family, for benches and tests comparing plans the table does not pick there
 NAMED = {
-    "fp16": {"v1": V1_16BIT, "v5": V5_16BIT, "v9": V9_16BIT},
-    "bf16": {"v1": V1_16BIT, "v5": V5_16BIT, "v9": V9_16BIT},
-    "tf32": {"v1": V1_FP32, "v5": V5_FP32, "v9": V9_TF32},
-    "ieee": {"v1": V1_FP32, "v5": V5_FP32},
+    "fp16": {"cublas": CUBLAS_16BIT, "fused_attention": FUSED_ATTENTION_16BIT, "wgmma": WGMMA_16BIT},
+    "bf16": {"cublas": CUBLAS_16BIT, "fused_attention": FUSED_ATTENTION_16BIT, "wgmma": WGMMA_16BIT},
+    "tf32": {"cublas": CUBLAS_FP32, "fused_attention": FUSED_ATTENTION_FP32, "wgmma": WGMMA_TF32},
+    "ieee": {"cublas": CUBLAS_FP32, "fused_attention": FUSED_ATTENTION_FP32},
 }
-PLAN_NAMES = ("v1", "v5", "v9")
+PLAN_NAMES = ("cublas", "fused_attention", "wgmma")
 
 
 def family(dtype: torch.dtype, precision: Optional[str]) -> str:
@@ -206,7 +255,8 @@ def scoped_plan() -> Union[BodyPlan, str, None]:
 
 
 def describe_table() -> str:
-    """The table in one line per family, e.g. "fp16: 0-8 v9, 9-31 v1, 32+ v5 (arena v1w)" (for explain())."""
+    """The table in one line per family, e.g. "fp16: 0-8 wgmma, 9-31 cublas, 32+ fused_attention (arena
+    cublas_warp_rownorm)" (for explain())."""
     def span(lo: int, hi: int) -> str:
         return f"{lo}+" if hi == ANY_ROWS else f"{lo}-{hi}"
 
@@ -219,4 +269,57 @@ def describe_table() -> str:
 
 def wgmma_roles() -> str:
     """The roles of the wgmma plans, for explain()."""
-    return f"16-bit: {V9_16BIT.roles()}; TF32: {V9_TF32.roles()}"
+    return f"16-bit: {WGMMA_16BIT.roles()}; TF32: {WGMMA_TF32.roles()}"
+
+
+# --- evidence: bench row ids ------------------------------------------------------------------------
+
+def _run_stamp(timestamp: str) -> str:
+    """An ISO timestamp as the compact UTC form of row ids and run ids: YYYYMMDDTHHMMSSZ."""
+    stamp = datetime.datetime.fromisoformat(timestamp)
+    if stamp.tzinfo is not None:
+        stamp = stamp.astimezone(datetime.timezone.utc)
+    return stamp.strftime("%Y%m%dT%H%M%SZ")
+
+
+def row_id(row: dict) -> str:
+    """The id of a ``dit_step`` data row (:data:`ROW_ID_FORM`)."""
+    shape = row["shape"]
+    dtype = row["dtype"] + (f"-{row['precision']}" if row.get("precision") else "")
+    run = row.get("run_id") or _run_stamp(row["timestamp"])
+    return f"dit_step/{row.get('variant') or 'table'}/{shape['N']}x{shape['T']}x{shape['L']}/{dtype}/{run}"
+
+
+def _matches(row: dict, fields: dict) -> bool:
+    if row.get("op") != "dit_step" or row.get("provider") != "torch_cfm":
+        return False
+    shape = row.get("shape") or {}
+    dtype = str(row.get("dtype")) + (f"-{row['precision']}" if row.get("precision") else "")
+    runs = {row.get("run_id")} | ({_run_stamp(row["timestamp"])} if row.get("timestamp") else set())
+    return ((row.get("variant") or "table") == fields["variant"] and dtype == fields["dtype"]
+            and f"{shape.get('N')}x{shape.get('T')}x{shape.get('L')}" == fields["shape"] and fields["run"] in runs)
+
+
+def find_row(rows: list[dict], rid: str) -> dict:
+    """The one row of ``rows`` that ``rid`` names; ValueError when it names none or several."""
+    m = _ROW_ID.match(rid)
+    if m is None:
+        raise ValueError(f"find_row: rid must have the form {ROW_ID_FORM}, got {rid!r}")
+    found = [r for r in rows if _matches(r, m.groupdict())]
+    if len(found) != 1:
+        raise ValueError(f"find_row: {rid!r} names {len(found)} rows of the data, not one")
+    return found[0]
+
+
+def evidence_rows(plan: BodyPlan, path: Optional[str] = None) -> list[dict]:
+    """The rows ``plan.evidence`` names, two per pair (the plan's, then the alternative's).
+
+    ``path``: the data file; default :data:`EVIDENCE_DATA` of the source tree (an installed package
+    without the repository has none: FileNotFoundError). ValueError when an id names no row or several.
+    """
+    if path is None:
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                            EVIDENCE_DATA)
+    with open(path, encoding="utf-8") as f:
+        rows = json.load(f)
+    return [find_row(rows, rid) for pair in plan.evidence for rid in pair]

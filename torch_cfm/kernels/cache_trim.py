@@ -1,13 +1,13 @@
 """Triton kernel of the server's cache-frame copies: the trimmed write-back of a new attention
 cache into its arena slice, and the keyed arena's gathers and in-place moves, each in one pass.
 
-``solve_arena_chunk`` (``torch_cfm.models.solver``) moves attention-cache frames between the arena and
-a step's cache with per-row frame maps: output frame j of a row reads source frame ``index[n, j]``
-(a trim, ``trim_gather_index``; a keyed arena's plan, ``models.cache.arena_chunk_plan``), and an
-index of -1 leaves the output frame as it is. Rows may be renamed on either side (``src_rows`` /
+The solve engine's cache layouts (:mod:`torch_cfm.solve.caches`) move attention-cache frames between
+the arena and a step's cache with per-row frame maps: output frame j of a row reads source frame
+``index[n, j]`` (a trim, ``trim_gather_index``; a keyed arena's plan, ``models.cache.arena_chunk_plan``),
+and an index of -1 leaves the output frame as it is. Rows may be renamed on either side (``src_rows`` /
 ``dst_rows``: compacted solves). In ATen that is a gather + scatter and a strided copy (three
-launches, the two index kernels at ~55 µs each at B = 4 on the H200); here one program per
-(block, row, head, frame tile) reads the frames its output frames name and writes them in place.
+launches, two of them slow index kernels); here one program per (block, row, head, frame tile) reads
+the frames its output frames name and writes them in place.
 
 Source and destination may be the same tensor when no frame that is written is also read (the keyed
 arena's moves fill dropped frames from frames past the new length). Graph-safe: no allocation, no

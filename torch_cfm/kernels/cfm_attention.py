@@ -1,4 +1,4 @@
-"""Triton kernel of ``cfm_attention`` (SPEC §4): ragged, cache-aware attention, optional split-K.
+"""Triton kernel of ``cfm_attention`` (docs/design.md §4): ragged, cache-aware attention, optional split-K.
 
 1. ``_cfm_attention_fwd_kernel``: program = (row, head, query tile, key split). It walks the keys
    ``[split·chunk, (split+1)·chunk) ∩ [0, length)`` with an online softmax in FP32 (``exp2``,
@@ -10,9 +10,10 @@
 2. ``_cfm_attention_combine_kernel`` (only when splits > 1): merges the partials of each query
    with weights ``2^(lse_s − max lse)``.
 
-Measured on an H200 (``docs/performance.md``): at the streaming shapes (K ≤ 524) the
-combine kernel costs more than the shorter key walk saves, so :func:`choose_config` splits only
-long key ranges with few programs. FP32 ``precision="ieee"`` runs its dots as 3xTF32
+At the streaming shapes (K ≤ 524) the combine kernel costs more than the shorter key walk saves
+(``docs/performance.md``), so :func:`~torch_cfm.kernels.cfm_attention_config.choose_config` splits
+only fp32 calls and long key ranges with few programs, merged in-kernel by the last program
+(:class:`ArrivalCounters`). FP32 ``precision="ieee"`` runs its dots as 3xTF32
 (error-compensated TF32 on tensor cores, FP32-level accuracy: rel. error ≈ 4e-7 vs float64,
 below the FMA dot's); ``AttentionConfig(ieee_dot="ieee")`` selects plain FP32 FMA dots.
 
@@ -22,16 +23,15 @@ than ``-inf`` (no ``-inf − -inf``), so it yields exactly 0, never NaN.
 The split workspace (splits · N·H · Q · (D+1) fp32) is the only allocation besides ``out``: it
 comes from PyTorch's caching allocator on the calls that split, so it is sync-free and CUDA-graph
 capturable (a captured graph keeps it in its private pool). No host synchronisation, no
-autotuning: tiles and splits come from :func:`choose_config`, a deterministic per-shape rule, so
-the first call compiles exactly one variant, the Triton interpreter (``TRITON_INTERPRET=1``) runs
-the same code on CPU tensors, and graph capture never benchmarks.
+autotuning: tiles and splits come from the deterministic per-shape rule of
+:mod:`torch_cfm.kernels.cfm_attention_config` (re-exported here), so the Triton interpreter
+(``TRITON_INTERPRET=1``) runs the same code on CPU tensors and graph capture never benchmarks.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -39,55 +39,12 @@ import triton
 import triton.language as tl
 
 from ._launch import launch_kwargs, on_device, pdl_prologue, pdl_supported, sm_count
+from .cfm_attention_config import AttentionConfig, choose_config, qk_slabs, use_pdl
+
+__all__ = ["COUNTERS", "LOG2E", "ArrivalCounters", "AttentionConfig", "cfm_attention_triton", "choose_config",
+           "qk_slabs", "use_pdl"]
 
 LOG2E = 1.4426950408889634
-
-
-@dataclass(frozen=True)
-class AttentionConfig:
-    """Launch parameters of one kernel variant.
-
-    Attributes:
-        block_q: queries per program (16, 32, 64 or 128).
-        block_k: keys per loop step (16..128).
-        splits: programs sharing one (row, head, query tile)'s keys; 1 = no combine kernel.
-        num_warps: warps per program of the main kernel.
-        num_stages: software-pipelining depth of the key loop.
-        peel: walk whole key tiles without bound tests and mask only the last one.
-        ieee_dot: how fp32 "ieee" dots run: "tf32x3" (error-compensated TF32 on tensor cores:
-            three TF32 products per dot, FP32-level accuracy) or "ieee" (FP32 FMA, slow).
-        pdl: programmatic dependent launch (SM90+): the kernel is scheduled while its predecessor
-            in the stream still runs and waits (``griddepcontrol.wait``) before its first memory
-            access. None = :func:`use_pdl` (on for grids of at most one program per SM).
-        merge: how split partials are merged (splits > 1): "kernel" (a second, combine kernel) or
-            "last" (the last program of a tile to finish merges them, counted with one atomic per
-            tile: no second launch; see :class:`ArrivalCounters`).
-        qk_slab: width of the head-dim slices whose q·k partial dots each run into a fresh
-            accumulator and are summed in FP32 (0 = one dot over the whole head dim). A single dot
-            accumulates all D products in one running FP32 sum; on sharp softmaxes that sum's
-            rounding moved fp32 "ieee" outputs outside SPEC §6's bound (error up to 3.3× the
-            bound at D = 128, K = 437; 32-wide slices: within it, like cuBLAS's FP32 GEMM;
-            docs/performance.md). :func:`choose_config` sets 32 for "ieee" and D > 32.
-    """
-
-    block_q: int
-    block_k: int
-    splits: int = 1
-    num_warps: int = 4
-    num_stages: int = 2
-    peel: bool = True
-    ieee_dot: str = "tf32x3"
-    pdl: Optional[bool] = None
-    merge: str = "kernel"
-    qk_slab: int = 0
-
-    @property
-    def name(self) -> str:
-        extra = ("" if self.peel else "_nopeel") + ("" if self.ieee_dot == "tf32x3" else "_fma")
-        extra += "" if self.pdl is None else ("_pdl" if self.pdl else "_nopdl")
-        extra += "_last" if self.merge == "last" and self.splits > 1 else ""
-        extra += f"_slab{self.qk_slab}" if self.qk_slab else ""
-        return f"q{self.block_q}_k{self.block_k}_s{self.splits}_w{self.num_warps}_st{self.num_stages}{extra}"
 
 
 @triton.jit
@@ -171,8 +128,9 @@ def _cfm_attention_fwd_inner(
 # Scalars that vary per call and gain nothing from Triton's "== 1" / "% 16" specialisation: leaving
 # them unspecialised keeps one compiled variant per tile config across shapes. n_splits stays
 # specialised so that splits == 1 compiles the direct-store path only.
-# stride_m_n: a mask shared by all rows (stride 0) and a per-row one (e.g. 130) compiled two kernels
-# that round 1 fp16 ulp apart, so a row's output changed with the batch it sat in (docs/performance.md).
+# stride_m_n is left unspecialised too: otherwise a mask shared by all rows (stride 0) and a per-row one
+# compile two kernels that round 1 fp16 ulp apart, and a row's output depends on its batch
+# (docs/performance.md).
 _NO_SPEC = ["n_heads", "q_len", "k_len", "n_pool", "q_tiles", "n_rows_heads", "stride_m_n"]
 
 
@@ -354,67 +312,6 @@ def _cfm_attention_combine_kernel(
                     stride_o_q, stride_o_d, HEAD_DIM, BLOCK_Q, False)
 
 
-# ----------------------------------------------------------------------------------------------
-# per-shape heuristic (no autotune: deterministic, graph- and interpreter-safe)
-
-
-def choose_config(dtype: torch.dtype, head_dim: int, rows_heads: int, q_len: int, k_len: int,
-                  n_sm: int = 132, precision: Optional[str] = None) -> AttentionConfig:
-    """Tiles and splits for one call, from the shape alone (tuned on an H200, see docs/performance.md).
-
-    Measured at the SPEC §7 shapes (docs/performance.md): one
-    (row, head, query-tile) program walking all its keys beats every split-K variant up to
-    K = 524, because the combine kernel costs more (~2 µs in a graph) than the shorter key walk
-    saves. fp16/bf16: 64-query tiles (Hopper wgmma), 64-key steps, 3-stage pipeline, peeled tail.
-    fp32 (tf32 and the 3xTF32 "ieee" dots): 32-query tiles, 64-key steps; 16-query tiles when
-    there are very few programs; tf32 pipelines 3 deep at medium sizes and walks unpeeled at
-    large ones. Splits: fp32 with so few programs that two key halves still fit one wave
-    (K >= 256) splits in 2 merged by the last program (sweeps 6-7, (2,50,450): TF32 8.65 -> 6.81
-    µs, 3xTF32 12.24 -> 9.21; fp16 never gained from a split). Long key ranges with few programs
-    split too (untested beyond K = 524: a conservative extrapolation), also merged in-kernel (one
-    wave by construction; the last-program merge beat the combine kernel at every one-wave shape
-    of sweep 6). D = 128 tiles are chosen from the ptxas register report (no spills), not timed;
-    D = 16/32 reuse the D = 64 choice. fp32 "ieee" with D > 32 sums q·k in 32-wide head-dim
-    slices (``qk_slab``: SPEC §6 on sharp softmaxes, no measurable time).
-
-    Args:
-        dtype: q/k/v dtype.
-        head_dim: D.
-        rows_heads: N·H, the (row, head) pairs.
-        q_len: Q; k_len: K (the padded key count; ragged lengths are split in the kernel).
-        n_sm: SMs of the device (132 on H100/H200).
-        precision: "tf32" | "ieee" for float32 (None: treated as "ieee").
-    """
-    num_stages, peel, num_warps = 2, True, 4
-    if dtype == torch.float32:
-        block_q = 16 if q_len <= 16 else 32
-        programs = rows_heads * triton.cdiv(q_len, block_q)
-        if programs <= n_sm // 4:
-            block_q = 16
-        elif precision == "tf32":
-            if programs <= 2 * n_sm:
-                num_stages = 3
-            else:
-                peel = False
-        block_k = 64 if head_dim <= 64 else 32
-        if head_dim > 64 and precision != "tf32" and block_q > 16:
-            num_warps = 8  # 3xTF32 at D = 128 spills with 4 warps (ptxas report, sm_90)
-    else:
-        block_q = 16 if q_len <= 16 else 32 if q_len <= 32 else 64
-        block_k = 64 if head_dim <= 64 else 32  # D = 128: 64-key tiles spill with a mask
-        num_stages = 3
-    tiles = rows_heads * triton.cdiv(q_len, block_q)
-    splits, merge = 1, "kernel"
-    if k_len >= 2048 and tiles < n_sm:
-        splits, merge = min(triton.cdiv(k_len, 1024), max(1, n_sm // tiles), 8), "last"
-    elif dtype == torch.float32 and k_len >= 256 and 2 * tiles <= n_sm:
-        splits, merge = 2, "last"  # fp32 with few programs: two key halves in one wave (sweeps 6-7)
-    # fp32 "ieee": q·k in 32-wide head-dim slices summed in FP32 (SPEC §6 on sharp softmaxes, run 10)
-    qk_slab = 32 if dtype == torch.float32 and precision != "tf32" and head_dim > 32 else 0
-    return AttentionConfig(block_q, block_k, splits, num_warps=num_warps, num_stages=num_stages, peel=peel,
-                           merge=merge, qk_slab=qk_slab)
-
-
 class ArrivalCounters:
     """Zeroed int32 counters for ``merge="last"``: one per (row, head, query tile) of a launch.
 
@@ -477,27 +374,6 @@ class ArrivalCounters:
 COUNTERS = ArrivalCounters()
 
 
-def use_pdl(programs: int, n_sm: int) -> bool:
-    """Programmatic dependent launch by default only for grids of at most one program per SM.
-
-    Measured on the H200 (docs/performance.md): PDL hides ~0.4 µs of launch per call
-    at N = 2 and 8 (16-128 programs) but costs 1.5 µs at N = 32 fp16 (256 programs), where the
-    next call's early-resident programs take SM slots from this call's second wave.
-    """
-    return programs <= n_sm
-
-
-def qk_slabs(config: AttentionConfig, head_dim: int) -> int:
-    """How many head-dim slices ``config.qk_slab`` cuts a D-wide q·k dot into: 1, 2 or 4."""
-    if not config.qk_slab or config.qk_slab >= head_dim:
-        return 1
-    slabs = head_dim // config.qk_slab
-    if slabs * config.qk_slab != head_dim or slabs not in (2, 4) or config.qk_slab < 16:
-        raise ValueError(f"AttentionConfig.qk_slab={config.qk_slab} must cut head_dim={head_dim} into 2 or 4 "
-                         "slices of at least 16")
-    return slabs
-
-
 def _dot_precision(dtype: torch.dtype, precision: Optional[str], config: AttentionConfig) -> str:
     if dtype == torch.float32:
         if precision == "tf32":
@@ -524,7 +400,7 @@ def cfm_attention_triton(
     """Launch the Triton kernel(s) of ``cfm_attention`` into a preallocated ``out``.
 
     Inputs are assumed validated (``torch_cfm.ops._checks.check_cfm_attention``). Semantics are
-    SPEC §4: keys ``>= key_lengths[n]`` (clamped to [0, K]) or masked out are ignored; a query
+    docs/design.md §4: keys ``>= key_lengths[n]`` (clamped to [0, K]) or masked out are ignored; a query
     with no valid key gets exactly 0; ``kv_rows`` (clamped to [0, R)) picks the pool row.
 
     Args:

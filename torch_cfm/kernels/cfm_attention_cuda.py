@@ -1,7 +1,7 @@
 """The hand-written CUDA kernel of ``cfm_attention`` (``csrc/cuda/``), where it is built and applies.
 
 The Triton kernel (:mod:`torch_cfm.kernels.cfm_attention`) runs one program per (row, head, query
-tile) that walks the row's keys serially; at SPEC §7's small shapes that walk is the time
+tile) that walks the row's keys serially; at docs/design.md §7's small shapes that walk is the time
 (docs/performance.md). The CUDA kernel gives each (row, head, query tile) a CTA of up to 16
 warps that split the key walk and merge (m, l, O) in shared memory, with mma.sync tensor-core dots
 (fp16/bf16 m16n8k16, TF32 m16n8k8).
@@ -185,7 +185,7 @@ def not_supported_reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre
 def default_config(dtype: torch.dtype) -> CudaAttentionConfig:
     """The config used where :func:`choose_config` has no rule but the CUDA kernel is forced (env
     ``TORCH_CFM_ATTENTION_KERNEL=cuda``): 32 queries per CTA, 4 key splits (the fastest fp16 and
-    TF32 configs at (8, 50, 450), runs 13-14)."""
+    TF32 configs at (8, 50, 450))."""
     if _family(dtype) == "16bit":
         return CudaAttentionConfig(64, 2, 4, 2, kv_groups=2)
     return CudaAttentionConfig(32, 2, 4, 2)
@@ -195,20 +195,17 @@ def choose_config(dtype: torch.dtype, rows_heads: int, q_len: int, k_len: int,
                   n_sm: int) -> Optional[CudaAttentionConfig]:
     """The CUDA kernel's tile config for a call, or None where the Triton kernel is as fast or faster.
 
-    Sweeps on the H200 (H = 8, D = 64, ragged lengths; docs/performance.md) set
-    the rule, for Q <= 64 and K <= 1024 only:
+    Set from sweeps on the H200 (H = 8, D = 64, ragged lengths; docs/performance.md,
+    bench/results/attention_sweep.md), for Q <= 64 and K <= 1024 only:
 
     * fp16/bf16, K <= 512: one wave of 16-query CTAs → 8 splits of one 64-key tile each, K landing
-      before V ((2, 50, 450): 4.3-4.6 µs vs Triton's 5.5); else one wave of 32-query CTAs → 4 splits
-      of one 128-key tile each ((8, 50, 450): 5.7 vs Triton's 6.1 in the same run; two
-      64-key tiles per split 5.8). Each CTA loads its row's whole K/V: at (8, 50, 450) the loads and
-      the mma.sync dots take ≈ 2 µs each.
-      Multicast clusters (each K/V row read from L2 once for two query tiles) did not make the
-      loads cheaper and added ≈ 0.5 µs of cluster set-up: not chosen (run 14).
-    * fp32 (TF32): 32-query CTAs with 4 splits when they fill between half and one wave
-      ((8, 50, 450): 9.0-9.2 µs vs Triton's 11.2-11.4); 64-query CTAs with 2 splits beyond one wave
-      ((32, 50, 450): 23.8-24.9 vs 25.6). Fewer CTAs stay on Triton's split-K ((2, 50, 450): 6.8-7.0
-      vs 7.8-8.0). K before V (kv_groups = 2) measured slower in TF32.
+      before V; else one wave of 32-query CTAs → 4 splits of one 128-key tile each (two 64-key
+      tiles per split are slower). Each CTA loads its row's whole K/V. Multicast clusters (each K/V
+      row read from L2 once for two query tiles) do not make the loads cheaper and add cluster
+      set-up: no rule picks them.
+    * fp32 (TF32): 32-query CTAs with 4 splits when they fill between half and one wave; 64-query
+      CTAs with 2 splits beyond one wave. Fewer CTAs stay on Triton's split-K. K before V
+      (kv_groups = 2) is slower in TF32.
 
     A pure rule (no device or build query): the caller checks :func:`not_supported_reasons`.
     """
@@ -240,7 +237,6 @@ def cfm_attention_cuda(
     out: torch.Tensor,
     config: CudaAttentionConfig,
     pdl: Optional[bool] = None,
-    ablate: int = 0,
 ) -> torch.Tensor:
     """Launch the CUDA kernel into a preallocated ``out``; same contract as
     :func:`torch_cfm.kernels.cfm_attention.cfm_attention_triton` for the calls
@@ -254,7 +250,6 @@ def cfm_attention_cuda(
         config: an instantiated :class:`CudaAttentionConfig`.
         pdl: programmatic dependent launch; None = the Triton kernel's rule (one wave of CTAs, SM90+,
             ``TORCH_CFM_PDL`` not off).
-        ablate: bench only (wrong results): 1 skips the dots and softmax, 2 the K/V loads, 3 both.
     Returns:
         ``out``. No host sync, no allocation (graph-capturable), launched on the current stream.
     """
@@ -271,11 +266,11 @@ def cfm_attention_cuda(
     if pdl is None:
         from .. import policy
         from ._launch import sm_count
-        from .cfm_attention import use_pdl
+        from .cfm_attention_config import use_pdl
 
         q_tiles = -(-q.shape[2] // (16 * config.q_groups))
         ctas = q.shape[0] * q.shape[1] * -(-q_tiles // config.cluster) * config.cluster
         pdl = policy.pdl_allowed(q.device) and use_pdl(ctas, sm_count(q.device))
     module.cfm_attention_fwd(q, k, v, key_lengths, mask, kv_rows, out, config.block_k, config.q_groups,
-                             config.key_splits, config.buffers, config.cluster, config.kv_groups, pdl, ablate)
+                             config.key_splits, config.buffers, config.cluster, config.kv_groups, pdl)
     return out

@@ -1,9 +1,10 @@
-"""One Triton kernel for a DiT block's attention *and* its new attention cache (the body plan "v5").
+"""One Triton kernel for a DiT block's attention *and* its new attention cache (the body plan
+"fused_attention").
 
-The plan v1 runs two kernels per block between the QKV GEMM and the proj GEMM: ``_dit_qk_cache_kernel``
-(q/k LayerNorm over D, the new (N, H, T+L, 2D) cache written whole: current frames, then the
-old ones, then zeros) and ``cfm_attention`` over that new cache. ``_dit_attention_cache_kernel``
-does both in one launch with two kinds of program:
+The plan "cublas" runs two kernels per block between the QKV GEMM and the proj GEMM:
+``_dit_qk_cache_kernel`` (q/k LayerNorm over D, the new (N, H, T+L, 2D) cache written whole:
+current frames, then the old ones, then zeros) and ``cfm_attention`` over that new cache.
+``_dit_attention_cache_kernel`` does both in one launch with two kinds of program:
 
 * attention programs, one per (row, head, query tile): normalise their queries in registers, walk
   the current frames f < T_n (k normalised in registers, ``BLOCK_C`` frames at a time; query tile 0
@@ -15,10 +16,11 @@ does both in one launch with two kinds of program:
   get old frame f - T_n below T_n + L_n and zeros beyond. They depend on nothing the attention
   programs compute, so the copy runs beside the key walks.
 
-Every frame of the new cache is written exactly once. Same math and rounding points as v1 (q and
-k rounded to the compute dtype before the dots, the cache stores what the dots read), so it is
-checked against the same SPEC §6 oracle. The tuning table (:mod:`torch_cfm.kernels.body_plans`)
-picks it for 16-bit bodies of N >= 32 rows, where both forms are bound by the new cache's copy traffic.
+Every frame of the new cache is written exactly once. Same math and rounding points as the two
+kernels (q and k rounded to the compute dtype before the dots, the cache stores what the dots
+read), so it is checked against the same docs/design.md §6 oracle. The tuning table
+(:mod:`torch_cfm.kernels.body_plans`) picks it for 16-bit bodies of N >= 32 rows, where both forms
+are bound by the new cache's copy traffic.
 """
 
 from __future__ import annotations
@@ -122,8 +124,8 @@ def _dit_attention_cache_kernel(
         pdl_prologue(USE_PDL)
         cdt = new_ptr.dtype.element_ty
 
-        # queries (every current frame, padding queries included, as v1): LayerNorm over D, rounded
-        # to the compute dtype as v1's query buffer is
+        # queries (every current frame, padding queries included, as qk_cache): LayerNorm over D, rounded
+        # to the compute dtype as qk_cache's query buffer is
         tq = q_tile * BLOCK_Q + tl.arange(0, BLOCK_Q)
         q_ok = tq < T
         x = tl.load(qkv_ptr + (n * T + tq)[:, None] * stride_qkv + (h * HEAD_DIM + offs_d)[None, :],
@@ -183,8 +185,8 @@ LAUNCH = {"16bit": dict(block_k=64, block_c=16, copy_f=64, num_warps=4, num_stag
 
 
 def attention_tiles(dtype: torch.dtype, head_dim: int, t_len: int, launch: Optional[dict] = None) -> dict:
-    """Launch parameters: v1's query tiles (wgmma-sized for 16-bit inputs) and :data:`LAUNCH`,
-    with ``launch``'s entries in place of theirs."""
+    """Launch parameters: the query tiles of the "cublas" plan's attention (wgmma-sized for 16-bit
+    inputs) and :data:`LAUNCH`, with ``launch``'s entries in place of theirs."""
     block_q = 16 if t_len <= 16 else 32 if (t_len <= 32 or dtype == torch.float32) else 64
     cfg = dict(LAUNCH["fp32" if dtype == torch.float32 else "16bit"], block_q=block_q)
     cfg.update(launch or {})

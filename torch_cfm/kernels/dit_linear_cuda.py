@@ -33,7 +33,6 @@ from typing import Optional
 
 import torch
 
-from .body_plans import WGMMA_MAX_ROWS
 from .cfm_attention_cuda import _extension
 
 # Flags of the kernel (csrc/cuda/dit_linear_kernel.cuh)
@@ -43,7 +42,6 @@ NO_BIAS = 4
 MAX_K = 512
 BLOCK_NS = (32, 64, 96, 128)
 TF32_BLOCK_NS = (32, 64, 96)  # fp32: the weight tile of the whole K is resident (96 x 512 x 4 = 192 KB at most)
-V9_MAX_ROWS = WGMMA_MAX_ROWS  # the body's wgmma plans cover bodies of at most this many rows
 SPLITK_BLOCK_NS = (64, 128)
 # (splits, BN) of the split-K form at the body's fc2 (400 x 2048 x 512): 4 x 128 = 112 CTAs of
 # 192 KB shared memory at M = 400, one wave (the fastest of 4/8 splits x BN 64/128 in the step)

@@ -1,11 +1,11 @@
-"""Cache layouts and the streaming trim (SPEC §2-3), plus the per-bucket cache arena.
+"""Cache layouts and the streaming trim (docs/design.md §2-3), plus the per-bucket cache arena.
 
 Layouts (one request = two CFG rows, cond then uncond):
     attention: (n, depth, 2B, H, L, 2D), K in ``[..., :D]``, V in ``[..., D:]``, newest frames FIRST;
     conv:      (n, depth, 2B, 2C, 2), channels [0, C) = conv 1 history, [C, 2C) = conv 2 history.
 
 The server's :class:`CacheArena` is *keyed*: a row's valid frames sit at [0, L) in any order, and
-``frame_keys[r, j]`` names the SPEC key (position in the newest-first cache) frame j holds.
+``frame_keys[r, j]`` names the newest-first key (position in the newest-first cache) frame j holds.
 Attention does not depend on the order of its keys, so a chunk appends its T current keys behind
 the old ones in place, and the trim fills the frames of dropped keys with the kept frames past the
 new length (at most as many frames as were dropped, never the whole cache).
@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ..config import DiTConfig, SolverConfig
-from ..ops._checks import fail, shape_str
+from ..errors import fail, shape_str
 
 TRIM_KEEP_OLDEST = SolverConfig().trim_keep_oldest
 
@@ -37,7 +37,7 @@ def trimmed_length(length: int, prompt_len: int, keep_oldest: int = TRIM_KEEP_OL
 
 def trim_attention_cache(att_cache: torch.Tensor, prompt_len: int,
                          keep_oldest: int = TRIM_KEEP_OLDEST) -> torch.Tensor:
-    """The SPEC §3 trim of one request's (or a uniform batch's) cache, frame axis = -2.
+    """The docs/design.md §3 trim of one request's (or a uniform batch's) cache, frame axis = -2.
 
     Args:
         att_cache: (..., L, 2D) newest-first attention cache, e.g. (n, depth, 2B, H, L, 2D).
@@ -147,7 +147,7 @@ class ArenaChunkPlan:
 
     Attributes:
         old_frames: (S, Lb) frame j itself for j < L_r (a gather of the old frames as they lie).
-        old_by_key: (S, Lb) the frame holding SPEC key k for k < L_r (the old cache newest first).
+        old_by_key: (S, Lb) the frame holding newest-first key k for k < L_r (the old cache newest first).
         moves: :class:`FrameMoves` after an in-place append: each frame of a dropped key below the
             new length takes the key of a kept frame at or past it (at most the dropped frames).
         write_back: :class:`FrameMoves` from a copied-out, appended cache back into the arena: the
@@ -173,15 +173,15 @@ def arena_chunk_plan(frame_keys: torch.Tensor, cache_lengths: torch.Tensor, vali
     """Frame maps of one chunk on a keyed arena, on the device (no host sync, fixed shapes).
 
     The chunk appends row r's T_r current keys at frames [L_r, L_r + T_r) in reversed chunk order
-    (the fused body's in-place form: frame L_r + T_r - 1 - f holds current frame f, i.e. SPEC key f
+    (the fused body's in-place form: frame L_r + T_r - 1 - f holds current frame f, i.e. newest-first key f
     of the new cache; old key k becomes key T_r + k). When the new length L_r + T_r exceeds
-    ``P_r + keep_oldest`` the SPEC §3 trim keeps keys [0, P_r) and the last ``keep_oldest``; each
+    ``P_r + keep_oldest`` the docs/design.md §3 trim keeps keys [0, P_r) and the last ``keep_oldest``; each
     frame below the new length that holds a dropped key takes the key of one kept frame at or past
     the new length (k-th such frame ↔ k-th kept frame, in frame order), and the kept keys are
     renumbered to their trimmed positions.
 
     Args:
-        frame_keys: (S, Mk) integer map of the rows (SPEC key of each frame, valid below L_r).
+        frame_keys: (S, Mk) integer map of the rows (newest-first key of each frame, valid below L_r).
         cache_lengths, valid_lengths, prompt_lengths: (S,) L_r in [0, cache_frames], T_r in
             [0, t_len], P_r (the callers clamp the first two).
         cache_frames, t_len: Lb and T (python ints, static shapes).
@@ -235,7 +235,7 @@ def arena_chunk_plan(frame_keys: torch.Tensor, cache_lengths: torch.Tensor, vali
 
 def keyed_to_newest_first(cache: torch.Tensor, frame_keys: torch.Tensor, lengths: torch.Tensor,
                           frames: Optional[int] = None) -> torch.Tensor:
-    """A keyed cache (..., R, H, F, 2D) in the SPEC layout: a new (..., R, H, frames, 2D) tensor
+    """A keyed cache (..., R, H, F, 2D) in the upstream layout: a new (..., R, H, frames, 2D) tensor
     with row r's key k at frame k for k < lengths[r] and zeros after (``frames`` default F)."""
     rows, width = cache.shape[-4], cache.shape[-2]
     frames = width if frames is None else frames
@@ -255,14 +255,18 @@ class CacheArena:
 
     Request slot r (0 <= r < rows) owns CFG rows r (cond) and rows + r (uncond).
 
+    Two layouts: *keyed* (``frame_keys`` given; what the servers use) and *newest first*
+    (``frame_keys`` None: the upstream layout, what ``StreamingCFM.forward_chunk`` solves through).
+
     Attributes:
         att: (n, depth, 2R, H, M + A, 2D) attention caches, keyed: slot r's ``cache_lengths[r]``
             valid frames sit at [0, L_r) in any order (the same for every step, block and head),
             ``frame_keys`` names their keys. The A extra frames let a chunk append in place
             (``solve_arena_chunk`` copies the rows out when ``Lb + T > M + A``).
         cnn: (n, depth, 2R, 2C, 2) conv caches.
-        frame_keys: (R, M) int32 SPEC key (position in the newest-first cache) of each valid frame
-            (``keyed_to_newest_first``); starts as the identity (frame j = key j).
+        frame_keys: (R, M) int32 key (position in the newest-first cache) of each valid frame
+            (``keyed_to_newest_first``); starts as the identity (frame j = key j). None: the
+            arena is newest first (frame j = key j always, the trim writes the caches back).
         cache_lengths: (R,) int32 valid frames of each slot's attention caches (all steps).
         prompt_lengths: (R,) int32 prompt frames of each slot (for the trim).
         valid_lengths: (R,) int32 staged chunk frames T_n of the next solve (0 = idle slot).
@@ -275,7 +279,7 @@ class CacheArena:
 
     att: torch.Tensor
     cnn: torch.Tensor
-    frame_keys: torch.Tensor
+    frame_keys: Optional[torch.Tensor]
     cache_lengths: torch.Tensor
     prompt_lengths: torch.Tensor
     valid_lengths: torch.Tensor
@@ -288,10 +292,11 @@ class CacheArena:
     @classmethod
     def allocate(cls, config: DiTConfig, n_timesteps: int, rows: int, max_cache_frames: int,
                  max_chunk_frames: int, device: torch.device, dtype: torch.dtype,
-                 append_frames: int = 0, step_state: bool = False) -> "CacheArena":
+                 append_frames: int = 0, step_state: bool = False, keyed: bool = True) -> "CacheArena":
         """Zero-filled arena for ``rows`` requests (2*rows CFG rows); ``append_frames`` (A) extra
         attention frames per cache for in-place appends (``max_chunk_frames`` covers every chunk);
-        ``step_state``: with the ``x_state`` buffer of solves spread over several calls."""
+        ``step_state``: with the ``x_state`` buffer of solves spread over several calls;
+        ``keyed=False``: newest first, without ``frame_keys``."""
         for name, val in (("rows", rows), ("max_cache_frames", max_cache_frames),
                           ("max_chunk_frames", max_chunk_frames), ("n_timesteps", n_timesteps)):
             if not isinstance(val, int) or val <= 0:
@@ -305,7 +310,7 @@ class CacheArena:
             att=torch.zeros((n_timesteps, config.depth, 2 * rows, config.heads, max_cache_frames + append_frames,
                              2 * config.head_dim), **kw),
             cnn=torch.zeros((n_timesteps, config.depth, 2 * rows, 2 * c, config.conv_cache_frames), **kw),
-            frame_keys=torch.arange(max_cache_frames, **i32).repeat(rows, 1),
+            frame_keys=torch.arange(max_cache_frames, **i32).repeat(rows, 1) if keyed else None,
             cache_lengths=torch.zeros(rows, **i32),
             prompt_lengths=torch.zeros(rows, **i32),
             valid_lengths=torch.zeros(rows, **i32),
@@ -323,11 +328,16 @@ class CacheArena:
 
     @property
     def max_cache_frames(self) -> int:
-        return self.frame_keys.shape[1]
+        return self.att.shape[4] if self.frame_keys is None else self.frame_keys.shape[1]
 
     @property
     def append_frames(self) -> int:
-        return self.att.shape[4] - self.frame_keys.shape[1]
+        return self.att.shape[4] - self.max_cache_frames
+
+    @property
+    def identity(self) -> tuple:
+        """The storage and shape of every buffer: what a captured solve of this arena is bound to."""
+        return tuple((k, t.data_ptr(), tuple(t.shape), t.dtype) for k, t in self.tensors().items())
 
     @property
     def max_chunk_frames(self) -> int:
@@ -346,7 +356,7 @@ class CacheArena:
         return {k: t.data_ptr() for k, t in self.tensors().items()}
 
     def request_caches(self, slot: int, length: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of one slot's caches in the SPEC layout: cnn (n, depth, 2, 2C, 2) and att
+        """Copies of one slot's caches in the upstream layout: cnn (n, depth, 2, 2C, 2) and att
         (n, depth, 2, H, length, 2D) newest first, row 0 = cond, row 1 = uncond. ``length``: keys
         to return (default M; keys past the slot's ``cache_lengths`` entry are meaningless)."""
         if not 0 <= slot < self.rows:
@@ -358,7 +368,7 @@ class CacheArena:
         return self.cnn[:, :, rows].clone(), keyed_to_newest_first(self.att[:, :, rows], keys, lengths, length)
 
     def load_request_caches(self, slot: int, cnn: torch.Tensor, att: torch.Tensor) -> None:
-        """Put caches in the SPEC layout into one slot (the inverse of :meth:`request_caches`):
+        """Put caches in the upstream layout into one slot (the inverse of :meth:`request_caches`):
         cnn (n, depth, 2, 2C, 2) and att (n, depth, 2, H, L, 2D) newest first, row 0 = cond,
         row 1 = uncond. The slot's frames become its keys in order (frame j = key j) and its
         ``cache_lengths`` entry L. Shapes are checked by the caller (:meth:`CFMServer.load_request_caches`)."""

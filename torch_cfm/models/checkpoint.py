@@ -16,7 +16,7 @@ from typing import Mapping, Optional, Union
 import torch
 
 from ..config import DiTConfig
-from ..ops._checks import fail
+from ..errors import fail
 
 FLOW_PREFIX = "decoder.estimator."
 _WRAPPERS = ("state_dict", "model", "module")

@@ -11,22 +11,9 @@ from typing import Optional, Sequence
 import torch
 
 from ..config import ATTENTION_DTYPES, ATTENTION_HEAD_DIMS, ATTENTION_PRECISIONS
+from ..errors import dtype_str, fail, shape_str  # noqa: F401  (re-exported for the ops)
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-
-
-def shape_str(t: torch.Tensor) -> str:
-    dims = [str(s) for s in t.shape]
-    return "(" + ", ".join(dims) + ("," if len(dims) == 1 else "") + ")"
-
-
-def dtype_str(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def fail(op: str, arg: str, expectation: str, got: str, remedy: str = "") -> None:
-    msg = f"{op}: {arg} must {expectation}, got {got}"
-    raise ValueError(msg + (f"; {remedy}" if remedy else ""))
 
 
 def check_tensor(op: str, arg: str, value: object) -> torch.Tensor:
@@ -68,7 +55,7 @@ def check_cfm_attention(
     kv_rows: Optional[torch.Tensor],
     precision: str,
 ) -> None:
-    """Validate every argument of ``cfm_attention`` (SPEC §4); raises ValueError naming it."""
+    """Validate every argument of ``cfm_attention`` (docs/design.md §4); raises ValueError naming it."""
     op = "cfm_attention"
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(op, name, t)

@@ -125,7 +125,7 @@ def _cfm_attention_cuda(q, k, v, key_lengths=None, mask=None, kv_rows=None, prec
     if out.numel() == 0:
         return out
     decision = policy.decide(q.device, q.dtype)
-    if decision.attention_kernel != "triton":
+    if decision.backend != "sm80":
         return cfm_attention_sdpa(q, k, v, key_lengths, mask, kv_rows, out)
     precision = policy.resolve_precision(q.dtype, precision)
     config = select_cuda_kernel_config(q, k, v, precision)

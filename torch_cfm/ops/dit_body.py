@@ -1,6 +1,6 @@
-"""``torch_cfm::dit_body``: the fused DiT estimator body as a custom op, and the model hook.
+"""``torch_cfm::dit_body``: the fused DiT estimator body as a custom op.
 
-One call = one estimator evaluation of one Euler step for a streaming chunk (SPEC §2, §4):
+One call = one estimator evaluation of one Euler step for a streaming chunk (docs/design.md §2, §4):
 staged input -> in_proj -> depth blocks (attention caches read in place, new caches written;
 conv caches gathered per row) -> final layer -> velocity. Registered here (Python fragment of the
 ``torch_cfm`` library):
@@ -13,20 +13,20 @@ conv caches gathered per row) -> final layer -> velocity. Registered here (Pytho
 * fake kernel (same validation, exact output metadata) and autocast rules on AutocastCUDA /
   AutocastCPU that follow the ambient autocast dtype.
 
-:func:`dit_forward_chunk_fused` is what ``DiT.forward_chunk`` calls when the policy says fused.
+``DiT.forward_chunk`` calls it through :func:`torch_cfm.models.fused_forward.dit_forward_chunk_fused`
+when the policy says fused; the solver writes into preallocated outputs through
+:func:`torch_cfm.kernels.dit_body.dit_body_fused_into`.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Sequence
 
 import torch
 
-from .. import policy
 from ..config import ATTENTION_DTYPES, ATTENTION_PRECISIONS
-from ..packing import PER_BLOCK, modulation_table, packed_for
-from ..reference.dit_body import clamp_lengths, dit_body_reference
+from ..packing import PER_BLOCK
+from ..reference.dit_body import dit_body_reference
 from ._checks import check_index_vector, check_tensor, dtype_str, fail, shape_str
 
 _OP = "torch_cfm::dit_body"
@@ -102,7 +102,7 @@ def check_dit_body(x_in, weights, mod_table, cnn_cache, att_cache, valid_lengths
                 head_dim=head_dim, out_channels=weights[-2].shape[0])
 
 
-def _empty_outputs(x_in: torch.Tensor, s: dict[str, int], with_att: bool = True) -> tuple[torch.Tensor, ...]:
+def body_outputs(x_in: torch.Tensor, s: dict[str, int], with_att: bool = True) -> tuple[torch.Tensor, ...]:
     """(velocity, new conv cache[, new attention cache]) for the sizes of ``check_dit_body``."""
     n, t, l_len = s["n_rows"], s["t_len"], s["cache_len"]
     vel = x_in.new_empty((n, s["out_channels"], t))
@@ -124,7 +124,7 @@ def dit_body(
     cache_lengths: Optional[torch.Tensor] = None,
     precision: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One fused estimator evaluation of a streaming chunk (SPEC §1-2, §4).
+    """One fused estimator evaluation of a streaming chunk (docs/design.md §1-2, §4).
 
     Row n uses its first ``T_n`` current frames and first ``L_n`` cached frames (lengths clamped
     to [0, T] and [0, L]); its new attention cache holds its T_n current k|v frames (k after the
@@ -160,7 +160,7 @@ def dit_body(
 def _dit_body_fake(x_in, weights, mod_table, cnn_cache=None, att_cache=None, valid_lengths=None,
                    cache_lengths=None, precision="auto"):
     s = check_dit_body(x_in, weights, mod_table, cnn_cache, att_cache, valid_lengths, cache_lengths, precision)
-    return _empty_outputs(x_in, s)
+    return body_outputs(x_in, s)
 
 
 def _dit_body_cpu(x_in, weights, mod_table, cnn_cache=None, att_cache=None, valid_lengths=None,
@@ -171,68 +171,6 @@ def _dit_body_cpu(x_in, weights, mod_table, cnn_cache=None, att_cache=None, vali
     return vel.contiguous(), cnn.contiguous(), att.contiguous()
 
 
-def dit_body_fused_into(x_in, weights, mod_table, cnn_cache, att_cache, valid_lengths, cache_lengths,
-                        precision: Optional[str], out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                        plan=None):
-    """The fused path writing into preallocated ``out`` (used by the op and the graph runner).
-
-    ``plan`` picks the kernels of :func:`torch_cfm.kernels.dit_body.dit_body_triton`: a
-    :class:`torch_cfm.kernels.body_plans.BodyPlan` or a plan name ("v1", "v5", "v9"); None = the
-    tuning table's. Every plan is checked against the same oracle.
-
-    Runs the Triton driver on any device (CPU works under TRITON_INTERPRET=1) with cuBLAS TF32
-    set from ``precision`` for float32 ("tf32"/"ieee"; "auto"/None follows torch's setting).
-    """
-    from ..kernels.dit_body import dit_body_triton
-
-    n_rows, _, t_len = x_in.shape
-    cache_len = 0 if att_cache is None else att_cache.shape[3]
-    valid = clamp_lengths(valid_lengths, n_rows, t_len, x_in.device)
-    cached = clamp_lengths(cache_lengths, n_rows, cache_len, x_in.device)
-    prec, scope = _driver_precision(x_in, precision)
-    with scope:
-        return dit_body_triton(x_in, list(weights), mod_table.contiguous(), cnn_cache, att_cache, valid, cached,
-                               prec, out, plan)
-
-
-def _driver_precision(x_in: torch.Tensor, precision: Optional[str]):
-    """(resolved dot precision, context setting cuBLAS TF32 from it for float32 CUDA bodies)."""
-    prec = policy.resolve_precision(x_in.dtype, precision or "auto")
-    scope = (policy.tf32_scope(prec == "tf32") if x_in.dtype == torch.float32 and x_in.is_cuda
-             else contextlib.nullcontext())
-    return prec, scope
-
-
-def dit_body_arena_into(x_in, weights, mod_table, cnn_cache, att_arena, valid_lengths, cache_lengths,
-                        precision: Optional[str], out: tuple[torch.Tensor, torch.Tensor], plan=None):
-    """The fused body on an in-place attention-cache arena (the whole-solve runner's form).
-
-    ``att_arena`` (depth, N, H, P, 2D) holds row n's ``cache_lengths[n]`` old keys at frames [0, L_n)
-    in reversed key order (:func:`torch_cfm.models.cache.reverse_keys`); the call appends the T_n
-    current keys behind them (reversed too) and copies no old frame, so the arena then holds the
-    SPEC §2 new cache, reversed, at [0, T_n + L_n). ``out`` = (velocity (N, Cout, T), new conv cache
-    (depth, N, 2C, 2)). Lengths are clamped to [0, T] and [0, P - T]. Same math as the op within
-    the SPEC §6 oracle (the attention sums its keys in another order). ``plan``: as
-    :func:`dit_body_fused_into` (a plan with an arena form); None: the tuning table's arena plan.
-    """
-    from ..kernels.dit_body import dit_body_triton
-
-    n_rows, _, t_len = x_in.shape
-    if att_arena.dim() != 5 or att_arena.shape[1] != n_rows or att_arena.shape[3] < t_len:
-        fail("dit_body_arena_into", "att_arena", f"be (depth, N={n_rows}, H, P >= T={t_len}, 2D)",
-             shape_str(att_arena))
-    if att_arena.dtype != x_in.dtype or att_arena.device != x_in.device:
-        fail("dit_body_arena_into", "att_arena", f"be {dtype_str(x_in.dtype)} on {x_in.device}",
-             f"{dtype_str(att_arena.dtype)} on {att_arena.device}")
-    valid = clamp_lengths(valid_lengths, n_rows, t_len, x_in.device)
-    cached = clamp_lengths(cache_lengths, n_rows, att_arena.shape[3] - t_len, x_in.device)
-    prec, scope = _driver_precision(x_in, precision)
-    with scope:
-        vel, cnn, _ = dit_body_triton(x_in, list(weights), mod_table.contiguous(), cnn_cache, None, valid, cached,
-                                      prec, (out[0], out[1], att_arena), plan, arena=True)
-    return vel, cnn
-
-
 def _dit_body_cuda(x_in, weights, mod_table, cnn_cache=None, att_cache=None, valid_lengths=None,
                    cache_lengths=None, precision="auto"):
     s = check_dit_body(x_in, weights, mod_table, cnn_cache, att_cache, valid_lengths, cache_lengths, precision)
@@ -240,7 +178,9 @@ def _dit_body_cuda(x_in, weights, mod_table, cnn_cache=None, att_cache=None, val
         vel, cnn, att = dit_body_reference(x_in, list(weights), mod_table, cnn_cache, att_cache,
                                            valid_lengths, cache_lengths)
         return vel.contiguous(), cnn.contiguous(), att.contiguous()
-    out = _empty_outputs(x_in, s)
+    from ..kernels.dit_body import dit_body_fused_into  # Triton is optional: imported on the first CUDA call
+
+    out = body_outputs(x_in, s)
     return dit_body_fused_into(x_in, weights, mod_table, cnn_cache, att_cache, valid_lengths, cache_lengths,
                                precision, out)
 
@@ -269,72 +209,4 @@ _lib.impl(_NAME, _dit_body_autocast("cuda"), "AutocastCUDA")
 _lib.impl(_NAME, _dit_body_autocast("cpu"), "AutocastCPU")
 
 
-# --------------------------------------------------------------------------------------------
-# the model hook
-# --------------------------------------------------------------------------------------------
-
-def stage_input(x: torch.Tensor, mu: torch.Tensor, spks: Optional[torch.Tensor], cond: Optional[torch.Tensor],
-                dtype: torch.dtype) -> torch.Tensor:
-    """``concat(x, mu, spks broadcast over time, cond)`` -> (N, 320, T) in ``dtype``."""
-    n_rows, mel, t_len = x.shape
-    spks = x.new_zeros((n_rows, mel)) if spks is None else spks
-    cond = torch.zeros_like(x) if cond is None else cond
-    return torch.cat([x.to(dtype), mu.to(dtype), spks.to(dtype)[:, :, None].expand(-1, -1, t_len),
-                      cond.to(dtype)], dim=1)
-
-
-def _time_vector(t, n_rows: int, device: torch.device) -> torch.Tensor:
-    if isinstance(t, torch.Tensor):
-        t = t.reshape(-1).to(device)
-        if t.numel() not in (1, n_rows):
-            fail("dit_forward_chunk_fused", "t", f"be a scalar or have N={n_rows} entries", shape_str(t))
-        return t
-    return torch.full((1,), float(t), device=device, dtype=torch.float64)
-
-
-def dit_forward_chunk_fused(
-    model: torch.nn.Module,
-    x: torch.Tensor,
-    mu: torch.Tensor,
-    t,
-    spks: Optional[torch.Tensor],
-    cond: Optional[torch.Tensor],
-    cnn_cache: Optional[torch.Tensor] = None,
-    att_cache: Optional[torch.Tensor] = None,
-    *,
-    valid_lengths: Optional[torch.Tensor] = None,
-    cache_lengths: Optional[torch.Tensor] = None,
-    precision: Optional[str] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``DiT.forward_chunk`` on the fused body (same arguments and results, SPEC §2).
-
-    Weights are packed once per (model, compute dtype, device) and repacked when a parameter
-    changes. The modulation table is computed per call from ``t`` (one table when t is a scalar,
-    one per row when t has N entries). The compute dtype is the autocast dtype when autocast is
-    enabled, else the parameters' dtype.
-
-    Returns:
-        velocity (N, 80, T), new_cnn_cache (depth, N, 2C, 2), new_att_cache (depth, N, H, T+L, 2D)
-        in the compute dtype.
-    """
-    dev = x.device
-    if torch.is_autocast_enabled(dev.type):
-        dtype = torch.get_autocast_dtype(dev.type)
-    else:
-        dtype = next(p for n, p in model.named_parameters() if n == "in_proj.weight").dtype
-    packed = packed_for(model, dtype, dev)
-    x_in = stage_input(x, mu, spks, cond, dtype)
-    prec = precision if precision in ("tf32", "ieee") else "auto"
-    tf = policy.resolve_precision(dtype, prec)
-    scope = (policy.tf32_scope(tf == "tf32") if dtype == torch.float32 and dev.type == "cuda"
-             else contextlib.nullcontext())
-    with torch.autocast(dev.type, enabled=False), torch.no_grad():
-        with scope:
-            table = modulation_table(packed, _time_vector(t, x.shape[0], dev))
-        cnn = None if cnn_cache is None else cnn_cache.to(dtype)
-        att = None if att_cache is None else att_cache.to(dtype)
-        return torch.ops.torch_cfm.dit_body.default(x_in, packed.body, table, cnn, att,
-                                                    valid_lengths, cache_lengths, prec)
-
-
-__all__ = ["dit_body", "dit_forward_chunk_fused", "dit_body_fused_into", "check_dit_body", "stage_input"]
+__all__ = ["dit_body", "check_dit_body", "body_outputs"]

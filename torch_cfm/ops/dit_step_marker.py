@@ -5,7 +5,7 @@
 called under ``torch.compile`` right after a reference step, it records ONE node,
 ``torch.ops.torch_cfm._dit_step_marker``, whose arguments are the step's outputs (velocity, new
 caches), its inputs (x, mu, t, spks, cond, caches, lengths) and the estimator's parameters with
-their SPEC §1 names. The node has no outputs and no effect; it is registered as side-effectful so
+their docs/design.md §1 names. The node has no outputs and no effect; it is registered as side-effectful so
 Dynamo keeps it. The op lives here, below the models, so the model can mark its step without
 knowing the compile rules; the rules (``torch_cfm.compile_rules.markers`` and its ``dit_step``
 pass) always remove it: they rewire the outputs to the fused step or just drop the marker.
@@ -55,7 +55,7 @@ def mark_dit_step(model: torch.nn.Module, outputs: Sequence[torch.Tensor], x: to
     estimator step for the compile rules. No-op outside ``torch.compile``.
 
     Args:
-        model: the estimator (parameters named as SPEC §1).
+        model: the estimator (parameters named as docs/design.md §1).
         outputs: (velocity (N, 80, T), new_cnn_cache (depth, N, 2C, 2), new_att_cache
             (depth, N, H, T+L, 2D)) of the reference step.
         x, mu: (N, 80, T); t: (N,) or () times; spks: (N, 80) or None; cond: (N, 80, T) or None.

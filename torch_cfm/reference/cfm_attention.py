@@ -1,4 +1,4 @@
-"""Reference math of ``cfm_attention`` (SPEC §4): plain PyTorch, any float dtype incl. float64."""
+"""Reference math of ``cfm_attention`` (docs/design.md §4): plain PyTorch, any float dtype incl. float64."""
 
 from __future__ import annotations
 

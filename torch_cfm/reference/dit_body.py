@@ -43,7 +43,7 @@ def clamp_lengths(lengths: Optional[torch.Tensor], n_rows: int, limit: int,
 
 def assemble_cache(cur: torch.Tensor, old: Optional[torch.Tensor], valid: torch.Tensor,
                    cached: torch.Tensor) -> torch.Tensor:
-    """New attention cache per SPEC §2: row n = its first T_n current frames, then its first L_n
+    """New attention cache per docs/design.md §2: row n = its first T_n current frames, then its first L_n
     old frames, contiguous from frame 0; frames after T_n + L_n are zero.
 
     Args:
@@ -101,7 +101,7 @@ def dit_body_reference(
     valid_lengths: Optional[torch.Tensor] = None,
     cache_lengths: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One estimator evaluation of a streaming chunk (SPEC §1-2) on packed weights.
+    """One estimator evaluation of a streaming chunk (docs/design.md §1-2) on packed weights.
 
     Args:
         x_in: (N, Cin, T) staged input ``concat(x, mu, spks, cond)``, compute dtype.

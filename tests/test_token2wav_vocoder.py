@@ -1,0 +1,138 @@
+"""Token2wavServer's default vocoder stage (torch_cfm's many-stream HiFT, a random stream per stream):
+each stream equals the upstream ``Token2wav.stream`` vocoder on the server's own mel with the
+sources' noise off (fp32, 1e-5); with noise, a stream's waveform is bitwise the same whoever
+shares its ticks; NaN stays in its stream. And the voice-prompt cache: a stream opened with a
+voice already solved equals, bitwise, the same stream solved afresh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import token2wav_reference as R
+import upstream_flow as U
+from oracle import err_rel_fro
+
+pytestmark = [pytest.mark.skipif(R.hift_missing_reason() is not None, reason=str(R.hift_missing_reason())),
+              pytest.mark.usefixtures("one_thread")]
+
+from torch_cfm.serving import StreamPrompt, Token2wavServer  # noqa: E402
+
+N_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def flow():
+    return U.build_flow(U.TINY, seed=0)
+
+
+@pytest.fixture(scope="module")
+def hift():
+    return R.build_hift(seed=3)
+
+
+def _run(server, plan, chunks, prompts, ticks=None):
+    """Open the streams of ``plan`` ({id: (opened at tick, seed)}) and push one chunk per tick to
+    each open one; returns {id: (mels, wavs)}."""
+    got = {s: ([], []) for s in plan}
+    for tick in range(ticks or 12):
+        opening = {s: StreamPrompt(prompts[s].tokens, prompts[s].mel, prompts[s].spk, seed=seed)
+                   for s, (at, seed) in plan.items() if at == tick}
+        if opening:
+            server.open_many(opening)
+        batch = {}
+        for s in server.open_streams:
+            n = len(got[s][0])
+            if n < len(chunks[s]) and server.ready(s):
+                batch[s] = (chunks[s][n], n == len(chunks[s]) - 1)
+        for s, o in server.step(batch).items():
+            got[s][0].append(o.mel)
+            got[s][1].append(o.wav)
+        for s in server.open_streams:
+            if len(got[s][0]) == len(chunks[s]):
+                server.close_stream(s)
+    return got
+
+
+def test_streams_equal_the_upstream_vocoder_on_their_mel_without_noise(flow, hift):
+    server = Token2wavServer(flow, hift, max_streams=3, max_prompt_frames=80, n_timesteps=N_STEPS)
+    R.quiet_vocoder(server)
+    prompts = {s: U.make_prompt(U.TINY, p, seed=10 + i) for i, (s, p) in enumerate((("a", 20), ("b", 13), ("c", 16)))}
+    chunks = {s: U.make_chunks(U.TINY, n, seed=20 + i, last_tokens=7) for i, (s, n) in enumerate((("a", 5),
+                                                                                                  ("b", 4), ("c", 3)))}
+    got = _run(server, {"a": (0, 1), "b": (0, 2), "c": (2, 3)}, chunks, prompts)
+    for s in "abc":
+        mels, wavs = got[s]
+        with R.NoNoise():
+            ref = R.upstream_vocoder(hift, [m[None] for m in mels], seed=0)
+        assert len(wavs) == len(ref) == len(chunks[s])
+        for i, (a, b) in enumerate(zip(wavs, ref)):
+            assert a.shape == b.shape and err_rel_fro(a, b) <= 1e-5, (s, i, err_rel_fro(a, b))
+
+
+def test_a_streams_waveform_is_bitwise_the_same_whoever_shares_its_ticks(flow, hift):
+    """The vocoder stage itself on the same mels: stream "a" alone, then "a" among two others
+    opened before it, with other chunk lengths on some ticks (other groups): bitwise equal."""
+    g = torch.Generator().manual_seed(5)
+    mels = {s: [torch.randn(80, t, generator=g) for t in (12, 10, 10, 7)] for s in "abc"}
+    mels["b"][1] = torch.randn(80, 9, generator=g)  # "b" in its own group on the second tick
+
+    def drive(order):
+        stage = Token2wavServer(flow, hift, max_streams=3, max_prompt_frames=80, n_timesteps=N_STEPS).vocoder
+        for sid in order:
+            stage.open(sid, seed=ord(sid))
+        wavs = []
+        for k in range(4):
+            out = stage([(sid, mels[sid][k], k == 3) for sid in order])
+            wavs.append(out["a"])
+        return wavs
+
+    alone, crowd = drive(["a"]), drive(["c", "b", "a"])
+    for a, b in zip(alone, crowd):
+        assert torch.equal(a, b)
+    assert all(w.abs().max() > 0 for w in alone)
+
+
+def test_nan_in_one_stream_stays_in_that_stream(flow, hift):
+    """The vocoder stage on the same mels, one stream's mel holding NaN: the others bitwise as without it."""
+    g = torch.Generator().manual_seed(6)
+    mels = {s: [torch.randn(80, 12, generator=g) for _ in range(3)] for s in "abx"}
+    mels["x"][0][3, 5] = float("nan")
+
+    def drive(order):
+        stage = Token2wavServer(flow, hift, max_streams=3, max_prompt_frames=80, n_timesteps=N_STEPS).vocoder
+        for sid in order:
+            stage.open(sid, seed=ord(sid))
+        return [stage([(sid, mels[sid][k], False) for sid in order]) for k in range(3)]
+
+    clean, mixed = drive(["a", "b"]), drive(["a", "x", "b"])
+    assert not all(torch.isfinite(out["x"]).all() for out in mixed)
+    for c, m in zip(clean, mixed):
+        for s in "ab":
+            assert torch.isfinite(m[s]).all() and torch.equal(c[s], m[s]), s
+
+
+@pytest.mark.parametrize("paced", [False, True])
+def test_a_cached_voice_equals_a_fresh_solve_bitwise(flow, hift, paced):
+    """Two streams open with one voice, one later on: the second copies the first's solved prompt
+    (CFM caches, conformer caches) and its mel and waveform equal, bitwise, the same stream on a
+    server without the cache; a hit needs no prompt steps under pacing."""
+    k = 2 if paced else None
+    voice = U.make_prompt(U.TINY, 20, seed=80)
+    prompts = {"a": voice, "b": voice}
+    chunks = {"a": U.make_chunks(U.TINY, 3, seed=81), "b": U.make_chunks(U.TINY, 3, seed=82)}
+    cached = Token2wavServer(flow, hift, max_streams=2, max_prompt_frames=80, n_timesteps=N_STEPS,
+                             voice_cache_bytes=2**26, prompt_steps_per_tick=k)
+    got = _run(cached, {"a": (0, 1), "b": (6, 2)}, chunks, prompts)
+    voices = cached.cfm_server.voices
+    assert (voices.hits, voices.misses, len(voices)) == (1, 1, 1)
+    assert cached.cfm_server.memory_plan().voice_cache_bytes == 2**26
+    fresh = _run(Token2wavServer(flow, hift, max_streams=2, max_prompt_frames=80, n_timesteps=N_STEPS,
+                                 prompt_steps_per_tick=k), {"b": (0, 2)}, {"b": chunks["b"]}, prompts)
+    for got_b, want_b in zip(got["b"], fresh["b"]):
+        for a, b in zip(got_b, want_b):
+            assert torch.equal(a, b)
+    # opened with a hit, the stream is ready at once (no prompt steps), also under pacing
+    cached.open_stream("c", voice.tokens, voice.mel, voice.spk)
+    assert cached.ready("c") and voices.hits == 2
+    cached.close_stream("c")

@@ -1,0 +1,143 @@
+"""The vocoder's fused elementwise steps (``torch_cfm.models.vocoder.elementwise``) as Triton kernels.
+
+Frame-major (B, L, C) tensors, channels innermost, viewed as (M = B·L, C) rows. One program
+handles BLOCK_M rows × all C channels (BLOCK_C = C rounded up to a power of 2, C <= 1024);
+float32 math; every pointer's element type is its tensor's (inputs and outputs of any float
+dtype but float64).
+
+* ``_vocoder_combine_kernel``: ``v = a[reflected row] (+ b | + (b + c))``, optionally stored,
+  and K Snake outputs ``v + inv_k · sin(alpha_k · v)²`` (K <= 4).
+* ``_vocoder_accumulate_kernel``: ``s = t (+ r)``, ``(acc +) s``, optionally ``leaky(s / div)``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import on_device
+
+__all__ = ["combine_triton", "accumulate_triton", "MAX_SNAKES"]
+
+MAX_SNAKES = 4
+_TILE = 4096  # elements per program
+
+
+@triton.jit
+def _vocoder_combine_kernel(
+    a_ptr, b_ptr, c_ptr,        # (M_a, C) first input [reflected rows]; (M, C) addends [N_ADD >= 1, 2]
+    v_ptr,                      # (M, C) sum, written [STORE_V]
+    y_ptr, y_stride,            # (K, M, C) Snake outputs; elements between two of them
+    alpha_ptr, inv_ptr,         # (K, C) float32 Snake parameters
+    M, C, L,                    # rows, channels, frames per batch row of the output
+    N_ADD: tl.constexpr, REFLECT: tl.constexpr, STORE_V: tl.constexpr, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    ok = (rows < M)[:, None] & col_ok[None, :]
+    offs = rows[:, None] * C + cols[None, :]
+    if REFLECT:  # output frame l reads input frame l - 1, frame 0 reads input frame 1
+        frame = rows % L
+        src = (rows // L) * (L - 1) + tl.where(frame == 0, 1, frame - 1)
+        a_offs = src[:, None] * C + cols[None, :]
+    else:
+        a_offs = offs
+    v = tl.load(a_ptr + a_offs, mask=ok, other=0.0).to(tl.float32)
+    if N_ADD == 1:
+        v = v + tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if N_ADD == 2:
+        v = v + (tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+                 + tl.load(c_ptr + offs, mask=ok, other=0.0).to(tl.float32))
+    if STORE_V:
+        tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=ok)
+    for k in tl.static_range(K):
+        alpha = tl.load(alpha_ptr + k * C + cols, mask=col_ok, other=0.0)[None, :]
+        inv = tl.load(inv_ptr + k * C + cols, mask=col_ok, other=0.0)[None, :]
+        s = tl.sin(v * alpha)
+        y = v + inv * (s * s)
+        tl.store(y_ptr + k * y_stride + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _vocoder_accumulate_kernel(
+    t_ptr, r_ptr, acc_ptr,      # (M, C) inputs; r [HAS_R], acc [HAS_ACC]
+    out_ptr,                    # (M, C) result
+    M, C, divisor, slope,       # leaky_relu(s / divisor, slope) [FINAL]
+    HAS_R: tl.constexpr, HAS_ACC: tl.constexpr, FINAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_C)
+    ok = (rows < M)[:, None] & (cols < C)[None, :]
+    offs = rows[:, None] * C + cols[None, :]
+    s = tl.load(t_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_R:
+        s = s + tl.load(r_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if HAS_ACC:
+        s = tl.load(acc_ptr + offs, mask=ok, other=0.0).to(tl.float32) + s
+    if FINAL:
+        s = s / divisor
+        s = tl.where(s > 0, s, s * slope)
+    tl.store(out_ptr + offs, s.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _tiles(rows: int, channels: int) -> tuple[int, int, tuple[int]]:
+    block_c = triton.next_power_of_2(channels)
+    if block_c > 1024:
+        raise NotImplementedError(f"vocoder elementwise kernels: not supported yet: {channels} channels (max 1024)")
+    block_m = max(1, _TILE // block_c)
+    return block_m, block_c, (triton.cdiv(rows, block_m),)
+
+
+def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.contiguous()
+
+
+def combine_triton(a: torch.Tensor, b: Optional[torch.Tensor], c: Optional[torch.Tensor],
+                   alpha: Optional[torch.Tensor], inv: Optional[torch.Tensor], reflect: bool, keep_sum: bool,
+                   out_dtype: torch.dtype) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+    """Host launcher of ``_vocoder_combine_kernel``; arguments as ``elementwise.combine``."""
+    batch, frames_a, channels = a.shape
+    frames = frames_a + 1 if reflect else frames_a
+    count = 0 if alpha is None else alpha.shape[0]
+    if count > MAX_SNAKES:
+        raise NotImplementedError(f"combine_triton: not supported yet: {count} Snake outputs (max {MAX_SNAKES})")
+    a, b, c = _flat(a), _flat(b), _flat(c)
+    rows = batch * frames
+    v = torch.empty(batch, frames, channels, device=a.device, dtype=torch.float32) if keep_sum else None
+    y = torch.empty(max(count, 1), batch, frames, channels, device=a.device, dtype=out_dtype)
+    params = torch.empty(2, 1, channels, device=a.device, dtype=torch.float32) if count == 0 else None
+    al = params[0] if count == 0 else alpha.float().contiguous()
+    iv = params[1] if count == 0 else inv.float().contiguous()
+    block_m, block_c, grid = _tiles(rows, channels)
+    n_add = 0 if b is None else (1 if c is None else 2)
+    with on_device(a.device):
+        _vocoder_combine_kernel[grid](
+            a, b if b is not None else a, c if c is not None else a, v if v is not None else y, y,
+            rows * channels, al, iv, rows, channels, frames,
+            N_ADD=n_add, REFLECT=bool(reflect), STORE_V=keep_sum, K=count,
+            BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
+    return v, [y[k] for k in range(count)]
+
+
+def accumulate_triton(t: torch.Tensor, r: Optional[torch.Tensor], acc: Optional[torch.Tensor],
+                      divisor: Optional[float], slope: Optional[float], out_dtype: torch.dtype) -> torch.Tensor:
+    """Host launcher of ``_vocoder_accumulate_kernel``; arguments as ``elementwise.accumulate``."""
+    t, r, acc = _flat(t), _flat(r), _flat(acc)
+    batch, frames, channels = t.shape
+    out = torch.empty(batch, frames, channels, device=t.device, dtype=out_dtype)
+    rows = batch * frames
+    block_m, block_c, grid = _tiles(rows, channels)
+    final = divisor is not None
+    with on_device(t.device):
+        _vocoder_accumulate_kernel[grid](
+            t, r if r is not None else t, acc if acc is not None else t, out, rows, channels,
+            float(divisor) if final else 1.0, float(slope) if final and slope is not None else 0.0,
+            HAS_R=r is not None, HAS_ACC=acc is not None, FINAL=final,
+            BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
+    return out

@@ -1,0 +1,402 @@
+"""The HiFT vocoder (``HiFTGenerator``) for many streams: folded weights, one layout, fused elementwise.
+
+:class:`HiFTVocoder` holds an upstream ``HiFTGenerator``'s weights (weight norm folded once, at
+construction) and computes, for a batch of streams,
+
+* :meth:`HiFTVocoder.f0`: ``f0_predictor(mel)`` (five convolutions with ELU, a linear head,
+  ``abs``), at the frame rate (the HiFT's ``f0_upsamp`` repeats each frame S times; the source
+  takes the frames);
+* :meth:`HiFTVocoder.decode`: ``HiFTGenerator.decode(x=mel, s=source)``: the source's STFT,
+  ``conv_pre``, per stage leaky-ReLU → transposed convolution (→ reflection pad at the last) +
+  the source branch (downsampling convolution + ResBlock), then the mean of the stage's
+  ResBlocks (Snake → dilated conv → Snake → conv, residual, per dilation); leaky-ReLU(0.01) →
+  ``conv_post`` → magnitude/phase → inverse STFT → clamp to ``audio_limit``;
+* :meth:`HiFTVocoder.forward`: f0 → :class:`~torch_cfm.models.vocoder.source.HarmonicSource`
+  (per-stream counter-based noise) → the cached source samples put back → decode: the upstream
+  ``HiFTGenerator.forward(mel, cache_source)`` for every stream of a tick in one call;
+* :meth:`HiFTVocoder.stream_chunk`: that and ``Token2wav.stream``'s cross-fade with the previous
+  chunk (:func:`overlap_fade`): a serving tick's whole vocoder step, one CUDA graph per shape.
+
+Layout: every activation is frame-major (B, L, C) end to end; a convolution sees it as a
+channels-last (B, C, 1, L) tensor (no copy), so cuDNN runs its NHWC kernels with no layout
+transposes around them. The elementwise work between convolutions is two fused steps
+(:mod:`~torch_cfm.models.vocoder.elementwise`): one Triton kernel per convolution on CUDA, the
+same math in PyTorch elsewhere; ``compiled=True`` instead hands the PyTorch math of the f0
+predictor and the decode to ``torch.compile`` (one shape-stable graph per input shape).
+
+Precision (:func:`~torch_cfm.models.vocoder.precision.vocoder_precision`): "auto" = the module's
+dtype and, in float32, TF32 convolutions exactly where cuDNN would use them for the upstream
+module; "ieee", "tf32", "fp16", "bf16" (16-bit convolution operands, float32 residual stream and
+elementwise math), "fp64". The STFTs, the magnitude/phase head and the source are float32 IEEE
+(float64 under "fp64").
+
+Batch invariance: every op is per row, but a library convolution may round a row differently
+with the batch size (cuDNN picks algorithms by shape) or even with the row's memory alignment
+(oneDNN's 1x1 convolutions and MKL's matrix-vector products on CPU). ``slab_rows=k`` runs the f0
+predictor and the decode on slabs of k rows (the batch zero-padded to a multiple of k), each slab
+a fresh copy, so the libraries see the same shapes whatever the batch: with k = 1 a stream's
+output is bitwise the same whatever streams share its call and in which order (on CPU only k = 1
+guarantees it; on CUDA any fixed k where the convolutions round a row independently of its
+position, which the GPU tests check).
+
+Graph safety: no host synchronisation, no data-dependent shape, no host tensor made per call:
+each method is CUDA-graph capturable at a fixed input shape.
+
+    >>> voc = HiFTVocoder(hift)                                   # an upstream HiFTGenerator
+    >>> rng = stream_rng([7, 8], device)                          # per-stream (seed, calls)
+    >>> speech, source, rng = voc(mel, rng, cache_source)         # (2, 480 T), (2, 1, 480 T)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+
+from ...errors import fail, shape_str
+from .elementwise import SNAKE_EPS, accumulate, combine
+from .istft import analysis_basis, istft_frames, stft_frames, synthesis_basis
+from .precision import activation_dtype, conv_dtype, conv_precision_scope, vocoder_precision
+from .source import HarmonicSource
+
+__all__ = ["HiFTVocoder", "folded_weight", "overlap_fade"]
+
+F0_LEAKY_FINAL = 0.01  # HiFTGenerator.decode: F.leaky_relu(x) before conv_post, torch's default slope
+
+
+def folded_weight(conv: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """``conv``'s effective weight, computed once in ``dtype``: a weight-norm parametrization
+    (``torch.nn.utils.parametrizations.weight_norm``) or the legacy ``weight_norm`` hook applied
+    to its originals cast to ``dtype`` (in float32 bitwise what the module computes per call),
+    else the plain weight."""
+    if parametrize.is_parametrized(conv, "weight"):
+        plist = conv.parametrizations.weight
+        names = sorted(n for n, _ in plist.named_parameters(recurse=False) if n.startswith("original"))
+        value = plist[0](*[getattr(plist, n).detach().to(dtype) for n in names])
+        for extra in list(plist)[1:]:
+            value = extra(value)
+        return value
+    for hook in getattr(conv, "_forward_pre_hooks", {}).values():
+        if type(hook).__name__ == "WeightNorm":
+            g, v = getattr(conv, hook.name + "_g"), getattr(conv, hook.name + "_v")
+            return torch._weight_norm(v.detach().to(dtype), g.detach().to(dtype), hook.dim)
+    return conv.weight.detach().to(dtype)
+
+
+def overlap_fade(speech: torch.Tensor, previous: torch.Tensor, window: torch.Tensor,
+                 faded: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``Token2wav.stream``'s cross-fade for a batch of streams, as one shape-stable op.
+
+    Row b with ``faded[b]`` gets its first n samples replaced by
+    ``speech[:n] · window[:n] + previous · window[n:]`` (computed in ``window``'s dtype, float64
+    for the upstream's numpy Hamming window, then rounded to ``speech``'s dtype as the upstream's
+    in-place assignment does); other rows (a stream's first chunk) are unchanged.
+
+    Args:
+        speech: (B, L) this call's waveform.
+        previous: (B, n) the last n samples of each stream's previous waveform (any values where
+            not ``faded``).
+        window: (2n,) the fade window (``np.hamming(2n)``).
+        faded: (B,) bool, or None: every row.
+    Returns:
+        (B, L) new tensor in ``speech``'s dtype.
+    """
+    n = previous.shape[1]
+    head = (speech[:, :n] * window[:n] + previous * window[n:]).to(speech.dtype)
+    if faded is not None:
+        head = torch.where(faded[:, None], head, speech[:, :n])
+    return torch.cat([head, speech[:, n:]], dim=1)
+
+
+class _Conv(nn.Module):
+    """A Conv1d / ConvTranspose1d with its folded weight, run channels-last on (B, L, C) tensors."""
+
+    def __init__(self, conv: nn.Module, fold_dtype: torch.dtype, dtype: torch.dtype) -> None:
+        super().__init__()
+        if getattr(conv, "padding_mode", "zeros") != "zeros":
+            fail("HiFTVocoder", "hift", "use zero-padded convolutions", f"padding_mode={conv.padding_mode!r}")
+        weight = folded_weight(conv, fold_dtype).to(dtype)[:, :, None, :]
+        self.register_buffer("weight", weight.contiguous(memory_format=torch.channels_last))
+        bias = None if conv.bias is None else conv.bias.detach().to(dtype)
+        self.register_buffer("bias", bias)
+        self.transposed = isinstance(conv, nn.ConvTranspose1d)
+        self.stride, self.padding = int(conv.stride[0]), int(conv.padding[0])
+        self.dilation, self.groups = int(conv.dilation[0]), int(conv.groups)
+        self.output_padding = int(conv.output_padding[0]) if self.transposed else 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, L, C_in) -> (B, L', C_out) in the weight's dtype."""
+        x4 = x.to(self.weight.dtype).contiguous().transpose(1, 2).unsqueeze(2)  # channels-last view
+        if self.transposed:
+            y = F.conv_transpose2d(x4, self.weight, self.bias, (1, self.stride), (0, self.padding),
+                                   (0, self.output_padding), self.groups, (1, self.dilation))
+        else:
+            y = F.conv2d(x4, self.weight, self.bias, (1, self.stride), (0, self.padding), (1, self.dilation),
+                         self.groups)
+        return y.squeeze(2).transpose(1, 2)
+
+
+def _snake_params(snake: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    alpha = snake.alpha.detach().to(dtype)
+    if getattr(snake, "alpha_logscale", False):
+        alpha = torch.exp(alpha)
+    eps = float(getattr(snake, "no_div_by_zero", SNAKE_EPS))
+    return alpha, 1.0 / (alpha + eps)
+
+
+class _ResBlock(nn.Module):
+    """A ResBlock's folded convolutions and its Snake parameters (alpha, 1 / (alpha + eps))."""
+
+    def __init__(self, block: nn.Module, fold_dtype: torch.dtype, dtype: torch.dtype, act: torch.dtype) -> None:
+        super().__init__()
+        self.convs1 = nn.ModuleList(_Conv(c, fold_dtype, dtype) for c in block.convs1)
+        self.convs2 = nn.ModuleList(_Conv(c, fold_dtype, dtype) for c in block.convs2)
+        for name, acts in (("1", block.activations1), ("2", block.activations2)):
+            params = [_snake_params(a, act) for a in acts]
+            self.register_buffer("alpha" + name, torch.stack([p[0] for p in params]))  # (dilations, C)
+            self.register_buffer("inv" + name, torch.stack([p[1] for p in params]))
+
+    def chain(self, x: torch.Tensor, y: torch.Tensor, cdt: torch.dtype, adt: torch.dtype, backend: str):
+        """The block on residual ``x`` whose first Snake output ``y`` is given: returns the last
+        convolution's output and the residual it is added to (the caller fuses that add)."""
+        r = x
+        last = len(self.convs1) - 1
+        for i, (c1, c2) in enumerate(zip(self.convs1, self.convs2)):
+            _, (y2,) = combine(c1(y), alpha=self.alpha2[i:i + 1], inv=self.inv2[i:i + 1], out_dtype=cdt,
+                               act_dtype=adt, backend=backend)
+            t = c2(y2)
+            if i == last:
+                return t, r
+            r, (y,) = combine(t, r, alpha=self.alpha1[i + 1:i + 2], inv=self.inv1[i + 1:i + 2], keep_sum=True,
+                              out_dtype=cdt, act_dtype=adt, backend=backend)
+        raise AssertionError("a ResBlock has at least one dilation")
+
+
+def _hift_dims(hift: nn.Module) -> dict:
+    params = hift.istft_params
+    return dict(n_fft=int(params["n_fft"]), hop=int(params["hop_len"]), slope=float(hift.lrelu_slope),
+                limit=float(hift.audio_limit), kernels=int(hift.num_kernels), stages=int(hift.num_upsamples))
+
+
+class HiFTVocoder(nn.Module):
+    """A ``HiFTGenerator``'s f0 predictor, source and decode for a batch of streams (module docstring).
+
+    Args:
+        hift: the upstream ``HiFTGenerator`` (read once; not modified, not kept).
+        precision: one of ``precision.VOCODER_PRECISIONS`` ("auto": see the module docstring).
+        device: where to run (default: the module's).
+        slab_rows: run the f0 predictor and the decode on slabs of this many rows (bitwise batch
+            invariance across batch sizes); None: the whole batch at once.
+        compiled: ``torch.compile`` the PyTorch math of the f0 predictor and the decode.
+        kernels: "auto" (Triton kernels for CUDA eager calls), "torch", or "triton" (also on CPU
+            under the Triton interpreter: tests).
+    Attributes:
+        decision: the :class:`~torch_cfm.models.vocoder.precision.VocoderPrecision` in force.
+        source: the :class:`~torch_cfm.models.vocoder.source.HarmonicSource`.
+        samples_per_frame: waveform samples per mel frame (480 at the shipped sizes).
+    """
+
+    def __init__(self, hift: nn.Module, *, precision: str = "auto", device: Optional[torch.device | str] = None,
+                 slab_rows: Optional[int] = None, compiled: bool = False, kernels: str = "auto") -> None:
+        super().__init__()
+        op = "HiFTVocoder"
+        missing = [n for n in ("conv_pre", "ups", "source_downs", "source_resblocks", "resblocks", "conv_post",
+                               "f0_predictor", "m_source", "istft_params") if not hasattr(hift, n)]
+        if missing or not isinstance(hift, nn.Module):
+            fail(op, "hift", "be a stepaudio2 HiFTGenerator", f"{type(hift).__name__} without {missing}")
+        if slab_rows is not None and (not isinstance(slab_rows, int) or slab_rows < 1):
+            fail(op, "slab_rows", "be a positive int or None", repr(slab_rows))
+        if kernels not in ("auto", "torch", "triton"):
+            fail(op, "kernels", 'be "auto", "torch" or "triton"', repr(kernels))
+        param = next(hift.parameters())
+        self.device = torch.device(device) if device is not None else param.device
+        self.decision = vocoder_precision(self.device, param.dtype, precision)
+        choice = self.decision.choice
+        cdt, adt = conv_dtype(choice), activation_dtype(choice)
+        self.conv_dtype, self.act_dtype = cdt, adt
+        self.dims = _hift_dims(hift)
+        self.slab_rows, self.compiled, self.kernels = slab_rows, bool(compiled), kernels
+        with torch.no_grad():
+            self._load(hift, adt, cdt)
+        self.to(self.device)
+        self._f0_fn, self._decode_fn = self._f0_math, self._decode_math
+        if self.compiled:
+            self._f0_fn = torch.compile(self._f0_math, fullgraph=True, dynamic=False)
+            self._decode_fn = torch.compile(self._decode_math, fullgraph=True, dynamic=False)
+
+    def _load(self, hift: nn.Module, adt: torch.dtype, cdt: torch.dtype) -> None:
+        fold = adt  # float32 folding is bitwise the module's own per-call weight
+        self.conv_pre = _Conv(hift.conv_pre, fold, cdt)
+        self.ups = nn.ModuleList(_Conv(u, fold, cdt) for u in hift.ups)
+        self.source_downs = nn.ModuleList(_Conv(d, fold, cdt) for d in hift.source_downs)
+        self.source_resblocks = nn.ModuleList(_ResBlock(b, fold, cdt, adt) for b in hift.source_resblocks)
+        self.resblocks = nn.ModuleList(_ResBlock(b, fold, cdt, adt) for b in hift.resblocks)
+        self.conv_post = _Conv(hift.conv_post, fold, cdt)
+        stage_alpha = [torch.stack([self.resblocks[i * self.dims["kernels"] + j].alpha1[0]
+                                    for j in range(self.dims["kernels"])]) for i in range(self.dims["stages"])]
+        stage_inv = [torch.stack([self.resblocks[i * self.dims["kernels"] + j].inv1[0]
+                                  for j in range(self.dims["kernels"])]) for i in range(self.dims["stages"])]
+        for i in range(self.dims["stages"]):
+            self.register_buffer(f"stage_alpha{i}", stage_alpha[i])  # (K, C): first Snake of each ResBlock
+            self.register_buffer(f"stage_inv{i}", stage_inv[i])
+        f0p = hift.f0_predictor
+        convs = [m for m in f0p.condnet if isinstance(m, nn.Conv1d)]
+        acts = [m for m in f0p.condnet if not isinstance(m, nn.Conv1d)]
+        if len(acts) != len(convs) or not all(isinstance(a, nn.ELU) for a in acts):
+            fail("HiFTVocoder", "hift.f0_predictor", "be a ConvRNNF0Predictor (conv, ELU) x n + linear",
+                 type(f0p).__name__)
+        self.f0_convs = nn.ModuleList(_Conv(c, adt, adt) for c in convs)
+        self.f0_elu = [float(a.alpha) for a in acts]
+        self.register_buffer("f0_weight", f0p.classifier.weight.detach().to(adt))  # (1, C)
+        self.register_buffer("f0_bias", f0p.classifier.bias.detach().to(adt))
+        n_fft = self.dims["n_fft"]
+        window = hift.stft_window.detach().double()
+        self.register_buffer("window", window.to(adt))
+        self.register_buffer("analysis", analysis_basis(window, n_fft).to(adt))
+        self.register_buffer("synthesis", synthesis_basis(window, n_fft).to(adt))
+        scale = math.prod(int(u.stride[0]) for u in hift.ups) * self.dims["hop"]
+        self.samples_per_frame = scale
+        self.source = HarmonicSource(hift.m_source, scale, kernel=self.kernels)
+
+    def extra_repr(self) -> str:
+        return (f"precision={self.decision.describe()}, slab_rows={self.slab_rows}, compiled={self.compiled}, "
+                f"kernels={self.kernels}")
+
+    # ------------------------------------------------------------------ math (shape-stable)
+    def _backend(self) -> str:
+        return "torch" if self.compiled else self.kernels
+
+    def _f0_math(self, mel: torch.Tensor) -> torch.Tensor:
+        x = mel.to(self.act_dtype).transpose(1, 2)  # (B, T, 80)
+        for conv, alpha in zip(self.f0_convs, self.f0_elu):
+            x = F.elu(conv(x), alpha)
+        # a per-row dot product, not F.linear: a CPU matrix-vector product rounds a row
+        # differently depending on where it sits in the batch
+        return torch.abs((x * self.f0_weight[0]).sum(dim=-1) + self.f0_bias[0])
+
+    def _decode_math(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        d, cdt, adt, be = self.dims, self.conv_dtype, self.act_dtype, self._backend()
+        spec = stft_frames(source.to(adt), self.analysis, d["n_fft"], d["hop"])  # (B, F, n_fft + 2)
+        x = self.conv_pre(mel.transpose(1, 2))
+        a = accumulate(x, divisor=1.0, slope=d["slope"], out_dtype=cdt, act_dtype=adt, backend=be)
+        k = d["kernels"]
+        for i in range(d["stages"]):
+            up = self.ups[i](a)
+            sblock = self.source_resblocks[i]
+            sr = self.source_downs[i](spec)
+            _, (sy,) = combine(sr, alpha=sblock.alpha1[:1], inv=sblock.inv1[:1], out_dtype=cdt, act_dtype=adt,
+                               backend=be)
+            st, srr = sblock.chain(sr, sy, cdt, adt, be)
+            x, ys = combine(up, st, srr, alpha=getattr(self, f"stage_alpha{i}"), inv=getattr(self, f"stage_inv{i}"),
+                            reflect=i == d["stages"] - 1, keep_sum=True, out_dtype=cdt, act_dtype=adt, backend=be)
+            acc = None
+            for j in range(k):
+                t, r = self.resblocks[i * k + j].chain(x, ys[j], cdt, adt, be)
+                final = j == k - 1
+                slope = d["slope"] if i < d["stages"] - 1 else F0_LEAKY_FINAL
+                acc = accumulate(t, r, acc, divisor=float(k) if final else None, slope=slope, out_dtype=cdt,
+                                 act_dtype=adt, backend=be)
+            a = acc
+        logits = self.conv_post(a)  # (B, F, n_fft + 2)
+        speech = istft_frames(logits, self.synthesis, self.window, d["n_fft"], d["hop"])
+        return torch.clamp(speech, -d["limit"], d["limit"])
+
+    # ------------------------------------------------------------------ public
+    def _slabbed(self, fn, *tensors: torch.Tensor) -> torch.Tensor:
+        """``fn`` over the batch, or over slabs of ``slab_rows`` rows (zero-padded), each slab a
+        fresh copy: the same shapes, strides and alignment whatever the batch."""
+        rows = self.slab_rows
+        if rows is None:
+            return fn(*tensors)
+        batch = tensors[0].shape[0]
+        padded = -(-batch // rows) * rows
+        if padded != batch:
+            tensors = tuple(F.pad(t, (0,) * (2 * t.dim() - 1) + (padded - batch,)) for t in tensors)
+        outs = [fn(*(t[s:s + rows].clone(memory_format=torch.contiguous_format) for t in tensors))
+                for s in range(0, padded, rows)]
+        return outs[0][:batch] if len(outs) == 1 else torch.cat(outs, dim=0)[:batch]
+
+    def _check_mel(self, op: str, mel: Any) -> None:
+        if not isinstance(mel, torch.Tensor) or mel.dim() != 3 or not mel.is_floating_point():
+            got = shape_str(mel) if isinstance(mel, torch.Tensor) else repr(mel)
+            fail(op, "mel", "be a floating (B, 80, T) tensor", got)
+        if mel.shape[1] != self.conv_pre.weight.shape[1]:
+            fail(op, "mel", f"have {self.conv_pre.weight.shape[1]} channels", shape_str(mel))
+        if mel.device != self.device:
+            fail(op, "mel", f"be on the vocoder's device {self.device}", str(mel.device))
+
+    def f0(self, mel: torch.Tensor) -> torch.Tensor:
+        """Frame-rate f0: (B, 80, T) mel -> (B, T) in the activation dtype (float32 / float64)."""
+        self._check_mel("HiFTVocoder.f0", mel)
+        with conv_precision_scope(self.decision.choice, f0=True):
+            return self._slabbed(self._f0_fn, mel)
+
+    def decode(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """``HiFTGenerator.decode(x=mel, s=source)``.
+
+        Args:
+            mel: (B, 80, T) any float dtype.
+            source: (B, 1, L) or (B, L) excitation, L = S·T (S = ``samples_per_frame``).
+        Returns:
+            (B, hop·(L / hop)) = (B, L) speech, clamped to the audio limit, float32 (float64 for fp64).
+        """
+        op = "HiFTVocoder.decode"
+        self._check_mel(op, mel)
+        if isinstance(source, torch.Tensor) and source.dim() == 3 and source.shape[1] == 1:
+            source = source[:, 0]
+        if not isinstance(source, torch.Tensor) or source.dim() != 2 or source.shape[0] != mel.shape[0]:
+            fail(op, "source", f"be (B, 1, L) or (B, L) with B={mel.shape[0]}",
+                 shape_str(source) if isinstance(source, torch.Tensor) else repr(source))
+        if source.shape[1] != mel.shape[2] * self.samples_per_frame:
+            fail(op, "source", f"have {self.samples_per_frame} samples per mel frame "
+                 f"({mel.shape[2] * self.samples_per_frame})", str(source.shape[1]))
+        with conv_precision_scope(self.decision.choice):
+            return self._slabbed(self._decode_fn, mel, source)
+
+    def forward(self, mel: torch.Tensor, rng: torch.Tensor, cache_source: Optional[torch.Tensor] = None):
+        """``HiFTGenerator.forward(mel, cache_source)`` per stream, with per-stream random states.
+
+        Args:
+            mel: (B, 80, T).
+            rng: (B, 2) int64 per-stream ``(seed, calls)`` (``source.stream_rng``).
+            cache_source: optional (B, 1, C) source samples that replace the first C generated
+                ones (``Token2wav.stream``'s overlap, C = 8·S); C = 0 or None: none.
+        Returns:
+            (speech (B, S·T), source (B, 1, S·T), next rng (B, 2)); speech and source float32
+            (float64 for fp64).
+        """
+        f0 = self.f0(mel)
+        source, next_rng = self.source(f0, rng)
+        source = self._with_cache(source, cache_source, mel.shape[0])
+        return self.decode(mel, source), source[:, None], next_rng
+
+    def stream_chunk(self, mel: torch.Tensor, rng: torch.Tensor, cache_source: Optional[torch.Tensor] = None,
+                     previous_speech: Optional[torch.Tensor] = None, window: Optional[torch.Tensor] = None):
+        """One ``Token2wav.stream`` vocoder step for streams that all have (or all lack) a
+        previous chunk: :meth:`forward`, then :func:`overlap_fade` of the first n samples with
+        ``previous_speech`` (B, n) under ``window`` (2n,) when given. One shape-stable call: the
+        whole step (f0, source, decode, inverse STFT, fade) fits one CUDA graph.
+
+        Returns:
+            (speech (B, S·T) faded, source (B, 1, S·T), next rng (B, 2)).
+        """
+        speech, source, next_rng = self.forward(mel, rng, cache_source)
+        if previous_speech is not None:
+            if window is None or window.shape[0] != 2 * previous_speech.shape[1]:
+                fail("HiFTVocoder.stream_chunk", "window", f"be given with 2n = {2 * previous_speech.shape[1]} "
+                     "samples", "None" if window is None else shape_str(window))
+            speech = overlap_fade(speech, previous_speech, window)
+        return speech, source, next_rng
+
+    def _with_cache(self, source: torch.Tensor, cache_source: Optional[torch.Tensor], batch: int) -> torch.Tensor:
+        if cache_source is None or cache_source.shape[-1] == 0:
+            return source
+        cached = cache_source.shape[-1]
+        if cache_source.shape[0] != batch or cached > source.shape[1]:
+            fail("HiFTVocoder", "cache_source", f"be (B, 1, C) with B={batch}, C <= {source.shape[1]}",
+                 shape_str(cache_source))
+        return torch.cat([cache_source.reshape(batch, cached).to(source.dtype), source[:, cached:]], dim=1)

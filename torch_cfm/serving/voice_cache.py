@@ -1,0 +1,145 @@
+"""The voice-prompt cache: a solved prompt's state, reused by every stream that opens with it.
+
+A prompt solve is a pure function of the prompt (its encoder output and mel), the speaker
+embedding, the dtype and the decoder's fixed noise (docs/design.md §3), so its result can be
+reused exactly: a stream opening with a voice already solved gets a copy of that state in its own
+slot (the CFM caches, and the other stages' prompt state its server keeps beside them) instead of
+a solve. The copy is bitwise what the solve wrote.
+
+Entries are keyed by an explicit voice key or by the content of the prompt tensors
+(:func:`content_key`), kept least recently used first and bounded in bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Optional
+
+import torch
+
+from ..errors import fail
+
+
+def content_key(*parts: Any) -> str:
+    """A key naming the content of tensors and python values: their dtypes, shapes and bytes
+    (tensors are read back to the host once: one small copy per open).
+
+    Returns:
+        a hex digest (sha1), the same for equal content on any device.
+    """
+    digest = hashlib.sha1()
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            t = part.detach().to("cpu").contiguous()
+            digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            digest.update(repr(part).encode())
+    return digest.hexdigest()
+
+
+def tensors_nbytes(obj: Any) -> int:
+    """Bytes of every tensor in a tree of tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(tensors_nbytes(o) for o in obj)
+    if isinstance(obj, dict):
+        return sum(tensors_nbytes(o) for o in obj.values())
+    return 0
+
+
+@dataclass
+class VoiceState:
+    """One solved prompt's state of a request slot.
+
+    Attributes:
+        att: (n, depth, 2, H, L, 2D) the slot's attention frames [0, L) as the arena holds them.
+        cnn: (n, depth, 2, 2C, 2) its conv caches.
+        frame_keys: (L,) int32 the keys of those frames.
+        prompt_len: P (the trim threshold).
+        spks: (80,) the projected speaker embedding the request solves with.
+        mel: (80, P) the prompt's solved mel.
+        extra: the other stages' prompt state of the server that owns the cache (e.g. conformer caches).
+    """
+
+    att: torch.Tensor
+    cnn: torch.Tensor
+    frame_keys: torch.Tensor
+    prompt_len: int
+    spks: torch.Tensor
+    mel: torch.Tensor
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def cache_len(self) -> int:
+        return self.att.shape[4]
+
+    @property
+    def nbytes(self) -> int:
+        return tensors_nbytes((self.att, self.cnn, self.frame_keys, self.spks, self.mel, self.extra))
+
+
+class VoiceCache:
+    """Solved voice prompts by key, least recently used dropped first, at most ``max_bytes``.
+
+    Args:
+        max_bytes: the budget (positive int); a state larger than it is not kept.
+    Attributes:
+        hits, misses, evictions: lookup and eviction counts.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
+            fail("VoiceCache", "max_bytes", "be a positive int (bytes)", repr(max_bytes))
+        self.max_bytes = max_bytes
+        self._entries: "OrderedDict[Hashable, VoiceState]" = OrderedDict()
+        self.hits = self.misses = self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held now."""
+        return sum(s.nbytes for s in self._entries.values())
+
+    def get(self, key: Hashable) -> Optional[VoiceState]:
+        """The state of ``key`` (now the most recently used), or None; counts a hit or a miss."""
+        state = self._entries.get(key)
+        if state is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._entries.move_to_end(key)
+        return state
+
+    def peek(self, key: Hashable) -> Optional[VoiceState]:
+        """The state of ``key`` or None, without counting or reordering."""
+        return self._entries.get(key)
+
+    def put(self, key: Hashable, state: VoiceState) -> bool:
+        """Keep ``state`` under ``key`` (replacing an entry of that key), dropping the least
+        recently used entries until it fits. Returns False when it alone exceeds the budget."""
+        size = state.nbytes
+        self._entries.pop(key, None)
+        if size > self.max_bytes:
+            return False
+        while self._entries and self.nbytes + size > self.max_bytes:
+            self._entries.popitem(last=False)
+            self.evictions += 1
+        self._entries[key] = state
+        return True
+
+    def stats(self) -> dict:
+        """{"voices", "bytes", "max_bytes", "hits", "misses", "evictions"}."""
+        return {"voices": len(self._entries), "bytes": self.nbytes, "max_bytes": self.max_bytes, "hits": self.hits,
+                "misses": self.misses, "evictions": self.evictions}
+
+
+__all__ = ["VoiceCache", "VoiceState", "content_key", "tensors_nbytes"]
