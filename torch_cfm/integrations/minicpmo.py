@@ -38,7 +38,7 @@ from torch import nn
 
 from ..errors import fail
 from ..graphs import GraphedCall
-from ..models.upstream import hift_gaps, type_name
+from ..models.upstream import encoder_forward_chunk, hift_gaps, type_name
 from ..models.vocoder.causal import CausalVocoderCore, bounded_vocoder_gaps, causal_hift_gaps, stream_batch
 from .hift import GraphedHiFT
 
@@ -68,14 +68,6 @@ def causal_token2wav_gaps(target: Any) -> list[str]:
 
 def is_causal_token2wav(target: Any) -> bool:
     return not causal_token2wav_gaps(target)
-
-
-def encoder_forward_chunk(encoder: nn.Module) -> Callable:
-    """The encoder's class ``forward_chunk`` without ``torch.compile`` wrappers, bound to it."""
-    fn = type(encoder).forward_chunk
-    while hasattr(fn, "_torchdynamo_orig_callable"):
-        fn = fn._torchdynamo_orig_callable
-    return fn.__get__(encoder)
 
 
 class CausalVocoderStream:

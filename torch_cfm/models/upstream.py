@@ -83,6 +83,16 @@ def hift_gaps(hift: Any) -> list[str]:
     return gaps
 
 
+def encoder_forward_chunk(encoder: nn.Module):
+    """The encoder's class ``forward_chunk`` without ``torch.compile`` wrappers, bound to it
+    (minicpmo-utils decorates it with ``torch.compile(backend="eager")``: a Dynamo trace per new
+    shape and guard checks per call, for the same eager ops). Instance attributes are ignored."""
+    fn = type(encoder).forward_chunk
+    while hasattr(fn, "_torchdynamo_orig_callable"):
+        fn = fn._torchdynamo_orig_callable
+    return fn.__get__(encoder)
+
+
 def estimator_config(decoder: nn.Module, op: str):
     """(DiTConfig, state_dict) of a decoder's estimator, checked against torch_cfm's DiT key by key.
 
@@ -123,5 +133,5 @@ def placement(decoder: nn.Module, device: Optional[torch.device], dtype: Optiona
     return device, dtype or param.dtype, device.type == "cuda" if graphs is None else bool(graphs)
 
 
-__all__ = ["type_name", "decoder_gaps", "flow_gaps", "hift_gaps", "estimator_config", "dit_from_decoder",
-           "placement"]
+__all__ = ["type_name", "encoder_forward_chunk", "decoder_gaps", "flow_gaps", "hift_gaps", "estimator_config",
+           "dit_from_decoder", "placement"]

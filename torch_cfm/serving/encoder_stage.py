@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..buckets import CACHE_STEP
 from ..graphs import GraphedCall
+from ..models.upstream import encoder_forward_chunk
 
 
 class EncoderStage:
@@ -43,6 +44,7 @@ class EncoderStage:
         self.lookahead, self.up_rate = int(flow.pre_lookahead_len), int(flow.up_rate)
         param = next(flow.encoder.parameters())
         self.dtype, self.device, self.stats = param.dtype, param.device, stats
+        self._forward_chunk = encoder_forward_chunk(flow.encoder)  # the eager method, never Dynamo's wrapper
         self.call, self.ragged_call = self._encode_group, self._ragged_group
         if graphs:
             budget = 8 * max(len(batch_buckets or [1]), 1)
@@ -164,8 +166,8 @@ class EncoderStage:
     def _encode_group(self, tokens, cnn, att, last: bool):
         """The flow's chunk encoder over one batch: embedding, conformer chunk, projection."""
         flow = self.flow
-        h, new_cnn, new_att = flow.encoder.forward_chunk(flow.input_embedding(tokens), last_chunk=last,
-                                                         cnn_cache=cnn, att_cache=att)
+        h, new_cnn, new_att = self._forward_chunk(flow.input_embedding(tokens), last_chunk=last, cnn_cache=cnn,
+                                                  att_cache=att)
         return flow.encoder_proj(h), new_cnn, new_att
 
     def graph_counts(self) -> dict[str, int]:

@@ -374,15 +374,20 @@ class Token2wavServer:
 
     def _tick(self, staged) -> dict[Hashable, ChunkOutput]:
         t0 = self._clock()
-        enc_out = self.encoder(staged)
-        for sid, _, _, _, last in staged:
+        run = [s for s in staged if s[1] is not None]  # tokens None: an empty last chunk, a vocoder flush
+        enc_out = self.encoder(run) if run else {}
+        for sid, tokens, _, _, last in staged:
             st = self._streams[sid]
-            _, st.conf_cnn, att = enc_out[sid]
-            st.conf_att = self._trim_conformer(att, st.prompt_frames)
-            st.chunks += 1
             st.done = last
+            if tokens is not None:
+                _, st.conf_cnn, att = enc_out[sid]
+                st.conf_att = self._trim_conformer(att, st.prompt_frames)
+                st.chunks += 1
         t1 = self._clock()
-        mels = self.cfm_server.solve_chunk({sid: enc_out[sid][0] for sid, *_ in staged})
+        mels = self.cfm_server.solve_chunk({sid: enc_out[sid][0] for sid, *_ in run}) if run else {}
+        for sid, tokens, *_ in staged:
+            if tokens is None:
+                mels[sid] = torch.zeros(self.flow.output_size, 0, dtype=self.dtype, device=self.device)
         t2 = self._clock()
         out = {sid: ChunkOutput(mels[sid], None, last) for sid, _, _, _, last in staged}
         voc = [(sid, mels[sid], last) for sid, _, _, _, last in staged if self._streams[sid].waveform]
@@ -390,7 +395,7 @@ class Token2wavServer:
             for sid, wav in self.vocoder(voc).items():
                 out[sid].wav = wav
         t3 = self._clock()
-        self._account(t1 - t0, t2 - t1, t3 - t2, ticks=1, chunks=len(staged))
+        self._account(t1 - t0, t2 - t1, t3 - t2, ticks=1, chunks=len(run))
         return out
 
     def _trim_conformer(self, att: torch.Tensor, prompt: int) -> torch.Tensor:

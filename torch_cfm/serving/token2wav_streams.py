@@ -139,6 +139,11 @@ def check_chunks(server, op: str, chunks: Mapping[Hashable, Any]) -> list:
         if st.done:
             fail(op, f"chunks[{sid!r}]", "follow no last chunk", "a chunk after the last one", "close the stream")
         tokens, last = item if isinstance(item, (tuple, list)) else (item, False)
+        if last and isinstance(tokens, torch.Tensor) and tokens.numel() == 0 and (server.causal or not st.waveform):
+            # minicpmo-utils' Token2wav.stream([], last_chunk=True): the vocoder's held-back frames
+            # flushed, the flow not run
+            staged.append((sid, None, st.conf_cnn, st.conf_att, True))
+            continue
         tokens = as_tokens(server, op, f"chunks[{sid!r}] tokens", tokens)
         # The conformer's conv caches need 2 new tokens a chunk (its lookahead conv keeps 2 frames);
         # a waveform stream's first chunk needs the vocoder's 8 overlap frames (4 tokens).
