@@ -54,15 +54,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run_child(marker: str) -> None:
-    reason = P.missing_reason(NAME)
-    if reason is not None:
-        pytest.skip(reason)
-    run = P.run_isolated(NAME, os.path.abspath(__file__), ("-m", marker))
-    tail = run.output[-6000:]
-    assert run.returncode == 0 and run.failures == 0 and run.errors == 0, f"child session failed:\n{tail}"
-    if run.tests == run.skipped:
-        pytest.skip(f"every test skipped in the child session:\n{tail}")
-    print(f"child session: {run.tests} tests, {run.skipped} skipped")
+    P.run_child_session(NAME, __file__, marker)
 
 
 def test_minicpmo_server_cpu_tests_in_their_own_interpreter():

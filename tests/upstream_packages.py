@@ -135,6 +135,24 @@ def run_isolated(name: str, test_file: str, args: tuple[str, ...] = (), timeout:
     return IsolatedRun(res.returncode, output=res.stdout + res.stderr, **counts)
 
 
+
+def run_child_session(name: str, test_file: str, marker: str) -> None:
+    """Launcher-test body: run ``test_file``'s tests marked ``marker`` isolated for ``name``.
+
+    Skips when the package is not installed or every child test skipped; fails on any child
+    failure or error, showing the end of the child's output."""
+    import pytest
+
+    reason = missing_reason(name)
+    if reason is not None:
+        pytest.skip(reason)
+    run = run_isolated(name, os.path.abspath(test_file), ("-m", marker))
+    tail = run.output[-6000:]
+    assert run.returncode == 0 and run.failures == 0 and run.errors == 0, f"child session failed:\n{tail}"
+    if run.tests == run.skipped:
+        pytest.skip(f"every test skipped in the child session:\n{tail}")
+    print(f"child session: {run.tests} tests, {run.skipped} skipped")
+
 # ---------------------------------------------------------------------------- minicpmo-utils' Token2wav
 _T2W_STUBS = ("torchaudio", "torchaudio.compliance", "torchaudio.compliance.kaldi", "s3tokenizer", "onnxruntime",
               "hyperpyyaml", "yaml")
