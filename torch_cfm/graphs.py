@@ -18,6 +18,13 @@ A capture that fails (or disagrees) leaves its key eager, with the reason in ``e
 first). Off CUDA every call runs eagerly and keys and counters are kept the same way, so a caller
 can check on any device that no new key appeared after its warm-up.
 
+The graphs of one cache share one memory pool per device (as vLLM's captures do): a capture may
+reuse the blocks an earlier one freed (its intermediates), so the cache holds about its largest
+graph's scratch rather than the sum over keys. That is safe because the calls of one cache never
+overlap (one stream, one call at a time) and nothing a replay leaves in the pool is read after the
+next call: the in-place form's results live outside it and replays return copies of the outputs
+(``static_out`` stays allocated, so no later capture reuses it).
+
 ``random=True`` is for functions that draw from the device's default CUDA generator: the check
 replays from the generator state the eager call started from (a replay reads the generator's seed
 and offset when it starts and advances it by the captured draws, as eager kernels do), so only a
@@ -101,7 +108,8 @@ class GraphEntry:
         graph: the captured graph (None: not captured yet, off CUDA, or the capture failed).
         failed: why the capture failed or was rejected (the key then stays eager).
         eager_calls, replays: calls run eagerly / replayed for this key.
-        pool_bytes: device memory the capture reserved (its graph pool), 0 before a capture.
+        pool_bytes: device memory the capture added to the cache's graph pool, 0 before a capture
+            (later captures reuse what earlier ones freed, so this is often 0 after the first).
     """
 
     label: Any
@@ -143,6 +151,7 @@ class GraphCache:
         self.name, self.max_graphs, self.warmup = name, max_graphs, warmup
         self.check, self.random = check, random
         self._keys: "OrderedDict[Hashable, GraphEntry]" = OrderedDict()
+        self._pools: dict[int, Any] = {}  # CUDA device index -> torch.cuda.graph_pool_handle()
         self.hits = self.misses = self.captures = 0
         self.events: list[str] = []
 
@@ -228,7 +237,11 @@ class GraphCache:
                 # autocast's weight-cast cache must be off while capturing (torch.cuda.graph notes)
                 cast = (torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
                         if enabled else contextlib.nullcontext())
-                with torch.cuda.graph(graph), cast:
+                index = torch.cuda.current_device() if device.index is None else device.index
+                pool = self._pools.get(index)
+                if pool is None:
+                    pool = self._pools[index] = torch.cuda.graph_pool_handle()
+                with torch.cuda.graph(graph, pool=pool), cast:
                     out = fn(*ent.static_args, **ent.static_kwargs)
                 ent.pool_bytes = max(0, torch.cuda.memory_reserved(device) - before)
         except Exception as exc:  # noqa: BLE001 - any capture failure keeps this key eager
