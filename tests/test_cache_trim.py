@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from interpreter_child import interpreter_env
 from torch_cfm.kernels.cache_trim import move_frames_into, trim_copy_into
 from torch_cfm.reference.cache_trim import move_frames_reference, trim_copy_reference
 from torch_cfm.models.cache import arena_chunk_plan, trim_gather_index
@@ -113,7 +114,7 @@ def _child(out_path: str) -> None:
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory):
     out_path = str(tmp_path_factory.mktemp("trim_interp") / "out.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env = interpreter_env()
     env["PYTHONPATH"] = os.pathsep.join([_HERE, _ROOT, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", out_path], env=env, cwd=_HERE,
                           capture_output=True, text=True, timeout=300)

@@ -27,6 +27,7 @@ from typing import Optional
 import pytest
 import torch
 
+from interpreter_child import interpreter_env
 from oracle import IEEE_REL_BOUND, TF32_REL_BOUND, assert_within_oracle, err_rel_fro, naive_attention64
 from torch_cfm.reference.cfm_attention import cfm_attention_reference
 
@@ -198,7 +199,7 @@ def interpreter_outputs(tmp_path_factory) -> dict[str, object]:
     tmp = tmp_path_factory.mktemp("triton_interp")
     in_path, out_path = str(tmp / "inputs.pt"), str(tmp / "outputs.pt")
     torch.save({c.name: make_base(c) for c in CASES}, in_path)
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env = interpreter_env()
     env["PYTHONPATH"] = os.pathsep.join([_HERE, _ROOT, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", in_path, out_path],
                           env=env, capture_output=True, text=True, timeout=600)

@@ -23,6 +23,7 @@ import sys
 import pytest
 import torch
 
+from interpreter_child import interpreter_env
 import dit_oracle as O
 from oracle import IEEE_REL_BOUND, assert_within_oracle, err_rel_fro
 from shards import run_shards
@@ -371,7 +372,7 @@ def _child(out_path: str, shard: int = 0, shards: int = 1) -> None:
 @pytest.fixture(scope="module")
 def interp_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dit_interp")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env = interpreter_env()
     procs = run_shards(lambda i, k: [sys.executable, os.path.abspath(__file__), "--child", str(tmp / f"out{i}.pt"),
                                      str(i), str(k)], env=env, cwd=_HERE, timeout=300)
     results = {}

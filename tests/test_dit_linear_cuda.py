@@ -15,7 +15,6 @@ T; L_n = 0, ...), every arena frame outside [L_n, L_n + T_n) left as it was.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ import textwrap
 import pytest
 import torch
 
+from interpreter_child import interpreter_env
 import strategies as S
 from oracle import assert_within_oracle, err_rel_fro
 from torch_cfm.kernels import dit_linear_cuda as L
@@ -130,7 +130,7 @@ def test_rownorm_sums_splitk_partials_interpreter():
     """The reader of the split-K partials: the row-norm kernel (Triton interpreter) adds the S fp32
     partials and the bias, then residual + gate, LayerNorm and modulation, as torch math in float64,
     under its shipped launch rule and the bench's (rows per program, warps) overrides."""
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env = interpreter_env()
     proc = subprocess.run([sys.executable, "-c", _ROWNORM_SPLITS_CHILD], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+from interpreter_child import interpreter_env
 import dit_oracle as O
 from oracle import assert_within_oracle
 from test_dit_body import GPU_CFG, TINY
@@ -150,7 +151,7 @@ def _child(out_path: str) -> None:
 @pytest.fixture(scope="module")
 def arena_results(tmp_path_factory):
     out_path = str(tmp_path_factory.mktemp("graphs_interp") / "out.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env = interpreter_env()
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", out_path], env=env, cwd=_HERE,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -32,6 +32,8 @@ from typing import Iterator
 
 import pytest
 import torch
+
+from interpreter_child import interpreter_env
 from hypothesis import event, given
 from hypothesis import strategies as st
 
@@ -688,7 +690,7 @@ def test_triton_kernel_properties_in_interpreter():
 
     pytest.importorskip("triton")
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    env = interpreter_env(hide_gpus=False, OMP_NUM_THREADS="1")
     code = "import test_properties as t; t.interpreter_main(15)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True,
                           timeout=600)

@@ -34,6 +34,8 @@ from typing import Iterator, Optional
 
 import pytest
 import torch
+
+from interpreter_child import interpreter_env
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -588,7 +590,7 @@ def test_triton_body_properties_in_interpreter():
 
     pytest.importorskip("triton")
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env = interpreter_env()
     procs = run_shards(lambda i, k: [sys.executable, "-c",
                                      f"import test_properties_model as t; t.interpreter_main(6, {i}, {k})"],
                        env=env, cwd=here, timeout=900)

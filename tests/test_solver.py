@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+
+from interpreter_child import interpreter_env
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -340,7 +342,7 @@ def fused_route_results(tmp_path_factory):
 
     here = os.path.dirname(os.path.abspath(__file__))
     out_path = str(tmp_path_factory.mktemp("solver_fused") / "out.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env = interpreter_env()
     env["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--fused-route-child", out_path], env=env,
                           cwd=here, capture_output=True, text=True, timeout=600)

@@ -25,6 +25,7 @@ import sys
 import pytest
 import torch
 
+from interpreter_child import interpreter_env
 import token2wav_reference as R
 from oracle import err_max, err_rel_fro
 
@@ -548,7 +549,7 @@ def _child(out_path: str) -> None:
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory):
     out_path = str(tmp_path_factory.mktemp("vocoder_interp") / "out.pt")
-    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    env = interpreter_env()
     env["PYTHONPATH"] = os.pathsep.join([_HERE, _ROOT, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", out_path], env=env, cwd=_HERE,
                           capture_output=True, text=True, timeout=300)
