@@ -10,19 +10,16 @@ in-place arena's key order (``models.cache.reverse_keys``).
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from interpreter_child import interpreter_env
+from interpreter_child import run_child_file
 from torch_cfm.kernels.cache_trim import move_frames_into, trim_copy_into
 from torch_cfm.reference.cache_trim import move_frames_reference, trim_copy_reference
 from torch_cfm.models.cache import arena_chunk_plan, trim_gather_index
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
 
 # name, depth, requests n, heads, src frames Fs, arena frames M, width W, 2D, dtype, compacted rows
 CASES = [
@@ -114,12 +111,7 @@ def _child(out_path: str) -> None:
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory):
     out_path = str(tmp_path_factory.mktemp("trim_interp") / "out.pt")
-    env = interpreter_env()
-    env["PYTHONPATH"] = os.pathsep.join([_HERE, _ROOT, env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", out_path], env=env, cwd=_HERE,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out_path)
+    return run_child_file(__file__, out_path)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from interpreter_child import interpreter_env
+from interpreter_child import run_child_file
 import dit_oracle as O
 from oracle import assert_within_oracle
 from test_dit_body import GPU_CFG, TINY
@@ -31,7 +30,6 @@ from torch_cfm.models import CacheArena, random_dit
 from torch_cfm.models.cache import keyed_to_newest_first
 from torch_cfm.solve import ArenaSolver, GraphedArenaSolver
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
 N_STEPS = 3
 
 
@@ -151,11 +149,7 @@ def _child(out_path: str) -> None:
 @pytest.fixture(scope="module")
 def arena_results(tmp_path_factory):
     out_path = str(tmp_path_factory.mktemp("graphs_interp") / "out.pt")
-    env = interpreter_env()
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", out_path], env=env, cwd=_HERE,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out_path)
+    return run_child_file(__file__, out_path)
 
 
 def _oracle_request(sd, case, b, mu, spks, cond, noise, att, cnn, dtype=torch.float64, n_steps=N_STEPS):

@@ -19,13 +19,12 @@ from __future__ import annotations
 import copy
 import importlib
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from interpreter_child import interpreter_env
+from interpreter_child import run_child_file
 import token2wav_reference as R
 from oracle import err_max, err_rel_fro
 
@@ -37,8 +36,6 @@ from torch_cfm.models.vocoder import (HarmonicSource, HiFTVocoder, istft_frames,
 from torch_cfm.models.vocoder.istft import analysis_basis, synthesis_basis  # noqa: E402
 from torch_cfm.models.vocoder.philox import philox4x32  # noqa: E402
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
 S = 480  # samples per mel frame at the shipped 24 kHz / 50 Hz
 # Three ResBlocks (kernels 3, 7, 11) of three dilations per stage, narrow channels.
 WIDE = dict(base_channels=16, resblock_kernel_sizes=[3, 7, 11], resblock_dilation_sizes=[[1, 3, 5]] * 3,
@@ -549,12 +546,7 @@ def _child(out_path: str) -> None:
 @pytest.fixture(scope="module")
 def interpreter_results(tmp_path_factory):
     out_path = str(tmp_path_factory.mktemp("vocoder_interp") / "out.pt")
-    env = interpreter_env()
-    env["PYTHONPATH"] = os.pathsep.join([_HERE, _ROOT, env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", out_path], env=env, cwd=_HERE,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(out_path)
+    return run_child_file(__file__, out_path)
 
 
 def test_triton_kernels_in_the_interpreter(interpreter_results):
