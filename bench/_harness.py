@@ -29,7 +29,9 @@ import torch
 
 IDENTITY = ("op", "provider", "variant", "shape", "dtype", "precision", "timing", "gpu")
 # Data files whose rows are told apart by other fields (a .jsonl file keeps its own bench's table)
-IDENTITIES = {"serving": ("op", "provider", "variant", "stage", "concurrency", "dtype", "gpu")}
+IDENTITIES = {"serving": ("op", "provider", "variant", "stage", "concurrency", "dtype", "gpu"),
+              "serving_vllm_omni": ("op", "provider", "variant", "dtype", "concurrency", "gpu", "run"),
+              "vocoder": IDENTITY + ("run_id",)}
 ROW_FIELDS = ("op", "provider", "variant", "shape", "dtype", "precision", "timing", "us_p20", "us_p50",
               "us_p80", "rel_err", "error", "gpu", "capability", "torch", "triton", "commit", "timestamp", "run_id")
 
@@ -411,7 +413,7 @@ COMMANDS = {
 
 #: Data files whose table their bench writes itself (one run's rows, in its own layout): the
 #: harness leaves ``<name>.md`` alone, and ``--merge`` copies the run's table from beside its data.
-OWN_TABLES = ("stepaudio2_stream",)
+OWN_TABLES = ("stepaudio2_stream", "cutlass_gemm", "minicpmo_stream")
 
 #: Variants shown as columns of the main table; every other variant is a measured alternative
 #: (listed best-first under the main table).

@@ -492,6 +492,8 @@ def settled_server(model, dtype, b: int, t: int, l_len: int, n_steps: int, gener
     (prompt P = l_len - 100, the trim keeps P + 100), its steady-state key warmed up and captured.
     ``variant``: "server" (default server), "server_copy" (append_in_place=False).
     Returns (server, chunks): ``server.solve_chunk(chunks)`` is then one graph replay."""
+    if variant not in ("server", "server_copy"):
+        raise ValueError(f"settled_server: variant must be 'server' or 'server_copy', got {variant!r}")
     from torch_cfm.models.cache import TRIM_KEEP_OLDEST
     from torch_cfm.serving import CFMServer
     from torch_cfm.solve import StreamingCFM

@@ -112,7 +112,8 @@ def run_stream(t2w, chunks, device: str, mels: list = None) -> tuple[float, list
             _sync(device)
             times.append((time.perf_counter() - t0) * 1e3)
     finally:
-        vars(t2w).pop("_stream_vocode", None)
+        if mels is not None:
+            vars(t2w).pop("_stream_vocode", None)
     return setup_ms, times
 
 

@@ -58,13 +58,8 @@ from torch_cfm.integrations.vllm_omni.options import Options  # noqa: E402
 from torch_cfm.integrations.vllm_omni.plugin import merged_bucket_key  # noqa: E402
 
 OP = "serving_vllm_omni"
-IDENTITY = ("op", "provider", "variant", "dtype", "concurrency", "gpu", "run")
+IDENTITY = H.IDENTITIES[OP]
 PROVIDERS = ("vllm_omni", "vllm_omni/torch_cfm", "torch_cfm")
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 class Code2WavDriver:
@@ -88,7 +83,7 @@ class Code2WavDriver:
             for v, sids in groups.items():
                 for sid, state in zip(sids, self.backend.setup_batch(self.voices[v], len(sids))):
                     self.states[sid], self.done[sid] = state, 0
-        _sync(self.device)
+        S._sync(self.device)
 
     def _key(self, sid: int):
         state = self.states[sid]
@@ -103,7 +98,7 @@ class Code2WavDriver:
                 tokens = torch.cat([self.inputs.chunk(sid, self.done[sid]) for sid in sids]).long()
                 _, states = self.backend.decode_batch(tokens, self.voices[self.voice(sids[0])],
                                                       [self.states[sid] for sid in sids], last_chunk=False)
-                _sync(self.device)
+                S._sync(self.device)
                 for sid, state in zip(sids, states):
                     self.states[sid] = state
                     self.done[sid] += 1
@@ -142,13 +137,13 @@ class ServerDriver:
             self.server.open_many({sid: (*self.prompts[sid % len(self.prompts)], sid) for sid in ids})
         for sid in ids:
             self.done[sid] = 0
-        _sync(self.device)
+        S._sync(self.device)
 
     def step(self, ids) -> dict:
         t0 = time.perf_counter()
         with torch.inference_mode():
             self.server.step({sid: self.inputs.chunk(sid, self.done[sid]) for sid in ids})
-        _sync(self.device)
+        S._sync(self.device)
         dt = time.perf_counter() - t0
         for sid in ids:
             self.done[sid] += 1
@@ -234,7 +229,7 @@ def main(argv=None) -> list[dict]:
                     warm_ticks=args.warm_ticks if args.warm_ticks is not None else (1 if args.tiny else 8))
     command = "python bench/serving_vllm_omni.py " + " ".join(argv if argv is not None else sys.argv[1:])
     env = H.env_info()
-    run = H.run_id() if hasattr(H, "run_id") else env.get("timestamp")
+    run = env["run_id"]
     if device == "cpu":
         torch.set_num_threads(1)
     rows = []

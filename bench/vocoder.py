@@ -39,7 +39,6 @@ import math
 import os
 import sys
 import time
-import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -49,10 +48,8 @@ import torch  # noqa: E402
 
 import _harness as H  # noqa: E402
 
-try:  # the upstream HiFT made capturable (the same math, a host-sync-free inverse STFT)
-    from torch_cfm.models.hift_capturable import capturable  # noqa: E402
-except ImportError:  # an older tree
-    from torch_cfm.integrations.hift import capturable  # noqa: E402
+# the upstream HiFT made capturable (the same math, a host-sync-free inverse STFT)
+from torch_cfm.models.hift_capturable import capturable  # noqa: E402
 
 S = 480  # samples per mel frame
 UPSTREAM_PRECISIONS = ("ieee", "tf32", "fp16", "bf16")
@@ -135,8 +132,8 @@ def run(args) -> list[dict]:
 
     device = torch.device("cpu" if args.dry_run else "cuda")
     env = H.env_info()
-    if args.run or not env.get("run_id"):
-        env["run_id"] = args.run or uuid.uuid4().hex[:12]
+    if args.run:
+        env["run_id"] = args.run
     hift = build_hift(args.seed, device, tiny=args.dry_run)
     mel, source = make_inputs(hift, args.streams, args.frames, args.seed + 1, device)
     scale_output(hift, mel, source)
@@ -222,7 +219,7 @@ def main(argv=None) -> int:
         return 1
     rows = run(args)
     path = os.path.join(args.out, "vocoder.json")
-    H.upsert_rows(path, rows, table=False, identity=tuple(H.IDENTITY) + ("run_id",))
+    H.upsert_rows(path, rows, table=False, identity=H.IDENTITIES["vocoder"])
     print()
     print("| provider | variant | precision | ms (p50) | rel err vs fp64 | max err | batch-invariant |")
     print("|---|---|---|---|---|---|---|")

@@ -269,6 +269,19 @@ def test_token2wav_shaped_objects_and_the_generic_decoder_entry(flow):
         assert torch.equal(accel.estimator.state_dict()[name], p), name
 
 
+def test_applying_again_without_the_vocoder_graphs_removes_them(flow):
+    """``apply_torch_cfm`` again replaces the previous acceleration, the graphed HiFT included."""
+    import token2wav_reference as R
+    from torch_cfm.integrations.hift import GraphedHiFT
+
+    t2w = types.SimpleNamespace(flow=copy.deepcopy(flow), hift=R.build_hift(seed=3))
+    apply_torch_cfm(t2w, graphs=False, capture_vocoder=True)
+    assert isinstance(vars(t2w.hift).get("forward"), GraphedHiFT)
+    apply_torch_cfm(t2w, graphs=False, capture_vocoder=False)
+    assert "forward" not in vars(t2w.hift)
+    undo_torch_cfm(t2w)
+
+
 @pytest.mark.filterwarnings("ignore:CUDA is not available:UserWarning")  # its autocast("cuda") on CPU
 def test_the_packages_token2wav_stream_and_call_on_cpu(flow):
     """``Token2wav.set_stream_cache``, ``Token2wav.stream`` (PCM bytes) and ``Token2wav.__call__``

@@ -112,6 +112,22 @@ def test_nan_in_one_stream_stays_in_that_stream(flow, hift):
             assert torch.isfinite(m[s]).all() and torch.equal(c[s], m[s]), s
 
 
+def test_paced_streams_kept_out_of_the_voice_cache_leave_it_alone(flow, hift):
+    """Under pacing, a stream opened with voice=False is neither looked up nor kept, and once the
+    prompts are solved no request still holds a copy of its prompt's encoder state."""
+    voice = U.make_prompt(U.TINY, 20, seed=80)
+    server = Token2wavServer(flow, hift, max_streams=2, max_prompt_frames=80, n_timesteps=N_STEPS,
+                             voice_cache_bytes=2**26, prompt_steps_per_tick=2)
+    server.open_many({"off": StreamPrompt(voice.tokens, voice.mel, voice.spk, voice=False),
+                      "on": StreamPrompt(voice.tokens, voice.mel, voice.spk)})
+    for _ in range(N_STEPS):
+        server.step({})
+    assert server.ready("off") and server.ready("on")
+    voices = server.cfm_server.voices
+    assert (voices.hits, voices.misses, len(voices)) == (0, 1, 1)
+    assert all(req.voice_extra is None for req in server.cfm_server._requests.values())
+
+
 @pytest.mark.parametrize("paced", [False, True])
 def test_a_cached_voice_equals_a_fresh_solve_bitwise(flow, hift, paced):
     """Two streams open with one voice, one later on: the second copies the first's solved prompt

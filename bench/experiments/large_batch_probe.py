@@ -34,6 +34,7 @@ sys.path.insert(2, HERE)
 import torch  # noqa: E402
 
 from _harness import time_cuda_graph  # noqa: E402
+from cutlass_gemm import cublas_call  # noqa: E402
 
 E4M3_MAX = 448.0
 
@@ -57,15 +58,6 @@ def role_operands(rows: int):
         w = torch.randn(n, k, device="cuda", dtype=torch.float16) / k ** 0.5
         b = torch.randn(n, device="cuda", dtype=torch.float16) if has_bias else None
         yield role, mm, k, n, gelu, a, w, b, torch.empty(mm, n, device="cuda", dtype=torch.float16)
-
-
-def cublas_call(a, w, b, out, gelu: bool):
-    """The body's cuBLAS call for one role (GELU in the Lt epilogue for fc1)."""
-    if gelu:
-        return lambda: torch._addmm_activation(b, a, w.t(), use_gelu=True, out=out)
-    if b is not None:
-        return lambda: torch.addmm(b, a, w.t(), out=out)
-    return lambda: torch.mm(a, w.t(), out=out)
 
 
 def gemm_part(rows_list, out_rows):

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..errors import fail
 from ..graphs import GraphedCall
+from ..models.cache import trim_attention_cache
 from ..models.upstream import decoder_gaps, hift_gaps, type_name
 from .hift import GraphedHiFT
 from .minicpmo import (accelerated_minicpmo, apply_minicpmo, encoder_forward_chunk, is_causal_hift,
@@ -208,6 +209,9 @@ def _uninstall(decoder: nn.Module) -> None:
         if encoder is not None and encoder.__dict__.get("forward_chunk") is accel.encoder_call:
             del encoder.__dict__["forward_chunk"]
         accel.encoder_call = accel._encoder = None
+        if accel.vocoder is not None:
+            _undo_vocoder(accel.vocoder.hift)
+            accel.vocoder = None
         accel.close()
 
 
@@ -233,15 +237,11 @@ def accelerated(target: Any) -> Optional[TorchCFMDecoder]:
     return getattr(_find_decoder(target, "accelerated"), _ATTR, None)
 
 
-def _trim_like_token2wav(cache: dict, prompt_frames: int, keep_oldest: int = 100) -> dict:
-    """The docs/design.md §3 trims ``Token2wav.stream`` applies after each chunk: the estimator attention
-    cache (dim 4) and the conformer attention cache (dim 3) to their first ``prompt_frames`` and
-    last ``keep_oldest`` frames once longer than ``prompt_frames + keep_oldest``."""
-    est, conf = cache["estimator_att_cache"], cache["conformer_att_cache"]
-    if est.shape[4] > prompt_frames + keep_oldest:
-        cache["estimator_att_cache"] = torch.cat([est[..., :prompt_frames, :], est[..., -keep_oldest:, :]], dim=4)
-    if conf.shape[3] > prompt_frames + keep_oldest:
-        cache["conformer_att_cache"] = torch.cat([conf[:, :, :, :prompt_frames], conf[:, :, :, -keep_oldest:]], dim=3)
+def _trim_like_token2wav(cache: dict, prompt_frames: int) -> dict:
+    """The docs/design.md §3 trim ``Token2wav.stream`` applies after each chunk, to the estimator
+    attention cache and the conformer attention cache (both have frames on axis -2)."""
+    for key in ("estimator_att_cache", "conformer_att_cache"):
+        cache[key] = trim_attention_cache(cache[key], prompt_frames)
     return cache
 
 

@@ -363,9 +363,11 @@ class CacheArena:
             fail("CacheArena.request_caches", "slot", f"be in [0, {self.rows})", str(slot))
         rows = [slot, self.rows + slot]
         length = self.max_cache_frames if length is None else length
+        if self.frame_keys is None:  # an unkeyed arena holds its frames in order
+            return self.cnn[:, :, rows], self.att[:, :, rows, :, :length]  # list indexing copies
         keys = self.frame_keys[[slot, slot]]
         lengths = torch.full((2,), length, device=keys.device)
-        return self.cnn[:, :, rows].clone(), keyed_to_newest_first(self.att[:, :, rows], keys, lengths, length)
+        return self.cnn[:, :, rows], keyed_to_newest_first(self.att[:, :, rows], keys, lengths, length)
 
     def load_request_caches(self, slot: int, cnn: torch.Tensor, att: torch.Tensor) -> None:
         """Put caches in the upstream layout into one slot (the inverse of :meth:`request_caches`):
@@ -378,8 +380,9 @@ class CacheArena:
         for row, src in ((slot, 0), (self.rows + slot, 1)):
             self.att[:, :, row, :, :length].copy_(att[:, :, src])
             self.cnn[:, :, row].copy_(cnn[:, :, src])
-        self.frame_keys[slot].copy_(torch.arange(self.max_cache_frames, device=self.frame_keys.device,
-                                                 dtype=self.frame_keys.dtype))
+        if self.frame_keys is not None:
+            self.frame_keys[slot].copy_(torch.arange(self.max_cache_frames, device=self.frame_keys.device,
+                                                     dtype=self.frame_keys.dtype))
         self.cache_lengths[slot] = length
 
     def describe(self) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Mapping, Optional, Union
+from typing import Mapping, Union
 
 import torch
 

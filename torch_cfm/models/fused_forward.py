@@ -62,10 +62,7 @@ def dit_forward_chunk_fused(
         in the compute dtype.
     """
     dev = x.device
-    if torch.is_autocast_enabled(dev.type):
-        dtype = torch.get_autocast_dtype(dev.type)
-    else:
-        dtype = next(p for n, p in model.named_parameters() if n == "in_proj.weight").dtype
+    dtype = model.compute_dtype(dev.type)
     packed = packed_for(model, dtype, dev)
     x_in = stage_input(x, mu, spks, cond, dtype)
     prec = precision if precision in ("tf32", "ieee") else "auto"

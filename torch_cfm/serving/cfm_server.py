@@ -202,7 +202,8 @@ class CFMServer:
             voice: with a voice cache, the key its solved prompt is kept under (default: the
                 content of spks, prompt_mu, prompt_mel and P). A voice already kept is copied into
                 the slot instead of solved (also with ``prompt_steps_per_tick``: the request is
-                ready at once); then the prompt tensors may be omitted.
+                ready at once); then the prompt tensors may be omitted. False: neither looked up
+                nor kept.
             voice_extra: other stages' prompt state to keep with the voice (returned by
                 :meth:`voice_state` on later hits).
         Returns:
@@ -219,7 +220,7 @@ class CFMServer:
         if request_id in self._requests:
             fail(op, "request_id", "not be open already", repr(request_id))
         cached = None
-        if voice is not None and self.voices is not None and prompt_mu is None:
+        if voice is not None and voice is not False and self.voices is not None and prompt_mu is None:
             cached = self.voices.peek(voice)
             if cached is None:
                 fail(op, "voice", "name a cached voice when no prompt is given", repr(voice))
@@ -245,7 +246,7 @@ class CFMServer:
         if cached is not None:
             prompt_len = cached.prompt_len
         key = voice if cached is not None else None
-        if self.voices is not None and prompt_mu is not None:
+        if self.voices is not None and prompt_mu is not None and voice is not False:
             key = voice if voice is not None else content_key(spks, prompt_mu, prompt_mel, prompt_len, self.dtype)
         bucket = next((b for b, free in enumerate(self._free) if free), None)
         if bucket is None:
@@ -320,6 +321,7 @@ class CFMServer:
         """After a request's prompt solve: keep its slot's state under its voice key (with a voice cache)."""
         if self.voices is not None and req.voice is not None:
             self.keep_voice(request_id, req.voice, mel, req.voice_extra)
+        req.voice_extra = None  # kept with the voice (or not at all): the request holds no copy
 
     def keep_voice(self, request_id: Hashable, voice: Hashable, mel: torch.Tensor, extra: Optional[dict] = None) -> bool:
         """Keep an open request's state (right after its prompt solve) under ``voice`` in the voice
@@ -331,7 +333,7 @@ class CFMServer:
         arena, slot = self.arenas[req.bucket], req.slot
         rows, length = [slot, arena.rows + slot], req.cache_len
         return self.voices.put(voice, VoiceState(
-            att=arena.att[:, :, rows, :, :length].clone(), cnn=arena.cnn[:, :, rows].clone(),
+            att=arena.att[:, :, rows, :, :length], cnn=arena.cnn[:, :, rows],  # list indexing copies
             frame_keys=arena.frame_keys[slot, :length].clone(), prompt_len=req.prompt_len,
             spks=arena.spks[slot].clone(), mel=mel.clone(), extra=dict(extra or {})))
 

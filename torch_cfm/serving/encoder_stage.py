@@ -171,7 +171,7 @@ class EncoderStage:
         return flow.encoder_proj(h), new_cnn, new_att
 
     def graph_counts(self) -> dict[str, int]:
-        return {"encoder": getattr(self.call, "graph_count", 0)}
+        return {"encoder": sum(getattr(c, "graph_count", 0) for c in (self.call, self.ragged_call))}
 
 
 __all__ = ["EncoderStage"]

@@ -54,7 +54,10 @@ class RngSlot:
 
 
 @dataclass
-class _VocoderState:
+class VocoderStreamState:
+    """One stream's vocoder state between chunks: its random state (a generator state, or a
+    counter-based (1, 2) int64 stream), the last mel frames, the source and speech overlap tails."""
+
     rng: torch.Tensor
     mel: Optional[torch.Tensor] = None
     source: Optional[torch.Tensor] = None
@@ -64,7 +67,20 @@ class _VocoderState:
         return [t for t in (self.rng, self.mel, self.source, self.speech) if t is not None]
 
 
-class HiFTStage:
+class PerStreamVocoder:
+    """``close`` and ``state_bytes`` of a stage holding ``self._streams`` ({stream: VocoderStreamState})."""
+
+    _streams: dict
+
+    def close(self, stream_id: Hashable) -> None:
+        self._streams.pop(stream_id, None)
+
+    def state_bytes(self) -> int:
+        """Bytes held now by every open stream."""
+        return sum(t.numel() * t.element_size() for st in self._streams.values() for t in st.tensors())
+
+
+class HiFTStage(PerStreamVocoder):
     """Per-stream HiFT vocoding, batched over equal input lengths (module docstring).
 
     Args:
@@ -90,7 +106,7 @@ class HiFTStage:
         self._fade = torch.hamming_window(2 * self.source_cache, periodic=False, dtype=torch.float64,
                                           device=self.device)
         self._rng = RngSlot(self.device)
-        self._streams: dict[Hashable, _VocoderState] = {}
+        self._streams: dict[Hashable, VocoderStreamState] = {}
         self.f0_call, self.source_call, self.decode_call = self._f0, self._source, self._decode
         if graphs:
             self.f0_call = GraphedCall(self._f0, name="Token2wavServer.hift_f0", max_graphs=budget)
@@ -100,19 +116,12 @@ class HiFTStage:
 
     # ------------------------------------------------------------------ streams
     def open(self, stream_id: Hashable, seed: int) -> None:
-        self._streams[stream_id] = _VocoderState(rng=self._rng.initial(seed))
-
-    def close(self, stream_id: Hashable) -> None:
-        self._streams.pop(stream_id, None)
+        self._streams[stream_id] = VocoderStreamState(rng=self._rng.initial(seed))
 
     def stream_bytes(self) -> int:
         """Bytes of one stream's state at most: 8 mel frames, source and speech caches, its random state."""
         item = torch.empty((), dtype=self.dtype).element_size()
         return item * (self.mel_channels * MEL_CACHE_FRAMES + 2 * self.source_cache) + self._rng.initial(0).numel()
-
-    def state_bytes(self) -> int:
-        """Bytes held now by every open stream."""
-        return sum(t.numel() * t.element_size() for st in self._streams.values() for t in st.tensors())
 
     def graph_counts(self) -> dict[str, int]:
         return {name: getattr(call, "graph_count", 0) for name, call in

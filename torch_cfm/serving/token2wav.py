@@ -44,7 +44,7 @@ from torch import nn
 
 from ..buckets import Buckets, shared_solve_shapes
 from ..errors import fail
-from ..models.cache import TRIM_KEEP_OLDEST
+from ..models.cache import TRIM_KEEP_OLDEST, trim_attention_cache
 from ..models.hift_capturable import MEL_CACHE_FRAMES
 from ..models.upstream import dit_from_decoder, flow_gaps, hift_gaps, placement, type_name
 from ..models.vocoder.causal import bounded_vocoder_gaps
@@ -405,11 +405,10 @@ class Token2wavServer:
         if att.shape[3] <= prompt + TRIM_KEEP_OLDEST:
             return att
         if not self.causal:
-            return torch.cat([att[:, :, :, :prompt], att[:, :, :, -TRIM_KEEP_OLDEST:]], dim=3)
+            return trim_attention_cache(att, prompt)
         depth = len(self.flow.encoder.encoders)
-        token = att[:depth, :, :, :att.shape[3] // 2]
-        token = torch.cat([token[:, :, :, :prompt // 2], token[:, :, :, token.shape[3] - TRIM_KEEP_OLDEST // 2:]], dim=3)
-        mel = torch.cat([att[depth:, :, :, :prompt], att[depth:, :, :, att.shape[3] - TRIM_KEEP_OLDEST:]], dim=3)
+        token = trim_attention_cache(att[:depth, :, :, :att.shape[3] // 2], prompt // 2, TRIM_KEEP_OLDEST // 2)
+        mel = trim_attention_cache(att[depth:], prompt)
         return torch.cat([token.repeat(1, 1, 1, 2, 1), mel], dim=0)
 
     # ------------------------------------------------------------------ start-up

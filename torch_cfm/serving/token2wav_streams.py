@@ -106,7 +106,7 @@ def open_staged(server, staged: list) -> dict[Hashable, torch.Tensor]:
                                        waveform=waveform and server.vocoder is not None)
         if server._streams[sid].waveform:
             server.vocoder.open(sid, seed)
-    extra = {sid: {"conformer": (enc_out[sid][1].clone(), enc_out[sid][2].clone())} for sid in enc_out}
+    extra = {sid: {"conformer": (enc_out[sid][1].clone(), enc_out[sid][2].clone())} for sid in enc_out if sid in keys}
     if server.prompt_steps_per_tick is None:
         for sid, _, mel, *_ in solved:
             cfm.open_request(sid, spks[sid][0], prompt_len=mel.shape[1])
@@ -121,7 +121,7 @@ def open_staged(server, staged: list) -> dict[Hashable, torch.Tensor]:
     else:  # staged now, solved by the next ticks' advance_prompts
         for sid, _, mel, *_ in solved:
             cfm.open_request(sid, spks[sid][0], prompt_mu=enc_out[sid][0], prompt_mel=mel[0].transpose(0, 1),
-                             prompt_len=mel.shape[1], voice=keys.get(sid), voice_extra=extra[sid])
+                             prompt_len=mel.shape[1], voice=keys.get(sid, False), voice_extra=extra.get(sid))
     server._account(t1 - t0, server._clock() - t1, 0.0)
     return {sid: mels[sid] for sid, *_ in staged if sid in mels}
 

@@ -21,8 +21,7 @@ Every stage has one interface: ``open(stream, seed)``, ``close(stream)``, ``__ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Hashable, Optional
+from typing import Hashable
 
 import torch
 from torch import nn
@@ -31,20 +30,10 @@ from ..graphs import GraphedCall
 from ..models.hift_capturable import MEL_CACHE_FRAMES, hift_stream_constants
 from ..models.vocoder import HiFTVocoder, stream_rng
 from ..models.vocoder.causal import CausalVocoderCore, stream_batch
+from .hift_stage import PerStreamVocoder, VocoderStreamState
 
 
-@dataclass
-class _HiFTState:
-    rng: torch.Tensor  # (1, 2) int64 (seed, calls)
-    mel: Optional[torch.Tensor] = None
-    source: Optional[torch.Tensor] = None
-    speech: Optional[torch.Tensor] = None
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.rng, self.mel, self.source, self.speech) if t is not None]
-
-
-class HiFTVocoderStage:
+class HiFTVocoderStage(PerStreamVocoder):
     """``Token2wav.stream``'s vocoder per stream, on :class:`~torch_cfm.models.vocoder.HiFTVocoder`.
 
     Streams whose vocoder input has the same length (and all with, or all without, a previous
@@ -69,23 +58,17 @@ class HiFTVocoderStage:
         self.vocoder = HiFTVocoder(hift, precision=precision, slab_rows=slab)
         self._fade = torch.hamming_window(2 * self.source_cache, periodic=False, dtype=torch.float64,
                                           device=self.device).float()
-        self._streams: dict[Hashable, _HiFTState] = {}
+        self._streams: dict[Hashable, VocoderStreamState] = {}
         self.call = self.vocoder.stream_chunk
         if graphs:
             self.call = GraphedCall(self.vocoder.stream_chunk, name="Token2wavServer.vocoder", max_graphs=budget)
 
     def open(self, stream_id: Hashable, seed: int) -> None:
-        self._streams[stream_id] = _HiFTState(rng=stream_rng([seed], self.device))
-
-    def close(self, stream_id: Hashable) -> None:
-        self._streams.pop(stream_id, None)
+        self._streams[stream_id] = VocoderStreamState(rng=stream_rng([seed], self.device))
 
     def stream_bytes(self) -> int:
         """Bytes of one stream's state at most: 8 mel frames, source and speech caches, its random state."""
         return 4 * (self.mel_channels * MEL_CACHE_FRAMES + 2 * self.source_cache) + 16
-
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for st in self._streams.values() for t in st.tensors())
 
     def graph_counts(self) -> dict[str, int]:
         return {"vocoder": getattr(self.call, "graph_count", 0)}

@@ -46,7 +46,7 @@ class GraphedArenaSolver:
 
     def key(self, arena, noise: torch.Tensor, shape, slots: Optional[torch.Tensor]) -> Hashable:
         """What a captured solve of this call depends on."""
-        return (id(self.solver.estimator), self._weights_key(arena), arena.identity, noise.data_ptr(), _meta(noise),
+        return (id(self.solver.estimator), self.solver.fused, self._weights_key(arena), arena.identity, noise.data_ptr(), _meta(noise),
                 shape, _meta(slots), torch.backends.cuda.matmul.allow_tf32)
 
     def __call__(self, arena, noise: torch.Tensor, *, t_len: int, cache_frames: int,

@@ -118,8 +118,8 @@ class StreamingCFM(nn.Module):
                  f"L={offset}, T={t_len}", "trim the cache (trim_attention_cache)")
         arena = self._arena(mu, spks, cond, cnn_cache, att_cache)
         # the trim threshold lies past every length: nothing is trimmed
-        self.solver(fused, keep_oldest=offset + t_len)(arena, self.noise.to(mu.device), t_len=t_len,
-                                                       cache_frames=offset)
+        noise = self.noise[:, :, :offset + t_len].to(mu.device)
+        self.solver(fused, keep_oldest=offset + t_len)(arena, noise, t_len=t_len, cache_frames=offset)
         return arena.out_mel, arena.cnn, arena.att
 
     def _arena(self, mu, spks, cond, cnn_cache, att_cache) -> CacheArena:

@@ -5,7 +5,7 @@ backend ``vllm_omni.model_executor.models.minicpmo_4_5.batched_token2wav.Batched
 flow built from the checkpoint's ``flow.yaml`` (the CosyVoice2 modules the ``stepaudio2`` package
 ships) and vLLM-Omni's own copy of the CosyVoice ``HiFTGenerator``, streamed the way
 ``stepaudio2``'s ``Token2wav.stream`` streams it. This package serves that backend with a
-:class:`~torch_cfm.integrations.stepaudio2_server.Token2wavServer` behind the backend's own
+:class:`~torch_cfm.serving.Token2wavServer` behind the backend's own
 contract.
 
 * :mod:`.backend`: :class:`TorchCfmBatchedToken2Wav`, the contract (states and their lifecycle,

@@ -5,7 +5,7 @@ B)`` returns B initial states for one voice prompt, ``decode_batch(tokens, featu
 last_chunk=...)`` and ``decode_ragged_batch(tokens, features, states, last_chunks=...)`` return
 each row's audio and its next state, and the stage keeps the state of each request between
 steps. :class:`TorchCfmBatchedToken2Wav` keeps that contract and serves every request as a stream
-of one :class:`~torch_cfm.integrations.stepaudio2_server.Token2wavServer` over the backend's own
+of one :class:`~torch_cfm.serving.Token2wavServer` over the backend's own
 flow and HiFT: the conformer encoder, the CFM (one ``CFMServer``: CUDA graphs, preallocated cache
 arenas) and the vocoder run batched across every stream of a call, whatever their prompts and
 positions.

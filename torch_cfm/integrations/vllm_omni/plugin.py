@@ -98,7 +98,7 @@ def plugin_options(env: Optional[Mapping[str, str]] = None) -> Optional[dict]:
             except ValueError:
                 fail(ENV, key, "be token counts joined by '+' (e.g. 3+16+28)", repr(value))
         else:
-            known = sorted((*_INT_KEYS, *_BOOL_KEYS, "dtype", "encoder_batching", "warmup_last_chunk_tokens"))
+            known = sorted((*_INT_KEYS, *_BOOL_KEYS, "dtype", "vocoder", "encoder_batching", "warmup_last_chunk_tokens"))
             fail(ENV, "its keys", f"be among {known}", repr(key))
     Options(**options)  # a bad value fails here, when the plugin loads, not when the stage starts
     return options

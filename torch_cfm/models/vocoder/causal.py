@@ -372,7 +372,7 @@ class CausalVocoderCore:
             start, end, src, out = step.decode
             speech = self.model.decode(mel[:, :, start:end], source[:, :, src:], finalize=step.finalize)[:, out:]
         keep_mel, keep_source = step.keep
-        return speech, mel[:, :, keep_mel:].clone(), source[:, :, keep_source:].clone(), phase
+        return speech, mel[:, :, keep_mel:], source[:, :, keep_source:], phase  # views: run() copies once
 
     def run(self, plan: ChunkPlan, mel: torch.Tensor, source: torch.Tensor, phase: torch.Tensor,
             chunk: torch.Tensor, noise_base: torch.Tensor):
@@ -395,7 +395,7 @@ class CausalVocoderCore:
                 if speech is not None:
                     speeches.append(speech)
         speech = torch.cat(speeches, dim=1) if speeches else mel.new_zeros(mel.shape[0], 0)
-        return speech, mel, source, phase
+        return speech, mel.clone(), source.clone(), phase
 
 
 # ---------------------------------------------------------------------------- streams
