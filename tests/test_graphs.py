@@ -21,7 +21,7 @@ from interpreter_child import run_child_file
 import dit_oracle as O
 from oracle import assert_within_oracle
 from test_dit_body import GPU_CFG, TINY
-from torch_cfm.buckets import Buckets, round_up
+from torch_cfm.buckets import Buckets, padded_count, round_up
 from torch_cfm.config import cosine_timesteps
 from torch_cfm.graphs import GraphCache
 from torch_cfm import policy
@@ -70,6 +70,8 @@ def test_bucket_policy():
     assert (b.chunk(9, 100), b.cache(5, 100), b.slot_count(3, 100)) == (16, 8, 4)
     assert b.chunk(17, 20) == 20 and b.slot_count(5, 4) == 4  # past the last bucket: the limit
     assert Buckets().chunk(7, 100) == 7 and round_up(7, None, 100) == 7  # no table: exact
+    assert [padded_count(n, (1, 2, 4)) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, 5]  # past the last: itself
+    assert padded_count(3, None) == padded_count(3, ()) == 3
     g = Buckets.for_graphs(max_chunk_frames=300, max_cache_frames=400, max_slots=20)
     assert g.chunks[-1] == 300 and 56 in g.chunks and 50 in g.chunks
     assert g.caches == tuple(range(0, 400, 50)) + (400,)

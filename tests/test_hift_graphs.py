@@ -135,6 +135,27 @@ def test_a_token2wavs_hift_is_graphed_warmed_and_undone_with_its_flow():
         apply_torch_cfm(types.SimpleNamespace(flow=t2w.flow, hift=torch.nn.Linear(1, 1)), capture_vocoder=True)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_upstream_vocoder_stage_leaves_the_hifts_window_alone(device):
+    """A Token2wavServer with ``vocoder="upstream"`` (its :class:`HiFTStage`) keeps its own device
+    copy of ``stft_window``: the HiFT's attribute is the same object on the same device after the
+    server is built and after a tick, and its ``__dict__`` holds nothing new."""
+    from torch_cfm.serving import StreamPrompt, Token2wavServer
+
+    flow, hift = U.build_flow(U.TINY, seed=0).to(device), _hift(device)
+    window, attrs = hift.stft_window, set(vars(hift))
+    server = Token2wavServer(flow, hift, vocoder="upstream", max_streams=1, max_prompt_frames=40, n_timesteps=2,
+                             graphs=False)
+    stage = server.vocoder
+    assert hift.stft_window is window and window.device.type == "cpu"
+    assert stage.window.device.type == device and torch.equal(stage.window.cpu(), window)
+    prompt = U.make_prompt(U.TINY, 10, seed=1, device=device)
+    server.open_many({"s": StreamPrompt(prompt.tokens, prompt.mel, prompt.spk, seed=3)})
+    chunk = U.make_chunks(U.TINY, 1, seed=2, last_tokens=7)[0].to(device)
+    assert server.step({"s": (chunk, True)})["s"].wav.numel() > 0
+    assert hift.stft_window is window and window.device.type == "cpu" and set(vars(hift)) == attrs
+
+
 def _vocoder_stream(vocoder, mels):
     """The vocoder part of Token2wav.stream: mel cache (8 frames), source cache (3840 samples)."""
     outs, mel_cache, source_cache = [], None, torch.zeros(1, 1, 0, device="cuda")

@@ -152,3 +152,30 @@ def test_a_cached_voice_equals_a_fresh_solve_bitwise(flow, hift, paced):
     cached.open_stream("c", voice.tokens, voice.mel, voice.spk)
     assert cached.ready("c") and voices.hits == 2
     cached.close_stream("c")
+
+
+@pytest.mark.parametrize("cache", [None, 2**26])
+def test_streams_of_one_voice_in_one_call_share_its_prompt_solve(flow, hift, cache):
+    """``open_many`` of two streams naming one voice (explicitly; with a voice cache, by content)
+    and one of another voice: one prompt solve per voice, the second stream
+    of the voice holds bitwise the first one's prompt state, and it decodes as the same stream
+    opened alone on a fresh server does (1e-5: that prompt is solved without the other voice)."""
+    voice, other = U.make_prompt(U.TINY, 20, seed=80), U.make_prompt(U.TINY, 13, seed=83)
+    chunks = U.make_chunks(U.TINY, 3, seed=82)
+    name = None if cache else "v"
+    server = Token2wavServer(flow, hift, max_streams=3, max_prompt_frames=80, n_timesteps=N_STEPS,
+                             voice_cache_bytes=cache)
+    solves, solve = [], server.cfm_server.solve_chunk
+    server.cfm_server.solve_chunk = lambda items, **kw: solves.append(sorted(items)) or solve(items, **kw)
+    mels = server.open_many({"a": StreamPrompt(voice.tokens, voice.mel, voice.spk, seed=1, voice=name),
+                             "b": StreamPrompt(voice.tokens, voice.mel, voice.spk, seed=2, voice=name),
+                             "c": StreamPrompt(other.tokens, other.mel, other.spk, seed=3)})
+    assert solves == [["a", "c"]] and torch.equal(mels["a"], mels["b"])
+    caches = [server.stream_caches(s) for s in "ab"]
+    assert all(torch.equal(caches[0][k], caches[1][k]) for k in caches[0])
+    alone = Token2wavServer(flow, hift, max_streams=3, max_prompt_frames=80, n_timesteps=N_STEPS)
+    assert err_rel_fro(mels["b"], alone.open_stream("b", voice.tokens, voice.mel, voice.spk, seed=2)) <= 1e-5
+    for k, tok in enumerate(chunks):
+        last = k == len(chunks) - 1
+        got, want = server.step({"b": (tok, last)})["b"], alone.step({"b": (tok, last)})["b"]
+        assert err_rel_fro(got.mel, want.mel) <= 1e-5 and err_rel_fro(got.wav, want.wav) <= 1e-5, k

@@ -206,6 +206,47 @@ def test_state_lifecycle(bt, flow, hift):
         assert adapter.release() == 1 and adapter.open_streams == 0
 
 
+def test_setup_batch_solves_its_prompt_once(bt, flow, hift):
+    """``setup_batch(features, 3)``: one encoder row and one prompt solve; every stream's caches
+    are bitwise those of a stream set up alone, and its audio equals vLLM-Omni's own path."""
+    feats = V.features(bt, U.make_prompt(U.TINY, 16, seed=7), "v")
+    chunks = U.make_chunks(U.TINY, 2, seed=8, last_tokens=9)
+    alone = VO.apply_torch_cfm_to_vllm_omni(_backend(bt, flow, hift), **OPTS)
+    backend = _backend(bt, flow, hift)
+    adapter = VO.apply_torch_cfm_to_vllm_omni(backend, **OPTS)
+    solves, solve, encoder = [], adapter.server.cfm_server.solve_chunk, adapter.server.encoder
+    adapter.server.cfm_server.solve_chunk = lambda chunks, **kw: solves.append(len(chunks)) or solve(chunks, **kw)
+    encoded = []
+
+    class Encoder:  # the server's encoder stage, counting the rows it is given
+        def __getattr__(self, name):
+            return getattr(encoder, name)
+
+        def __call__(self, items):
+            encoded.append(len(items))
+            return encoder(items)
+
+    adapter.server.encoder = Encoder()
+    with torch.inference_mode():
+        ref_state = alone.setup_batch(feats, 1)[0]
+        ref = alone.server.stream_caches(ref_state.stream)
+        states = backend.setup_batch(feats, 3)
+        assert solves == [1] and encoded == [1]
+        adapter.server.encoder = encoder
+        for st in states:
+            got = adapter.server.stream_caches(st.stream)
+            assert all(torch.equal(got[k], ref[k]) for k in ref), st.stream
+        audios = [[] for _ in states]
+        for k, tok in enumerate(chunks):
+            got, states = backend.decode_batch(tok.long().expand(3, -1), feats, states, last_chunk=k == 1)
+            for i, audio in enumerate(got):
+                audios[i].append(audio)
+    own_audio, _ = _own_path(bt, flow, hift, feats, chunks)
+    for i in range(3):
+        for k in range(2):
+            _close(audios[i][k], own_audio[k], f"stream {i} chunk {k} audio vs vLLM-Omni's own path")
+
+
 def test_long_prompt_falls_back_per_request_and_mixes(bt, flow, hift, caplog):
     """A prompt over max_prompt_frames runs on the original methods; one call mixing its state
     with torch_cfm states gives each row what it gives alone."""
@@ -353,8 +394,10 @@ def test_undo_is_bitwise(bt, flow, hift):
     params = {k: v.clone() for k, v in backend.state_dict().items()}
     window = hift.stft_window
     VO.apply_torch_cfm_to_vllm_omni(backend, **OPTS)
+    assert hift.stft_window is window  # the server keeps its own device copy
     for k, (a, b) in enumerate(zip(run(), before)):
         _close(a, b, f"patched vs own, output {k}")
+    assert hift.stft_window is window
     assert VO.undo_torch_cfm_from_vllm_omni(backend) and not VO.undo_torch_cfm_from_vllm_omni(backend)
     after = run()
     assert set(vars(backend)) == keys and hift.stft_window is window

@@ -33,6 +33,12 @@ def round_up(value: int, buckets: Optional[Sequence[int]], limit: int) -> int:
     return min(buckets[i], limit) if i < len(buckets) else limit
 
 
+def padded_count(count: int, buckets: Optional[Sequence[int]]) -> int:
+    """The batch size ``count`` rows are padded to: the first of the sorted ``buckets`` that holds
+    them (``count`` itself past the last bucket, or without buckets)."""
+    return next((b for b in (buckets or ()) if b >= count), count)
+
+
 def reachable(buckets: Optional[Sequence[int]], limit: int, low: int) -> Optional[list[int]]:
     """Every value :func:`round_up` gives for inputs in [low, limit] (None without buckets)."""
     if not buckets:
@@ -128,5 +134,5 @@ def shared_solve_shapes(prompt_frames: Sequence[int], chunk_frames: Sequence[int
     return pairs
 
 
-__all__ = ["Buckets", "CHUNK_FRAMES", "CACHE_STEP", "SLOTS", "round_up", "reachable", "stream_solve_shapes",
-           "shared_solve_shapes"]
+__all__ = ["Buckets", "CHUNK_FRAMES", "CACHE_STEP", "SLOTS", "round_up", "padded_count", "reachable",
+           "stream_solve_shapes", "shared_solve_shapes"]

@@ -248,13 +248,7 @@ class CFMServer:
         key = voice if cached is not None else None
         if self.voices is not None and prompt_mu is not None and voice is not False:
             key = voice if voice is not None else content_key(spks, prompt_mu, prompt_mel, prompt_len, self.dtype)
-        bucket = next((b for b, free in enumerate(self._free) if free), None)
-        if bucket is None:
-            raise AdmissionError(
-                f"{op}: no free request slot: all {sum(a.rows for a in self.arenas)} slots (max_requests/buckets) "
-                f"are open, {self.bytes_per_stream} bytes per stream; close a request first or build the "
-                "server with more slots")
-        req = self._take_slot(request_id, bucket, spks, prompt_len)
+        req = self._take_slot(request_id, self._free_bucket(op), spks, prompt_len)
         state = None if key is None else self.voices.get(key)
         if state is not None:
             return self._restore_voice(req, state)
@@ -265,10 +259,30 @@ class CFMServer:
             mel = self.solve_chunk({request_id: (prompt_mu, prompt_mel)})[request_id]
             self.remember_voice(request_id, req, mel)
             return mel
-        self._stage(self.arenas[bucket], self._groups([(request_id, req, prompt_mu, prompt_mel)]))
+        self._stage(self.arenas[req.bucket], self._groups([(request_id, req, prompt_mu, prompt_mel)]))
         req.pending = True
         self._cohorts.queue(request_id, req, prompt_mu.shape[1])
         return None
+
+    def open_copy(self, request_id: Hashable, state: VoiceState) -> torch.Tensor:
+        """Open a request whose prompt state is a copy of ``state`` (another request's
+        :meth:`prompt_state`), without a solve: the request is ready at once. Returns its prompt
+        mel (80, P). Raises as :meth:`open_request`."""
+        op = "CFMServer.open_copy"
+        if request_id in self._requests:
+            fail(op, "request_id", "not be open already", repr(request_id))
+        req = self._take_slot(request_id, self._free_bucket(op), state.spks[None], state.prompt_len)
+        return self._restore_voice(req, state)
+
+    def _free_bucket(self, op: str) -> int:
+        """The first bucket with a free slot (AdmissionError: none)."""
+        bucket = next((b for b, free in enumerate(self._free) if free), None)
+        if bucket is None:
+            raise AdmissionError(
+                f"{op}: no free request slot: all {sum(a.rows for a in self.arenas)} slots (max_requests/buckets) "
+                f"are open, {self.bytes_per_stream} bytes per stream; close a request first or build the "
+                "server with more slots")
+        return bucket
 
     def _take_slot(self, request_id: Hashable, bucket: int, spks: torch.Tensor, prompt_len: int) -> _Request:
         slot = self._free[bucket].pop(0)
@@ -327,30 +341,23 @@ class CFMServer:
         """Keep an open request's state (right after its prompt solve) under ``voice`` in the voice
         cache, with ``mel`` (its prompt mel, (80, P)) and other stages' ``extra`` state. Returns
         whether it was kept (False without a voice cache, or when it exceeds the cache's budget)."""
-        req = self._get(request_id, "CFMServer.keep_voice")
-        if self.voices is None:
-            return False
-        arena, slot = self.arenas[req.bucket], req.slot
-        rows, length = [slot, arena.rows + slot], req.cache_len
-        return self.voices.put(voice, VoiceState(
-            att=arena.att[:, :, rows, :, :length], cnn=arena.cnn[:, :, rows],  # list indexing copies
-            frame_keys=arena.frame_keys[slot, :length].clone(), prompt_len=req.prompt_len,
-            spks=arena.spks[slot].clone(), mel=mel.clone(), extra=dict(extra or {})))
+        self._get(request_id, "CFMServer.keep_voice")
+        return self.voices is not None and self.voices.put(voice, self.prompt_state(request_id, mel, extra))
+
+    def prompt_state(self, request_id: Hashable, mel: torch.Tensor, extra: Optional[dict] = None) -> VoiceState:
+        """A copy of an open request's state right after its prompt solve (its slot's caches, P and
+        speaker embedding) with its prompt ``mel`` (80, P) and other stages' ``extra`` state."""
+        req = self._get(request_id, "CFMServer.prompt_state")
+        return VoiceState.of_slot(self.arenas[req.bucket], req.slot, req.cache_len, req.prompt_len, mel, extra)
 
     def voice_state(self, voice: Hashable) -> Optional[VoiceState]:
         """The cached state of ``voice`` (None: not cached, or no voice cache); not counted as a lookup."""
         return None if self.voices is None else self.voices.peek(voice)
 
     def _restore_voice(self, req: _Request, state: VoiceState) -> torch.Tensor:
-        """A cached voice into the request's slot (bitwise its solve's state); the prompt mel returned."""
-        arena, slot = self.arenas[req.bucket], req.slot
-        length = state.cache_len
-        for row, src in ((slot, 0), (arena.rows + slot, 1)):
-            arena.att[:, :, row, :, :length].copy_(state.att[:, :, src])
-            arena.cnn[:, :, row].copy_(state.cnn[:, :, src])
-        arena.frame_keys[slot, :length].copy_(state.frame_keys)
-        arena.cache_lengths[slot] = length
-        req.cache_len, req.chunks = length, 1
+        """A prompt state into the request's slot (bitwise its solve's state); the prompt mel returned."""
+        state.restore(self.arenas[req.bucket], req.slot)
+        req.cache_len, req.chunks = state.cache_len, 1
         return state.mel.clone()
 
     # ------------------------------------------------------------------ caches

@@ -23,7 +23,7 @@ from typing import Hashable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..buckets import CACHE_STEP
+from ..buckets import CACHE_STEP, padded_count
 from ..graphs import GraphedCall
 from ..models.upstream import encoder_forward_chunk
 
@@ -59,10 +59,8 @@ class EncoderStage:
         return torch.autocast("cuda", dtype=self.dtype, enabled=half)
 
     def padded(self, count: int) -> int:
-        """The batch size ``count`` rows are padded to."""
-        if not self.batch_buckets:
-            return count
-        return next((b for b in self.batch_buckets if b >= count), count)
+        """The batch size ``count`` rows are padded to (:func:`~torch_cfm.buckets.padded_count`)."""
+        return padded_count(count, self.batch_buckets)
 
     def __call__(self, items) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """``items``: (stream id, tokens (1, n), conformer cnn cache or None, att cache or None, last).

@@ -84,12 +84,16 @@ class HiFTStage(PerStreamVocoder):
     """Per-stream HiFT vocoding, batched over equal input lengths (module docstring).
 
     Args:
-        hift: the upstream ``HiFTGenerator`` (its ``stft_window`` attribute is moved to its device:
-            same values, no host copy per call).
+        hift: the upstream ``HiFTGenerator`` (not modified: its ``stft_window`` is swapped for
+            :attr:`window` only inside each call, by :func:`capturable`).
         mel_channels: the flow's mel width (80).
         padded: a callable giving the batch size ``count`` rows are padded to.
         graphs: replay each shape from a CUDA graph.
         stats: the server's counters (``vocoder_batches`` is incremented).
+    Attributes:
+        window: the HiFT's ``stft_window`` on its device (a plain attribute, not a buffer: the
+            upstream copies it to the device in every stft/istft call, a host copy a CUDA graph
+            cannot hold).
     """
 
     def __init__(self, hift: nn.Module, *, mel_channels: int, padded, graphs: bool, stats: dict,
@@ -98,11 +102,7 @@ class HiFTStage(PerStreamVocoder):
         self.samples_per_frame, self.source_cache = hift_stream_constants(hift)
         param = next(hift.parameters())
         self.dtype, self.device = param.dtype, param.device
-        window = getattr(hift, "stft_window", None)
-        if isinstance(window, torch.Tensor) and window.device != self.device:
-            # A plain attribute (not a buffer): the upstream copies it to the device in every
-            # stft/istft call, a host copy a CUDA graph cannot hold. Same values, on the device.
-            hift.stft_window = window.to(self.device)
+        self.window = hift.stft_window.to(self.device)
         self._fade = torch.hamming_window(2 * self.source_cache, periodic=False, dtype=torch.float64,
                                           device=self.device)
         self._rng = RngSlot(self.device)
@@ -179,11 +179,11 @@ class HiFTStage(PerStreamVocoder):
 
     def _source(self, up):
         """The HiFT's source module on one stream's upsampled f0 (B = 1): its merged source."""
-        with capturable(self.hift, self.hift.stft_window):
+        with capturable(self.hift, self.window):
             return self.hift.m_source(up)[0]
 
     def _decode(self, mel, source):
-        with capturable(self.hift, self.hift.stft_window):
+        with capturable(self.hift, self.window):
             return self.hift.decode(x=mel, s=source)
 
 

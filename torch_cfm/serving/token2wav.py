@@ -35,6 +35,7 @@ Importing this module never imports ``stepaudio2``: the flow and vocoder are the
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Hashable, Mapping, Optional, Sequence
@@ -42,7 +43,7 @@ from typing import Any, Hashable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from ..buckets import Buckets, shared_solve_shapes
+from ..buckets import Buckets, padded_count, shared_solve_shapes
 from ..errors import fail
 from ..models.cache import TRIM_KEEP_OLDEST, trim_attention_cache
 from ..models.hift_capturable import MEL_CACHE_FRAMES
@@ -63,8 +64,11 @@ class StreamPrompt:
     tokens (1, P_tok + 3) or (P_tok + 3,) ints (the 3 lookahead tokens last), prompt mel
     (1, P, 80) or (P, 80) with P = 2 * P_tok, the raw speaker embedding (1, E) or (E,). ``seed``
     seeds the stream's vocoder random state; ``waveform=False`` makes a mel-only stream (its
-    vocoder stage is skipped); ``voice`` names the voice for the voice cache (default: the prompt's
-    content; False: keep this stream out of the cache)."""
+    vocoder stage is skipped); ``voice`` names the voice (a hashable) for the voice cache (default:
+    the prompt's content; False: keep this stream out of the cache). Streams that one
+    :meth:`Token2wavServer.open_many` opens with the same voice name the same prompt: one is solved
+    and the others get copies of its state (without ``prompt_steps_per_tick``; with or without a
+    voice cache)."""
 
     tokens: torch.Tensor
     mel: torch.Tensor
@@ -147,8 +151,7 @@ class Token2wavServer:
     Attributes:
         cfm_server: the :class:`~torch_cfm.serving.CFMServer` of every stream's CFM.
         encoder, vocoder: the stages (``vocoder`` None without a HiFT).
-        flow, hift: the upstream modules (not modified, except that the HiFT's ``stft_window``
-            attribute is moved to its device).
+        flow, hift: the upstream modules (not modified).
         stats: seconds spent per stage (``encoder``, ``cfm``, ``vocoder``) when ``timing=True``;
             counts of ``ticks``, ``chunks``, ``encoder_batches`` (``ragged_batches`` of them) and
             ``vocoder_batches``.
@@ -221,7 +224,8 @@ class Token2wavServer:
         if self.causal:
             return CausalVocoderStage(hift, batch_buckets=self.batch_buckets, graphs=self.stage_graphs,
                                       stats=self.stats, budget=budget)
-        common = dict(mel_channels=self.flow.output_size, padded=self.encoder.padded, graphs=self.stage_graphs,
+        padded = functools.partial(padded_count, buckets=self.batch_buckets)
+        common = dict(mel_channels=self.flow.output_size, padded=padded, graphs=self.stage_graphs,
                       stats=self.stats, budget=budget)
         if kind == "upstream":
             return HiFTStage(hift, **common)
@@ -287,11 +291,12 @@ class Token2wavServer:
 
     def open_many(self, prompts: Mapping[Hashable, Any]) -> dict[Hashable, torch.Tensor]:
         """Open streams together: their encoders and prompt solves run batched (voices already in
-        the voice cache are copied instead).
+        the voice cache, and streams sharing a voice with an earlier one of the call, are copied
+        instead: :class:`StreamPrompt`).
 
         Args:
             prompts: ``{stream_id: StreamPrompt}`` or ``{stream_id: (prompt_tokens, prompt_mel,
-                spk[, seed[, waveform]])}`` (see :class:`StreamPrompt`).
+                spk[, seed[, waveform[, voice]]])}`` (see :class:`StreamPrompt`).
         Returns:
             ``{stream_id: prompt mel (80, P)}`` (the upstream ``setup_cache`` solve); with
             ``prompt_steps_per_tick`` only the streams served from the voice cache (the others'

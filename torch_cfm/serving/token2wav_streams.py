@@ -2,9 +2,10 @@
 
 The server's per-stream bookkeeping that is not a stage: argument checks (a ``ValueError`` naming
 the stream and argument, nothing changed on error), the prompt path of ``open_many`` (voices
-already solved are copied from the voice cache; the others' tokens run through the encoder in one
-batch and their prompts through the CFM in one ragged solve, or queued with pacing), and the
-warm-up that runs every stage at the shapes a workload meets.
+already solved are copied from the voice cache, and streams of one voice in the call from its
+first; the others' tokens run through the encoder in one batch and their prompts through the CFM
+in one ragged solve, or queued with pacing), and the warm-up that runs every stage at the shapes a
+workload meets.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def check_prompts(server, op: str, prompts: Mapping[Hashable, Any]) -> list:
         if isinstance(item, (tuple, list)) and 3 <= len(item) <= 6:
             item = StreamPrompt(*item)
         if not isinstance(item, StreamPrompt):
-            fail(op, f"prompts[{sid!r}]", "be a StreamPrompt or (prompt_tokens, prompt_mel, spk[, seed[, waveform]])",
-                 type(item).__name__)
+            fail(op, f"prompts[{sid!r}]",
+                 "be a StreamPrompt or (prompt_tokens, prompt_mel, spk[, seed[, waveform[, voice]]])", type(item).__name__)
         tokens = as_tokens(server, op, f"prompts[{sid!r}] prompt_tokens", item.tokens)
         p_tok = tokens.shape[1] - server.lookahead
         mel = as_float(server, op, f"prompts[{sid!r}] prompt_mel", item.mel, 3)
@@ -79,7 +80,9 @@ def check_prompts(server, op: str, prompts: Mapping[Hashable, Any]) -> list:
 
 def open_staged(server, staged: list) -> dict[Hashable, torch.Tensor]:
     """Open checked prompts: cached voices copied, the others encoded in one batch and solved
-    (in one ragged CFM solve, or queued with pacing). Returns {stream id: prompt mel (80, P)}."""
+    (in one ragged CFM solve, or queued with pacing). Without pacing, streams that name the same
+    voice (with a voice cache: or have the same content) share one encoder run and prompt solve:
+    the first is solved, the others get copies of its state. Returns {stream id: prompt mel (80, P)}."""
     from .token2wav import _Stream
 
     cfm, voices = server.cfm_server, server.cfm_server.voices
@@ -89,7 +92,9 @@ def open_staged(server, staged: list) -> dict[Hashable, torch.Tensor]:
         keys = {sid: voice if voice is not None else content_key(tokens, mel, spk, server.dtype)
                 for sid, tokens, mel, spk, _, _, voice in staged if voice is not False}
     cached = [s for s in staged if s[0] in keys and keys[s[0]] in voices]
-    solved = [s for s in staged if s not in cached]
+    copies = {} if server.prompt_steps_per_tick is not None else _same_voice(
+        [s for s in staged if s not in cached], keys)
+    solved = [s for s in staged if s not in cached and s[0] not in copies]
     with server.encoder.autocast():
         spks = {sid: server.flow.spk_embed_affine_layer(F.normalize(spk.to(server.enc_dtype), dim=1))
                 for sid, _, _, spk, *_ in solved}
@@ -99,6 +104,8 @@ def open_staged(server, staged: list) -> dict[Hashable, torch.Tensor]:
     for sid, tokens, mel, spk, seed, waveform, _ in staged:
         if sid in enc_out:
             _, cnn, att = enc_out[sid]
+        elif sid in copies:  # its voice's first stream is solved: copies of its encoder state
+            cnn, att = (t.clone() for t in enc_out[copies[sid]][1:])
         else:  # a cached voice: its prompt's encoder state and CFM state are copies
             cnn, att = (t.clone() for t in cfm.voice_state(keys[sid]).extra["conformer"])
             mels[sid] = cfm.open_request(sid, voice=keys[sid])
@@ -118,12 +125,30 @@ def open_staged(server, staged: list) -> dict[Hashable, torch.Tensor]:
                 if sid in keys:
                     cfm.keep_voice(sid, keys[sid], fresh[sid], extra[sid])
             mels.update(fresh)
+            states = {first: cfm.prompt_state(first, fresh[first]) for first in set(copies.values())}
+            mels.update({sid: cfm.open_copy(sid, states[first]) for sid, first in copies.items()})
     else:  # staged now, solved by the next ticks' advance_prompts
         for sid, _, mel, *_ in solved:
             cfm.open_request(sid, spks[sid][0], prompt_mu=enc_out[sid][0], prompt_mel=mel[0].transpose(0, 1),
                              prompt_len=mel.shape[1], voice=keys.get(sid, False), voice_extra=extra.get(sid))
     server._account(t1 - t0, server._clock() - t1, 0.0)
     return {sid: mels[sid] for sid, *_ in staged if sid in mels}
+
+
+def _same_voice(staged: list, keys: Mapping[Hashable, Any]) -> dict[Hashable, Hashable]:
+    """{stream id: the earlier stream of ``staged`` whose voice it shares}: the same voice-cache
+    key in ``keys``, or without one the same explicit voice (None and False name none)."""
+    first: dict = {}
+    out = {}
+    for sid, *_, voice in staged:
+        key = keys.get(sid, voice)
+        if key is None or key is False:
+            continue
+        if key in first:
+            out[sid] = first[key]
+        else:
+            first[key] = sid
+    return out
 
 
 def check_chunks(server, op: str, chunks: Mapping[Hashable, Any]) -> list:

@@ -73,6 +73,26 @@ class VoiceState:
     mel: torch.Tensor
     extra: dict = field(default_factory=dict)
 
+    @classmethod
+    def of_slot(cls, arena: Any, slot: int, length: int, prompt_len: int, mel: torch.Tensor,
+                extra: Optional[dict] = None) -> "VoiceState":
+        """A copy of slot ``slot`` of a :class:`~torch_cfm.models.cache.CacheArena` (its first
+        ``length`` cache frames and keys, conv caches, speaker embedding) with ``mel`` and ``extra``."""
+        rows = [slot, arena.rows + slot]
+        return cls(att=arena.att[:, :, rows, :, :length], cnn=arena.cnn[:, :, rows],  # list indexing copies
+                   frame_keys=arena.frame_keys[slot, :length].clone(), prompt_len=prompt_len,
+                   spks=arena.spks[slot].clone(), mel=mel.clone(), extra=dict(extra or {}))
+
+    def restore(self, arena: Any, slot: int) -> None:
+        """Write this state into slot ``slot`` of ``arena`` (bitwise the slot it was copied from;
+        the speaker embedding and P are the slot's own)."""
+        length = self.cache_len
+        for row, src in ((slot, 0), (arena.rows + slot, 1)):
+            arena.att[:, :, row, :, :length].copy_(self.att[:, :, src])
+            arena.cnn[:, :, row].copy_(self.cnn[:, :, src])
+        arena.frame_keys[slot, :length].copy_(self.frame_keys)
+        arena.cache_lengths[slot] = length
+
     @property
     def cache_len(self) -> int:
         return self.att.shape[4]

@@ -34,11 +34,9 @@ def accelerated_backend(backend: Any) -> Optional[TorchCfmBatchedToken2Wav]:
     return vars(backend).get(_ATTR) if hasattr(backend, "__dict__") else None
 
 
-def attach(backend: Any, server: Token2wavServer, options: Options,
-           saved_window: Any = None) -> TorchCfmBatchedToken2Wav:
+def attach(backend: Any, server: Token2wavServer, options: Options) -> TorchCfmBatchedToken2Wav:
     """Install an adapter over a built ``server`` on ``backend`` (and warm it up when asked)."""
     adapter = TorchCfmBatchedToken2Wav(backend, server, options)
-    adapter._saved_window = saved_window  # the HiFT's window before the server moved it to its device
     for name in METHODS:
         vars(backend)[name] = getattr(adapter, name)
     vars(backend)[_ATTR] = adapter
@@ -50,8 +48,16 @@ def attach(backend: Any, server: Token2wavServer, options: Options,
     return adapter
 
 
-def _hift_window(hift: Any) -> Any:
-    return getattr(hift, "stft_window", None)
+def _server_or_reason(flow: Any, hift: Any, n_timesteps: int, options: Options,
+                      reason: Optional[str]) -> tuple[Optional[Token2wavServer], Optional[str]]:
+    """(the server, None) when the parts are supported (``reason`` None) and :func:`build_server`
+    takes them, else (None, why not)."""
+    if reason is not None:
+        return None, reason
+    try:
+        return build_server(flow, hift, n_timesteps, options), None
+    except (TypeError, ValueError, AttributeError) as exc:
+        return None, f"unknown layout: {exc}"
 
 
 def apply_torch_cfm_to_vllm_omni(backend: Any, *, strict: bool = False,
@@ -81,24 +87,19 @@ def apply_torch_cfm_to_vllm_omni(backend: Any, *, strict: bool = False,
         return existing
     opts = Options(**options)
     reason = unsupported_reason(backend)
-    server, window = None, None
-    if reason is None:
-        window = _hift_window(backend.hift)
-        try:
-            server = build_server(backend.flow, backend.hift, backend.n_timesteps, opts)
-        except (TypeError, ValueError, AttributeError) as exc:
-            reason = f"unknown layout: {exc}"
+    server, reason = _server_or_reason(getattr(backend, "flow", None), getattr(backend, "hift", None),
+                                       getattr(backend, "n_timesteps", 10), opts, reason)
     if server is None:
         if strict:
             raise NotImplementedError(f"apply_torch_cfm_to_vllm_omni: not supported yet: {reason}")
         log_once(f"apply:{reason}", f"MiniCPM-o Code2Wav stays on vLLM-Omni's own path: {reason}")
         return None
-    return attach(backend, server, opts, window)
+    return attach(backend, server, opts)
 
 
 def undo_torch_cfm_from_vllm_omni(backend: Any) -> bool:
-    """Back to vLLM-Omni's own methods: every stream closed, the server dropped, the HiFT's window
-    restored (the backend's modules and buffers are then bitwise what they were). States made
+    """Back to vLLM-Omni's own methods: every stream closed, the server dropped (the backend's
+    modules and buffers are bitwise what they were: the server never modifies them). States made
     by torch_cfm are not valid afterwards. Returns False when nothing was applied."""
     adapter = vars(backend).pop(_ATTR, None) if hasattr(backend, "__dict__") else None
     if adapter is None:
@@ -106,9 +107,6 @@ def undo_torch_cfm_from_vllm_omni(backend: Any) -> bool:
     for name in METHODS:
         vars(backend).pop(name, None)
     adapter.close()
-    saved = getattr(adapter, "_saved_window", None)
-    if saved is not None and _hift_window(backend.hift) is not saved:
-        backend.hift.stft_window = saved
     return True
 
 
@@ -121,18 +119,12 @@ def construct_patched(original_init: Callable, backend: Any, token2wav: Any, arg
     opts = Options(**options)
     trt = kwargs.get("trt_stepper", args[0] if args else None)
     flow, hift = getattr(token2wav, "flow", None), getattr(token2wav, "hift", None)
-    reason = support_reason(flow, hift, trt, state_base(type(backend)))
-    server, window = None, None
-    if reason is None:
-        window = _hift_window(hift)
-        try:
-            server = build_server(flow, hift, getattr(token2wav, "n_timesteps", 10), opts)
-        except (TypeError, ValueError, AttributeError) as exc:
-            reason = f"unknown layout: {exc}"
+    server, reason = _server_or_reason(flow, hift, getattr(token2wav, "n_timesteps", 10), opts,
+                                       support_reason(flow, hift, trt, state_base(type(backend))))
     if server is not None:
         kwargs = dict(kwargs, hift_graph_config={"enabled": False}, cfm_graph_config={"enabled": False})
     original_init(backend, token2wav, *args, **kwargs)
     if server is None:
         log_once(f"apply:{reason}", f"MiniCPM-o Code2Wav stays on vLLM-Omni's own path: {reason}")
         return
-    attach(backend, server, opts, window)
+    attach(backend, server, opts)

@@ -15,7 +15,8 @@ its stream and how many chunks it has decoded (``flow_cache`` and ``hift_cache``
 caches live in the server's arenas, so every such state has the same shape signature and the
 stage buckets a prompt's requests together whatever their positions). The stream is
 
-* opened by ``setup_batch`` (its prompt solved there, as the original solves it there);
+* opened by ``setup_batch`` (its prompt solved there, as the original solves it there: once per call,
+  copied into each of the call's streams);
 * advanced by ``decode_batch`` / ``decode_ragged_batch``: the state passed in must be the one the
   last call returned for that request (a state is consumed once; an older one raises ValueError);
 * closed when its last chunk is decoded, by :meth:`TorchCfmBatchedToken2Wav.release`, or when the
@@ -148,7 +149,8 @@ class TorchCfmBatchedToken2Wav:
     def setup_batch(self, features: Any, batch_size: int) -> list:
         """``batch_size`` new requests with the voice prompt ``features`` (a ``PromptFeatures``:
         speech_tokens (1, P_tok), speaker_embedding (1, E), mels (1, P, 80)): each a stream with
-        its prompt solved now. Returns their initial states.
+        its prompt state set now (the prompt solved once, copied into every stream). Returns
+        their initial states.
 
         Raises:
             ValueError: ``batch_size`` is not a non-negative int.
@@ -167,8 +169,10 @@ class TorchCfmBatchedToken2Wav:
             return []
         tokens, mel, spk = prompt
         ids = [next(self._ids) for _ in range(batch_size)]
+        # one voice for the call: its prompt is solved once and copied into every other stream
+        voice = None if self.server.cfm_server.voices is not None else ("setup_batch", self._token, ids[0])
         with serving_context():
-            self.server.open_many({sid: (tokens, mel, spk, self._seed()) for sid in ids})
+            self.server.open_many({sid: (tokens, mel, spk, self._seed(), True, voice) for sid in ids})
         for sid in ids:
             self._records[sid] = _Record(version=0)
         self.stats["setups"] += 1
