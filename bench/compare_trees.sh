@@ -21,6 +21,9 @@ SERVER_ARGS=${SERVER_ARGS:-"--streams 16,64 --dtype fp16 --label steady"}
 # the many-stream front, CFM alone (bench/serving.py), and one Token2wav stream (bench/stepaudio2_stream.py)
 SERVING_CFM_ARGS=${SERVING_CFM_ARGS:-"--stages cfm --providers torch_cfm --concurrency 1,16,64 --quick --warmup --dtype fp16"}
 STREAM_ARGS=${STREAM_ARGS:-"--quick"}
+# tokens -> waveform (CFM alone and with the encoder and vocoder) and the vocoder decode alone
+SERVING_WAV_ARGS=${SERVING_WAV_ARGS:-"--stages cfm,wav --providers torch_cfm --concurrency 16,64 --quick --warmup --dtype fp16"}
+VOCODER_ARGS=${VOCODER_ARGS:-"--streams 64 --upstream tf32 --precisions tf32,fp16 --compiled= --slab= --repeats 5 --calls 2"}
 
 build() {  # build <tree> <log> (in place; a warm machine keeps the last call's build: SKIP_BUILD=1 reuses it)
   if [ "${SKIP_BUILD:-0}" = 1 ] && ls "$1"/torch_cfm/_C*.so > /dev/null 2>&1; then return 0; fi
@@ -51,6 +54,8 @@ for part in ${PARTS:-serving steps solve attention}; do
     serving) both bench/serving_tick.py $SERVER_ARGS ;;
     serving-cfm) both bench/serving.py $SERVING_CFM_ARGS ;;
     stream) both bench/stepaudio2_stream.py $STREAM_ARGS ;;
+    serving-wav) both bench/serving.py $SERVING_WAV_ARGS ;;
+    vocoder) both bench/vocoder.py $VOCODER_ARGS ;;
     steps) both bench/dit_step.py $STEP_ARGS ;;
     solve) both bench/dit_step.py $SOLVE_ARGS ;;
     attention) both bench/attention.py $ATTN_ARGS ;;

@@ -160,15 +160,20 @@ class Setup:
                                          float16=flow_dtype == torch.float16, device=self.device)
 
 
-def _captures(t2w) -> int:
+def _graph_counts(t2w) -> dict:
+    """Graphs captured so far per graph cache: the CFM decoder's, the encoder's, the vocoder's."""
     from torch_cfm.integrations.minicpmo import accelerated_minicpmo
     from torch_cfm.integrations.stepaudio2 import accelerated
 
     acc, mini = accelerated(t2w), accelerated_minicpmo(t2w)
     if acc is None:
-        return 0
-    encoder = acc.encoder_call.graph_count if acc.encoder_call is not None else 0
-    return acc.graph_count() + encoder + (mini.vocoder.graph_count if mini is not None else 0)
+        return {}
+    return dict(decoder=acc.graph_count(), encoder=acc.encoder_call.graph_count if acc.encoder_call is not None else 0,
+                vocoder=mini.vocoder.graph_count if mini is not None else 0)
+
+
+def _captures(t2w) -> int:
+    return sum(_graph_counts(t2w).values())
 
 
 def measure(setup: Setup, t2w, provider: str, chunks: list, ref_mels: list, fields: dict) -> list:
@@ -177,7 +182,7 @@ def measure(setup: Setup, t2w, provider: str, chunks: list, ref_mels: list, fiel
     warm = chunks[:3] + chunks[-1:]
     run_stream(t2w, warm, device)
     run_stream(t2w, warm, device, mels=[])
-    before = _captures(t2w)
+    before, counts = _captures(t2w), _graph_counts(t2w)
     mels: list = []
     setup_ms, times = run_stream(t2w, chunks, device, mels=mels)
     rel = max(H.rel_err(m, r) for m, r in zip(mels, ref_mels))
@@ -187,7 +192,8 @@ def measure(setup: Setup, t2w, provider: str, chunks: list, ref_mels: list, fiel
     voc = vocoder_ms(t2w, chunks, device)
     extra = {}
     if provider == "torch_cfm":
-        extra = dict(captures_during_timing=_captures(t2w) - before, graphs=_captures(t2w))
+        extra = dict(captures_during_timing=_captures(t2w) - before, graphs=_captures(t2w),
+                     captures_by_cache={k: v - counts.get(k, 0) for k, v in _graph_counts(t2w).items()})
     rows.append(H.make_row(fields["env"], **fields["row"], provider=provider, variant="waveform",
                            **_timing(setup_ms, times), vocoder_ms_p50=round(_pct(voc, 0.5), 3), **extra))
     if extra:
@@ -233,7 +239,8 @@ def _markdown(rows: list, shape: dict, command: str) -> str:
         checks.append(f"tokens -> waveform chunk p50 {wave['chunk_ms_p50']:.1f} ms <= {BARS['chunk_ms']} ms: "
                       f"{wave['chunk_ms_p50'] <= BARS['chunk_ms']}"
                       + (f" (upstream {up_wave['chunk_ms_p50']:.1f} ms)" if up_wave else ""))
-        checks.append(f"captures during the timed streams: {wave.get('captures_during_timing')}")
+        checks.append(f"captures during the timed streams: {wave.get('captures_during_timing')} "
+                      f"{wave.get('captures_by_cache') or ''}")
     mel, up_mel = got.get(("torch_cfm", "mel")), got.get(("upstream", "mel"))
     if mel is not None and up_mel is not None:
         ok = mel["mel_rel_err"] <= 2 * up_mel["mel_rel_err"] + 1e-6

@@ -464,10 +464,12 @@ def test_gpu_graph_replay_equals_eager_bitwise(precision):
 
 
 @pytest.mark.gpu
-def test_gpu_batch_invariance_bitwise_eager_and_graphed():
+@pytest.mark.parametrize("slab_rows,precision", [(None, "tf32"), (None, "fp16"), (4, "tf32")])
+def test_gpu_batch_invariance_bitwise_eager_and_graphed(slab_rows, precision):
     hift, mel, cache, _ = _gpu_case(batch=5)
     rng = stream_rng([10, 11, 12, 13, 14], "cuda")
-    voc = HiFTVocoder(hift, slab_rows=4)
+    voc = HiFTVocoder(hift, slab_rows=slab_rows, precision=precision)
+    assert voc.fused_convs  # the fused Triton convolutions: batch invariant without slabs
     perm = [3, 0, 4, 2, 1]
     whole = voc(mel, rng, cache)
     alone = voc(mel[2:3], rng[2:3], cache[2:3])

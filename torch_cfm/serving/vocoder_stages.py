@@ -53,9 +53,10 @@ class HiFTVocoderStage(PerStreamVocoder):
         self.mel_channels, self._padded, self.stats = mel_channels, padded, stats
         self.samples_per_frame, self.source_cache = hift_stream_constants(hift)
         self.device = next(hift.parameters()).device
-        # fixed slabs: a stream's rows round the same whatever the batch around them
-        slab = 4 if self.device.type == "cuda" else 1
-        self.vocoder = HiFTVocoder(hift, precision=precision, slab_rows=slab)
+        self.vocoder = HiFTVocoder(hift, precision=precision)
+        if not self.vocoder.fused_convs:
+            # library convolutions may round a row differently with the batch around it: fixed slabs
+            self.vocoder = HiFTVocoder(hift, precision=precision, slab_rows=4 if self.device.type == "cuda" else 1)
         self._fade = torch.hamming_window(2 * self.source_cache, periodic=False, dtype=torch.float64,
                                           device=self.device).float()
         self._streams: dict[Hashable, VocoderStreamState] = {}

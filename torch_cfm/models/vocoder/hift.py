@@ -17,12 +17,14 @@ construction) and computes, for a batch of streams,
 * :meth:`HiFTVocoder.stream_chunk`: that and ``Token2wav.stream``'s cross-fade with the previous
   chunk (:func:`overlap_fade`): a serving tick's whole vocoder step, one CUDA graph per shape.
 
-Layout: every activation is frame-major (B, L, C) end to end; a convolution sees it as a
-channels-last (B, C, 1, L) tensor (no copy), so cuDNN runs its NHWC kernels with no layout
-transposes around them. The elementwise work between convolutions is two fused steps
-(:mod:`~torch_cfm.models.vocoder.elementwise`): one Triton kernel per convolution on CUDA, the
-same math in PyTorch elsewhere; ``compiled=True`` instead hands the PyTorch math of the f0
-predictor and the decode to ``torch.compile`` (one shape-stable graph per input shape).
+Layout: every activation is frame-major (B, L, C) end to end. On an SM80+ GPU (or with
+``kernels="triton"``) every convolution is one Triton implicit-GEMM kernel
+(:mod:`~torch_cfm.kernels.vocoder_conv`) whose epilogue does the elementwise work after it
+(``_Conv.run``): bias, residual, accumulator, leaky-ReLU / ELU, the next Snakes. Otherwise a
+convolution sees the activation as a channels-last (B, C, 1, L) tensor (no copy), so cuDNN runs
+its NHWC kernels with no layout transposes, and the elementwise work is two fused steps
+(:mod:`~torch_cfm.models.vocoder.elementwise`); ``compiled=True`` hands that PyTorch math to
+``torch.compile`` (one shape-stable graph per input shape).
 
 Precision (:func:`~torch_cfm.models.vocoder.precision.vocoder_precision`): "auto" = the module's
 dtype and, in float32, TF32 convolutions exactly where cuDNN would use them for the upstream
@@ -30,14 +32,12 @@ module; "ieee", "tf32", "fp16", "bf16" (16-bit convolution operands, float32 res
 elementwise math), "fp64". The STFTs, the magnitude/phase head and the source are float32 IEEE
 (float64 under "fp64").
 
-Batch invariance: every op is per row, but a library convolution may round a row differently
-with the batch size (cuDNN picks algorithms by shape) or even with the row's memory alignment
-(oneDNN's 1x1 convolutions and MKL's matrix-vector products on CPU). ``slab_rows=k`` runs the f0
-predictor and the decode on slabs of k rows (the batch zero-padded to a multiple of k), each slab
-a fresh copy, so the libraries see the same shapes whatever the batch: with k = 1 a stream's
-output is bitwise the same whatever streams share its call and in which order (on CPU only k = 1
-guarantees it; on CUDA any fixed k where the convolutions round a row independently of its
-position, which the GPU tests check).
+Batch invariance: every op is per row, and the fused convolutions reduce a row in a fixed order
+whatever the batch. A library convolution may round a row differently with the batch size (cuDNN
+picks algorithms by shape) or even with the row's memory alignment (oneDNN's 1x1 convolutions and
+MKL's matrix-vector products on CPU): ``slab_rows=k`` runs the f0 predictor and the decode on
+slabs of k rows (the batch zero-padded to a multiple of k), each slab a fresh copy, so the
+libraries see the same shapes whatever the batch (on CPU only k = 1 guarantees it).
 
 Graph safety: no host synchronisation, no data-dependent shape, no host tensor made per call:
 each method is CUDA-graph capturable at a fixed input shape.
@@ -139,6 +139,49 @@ class _Conv(nn.Module):
                          self.groups)
         return y.squeeze(2).transpose(1, 2)
 
+    def pack(self, dot: Optional[str]) -> None:
+        """Pack the weight for the Triton convolution (``dot``: "tf32" / "ieee" for float32
+        weights, None for 16-bit ones); call after the module has moved to its device."""
+        from ...kernels.vocoder_conv import pack_conv_weight
+
+        self.dot = dot or "ieee"
+        self.packed = pack_conv_weight(self.weight[:, :, 0, :], self.bias, transposed=self.transposed,
+                                       stride=self.stride, padding=self.padding, dilation=self.dilation,
+                                       output_padding=self.output_padding, dtype=self.weight.dtype,
+                                       tf32=dot == "tf32")
+
+    def run(self, x: torch.Tensor, *, cdt: torch.dtype, adt: torch.dtype, backend: str, r=None, acc=None, a=None,
+            reflect: bool = False, divisor: Optional[float] = None, slope: Optional[float] = None,
+            elu: Optional[float] = None, keep: bool = False, alpha=None, inv=None, external: bool = False,
+            feeds_conv: bool = True):
+        """The convolution of ``x`` (B, L, C_in) and the elementwise work after it, in the order
+        ``s = conv + r``, ``acc + s``, ``a[reflected] + s``, ``leaky_relu(s / divisor, slope)`` or
+        ``elu(s, elu)``; returns (``s`` when kept or when no Snake follows, else None; the Snake
+        outputs of ``s`` under ``alpha``/``inv`` (K, C)). One Triton kernel where packed and the
+        backend allows it; else the convolution, then ``combine`` / ``accumulate`` (the
+        upstream's operation order). Under TF32 the kernel's Snake outputs and (``feeds_conv``)
+        its activated ``s`` are rounded to TF32 when written, for the convolution that reads
+        them; an ``external`` input (not written by this kernel) is rounded as it is loaded."""
+        snakes = alpha is not None
+        if getattr(self, "packed", None) is not None and backend != "torch" and x.dtype != torch.float64 \
+                and (x.is_cuda or backend == "triton"):
+            from ...kernels.vocoder_conv import ACT_ELU, ACT_LEAKY, ACT_NONE, conv_fused_triton
+
+            act = ACT_ELU if elu is not None else (ACT_LEAKY if divisor is not None else ACT_NONE)
+            return conv_fused_triton(self.packed, x, dot=self.dot, r=r, acc=acc, a=a, reflect=reflect,
+                                     divisor=divisor, act=act, slope=elu if elu is not None else (slope or 0.0),
+                                     store_s=keep or not snakes, s_dtype=cdt if divisor is not None else adt,
+                                     alpha=alpha, inv=inv, y_dtype=cdt, round_input=external, round_out=feeds_conv)
+        t = self(x)
+        if elu is not None:
+            return F.elu(t, elu), []
+        if a is not None:
+            return combine(a, t, r, alpha=alpha, inv=inv, reflect=reflect, keep_sum=keep, out_dtype=cdt,
+                           act_dtype=adt, backend=backend)
+        if snakes or keep:
+            return combine(t, r, alpha=alpha, inv=inv, keep_sum=keep, out_dtype=cdt, act_dtype=adt, backend=backend)
+        return accumulate(t, r, acc, divisor=divisor, slope=slope, out_dtype=cdt, act_dtype=adt, backend=backend), []
+
 
 def _snake_params(snake: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     alpha = snake.alpha.detach().to(dtype)
@@ -160,19 +203,16 @@ class _ResBlock(nn.Module):
             self.register_buffer("alpha" + name, torch.stack([p[0] for p in params]))  # (dilations, C)
             self.register_buffer("inv" + name, torch.stack([p[1] for p in params]))
 
-    def chain(self, x: torch.Tensor, y: torch.Tensor, cdt: torch.dtype, adt: torch.dtype, backend: str):
-        """The block on residual ``x`` whose first Snake output ``y`` is given: returns the last
-        convolution's output and the residual it is added to (the caller fuses that add)."""
-        r = x
-        last = len(self.convs1) - 1
+    def chain(self, x: torch.Tensor, y: torch.Tensor, cdt: torch.dtype, adt: torch.dtype, backend: str, **last):
+        """The block on residual ``x`` whose first Snake output ``y`` is given; the last
+        convolution adds the residual and then does ``last`` (``_Conv.run``'s epilogue)."""
+        r, final = x, len(self.convs1) - 1
+        dt = dict(cdt=cdt, adt=adt, backend=backend)
         for i, (c1, c2) in enumerate(zip(self.convs1, self.convs2)):
-            _, (y2,) = combine(c1(y), alpha=self.alpha2[i:i + 1], inv=self.inv2[i:i + 1], out_dtype=cdt,
-                               act_dtype=adt, backend=backend)
-            t = c2(y2)
-            if i == last:
-                return t, r
-            r, (y,) = combine(t, r, alpha=self.alpha1[i + 1:i + 2], inv=self.inv1[i + 1:i + 2], keep_sum=True,
-                              out_dtype=cdt, act_dtype=adt, backend=backend)
+            _, (y2,) = c1.run(y, alpha=self.alpha2[i:i + 1], inv=self.inv2[i:i + 1], **dt)
+            if i == final:
+                return c2.run(y2, r=r, **last, **dt)
+            r, (y,) = c2.run(y2, r=r, keep=True, alpha=self.alpha1[i + 1:i + 2], inv=self.inv1[i + 1:i + 2], **dt)
         raise AssertionError("a ResBlock has at least one dilation")
 
 
@@ -223,6 +263,14 @@ class HiFTVocoder(nn.Module):
         with torch.no_grad():
             self._load(hift, adt, cdt)
         self.to(self.device)
+        self.fused_convs = self._fused_convs_apply()
+        if self.fused_convs:
+            dot = {"tf32": "tf32", "ieee": "ieee"}.get(choice)
+            for conv in self.modules():
+                if isinstance(conv, _Conv):
+                    conv.pack(dot)
+            for conv in self.f0_convs:
+                conv.pack("ieee" if choice == "ieee" else "tf32")
         self._f0_fn, self._decode_fn = self._f0_math, self._decode_math
         if self.compiled:
             self._f0_fn = torch.compile(self._f0_math, fullgraph=True, dynamic=False)
@@ -262,9 +310,18 @@ class HiFTVocoder(nn.Module):
         self.samples_per_frame = scale
         self.source = HarmonicSource(hift.m_source, scale, kernel=self.kernels)
 
+    def _fused_convs_apply(self) -> bool:
+        """Whether the convolutions run as the fused Triton kernel (``kernels.vocoder_conv``):
+        Triton kernels asked for (or "auto" on an SM80+ GPU), not compiled, not float64."""
+        if self.compiled or self.kernels == "torch" or self.decision.choice == "fp64":
+            return False
+        if self.kernels == "triton":
+            return True
+        return self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (8, 0)
+
     def extra_repr(self) -> str:
         return (f"precision={self.decision.describe()}, slab_rows={self.slab_rows}, compiled={self.compiled}, "
-                f"kernels={self.kernels}")
+                f"kernels={self.kernels}, fused_convs={self.fused_convs}")
 
     # ------------------------------------------------------------------ math (shape-stable)
     def _backend(self) -> str:
@@ -272,36 +329,33 @@ class HiFTVocoder(nn.Module):
 
     def _f0_math(self, mel: torch.Tensor) -> torch.Tensor:
         x = mel.to(self.act_dtype).transpose(1, 2)  # (B, T, 80)
-        for conv, alpha in zip(self.f0_convs, self.f0_elu):
-            x = F.elu(conv(x), alpha)
+        dt = dict(cdt=self.act_dtype, adt=self.act_dtype, backend=self._backend())
+        for i, (conv, alpha) in enumerate(zip(self.f0_convs, self.f0_elu)):
+            x, _ = conv.run(x, elu=alpha, external=i == 0, feeds_conv=i < len(self.f0_convs) - 1, **dt)
         # a per-row dot product, not F.linear: a CPU matrix-vector product rounds a row
         # differently depending on where it sits in the batch
         return torch.abs((x * self.f0_weight[0]).sum(dim=-1) + self.f0_bias[0])
 
     def _decode_math(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-        d, cdt, adt, be = self.dims, self.conv_dtype, self.act_dtype, self._backend()
-        spec = stft_frames(source.to(adt), self.analysis, d["n_fft"], d["hop"])  # (B, F, n_fft + 2)
-        x = self.conv_pre(mel.transpose(1, 2))
-        a = accumulate(x, divisor=1.0, slope=d["slope"], out_dtype=cdt, act_dtype=adt, backend=be)
+        d, dt = self.dims, dict(cdt=self.conv_dtype, adt=self.act_dtype, backend=self._backend())
+        spec = stft_frames(source.to(self.act_dtype), self.analysis, d["n_fft"], d["hop"])  # (B, F, n_fft + 2)
+        a, _ = self.conv_pre.run(mel.transpose(1, 2), divisor=1.0, slope=d["slope"], external=True, **dt)
         k = d["kernels"]
         for i in range(d["stages"]):
-            up = self.ups[i](a)
+            up, _ = self.ups[i].run(a, **dt)
             sblock = self.source_resblocks[i]
-            sr = self.source_downs[i](spec)
-            _, (sy,) = combine(sr, alpha=sblock.alpha1[:1], inv=sblock.inv1[:1], out_dtype=cdt, act_dtype=adt,
-                               backend=be)
-            st, srr = sblock.chain(sr, sy, cdt, adt, be)
-            x, ys = combine(up, st, srr, alpha=getattr(self, f"stage_alpha{i}"), inv=getattr(self, f"stage_inv{i}"),
-                            reflect=i == d["stages"] - 1, keep_sum=True, out_dtype=cdt, act_dtype=adt, backend=be)
+            sr, (sy,) = self.source_downs[i].run(spec, keep=True, alpha=sblock.alpha1[:1], inv=sblock.inv1[:1],
+                                                 external=True, **dt)
+            x, ys = sblock.chain(sr, sy, a=up, reflect=i == d["stages"] - 1, keep=True,
+                                 alpha=getattr(self, f"stage_alpha{i}"), inv=getattr(self, f"stage_inv{i}"), **dt)
             acc = None
             for j in range(k):
-                t, r = self.resblocks[i * k + j].chain(x, ys[j], cdt, adt, be)
                 final = j == k - 1
                 slope = d["slope"] if i < d["stages"] - 1 else F0_LEAKY_FINAL
-                acc = accumulate(t, r, acc, divisor=float(k) if final else None, slope=slope, out_dtype=cdt,
-                                 act_dtype=adt, backend=be)
+                acc, _ = self.resblocks[i * k + j].chain(x, ys[j], acc=acc, divisor=float(k) if final else None,
+                                                         slope=slope, **dt)
             a = acc
-        logits = self.conv_post(a)  # (B, F, n_fft + 2)
+        logits, _ = self.conv_post.run(a, **dt)  # (B, F, n_fft + 2)
         speech = istft_frames(logits, self.synthesis, self.window, d["n_fft"], d["hop"])
         return torch.clamp(speech, -d["limit"], d["limit"])
 

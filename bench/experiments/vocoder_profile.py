@@ -1,0 +1,144 @@
+"""Where the vocoder's time goes at many streams (experiment; not a shipped benchmark).
+
+Times ``HiFTVocoder.decode`` / ``stream_chunk`` at B streams x 58 frames under CUDA graphs for
+slab sizes and precisions, then profiles one eager decode: CUDA time per convolution shape and the
+top kernels. Writes ``vocoder_profile.json`` under --out.
+
+    python3 bench/experiments/vocoder_profile.py --streams 64 --out "$OUT"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), os.path.join(os.path.dirname(os.path.dirname(HERE)), "tests"),
+                os.path.dirname(os.path.dirname(HERE))]
+
+import torch  # noqa: E402
+
+import _harness as H  # noqa: E402
+import vocoder as V  # noqa: E402
+
+
+def profile(fn, top: int = 25) -> dict:
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    fn()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as p:
+        fn()
+        torch.cuda.synchronize()
+    ops = []
+    for e in p.key_averages(group_by_input_shape=True):
+        if e.key in ("aten::conv2d", "aten::conv_transpose2d", "aten::cat", "aten::copy_", "aten::mm",
+                     "aten::bmm", "aten::matmul", "aten::clone", "aten::contiguous"):
+            ops.append(dict(op=e.key, shapes=str(e.input_shapes)[:160], count=e.count,
+                            cuda_ms=round(getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / 1e3, 3)))
+    ops.sort(key=lambda r: -r["cuda_ms"])
+    kern = []
+    for e in p.key_averages():
+        t = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+        if t and e.device_type.name == "CUDA" if hasattr(e, "device_type") else t:
+            kern.append(dict(kernel=e.key[:120], count=e.count, ms=round(t / 1e3, 3)))
+    kern.sort(key=lambda r: -r["ms"])
+    total = round(sum(k["ms"] for k in kern), 3)
+    return dict(ops=ops[:top], kernels=kern[:top], kernel_ms_total=total, kernel_count=sum(k["count"] for k in kern))
+
+
+def main() -> int:
+    from torch_cfm.models.vocoder import HiFTVocoder, stream_rng
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", default="16,64")
+    ap.add_argument("--frames", type=int, default=58)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    hift = V.build_hift(0, dev)
+    result = dict(env=H.env_info(), rows=[], profiles={})
+    for b in [int(s) for s in args.streams.split(",")]:
+        mel, source = V.make_inputs(hift, b, args.frames, 1, dev)
+        V.scale_output(hift, mel, source)
+        ref = None
+        configs = [("tf32", None, "auto"), ("tf32", 4, "torch"), ("tf32", None, "torch"), ("fp16", None, "auto"),
+                   ("fp16", None, "torch"), ("ieee", None, "torch")]
+        for prec, slab, kern in configs:
+            voc = HiFTVocoder(hift, precision=prec, slab_rows=slab, kernels=kern)
+            t = H.time_cuda_graph(lambda: voc.decode(mel, source), calls=2, repeats=7, warmup=2)
+            out = voc.decode(mel, source)
+            ref = out.double() if ref is None and prec == "ieee" else ref
+            print(prec, slab, kern, voc.fused_convs, round(t["us_p50"] / 1e3, 3), "ms", flush=True)
+            row = dict(op="decode", B=b, precision=prec, slab=slab, kernels=kern, fused=voc.fused_convs,
+                       ms=round(t["us_p50"] / 1e3, 3), out=out)
+            if slab is None and prec != "ieee" and kern == "auto":
+                rng = stream_rng(range(b), dev)
+                n = 8 * V.S
+                cache, prev = source[:, :, :n].clone(), source[:, 0, -n:].clone()
+                win = torch.hamming_window(2 * n, periodic=False, dtype=torch.float64, device=dev).float()
+                t2 = H.time_cuda_graph(lambda: voc.stream_chunk(mel, rng, cache, prev, win), calls=2, repeats=7,
+                                       warmup=2)
+                row["stream_chunk_ms"] = round(t2["us_p50"] / 1e3, 3)
+                if args.profile and b == max(int(s) for s in args.streams.split(",")):
+                    result["profiles"][f"{prec}_B{b}"] = profile(lambda: voc.decode(mel, source))
+            result["rows"].append(row)
+        for row in result["rows"]:
+            out = row.pop("out", None)
+            if out is not None:
+                row["rel_vs_ieee"] = float((out.double() - ref).norm() / ref.norm())
+                print(row, flush=True)
+        fn, ctx = V.upstream_call(hift, "tf32", mel, source)
+        t = H.time_cuda_graph(fn, calls=2, repeats=7, warmup=2, context=ctx)
+        result["rows"].append(dict(op="decode", B=b, precision="tf32", provider="upstream", ms=round(t["us_p50"] / 1e3, 3)))
+        print(result["rows"][-1], flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "vocoder_profile.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    for k, p in result["profiles"].items():
+        print("==", k, "kernels", p["kernel_count"], "ms", p["kernel_ms_total"])
+        for r in p["ops"][:14]:
+            print("  ", r)
+        for r in p["kernels"][:12]:
+            print("  ", r)
+    return 0
+
+
+
+
+def sweep(streams: int = 64, frames: int = 58) -> None:
+    """Whole-decode ms per tile configuration of the fused convolution (BLOCK_M, BLOCK_N cap, BLOCK_K,
+    warps, stages), TF32 and fp16: python3 bench/experiments/vocoder_profile.py --sweep."""
+    import torch_cfm.kernels.vocoder_conv as VC
+    from torch_cfm.models.vocoder import HiFTVocoder
+
+    dev = torch.device("cuda")
+    hift = V.build_hift(0, dev)
+    mel, source = V.make_inputs(hift, streams, frames, 1, dev)
+    configs = [(128, 128, 32, 8, 3), (128, 64, 32, 4, 3), (64, 64, 32, 4, 4), (128, 64, 64, 4, 3),
+               (128, 128, 64, 8, 2), (256, 64, 32, 8, 3), (64, 128, 32, 4, 3), (128, 64, 16, 4, 4)]
+    for prec in ("tf32", "fp16"):
+        for bm, bn_cap, bk, warps, stages in configs:
+            def tiles(conv, q, bm=bm, bn_cap=bn_cap, bk=bk, warps=warps):
+                block_n = min(bn_cap, max(16, VC.triton.next_power_of_2(conv.c_out)))
+                block_k = min(bk, max(16, VC.triton.next_power_of_2(conv.c_in)))
+                return (bm if q >= 2 * bm else 64), block_n, block_k, warps
+            VC._tiles, VC.NUM_STAGES = tiles, stages
+            try:
+                voc = HiFTVocoder(hift, precision=prec)
+                t = H.time_cuda_graph(lambda: voc.decode(mel, source), calls=2, repeats=5, warmup=1)
+                print("sweep", prec, (bm, bn_cap, bk, warps, stages), round(t["us_p50"] / 1e3, 3), "ms", flush=True)
+            except Exception as exc:  # noqa: BLE001
+                print("sweep", prec, (bm, bn_cap, bk, warps, stages), "error", str(exc)[:100], flush=True)
+
+
+if __name__ == "__main__" and "--sweep" in sys.argv:
+    sweep()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
