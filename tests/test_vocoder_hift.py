@@ -529,6 +529,22 @@ def test_gpu_compiled_decode_equals_eager():
     assert err_rel_fro(compiled, eager) <= 1e-5
 
 
+def test_16bit_convolutions_keep_the_bias_in_float32():
+    """A magnitude head whose log offset is large (a loud vocoder): a 16-bit bias would round it
+    by ~4e-3 and the waveform with it; the bias stays float32, so only the 10-bit operands (as
+    TF32's) and the 16-bit outputs of the library convolutions round."""
+    hift = _hift(WIDE)
+    with torch.no_grad():
+        hift.conv_post.bias[: hift.istft_params["n_fft"] // 2 + 1] += 5.0
+    mel, source = _inputs(2, 6)
+    h64 = _double(hift)
+    with torch.no_grad():
+        ref = h64.decode(x=mel.double(), s=source.double())
+    voc = HiFTVocoder(hift, precision="fp16", kernels="torch")
+    assert voc.conv_post.bias.dtype == torch.float32
+    assert err_rel_fro(voc.decode(mel, source), ref) <= 2.5e-4  # 1.6e-4; a 16-bit bias: 3.9e-4
+
+
 # ---------------------------------------------------------------------- Triton (interpreter)
 def _child(out_path: str) -> None:
     from torch_cfm.kernels.vocoder_source import philox_words_triton

@@ -121,7 +121,9 @@ class _Conv(nn.Module):
             fail("HiFTVocoder", "hift", "use zero-padded convolutions", f"padding_mode={conv.padding_mode!r}")
         weight = folded_weight(conv, fold_dtype).to(dtype)[:, :, None, :]
         self.register_buffer("weight", weight.contiguous(memory_format=torch.channels_last))
-        bias = None if conv.bias is None else conv.bias.detach().to(dtype)
+        # the bias stays in the fold dtype: a 16-bit bias (a magnitude head's log offset of ~5
+        # rounds by 4e-3) costs more than the 16-bit operands do
+        bias = None if conv.bias is None else conv.bias.detach().to(fold_dtype)
         self.register_buffer("bias", bias)
         self.transposed = isinstance(conv, nn.ConvTranspose1d)
         self.stride, self.padding = int(conv.stride[0]), int(conv.padding[0])
@@ -129,15 +131,19 @@ class _Conv(nn.Module):
         self.output_padding = int(conv.output_padding[0]) if self.transposed else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, L, C_in) -> (B, L', C_out) in the weight's dtype."""
+        """(B, L, C_in) -> (B, L', C_out): in the weight's dtype, or with 16-bit weights the
+        16-bit product plus the bias in the bias' dtype."""
         x4 = x.to(self.weight.dtype).contiguous().transpose(1, 2).unsqueeze(2)  # channels-last view
+        own = self.bias is None or self.bias.dtype == self.weight.dtype
+        bias = self.bias if own else None
         if self.transposed:
-            y = F.conv_transpose2d(x4, self.weight, self.bias, (1, self.stride), (0, self.padding),
+            y = F.conv_transpose2d(x4, self.weight, bias, (1, self.stride), (0, self.padding),
                                    (0, self.output_padding), self.groups, (1, self.dilation))
         else:
-            y = F.conv2d(x4, self.weight, self.bias, (1, self.stride), (0, self.padding), (1, self.dilation),
+            y = F.conv2d(x4, self.weight, bias, (1, self.stride), (0, self.padding), (1, self.dilation),
                          self.groups)
-        return y.squeeze(2).transpose(1, 2)
+        y = y.squeeze(2).transpose(1, 2)
+        return y if own else y.to(self.bias.dtype) + self.bias
 
     def pack(self, dot: Optional[str]) -> None:
         """Pack the weight for the Triton convolution (``dot``: "tf32" / "ieee" for float32
