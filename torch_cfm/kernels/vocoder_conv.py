@@ -36,21 +36,12 @@ import triton
 import triton.language as tl
 
 from ._launch import on_device
+from .vocoder_elementwise import MAX_SNAKES, store_snakes, tf32_rne
 
 __all__ = ["pack_conv_weight", "PackedConv", "conv_fused_triton", "round_tf32"]
 
 ACT_NONE, ACT_LEAKY, ACT_ELU = 0, 1, 2
 NUM_STAGES = 3  # software-pipelining depth of the K loop
-MAX_SNAKES = 4
-
-
-@triton.jit
-def _tf32_rne(x):
-    """float32 -> float32 holding the nearest TF32 value (ties to even); inf / NaN unchanged."""
-    bits = x.to(tl.int32, bitcast=True)
-    finite = (bits & 0x7F800000) != 0x7F800000
-    rounded = (bits + 0xFFF + ((bits >> 13) & 1)) & -8192  # clear the 13 low mantissa bits
-    return tl.where(finite, rounded, bits).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -98,7 +89,7 @@ def _vocoder_conv_kernel(
         w = tl.load(w_ptr + ((ph * TAPS + m) * C_in + ci)[:, None] * C_out + n[None, :],
                     mask=ci_ok[:, None] & n_ok[None, :], other=0.0)
         if ROUND_A:
-            a = _tf32_rne(a.to(tl.float32))
+            a = tf32_rne(a.to(tl.float32))
         a = a.to(w.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT)
     # ---- epilogue on output frames o
@@ -127,17 +118,10 @@ def _vocoder_conv_kernel(
         s = tl.where(s > 0, s, slope * (tl.exp(s) - 1.0))
     if STORE_S:
         if ROUND_OUT and ACT != 0:  # an activation feeds the next convolution only
-            tl.store(s_ptr + offs, _tf32_rne(s).to(s_ptr.dtype.element_ty), mask=ok)
+            tl.store(s_ptr + offs, tf32_rne(s).to(s_ptr.dtype.element_ty), mask=ok)
         else:
             tl.store(s_ptr + offs, s.to(s_ptr.dtype.element_ty), mask=ok)
-    for k in tl.static_range(K):
-        alpha = tl.load(alpha_ptr + k * C_out + n, mask=n_ok, other=0.0)[None, :]
-        inv = tl.load(inv_ptr + k * C_out + n, mask=n_ok, other=0.0)[None, :]
-        sn = tl.sin(s * alpha)
-        y = s + inv * (sn * sn)
-        if ROUND_OUT:
-            y = _tf32_rne(y)
-        tl.store(y_ptr + k * y_stride + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
+    store_snakes(s, y_ptr, y_stride, offs, ok, alpha_ptr, inv_ptr, n, n_ok, C_out, K, ROUND_OUT)
 
 
 def round_tf32(t: torch.Tensor) -> torch.Tensor:

@@ -20,10 +20,34 @@ import triton.language as tl
 
 from ._launch import on_device
 
-__all__ = ["combine_triton", "accumulate_triton", "MAX_SNAKES"]
+__all__ = ["combine_triton", "accumulate_triton", "store_snakes", "tf32_rne", "MAX_SNAKES"]
 
 MAX_SNAKES = 4
 _TILE = 4096  # elements per program
+
+
+@triton.jit
+def tf32_rne(x):
+    """float32 -> float32 holding the nearest TF32 value (ties to even); inf / NaN unchanged."""
+    bits = x.to(tl.int32, bitcast=True)
+    finite = (bits & 0x7F800000) != 0x7F800000
+    rounded = (bits + 0xFFF + ((bits >> 13) & 1)) & -8192  # clear the 13 low mantissa bits
+    return tl.where(finite, rounded, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_snakes(v, y_ptr, y_stride, offs, ok, alpha_ptr, inv_ptr, cols, col_ok, C, K: tl.constexpr,
+                 ROUND: tl.constexpr):
+    """Store ``v + inv_k · sin(alpha_k · v)²`` for k < K at ``y_ptr + k · y_stride + offs``
+    (rounded to TF32 first with ``ROUND``); alpha / inv are (K, C) float32."""
+    for k in tl.static_range(K):
+        alpha = tl.load(alpha_ptr + k * C + cols, mask=col_ok, other=0.0)[None, :]
+        inv = tl.load(inv_ptr + k * C + cols, mask=col_ok, other=0.0)[None, :]
+        s = tl.sin(v * alpha)
+        y = v + inv * (s * s)
+        if ROUND:
+            y = tf32_rne(y)
+        tl.store(y_ptr + k * y_stride + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -55,12 +79,7 @@ def _vocoder_combine_kernel(
                  + tl.load(c_ptr + offs, mask=ok, other=0.0).to(tl.float32))
     if STORE_V:
         tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=ok)
-    for k in tl.static_range(K):
-        alpha = tl.load(alpha_ptr + k * C + cols, mask=col_ok, other=0.0)[None, :]
-        inv = tl.load(inv_ptr + k * C + cols, mask=col_ok, other=0.0)[None, :]
-        s = tl.sin(v * alpha)
-        y = v + inv * (s * s)
-        tl.store(y_ptr + k * y_stride + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
+    store_snakes(v, y_ptr, y_stride, offs, ok, alpha_ptr, inv_ptr, cols, col_ok, C, K, False)
 
 
 @triton.jit
