@@ -1,7 +1,7 @@
 """The vocoder's fused Triton convolution (torch_cfm.kernels.vocoder_conv) against float64 references.
 
 Every convolution geometry the HiFT uses (dilated, strided, 1x1, transposed with each of its
-upsampling strides) and every epilogue form (residual, accumulator, reflected addend, leaky-ReLU /
+upsampling strides), seeded random geometries, and every epilogue form (residual, accumulator, reflected addend, leaky-ReLU /
 ELU, K Snake outputs) is run in Triton's interpreter (a child process) and on CUDA when present,
 and compared with ``F.conv1d`` / ``F.conv_transpose1d`` and the elementwise math in float64.
 TF32 is checked against a float64 convolution of the TF32-rounded operands (the kernel rounds to
@@ -34,6 +34,29 @@ GEOMETRIES = [
     (True, 32, 16, 11, 5, 3, 1, 0, 11),      # upsampling x5
     (True, 32, 16, 7, 3, 2, 1, 1, 13),       # upsampling x3 (with an output padding)
 ]
+
+
+def _random_geometries(count: int = 14, seed: int = 7) -> list[tuple]:
+    """Seeded random geometries: plain (kernel, stride, dilation, padding) and transposed
+    (stride, kernel, padding, output padding), channel counts off the tile sizes, short inputs."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(lo, hi):
+        return int(torch.randint(lo, hi + 1, (), generator=gen))
+
+    out = []
+    for i in range(count):
+        c_in, c_out = pick(1, 70), pick(1, 40)
+        if i % 2:
+            stride = pick(1, 6)
+            k = pick(stride, 3 * stride)
+            pad = pick(0, (k - 1) // 2)
+            out.append((True, c_in, c_out, k, stride, pad, 1, pick(0, min(stride, 1 + pad) - 1), pick(1, 9)))
+        else:
+            k, stride, dil = pick(1, 9), pick(1, 4), pick(1, 4)
+            pad = pick(0, dil * (k - 1))
+            out.append((False, c_in, c_out, k, stride, pad, dil, 0, pick(dil * (k - 1) + 1, 40)))
+    return out
 
 
 def _case(g, seed):
@@ -80,6 +103,10 @@ def _run_all(device: str) -> dict:
         out[f"tf32_{i}"] = conv_fused_triton(p32, x.to(device), dot="tf32", store_s=True)[0].cpu()
         p16 = _pack(g, w.to(device), bias.to(device), dtype=torch.float16)
         out[f"fp16_{i}"] = conv_fused_triton(p16, x.to(device), dot="ieee", store_s=True)[0].cpu()
+    for i, g in enumerate(_random_geometries()):
+        w, bias, x = _case(g, 100 + i)
+        out[f"random{i}"] = conv_fused_triton(_pack(g, w.to(device), bias.to(device)), x.to(device), dot="ieee",
+                                              store_s=True)[0].cpu()
     g = GEOMETRIES[1]
     w, bias, x = _case(g, 1)
     p = _pack(g, w.to(device), bias.to(device))
@@ -115,6 +142,11 @@ def _check_all(results: dict) -> None:
         assert 1e-5 <= err_rel_fro(results[f"tf32_{i}"], ref) <= 2e-3, g  # TF32 did round
         ref16 = _ref(g, w.half().float(), bias, x.half().float())
         assert err_rel_fro(results[f"fp16_{i}"], ref16) <= 1e-6, g
+    for i, g in enumerate(_random_geometries()):
+        w, bias, x = _case(g, 100 + i)
+        ref = _ref(g, w, bias, x)
+        assert results[f"random{i}"].shape == ref.shape, g
+        assert err_rel_fro(results[f"random{i}"], ref) <= 1e-6, g
     g = GEOMETRIES[1]
     w, bias, x = _case(g, 1)
     conv = _ref(g, w, bias, x)
