@@ -17,8 +17,8 @@ construction) and computes, for a batch of streams,
 * :meth:`HiFTVocoder.stream_chunk`: that and ``Token2wav.stream``'s cross-fade with the previous
   chunk (:func:`overlap_fade`): a serving tick's whole vocoder step, one CUDA graph per shape.
 
-Layout: every activation is frame-major (B, L, C) end to end. On an SM80+ GPU (or with
-``kernels="triton"``) every convolution is one Triton implicit-GEMM kernel
+Layout: every activation is frame-major (B, L, C) end to end. On an SM80+ GPU at TF32 or 16-bit
+precision (or with ``kernels="triton"``) every convolution is one Triton implicit-GEMM kernel
 (:mod:`~torch_cfm.kernels.vocoder_conv`) whose epilogue does the elementwise work after it
 (``_Conv.run``): bias, residual, accumulator, leaky-ReLU / ELU, the next Snakes. Otherwise a
 convolution sees the activation as a channels-last (B, C, 1, L) tensor (no copy), so cuDNN runs
@@ -318,12 +318,15 @@ class HiFTVocoder(nn.Module):
 
     def _fused_convs_apply(self) -> bool:
         """Whether the convolutions run as the fused Triton kernel (``kernels.vocoder_conv``):
-        Triton kernels asked for (or "auto" on an SM80+ GPU), not compiled, not float64."""
+        Triton kernels asked for, or "auto" on an SM80+ GPU at a tensor-core precision (TF32,
+        fp16, bf16: where it was measured faster; IEEE float32 stays on cuDNN); never compiled
+        or float64."""
         if self.compiled or self.kernels == "torch" or self.decision.choice == "fp64":
             return False
         if self.kernels == "triton":
             return True
-        return self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (8, 0)
+        return (self.device.type == "cuda" and self.decision.choice != "ieee"
+                and torch.cuda.get_device_capability(self.device) >= (8, 0))
 
     def extra_repr(self) -> str:
         return (f"precision={self.decision.describe()}, slab_rows={self.slab_rows}, compiled={self.compiled}, "
