@@ -36,6 +36,9 @@ GEOMETRIES = [
 ]
 
 
+WIDE = (False, 20, 130, 3, 1, 1, 1, 0, 520)  # 2 N tiles of 128 channels, 5 M tiles of 128 frames
+
+
 def _random_geometries(count: int = 14, seed: int = 7) -> list[tuple]:
     """Seeded random geometries: plain (kernel, stride, dilation, padding) and transposed
     (stride, kernel, padding, output padding), channel counts off the tile sizes, short inputs."""
@@ -107,6 +110,14 @@ def _run_all(device: str) -> dict:
         w, bias, x = _case(g, 100 + i)
         out[f"random{i}"] = conv_fused_triton(_pack(g, w.to(device), bias.to(device)), x.to(device), dot="ieee",
                                               store_s=True)[0].cpu()
+    for name, g in (("up", GEOMETRIES[5]), ("wide", WIDE)):  # a transposed one; several M and N tiles
+        w, bias, x = _case(g, 11)
+        l_out = _ref(g, w, bias, x).shape[1]
+        r, _, _, alpha, inv = (t.to(device) for t in _epilogue_inputs((3, l_out, g[2]), 12))
+        p32 = _pack(g, w.to(device), bias.to(device), tf32=True)
+        s, ys = conv_fused_triton(p32, x.to(device), dot="tf32", r=r, store_s=True, alpha=alpha[:2], inv=inv[:2],
+                                   round_out=True)
+        out[f"epi_{name}"] = [s.cpu()] + [y.cpu() for y in ys]
     g = GEOMETRIES[1]
     w, bias, x = _case(g, 1)
     p = _pack(g, w.to(device), bias.to(device))
@@ -147,6 +158,16 @@ def _check_all(results: dict) -> None:
         ref = _ref(g, w, bias, x)
         assert results[f"random{i}"].shape == ref.shape, g
         assert err_rel_fro(results[f"random{i}"], ref) <= 1e-6, g
+    for name, g in (("up", GEOMETRIES[5]), ("wide", WIDE)):
+        w, bias, x = _case(g, 11)
+        conv = _ref(g, round_tf32(w), bias, round_tf32(x))
+        r, _, _, alpha, inv = (t.double() for t in _epilogue_inputs((3, conv.shape[1], g[2]), 12))
+        s = conv + r
+        assert err_rel_fro(results[f"epi_{name}"][0], s) <= 4e-6, name  # the residual stream: not rounded
+        for k in range(2):
+            y = results[f"epi_{name}"][k + 1]
+            assert torch.equal(y, round_tf32(y)), name
+            assert err_rel_fro(y, s + inv[k] * torch.sin(alpha[k] * s) ** 2) <= 1e-3, name
     g = GEOMETRIES[1]
     w, bias, x = _case(g, 1)
     conv = _ref(g, w, bias, x)
@@ -189,6 +210,16 @@ def test_gpu_fused_conv_batch_invariant_bitwise():
     whole = conv_fused_triton(p, x, dot="tf32", store_s=True)[0]
     alone = conv_fused_triton(p, x[17:18].clone(), dot="tf32", store_s=True)[0]
     assert torch.equal(whole[17:18], alone)
+
+
+def test_epilogue_tensors_of_the_wrong_shape_are_refused_before_launch():
+    g = GEOMETRIES[0]
+    w, bias, x = _case(g, 0)
+    p = _pack(g, w, bias)
+    with pytest.raises(ValueError, match=r"r must be \(3, 37, 32\), got \(3, 36, 32\)"):
+        conv_fused_triton(p, x, dot="ieee", r=torch.zeros(3, 36, 32))
+    with pytest.raises(ValueError, match=r"a must be \(3, 36, 32\) \(reflect: at least 2 frames\)"):
+        conv_fused_triton(p, x, dot="ieee", a=torch.zeros(3, 37, 32), reflect=True)
 
 
 def test_pack_refuses_a_dilated_transposed_convolution():

@@ -111,7 +111,7 @@ def _vocoder_conv_kernel(
         a_offs = (b.to(tl.int64) * L_a + src)[:, None] * C_out + n[None, :]
         s = tl.load(a_ptr + a_offs, mask=ok, other=0.0).to(tl.float32) + s
     if DIVIDE:
-        s = s / divisor
+        s = tl.div_rn(s, divisor)  # IEEE division, as torch (``/`` is approximate on the GPU)
     if ACT == 1:
         s = tl.where(s > 0, s, s * slope)
     if ACT == 2:
@@ -221,6 +221,13 @@ def conv_fused_triton(conv: PackedConv, x: torch.Tensor, *, dot: str, r=None, ac
     y = torch.empty(max(count, 1), batch, l_out, conv.c_out, device=dev, dtype=y_dtype) if count else None
     al = alpha.float().contiguous() if count else conv.weight
     iv = inv.float().contiguous() if count else conv.weight
+    for name, t in (("r", r), ("acc", acc)):
+        if t is not None and tuple(t.shape) != (batch, l_out, conv.c_out):
+            raise ValueError(f"conv_fused_triton: {name} must be {(batch, l_out, conv.c_out)}, got {tuple(t.shape)}")
+    if a is not None:
+        want = (batch, l_out - 1 if reflect else l_out, conv.c_out)
+        if tuple(a.shape) != want or (reflect and l_out < 3):
+            raise ValueError(f"conv_fused_triton: a must be {want} (reflect: at least 2 frames), got {tuple(a.shape)}")
     r, acc, a = [None if t is None else t.contiguous() for t in (r, acc, a)]
     block_m, block_n, block_k, warps = _tiles(conv, q)
     grid = (batch * phases * triton.cdiv(q, block_m), triton.cdiv(conv.c_out, block_n))

@@ -40,6 +40,7 @@ def store_snakes(v, y_ptr, y_stride, offs, ok, alpha_ptr, inv_ptr, cols, col_ok,
                  ROUND: tl.constexpr):
     """Store ``v + inv_k · sin(alpha_k · v)²`` for k < K at ``y_ptr + k · y_stride + offs``
     (rounded to TF32 first with ``ROUND``); alpha / inv are (K, C) float32."""
+    out = y_ptr + offs  # advanced by y_stride per output: no k · y_stride product to overflow int32
     for k in tl.static_range(K):
         alpha = tl.load(alpha_ptr + k * C + cols, mask=col_ok, other=0.0)[None, :]
         inv = tl.load(inv_ptr + k * C + cols, mask=col_ok, other=0.0)[None, :]
@@ -47,7 +48,8 @@ def store_snakes(v, y_ptr, y_stride, offs, ok, alpha_ptr, inv_ptr, cols, col_ok,
         y = v + inv * (s * s)
         if ROUND:
             y = tf32_rne(y)
-        tl.store(y_ptr + k * y_stride + offs, y.to(y_ptr.dtype.element_ty), mask=ok)
+        tl.store(out, y.to(y_ptr.dtype.element_ty), mask=ok)
+        out += y_stride
 
 
 @triton.jit
@@ -100,7 +102,7 @@ def _vocoder_accumulate_kernel(
     if HAS_ACC:
         s = tl.load(acc_ptr + offs, mask=ok, other=0.0).to(tl.float32) + s
     if FINAL:
-        s = s / divisor
+        s = tl.div_rn(s, divisor)  # IEEE division, as torch (``/`` is approximate on the GPU)
         s = tl.where(s > 0, s, s * slope)
     tl.store(out_ptr + offs, s.to(out_ptr.dtype.element_ty), mask=ok)
 

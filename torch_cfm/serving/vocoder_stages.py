@@ -56,7 +56,7 @@ class HiFTVocoderStage(PerStreamVocoder):
         self.vocoder = HiFTVocoder(hift, precision=precision)
         if not self.vocoder.fused_convs:
             # library convolutions may round a row differently with the batch around it: fixed slabs
-            self.vocoder = HiFTVocoder(hift, precision=precision, slab_rows=4 if self.device.type == "cuda" else 1)
+            self.vocoder.slab_rows = 4 if self.device.type == "cuda" else 1
         self._fade = torch.hamming_window(2 * self.source_cache, periodic=False, dtype=torch.float64,
                                           device=self.device).float()
         self._streams: dict[Hashable, VocoderStreamState] = {}
