@@ -154,6 +154,47 @@ def test_a_cached_voice_equals_a_fresh_solve_bitwise(flow, hift, paced):
     cached.close_stream("c")
 
 
+def test_prompt_state_and_open_copy_refuse_what_does_not_fit(flow, hift):
+    """``prompt_state`` only right after a prompt solve; ``open_copy`` of another server's state
+    (other solver steps: other cache shapes) is refused naming ``state``, with nothing opened."""
+    voice = U.make_prompt(U.TINY, 20, seed=80)
+    one = Token2wavServer(flow, hift, max_streams=2, max_prompt_frames=80, n_timesteps=N_STEPS)
+    two = Token2wavServer(flow, hift, max_streams=2, max_prompt_frames=80, n_timesteps=N_STEPS + 1)
+    mel = one.open_stream("a", voice.tokens, voice.mel, voice.spk)
+    state = one.cfm_server.prompt_state("a", mel)
+    two.open_stream("z", voice.tokens, voice.mel, voice.spk)
+    other = two.cfm_server.prompt_state("z", mel)
+    free = one.cfm_server.free_slots
+    with pytest.raises(ValueError, match=r"CFMServer.open_copy: state must be a prompt state of this server"):
+        one.cfm_server.open_copy("b", other)
+    with pytest.raises(ValueError, match=r"state must be .*got a dict"):
+        one.cfm_server.open_copy("b", {})
+    assert one.cfm_server.open_requests == ["a"] and one.cfm_server.free_slots == free
+    assert torch.equal(one.cfm_server.open_copy("b", state), mel)
+    one.step({"a": (U.make_chunks(U.TINY, 1, seed=82)[0], False)})
+    with pytest.raises(ValueError, match=r"prompt_state: request_id must name a request just after its prompt solve"):
+        one.cfm_server.prompt_state("a", mel)
+
+
+def test_one_voice_name_on_two_prompts_shares_nothing_and_cache_hits_count(flow, hift):
+    """A voice named for two different prompts: each is solved (its own prompt length and mel);
+    an unhashable voice is refused naming it; with a voice cache, a copy within one call is a
+    counted hit of the voice its first stream just kept."""
+    voice, other = U.make_prompt(U.TINY, 20, seed=80), U.make_prompt(U.TINY, 13, seed=83)
+    server = Token2wavServer(flow, hift, max_streams=3, max_prompt_frames=80, n_timesteps=N_STEPS)
+    with pytest.raises(ValueError, match=r"prompts\['x'\] voice must be hashable, None or False, got list"):
+        server.open_many({"x": StreamPrompt(voice.tokens, voice.mel, voice.spk, voice=["v"])})
+    assert server.open_streams == []
+    mels = server.open_many({"a": StreamPrompt(voice.tokens, voice.mel, voice.spk, voice="v"),
+                             "b": StreamPrompt(other.tokens, other.mel, other.spk, voice="v")})
+    assert mels["a"].shape[1] == voice.mel.shape[1] and mels["b"].shape[1] == other.mel.shape[1]
+    cached = Token2wavServer(flow, hift, max_streams=3, max_prompt_frames=80, n_timesteps=N_STEPS,
+                             voice_cache_bytes=1 << 26)
+    cached.open_many({s: StreamPrompt(voice.tokens, voice.mel, voice.spk, seed=i) for i, s in enumerate("abc")})
+    voices = cached.cfm_server.voices
+    assert (voices.hits, voices.misses) == (2, 1)
+
+
 @pytest.mark.parametrize("cache", [None, 2**26])
 def test_streams_of_one_voice_in_one_call_share_its_prompt_solve(flow, hift, cache):
     """``open_many`` of two streams naming one voice (explicitly; with a voice cache, by content)

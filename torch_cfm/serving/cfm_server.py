@@ -31,7 +31,7 @@ from ..solve import GraphedArenaSolver, StreamingCFM
 from . import warmup as _warmup
 from .prompt_cohorts import PromptCohorts
 from .reports import AdmissionError, MemoryPlan, WarmupReport
-from .voice_cache import VoiceCache, VoiceState, content_key
+from .voice_cache import VoiceCache, VoiceState, content_key, state_mismatch
 
 
 @dataclass
@@ -265,12 +265,14 @@ class CFMServer:
         return None
 
     def open_copy(self, request_id: Hashable, state: VoiceState) -> torch.Tensor:
-        """Open a request whose prompt state is a copy of ``state`` (another request's
-        :meth:`prompt_state`), without a solve: the request is ready at once. Returns its prompt
-        mel (80, P). Raises as :meth:`open_request`."""
+        """Open a request from a copy of ``state`` (a :meth:`prompt_state` of this server), without
+        a solve: ready at once. Returns its prompt mel (80, P). Raises as :meth:`open_request`."""
         op = "CFMServer.open_copy"
         if request_id in self._requests:
             fail(op, "request_id", "not be open already", repr(request_id))
+        why = state_mismatch(state, self.arenas[0], self.max_prompt_frames)
+        if why:
+            fail(op, "state", "be a prompt state of this server (CFMServer.prompt_state)", why)
         req = self._take_slot(request_id, self._free_bucket(op), state.spks[None], state.prompt_len)
         return self._restore_voice(req, state)
 
@@ -348,6 +350,8 @@ class CFMServer:
         """A copy of an open request's state right after its prompt solve (its slot's caches, P and
         speaker embedding) with its prompt ``mel`` (80, P) and other stages' ``extra`` state."""
         req = self._get(request_id, "CFMServer.prompt_state")
+        if req.pending or req.chunks != 1:
+            fail("CFMServer.prompt_state", "request_id", "name a request just after its prompt solve", repr(request_id))
         return VoiceState.of_slot(self.arenas[req.bucket], req.slot, req.cache_len, req.prompt_len, mel, extra)
 
     def voice_state(self, voice: Hashable) -> Optional[VoiceState]:

@@ -74,6 +74,11 @@ def check_prompts(server, op: str, prompts: Mapping[Hashable, Any]) -> list:
             for name, t in (("prompt_mel", mel), ("spk", spk)):
                 if not bool(torch.isfinite(t).all()):
                     fail(op, f"prompts[{sid!r}] {name}", "hold finite values only", "NaN/Inf")
+        if item.voice is not None and item.voice is not False:
+            try:
+                hash(item.voice)
+            except TypeError:
+                fail(op, f"prompts[{sid!r}] voice", "be hashable, None or False", type(item.voice).__name__)
         staged.append((sid, tokens, mel, spk, int(item.seed), bool(item.waveform), item.voice))
     return staged
 
@@ -121,12 +126,12 @@ def open_staged(server, staged: list) -> dict[Hashable, torch.Tensor]:
                 voices.get(keys[sid])  # a counted miss (the CFM server counts its own lookups)
         if solved:
             fresh = cfm.solve_chunk({sid: (enc_out[sid][0], mel[0].transpose(0, 1)) for sid, _, mel, *_ in solved})
-            for sid in fresh:
-                if sid in keys:
-                    cfm.keep_voice(sid, keys[sid], fresh[sid], extra[sid])
+            kept = {sid for sid in fresh if sid in keys and cfm.keep_voice(sid, keys[sid], fresh[sid], extra[sid])}
             mels.update(fresh)
-            states = {first: cfm.prompt_state(first, fresh[first]) for first in set(copies.values())}
-            mels.update({sid: cfm.open_copy(sid, states[first]) for sid, first in copies.items()})
+            states = {first: cfm.prompt_state(first, fresh[first]) for first in set(copies.values()) - kept}
+            for sid, first in copies.items():  # from the voice cache (a counted hit) or a copy of the first
+                mels[sid] = (cfm.open_request(sid, voice=keys[sid]) if first in kept
+                             else cfm.open_copy(sid, states[first]))
     else:  # staged now, solved by the next ticks' advance_prompts
         for sid, _, mel, *_ in solved:
             cfm.open_request(sid, spks[sid][0], prompt_mu=enc_out[sid][0], prompt_mel=mel[0].transpose(0, 1),
@@ -136,18 +141,19 @@ def open_staged(server, staged: list) -> dict[Hashable, torch.Tensor]:
 
 
 def _same_voice(staged: list, keys: Mapping[Hashable, Any]) -> dict[Hashable, Hashable]:
-    """{stream id: the earlier stream of ``staged`` whose voice it shares}: the same voice-cache
-    key in ``keys``, or without one the same explicit voice (None and False name none)."""
+    """{stream id: the earlier stream of ``staged`` whose prompt it shares}: the same voice-cache
+    key in ``keys``, or without one the same explicit voice (None and False name none), and the
+    same prompt tokens, mel and speaker embedding (a voice named for two prompts shares nothing)."""
     first: dict = {}
     out = {}
-    for sid, *_, voice in staged:
+    for sid, tokens, mel, spk, *_, voice in staged:
         key = keys.get(sid, voice)
         if key is None or key is False:
             continue
-        if key in first:
-            out[sid] = first[key]
-        else:
-            first[key] = sid
+        if key not in first:
+            first[key] = (sid, tokens, mel, spk)
+        elif all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(first[key][1:], (tokens, mel, spk))):
+            out[sid] = first[key][0]
     return out
 
 

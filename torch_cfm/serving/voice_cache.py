@@ -93,6 +93,22 @@ class VoiceState:
         arena.frame_keys[slot, :length].copy_(self.frame_keys)
         arena.cache_lengths[slot] = length
 
+    def mismatch(self, arena: Any, max_prompt_frames: int) -> Optional[str]:
+        """Why this state cannot go into a slot of ``arena`` (a server's with ``max_prompt_frames``);
+        None when it can."""
+        a, c = arena.att, arena.cnn
+        same_att = self.att.dim() == a.dim() and self.att.shape[2] == 2 \
+            and (*self.att.shape[:2], *self.att.shape[3::2]) == (*a.shape[:2], *a.shape[3::2])
+        if not same_att or self.cnn.shape[:2] + self.cnn.shape[3:] != c.shape[:2] + c.shape[3:]:
+            return f"caches att {tuple(self.att.shape)}, cnn {tuple(self.cnn.shape)} for an arena of " \
+                   f"{tuple(a.shape)}, {tuple(c.shape)}"
+        if self.att.dtype != a.dtype or self.att.device != a.device:
+            return f"{self.att.dtype} on {self.att.device} for an arena of {a.dtype} on {a.device}"
+        if self.prompt_len > max_prompt_frames or self.cache_len > a.shape[4]:
+            return f"P = {self.prompt_len}, L = {self.cache_len} for max_prompt_frames = {max_prompt_frames}, " \
+                   f"{a.shape[4]} cache frames"
+        return None
+
     @property
     def cache_len(self) -> int:
         return self.att.shape[4]
@@ -162,4 +178,11 @@ class VoiceCache:
                 "misses": self.misses, "evictions": self.evictions}
 
 
-__all__ = ["VoiceCache", "VoiceState", "content_key", "tensors_nbytes"]
+__all__ = ["VoiceCache", "VoiceState", "content_key", "state_mismatch", "tensors_nbytes"]
+
+
+def state_mismatch(state: Any, arena: Any, max_prompt_frames: int) -> Optional[str]:
+    """:meth:`VoiceState.mismatch`, or why ``state`` is no VoiceState at all; None: it fits."""
+    if not isinstance(state, VoiceState):
+        return f"a {type(state).__name__}"
+    return state.mismatch(arena, max_prompt_frames)
