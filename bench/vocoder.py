@@ -10,9 +10,9 @@ inverse STFT). Providers:
   (fp32, cuDNN TF32 off: how vLLM-Omni runs it), "tf32" (PyTorch's default), "fp16" / "bf16"
   (CUDA autocast; its inverse STFT fed float32, so the error is the 16-bit convolutions');
 * ``torch_cfm``: :class:`torch_cfm.models.vocoder.HiFTVocoder` in each precision; variants
-  ``kernels`` (eager launches of its Triton kernels), ``compiled`` (``torch.compile`` of its
-  PyTorch math; slow to compile, ``--compiled`` picks the precisions), ``slab16`` (16-row slabs,
-  the bitwise batch-invariant mode).
+  ``kernels`` (its default: the fused Triton convolutions at TF32 / 16-bit, cuDNN at IEEE),
+  ``compiled`` (``torch.compile`` of its PyTorch math; slow to compile, ``--compiled`` picks the
+  precisions), ``slab16`` (16-row slabs, how the library convolutions are made batch-invariant).
 
 op "vocoder_forward": torch_cfm's whole per-tick step, ``HiFTVocoder.stream_chunk`` (f0 predictor,
 per-stream source, cached source samples, decode, the overlap fade) at the default precision.
