@@ -212,6 +212,38 @@ def test_gpu_fused_conv_batch_invariant_bitwise():
     assert torch.equal(whole[17:18], alone)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_sm90_compile_pipelines_16_byte_operand_copies(dtype):
+    """Compiled for sm_90 as a launch specialises it (aligned pointers, channel counts divisible by
+    16), the K loop's operand tiles arrive by 16-byte asynchronous copies and feed wgmma: a
+    weight layout the tensor cores cannot read directly (N-major TF32) would force 4-byte copies."""
+    import collections
+    import inspect
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from torch_cfm.kernels.vocoder_conv import _vocoder_conv_kernel as kernel
+
+    names = list(inspect.signature(kernel.fn).parameters)
+    const = dict(PHASES=1, TAPS=11, TRANSPOSED=False, DOT="tf32" if dtype == "fp32" else None, ROUND_A=False,
+                 ROUND_OUT=dtype == "fp32", HAS_BIAS=True, ADD_R=True, ADD_ACC=False, ADD_A=False, REFLECT=False,
+                 ACT=0, DIVIDE=False, STORE_S=True, K=1, BLOCK_M=128, BLOCK_N=64, BLOCK_K=32 if dtype == "fp32" else 64)
+    sig = {n: "constexpr" if n in const else f"*{dtype}" if n in ("x_ptr", "w_ptr", "y_ptr") else
+           "*fp32" if n.endswith("_ptr") else "fp32" if n in ("divisor", "slope") else "i32" for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n in ("C_in", "C_out")}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()}, attrs=attrs)
+    try:
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+    except (RuntimeError, FileNotFoundError) as exc:  # no ptxas in this Triton install
+        pytest.skip(f"cannot compile for sm_90 here: {exc}"[:200])
+    sizes = collections.Counter(re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^\]]+\], \[[^\]]+\], (0x\w+)", ptx))
+    assert "wgmma.mma_async" in ptx
+    assert set(sizes) == {"0x10"}, sizes
+
+
 def test_epilogue_tensors_of_the_wrong_shape_are_refused_before_launch():
     g = GEOMETRIES[0]
     w, bias, x = _case(g, 0)

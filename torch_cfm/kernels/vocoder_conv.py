@@ -6,7 +6,7 @@ over taps: output frame o of a plain convolution reads input frame ``o·stride -
 through tap m. A transposed convolution is split into ``stride`` phases (the output frames
 ``o = q·stride + ph``): within a phase it is a plain convolution over q whose tap m reads input
 frame ``q + c0(ph) - m`` with weight tap ``j0(ph) + m·stride``, ``j0 = (ph + pad) mod stride``.
-The weights are packed once, on the host, as (phases, taps, C_in, C_out) (a transposed
+The weights are packed once, on the host, as (phases, taps, C_out, C_in) (a transposed
 convolution's missing taps are zeros and their loads are masked).
 
 One program computes BLOCK_M output frames of one batch row × BLOCK_N output channels, reducing
@@ -46,7 +46,7 @@ NUM_STAGES = 3  # software-pipelining depth of the K loop
 
 @triton.jit
 def _vocoder_conv_kernel(
-    x_ptr, w_ptr, bias_ptr,          # (B, L_in, C_in); (PHASES, TAPS, C_in, C_out); (C_out,) float32
+    x_ptr, w_ptr, bias_ptr,          # (B, L_in, C_in); (PHASES, TAPS, C_out, C_in); (C_out,) float32
     r_ptr, acc_ptr, a_ptr,           # (B, L_out, C_out) addends; a: (B, L_a, C_out)
     s_ptr, y_ptr, y_stride,          # (B, L_out, C_out) sum [STORE_S]; (K, B, L_out, C_out) Snakes
     alpha_ptr, inv_ptr,              # (K, C_out) float32
@@ -86,8 +86,9 @@ def _vocoder_conv_kernel(
             row_ok = (idx >= 0) & (idx < L_in)
         ci_ok = ci < C_in
         a = tl.load(x_row + idx[:, None] * C_in + ci[None, :], mask=row_ok[:, None] & ci_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + ((ph * TAPS + m) * C_in + ci)[:, None] * C_out + n[None, :],
-                    mask=ci_ok[:, None] & n_ok[None, :], other=0.0)
+        # K-major weight rows: 16-byte copies, and the layout TF32 tensor-core operands need
+        w = tl.trans(tl.load(w_ptr + ((ph * TAPS + m) * C_out + n)[:, None] * C_in + ci[None, :],
+                             mask=n_ok[:, None] & ci_ok[None, :], other=0.0))
         if ROUND_A:
             a = tf32_rne(a.to(tl.float32))
         a = a.to(w.dtype)
@@ -136,7 +137,7 @@ def round_tf32(t: torch.Tensor) -> torch.Tensor:
 class PackedConv:
     """A convolution's geometry and its weights packed for the kernel (see the module docstring)."""
 
-    weight: torch.Tensor  # (phases, taps, C_in, C_out)
+    weight: torch.Tensor  # (phases, taps, C_out, C_in)
     bias: Optional[torch.Tensor]  # (C_out,) float32
     c_in: int
     c_out: int
@@ -168,15 +169,15 @@ def pack_conv_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], *, tran
             raise NotImplementedError("vocoder_conv: not supported yet: a dilated transposed convolution")
         c_in, c_out, k = w.shape
         taps = -(-k // stride)
-        packed = w.new_zeros(stride, taps, c_in, c_out)
+        packed = w.new_zeros(stride, taps, c_out, c_in)
         for ph in range(stride):
             j0 = (ph + padding) % stride
             for m in range(taps):
                 if j0 + m * stride < k:
-                    packed[ph, m] = w[:, :, j0 + m * stride]
+                    packed[ph, m] = w[:, :, j0 + m * stride].t()
     else:
         c_out, c_in, k = w.shape
-        packed = w.permute(2, 1, 0)[None]  # (1, k, C_in, C_out)
+        packed = w.permute(2, 0, 1)[None]  # (1, k, C_out, C_in)
     packed = packed.to(weight.dtype).to(dtype).contiguous()
     if tf32 and dtype == torch.float32:
         packed = round_tf32(packed)
