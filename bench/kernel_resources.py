@@ -14,6 +14,7 @@ the Triton version of the GPU box for numbers that match it, e.g. on the CPU box
 
 One line per kernel configuration: the attention kernel as ``choose_config`` picks it for the
 docs/design.md §7 shapes, and the body's v5 attention + cache kernel at its launch parameters; with
+``--only vocoder_conv``, the HiFT's fused convolutions at the shipped sizes; with
 ``--only cuda_attention``, every instantiation of the hand-written CUDA attention kernel
 (``csrc/cuda/``, compiled with the local ``nvcc``; no Triton needed). Not a
 benchmark (nothing runs): spills predict slowness, their absence does not predict speed.
@@ -181,18 +182,52 @@ def cuda_attention_rows(arch: int) -> list[str]:
     return rows
 
 
+def vocoder_conv_rows(arch: int, streams: int = 64, stages: int = 0) -> list[str]:
+    """The HiFT's fused convolutions (kernels/vocoder_conv.py) at the shipped sizes, 58 frames per
+    stream, with the tiles ``_tiles`` picks: a ResBlock convolution per stage (with its Snake
+    epilogue), the stage merge (3 Snakes), the upsamplings, TF32 and fp16."""
+    import torch_cfm.kernels.vocoder_conv as vc
+
+    rows = []
+    # (name, C_in, C_out, taps, phases, transposed, frames out, snakes, add_r)
+    layers = [("resblock s0 k11", 256, 256, 11, 1, False, 464, 1, True), ("resblock s1 k11", 128, 128, 11, 1, False,
+              2320, 1, True), ("resblock s2 k11", 64, 64, 11, 1, False, 6961, 1, True),
+              ("merge s2 k11", 64, 64, 11, 1, False, 6961, 3, True), ("up x8", 512, 256, 2, 8, True, 464, 0, False),
+              ("up x3", 128, 64, 3, 3, True, 6960, 0, False)]
+    for dtype, dot in ((torch.float32, "tf32"), (torch.float16, None)):
+        ty = "*" + _TRITON_TYPES[dtype]
+        for name, c_in, c_out, taps, phases, transposed, l_out, snakes, add_r in layers:
+            weight = torch.empty(phases, taps, c_out, c_in, dtype=dtype)
+            conv = vc.PackedConv(weight, None, c_in, c_out, taps * phases, phases, 0, 1, 0, transposed)
+            q = -(-l_out // phases)
+            block_m, block_n, block_k, warps = vc._tiles(conv, q)
+            args = dict(x_ptr=ty, w_ptr=ty, bias_ptr="*fp32", r_ptr="*fp32", acc_ptr="*fp32", a_ptr="*fp32",
+                        s_ptr="*fp32", y_ptr=ty, y_stride=streams * l_out * c_out, alpha_ptr="*fp32", inv_ptr="*fp32",
+                        L_in=l_out, L_out=l_out, L_a=l_out, C_in=c_in, C_out=c_out, Q=q, STRIDE=phases, PAD=1, DIL=3,
+                        KSIZE=taps * phases, divisor=1.0, slope=0.1)
+            consts = dict(PHASES=phases, TAPS=taps, TRANSPOSED=transposed, DOT=dot, ROUND_A=False,
+                          ROUND_OUT=dot == "tf32", HAS_BIAS=True, ADD_R=add_r, ADD_ACC=False, ADD_A=False,
+                          REFLECT=False, ACT=0, DIVIDE=False, STORE_S=add_r or not snakes, K=snakes,
+                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+            compiled = compile_like_launch(vc._vocoder_conv_kernel, args, consts, warps, stages or vc.NUM_STAGES, arch)
+            rows.append(f"vocoder_conv {_TRITON_TYPES[dtype]} {name:16s} tiles {block_m}x{block_n}x{block_k} "
+                        f"w{warps}: {describe(compiled)}")
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90: H100/H200)")
     ap.add_argument("--sms", type=int, default=132, help="SM count the heuristics assume")
-    ap.add_argument("--only", default=None, choices=("attention", "dit_attention", "cuda_attention"))
+    ap.add_argument("--only", default=None, choices=("attention", "dit_attention", "cuda_attention", "vocoder_conv"))
     args = ap.parse_args(argv)
     import triton
 
     print(f"triton {triton.__version__}, target sm_{args.arch}")
     groups = dict(attention=lambda: attention_rows(args.arch, args.sms),
                   dit_attention=lambda: dit_attention_rows(args.arch),
-                  cuda_attention=lambda: cuda_attention_rows(args.arch))
+                  cuda_attention=lambda: cuda_attention_rows(args.arch),
+                  vocoder_conv=lambda: vocoder_conv_rows(args.arch))
     for name, rows in groups.items():
         if args.only in (None, name):
             for line in rows():

@@ -96,21 +96,24 @@ def _vocoder_conv_kernel(
     # ---- epilogue on output frames o
     o = q * PHASES + ph if TRANSPOSED else q
     ok = (o < L_out)[:, None] & n_ok[None, :]
-    offs = (b.to(tl.int64) * L_out + o)[:, None] * C_out + n[None, :]
+    # a 64-bit base per batch row and 32-bit offsets within it: a 2-D tensor of 64-bit offsets
+    # costs two registers per element and spilled the epilogue
+    row = b.to(tl.int64) * L_out * C_out
+    offs = o[:, None] * C_out + n[None, :]
     s = acc
     if HAS_BIAS:
         s = s + tl.load(bias_ptr + n, mask=n_ok, other=0.0)[None, :]
     if ADD_R:
-        s = s + tl.load(r_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        s = s + tl.load(r_ptr + row + offs, mask=ok, other=0.0).to(tl.float32)
     if ADD_ACC:
-        s = tl.load(acc_ptr + offs, mask=ok, other=0.0).to(tl.float32) + s
+        s = tl.load(acc_ptr + row + offs, mask=ok, other=0.0).to(tl.float32) + s
     if ADD_A:
         if REFLECT:  # output frame o reads frame o - 1 of a, frame 0 reads frame 1
             src = tl.where(o == 0, 1, o - 1)
         else:
             src = o
-        a_offs = (b.to(tl.int64) * L_a + src)[:, None] * C_out + n[None, :]
-        s = tl.load(a_ptr + a_offs, mask=ok, other=0.0).to(tl.float32) + s
+        a_row = a_ptr + b.to(tl.int64) * L_a * C_out
+        s = tl.load(a_row + src[:, None] * C_out + n[None, :], mask=ok, other=0.0).to(tl.float32) + s
     if DIVIDE:
         s = tl.div_rn(s, divisor)  # IEEE division, as torch (``/`` is approximate on the GPU)
     if ACT == 1:
@@ -119,10 +122,10 @@ def _vocoder_conv_kernel(
         s = tl.where(s > 0, s, slope * (tl.exp(s) - 1.0))
     if STORE_S:
         if ROUND_OUT and ACT != 0:  # an activation feeds the next convolution only
-            tl.store(s_ptr + offs, tf32_rne(s).to(s_ptr.dtype.element_ty), mask=ok)
+            tl.store(s_ptr + row + offs, tf32_rne(s).to(s_ptr.dtype.element_ty), mask=ok)
         else:
-            tl.store(s_ptr + offs, s.to(s_ptr.dtype.element_ty), mask=ok)
-    store_snakes(s, y_ptr, y_stride, offs, ok, alpha_ptr, inv_ptr, n, n_ok, C_out, K, ROUND_OUT)
+            tl.store(s_ptr + row + offs, s.to(s_ptr.dtype.element_ty), mask=ok)
+    store_snakes(s, y_ptr + row, y_stride, offs, ok, alpha_ptr, inv_ptr, n, n_ok, C_out, K, ROUND_OUT)
 
 
 def round_tf32(t: torch.Tensor) -> torch.Tensor:
