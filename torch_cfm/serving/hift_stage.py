@@ -68,9 +68,33 @@ class VocoderStreamState:
 
 
 class PerStreamVocoder:
-    """``close`` and ``state_bytes`` of a stage holding ``self._streams`` ({stream: VocoderStreamState})."""
+    """A stage holding ``self._streams`` ({stream: VocoderStreamState}): its tick (each stream's
+    cached mel frames, then this chunk's; streams grouped by that length and by whether they have
+    a previous chunk; one ``_group(members, cached)`` call per group), ``close`` and ``state_bytes``."""
 
     _streams: dict
+    device: torch.device
+    dtype: torch.dtype  # of the vocoder's mel input
+    stats: dict
+
+    def __call__(self, items) -> dict[Hashable, torch.Tensor]:
+        """``items``: (stream id, mel (80, T), last chunk). Returns {stream id: waveform (samples,)}
+        as ``Token2wav.stream`` yields it (the overlap tail held back unless last)."""
+        groups: dict[tuple, list] = {}
+        for sid, mel, last in items:
+            st = self._streams[sid]
+            mel = mel.to(device=self.device, dtype=self.dtype)[None]
+            if st.mel is not None:
+                mel = torch.cat([st.mel, mel], dim=2)
+            groups.setdefault((mel.shape[2], st.source is not None), []).append((sid, mel, last))
+        out = {}
+        for (_, cached), members in groups.items():
+            self.stats["vocoder_batches"] += 1
+            out.update(self._group(members, cached))
+        return out
+
+    def _group(self, members: list, cached: bool) -> dict[Hashable, torch.Tensor]:
+        raise NotImplementedError
 
     def close(self, stream_id: Hashable) -> None:
         self._streams.pop(stream_id, None)
@@ -128,24 +152,7 @@ class HiFTStage(PerStreamVocoder):
                 (("hift_f0", self.f0_call), ("hift_source", self.source_call), ("hift_decode", self.decode_call))}
 
     # ------------------------------------------------------------------ a tick
-    def __call__(self, items) -> dict[Hashable, torch.Tensor]:
-        """``items``: (stream id, mel (80, T), last chunk). Returns {stream id: waveform (samples,)}
-        as ``Token2wav.stream`` yields it (the overlap tail held back unless last)."""
-        groups: dict[tuple, list] = {}
-        for sid, mel, last in items:
-            st = self._streams[sid]
-            mel = mel.to(device=self.device, dtype=self.dtype)[None]
-            if st.mel is not None:
-                mel = torch.cat([st.mel, mel], dim=2)
-            cache_len = 0 if st.source is None else st.source.shape[2]
-            groups.setdefault((mel.shape[2], cache_len), []).append((sid, mel, last))
-        out = {}
-        for (_, cache_len), members in groups.items():
-            self.stats["vocoder_batches"] += 1
-            out.update(self._vocode_group(members, cache_len))
-        return out
-
-    def _vocode_group(self, members, cache_len: int) -> dict[Hashable, torch.Tensor]:
+    def _group(self, members, cached: bool) -> dict[Hashable, torch.Tensor]:
         pad = self._padded(len(members)) - len(members)
         mel = torch.cat([m[1] for m in members] + [members[0][1]] * pad, dim=0)
         up = self.f0_call(mel)
@@ -154,8 +161,8 @@ class HiFTStage(PerStreamVocoder):
             st = self._streams[sid]
             s, st.rng = self._rng.run(st.rng, self.source_call, up[b:b + 1])
             s = s.transpose(1, 2)
-            if cache_len:
-                s[:, :, :cache_len] = st.source
+            if cached:
+                s[:, :, :st.source.shape[2]] = st.source
             sources.append(s)
         source = torch.cat(sources + sources[:1] * pad, dim=0)
         speech = self.decode_call(mel, source)

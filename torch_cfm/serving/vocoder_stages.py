@@ -52,7 +52,7 @@ class HiFTVocoderStage(PerStreamVocoder):
                  precision: str = "auto") -> None:
         self.mel_channels, self._padded, self.stats = mel_channels, padded, stats
         self.samples_per_frame, self.source_cache = hift_stream_constants(hift)
-        self.device = next(hift.parameters()).device
+        self.device, self.dtype = next(hift.parameters()).device, torch.float32
         self.vocoder = HiFTVocoder(hift, precision=precision)
         if not self.vocoder.fused_convs:
             # library convolutions may round a row differently with the batch around it: fixed slabs
@@ -73,20 +73,6 @@ class HiFTVocoderStage(PerStreamVocoder):
 
     def graph_counts(self) -> dict[str, int]:
         return {"vocoder": getattr(self.call, "graph_count", 0)}
-
-    def __call__(self, items) -> dict[Hashable, torch.Tensor]:
-        groups: dict[tuple, list] = {}
-        for sid, mel, last in items:
-            st = self._streams[sid]
-            mel = mel.to(device=self.device, dtype=torch.float32)[None]
-            if st.mel is not None:
-                mel = torch.cat([st.mel, mel], dim=2)
-            groups.setdefault((mel.shape[2], st.source is not None), []).append((sid, mel, last))
-        out = {}
-        for (_, cached), members in groups.items():
-            self.stats["vocoder_batches"] += 1
-            out.update(self._group(members, cached))
-        return out
 
     def _group(self, members, cached: bool) -> dict[Hashable, torch.Tensor]:
         pad = self._padded(len(members)) - len(members)

@@ -129,6 +129,7 @@ class _Conv(nn.Module):
         self.stride, self.padding = int(conv.stride[0]), int(conv.padding[0])
         self.dilation, self.groups = int(conv.dilation[0]), int(conv.groups)
         self.output_padding = int(conv.output_padding[0]) if self.transposed else 0
+        self.packed, self.dot = None, "ieee"  # the Triton kernel's weights (:meth:`pack`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(B, L, C_in) -> (B, L', C_out): in the weight's dtype, or with 16-bit weights the
@@ -169,7 +170,7 @@ class _Conv(nn.Module):
         its activated ``s`` are rounded to TF32 when written, for the convolution that reads
         them; an ``external`` input (not written by this kernel) is rounded as it is loaded."""
         snakes = alpha is not None
-        if getattr(self, "packed", None) is not None and backend != "torch" and x.dtype != torch.float64 \
+        if self.packed is not None and backend != "torch" and x.dtype != torch.float64 \
                 and (x.is_cuda or backend == "triton"):
             from ...kernels.vocoder_conv import ACT_ELU, ACT_LEAKY, ACT_NONE, conv_fused_triton
 
@@ -272,11 +273,10 @@ class HiFTVocoder(nn.Module):
         self.fused_convs = self._fused_convs_apply()
         if self.fused_convs:
             dot = {"tf32": "tf32", "ieee": "ieee"}.get(choice)
+            f0 = set(self.f0_convs)
             for conv in self.modules():
                 if isinstance(conv, _Conv):
-                    conv.pack(dot)
-            for conv in self.f0_convs:
-                conv.pack("ieee" if choice == "ieee" else "tf32")
+                    conv.pack(("ieee" if choice == "ieee" else "tf32") if conv in f0 else dot)
         self._f0_fn, self._decode_fn = self._f0_math, self._decode_math
         if self.compiled:
             self._f0_fn = torch.compile(self._f0_math, fullgraph=True, dynamic=False)
