@@ -233,7 +233,7 @@ def main(argv=None) -> list[dict]:
     if device == "cpu":
         torch.set_num_threads(1)
     rows = []
-    with V.vllm_stub():
+    with V.vllm_stub() as stub:
         bt = V.load_backend_module()
         flow32 = U.build_flow(size, seed=args.seed)
         U.resize_scratch_buffers(flow32, frames=1, steps=1)  # neither backend uses the upstream's scratch
@@ -258,6 +258,7 @@ def main(argv=None) -> list[dict]:
                             torch.cuda.empty_cache()
                             torch.cuda.reset_peak_memory_stats()
                             mem0 = torch.cuda.memory_allocated()
+                        stub.new_process()  # vLLM's per-process graph pool: one per backend built here
                         prov = build(name, bt, flow, hift, c, wl, voices, inputs, device, dname == "fp16")
                         row.update(S.run_one(prov, c, wl, args.seed + c))
                         row["bytes_per_request"] = prov.bytes_per_request()

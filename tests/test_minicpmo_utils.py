@@ -191,6 +191,28 @@ def test_a_stream_meets_one_plan_per_chunk_kind_and_its_state_stays_bounded(mods
 
 
 @in_child
+def test_a_16_bit_chunk_meets_the_graph_key_of_a_float32_chunk(mods, hift):
+    """A float16 flow's mel chunk reaches the (graphed) step in the core's float32, so a warm-up
+    on float32 mel captures the graphs a float16 stream replays; the output is the float32
+    chunk's, bitwise (the step appended the chunk in float32 anyway)."""
+    from torch_cfm.models.vocoder.causal import CausalVocoderCore, stream_batch
+
+    core = CausalVocoderCore(mods.BoundedVocoder(copy.deepcopy(hift)))
+    mel = _mel(100, seed=5).half()
+    seen, outs = [], []
+    for chunk_dtype in (torch.float16, torch.float32):
+        def call(plan, *tensors):
+            seen.append(tensors[3].dtype)
+            return core.run(plan, *tensors)
+
+        state = core.new_state()
+        outs.append([stream_batch(core, [state], [mel[:, :, a:a + 50].to(chunk_dtype)], [a == 50], call=call)[0]
+                     for a in (0, 50)])
+    assert seen == [torch.float32] * 4
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+@in_child
 def test_batched_streams_equal_each_stream_alone(mods, hift):
     """Three streams arriving on different ticks with different last chunks, batched (buckets
     1, 2, 4: padded rows) vs ``BoundedVocoder.stream`` per stream on the same mel: state bitwise;

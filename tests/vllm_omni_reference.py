@@ -65,7 +65,12 @@ def _package(name: str, path: Optional[str]) -> types.ModuleType:
 
 @contextlib.contextmanager
 def vllm_stub():
-    """``vllm`` as two attributes, and bare ``vllm_omni`` parents, for the ``with`` block."""
+    """``vllm`` as two attributes, and bare ``vllm_omni`` parents, for the ``with`` block.
+
+    Yields a namespace with ``root`` (the installed ``vllm_omni`` folder) and ``new_process()``: a
+    process builds one backend in vLLM, and its graph pool dies with that backend's graphs (the
+    caching allocator refuses a capture into a released pool), so a caller that builds backends one
+    after another calls it before each build."""
     before = set(sys.modules)
     root = list(importlib.util.find_spec("vllm_omni").submodule_search_locations)[0]
     pools: list = []
@@ -86,7 +91,7 @@ def vllm_stub():
     saved = {name: sys.modules[name] for name in added if name in sys.modules}
     sys.modules.update(added)
     try:
-        yield types.SimpleNamespace(root=root)
+        yield types.SimpleNamespace(root=root, new_process=pools.clear)
     finally:  # only vLLM's and vLLM-Omni's names: an extension module (scipy, ...) cannot be loaded twice
         for name in set(sys.modules) - before:
             if name.split(".")[0] in ("vllm", "vllm_omni"):

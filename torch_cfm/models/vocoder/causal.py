@@ -416,7 +416,7 @@ def stream_batch(core: CausalVocoderCore, states: Sequence[dict], mels: Sequence
     """``BoundedVocoder.stream(mel, finalize)`` for several streams at once, each on its own state.
 
     Streams whose chunk has the same :class:`ChunkPlan` run as one batch (padded with copies of
-    a row up to the next of ``batch_buckets``). Each state dict is updated as the upstream
+    a row up to the next of ``batch_buckets``), without autograd. Each state dict is updated as the upstream
     updates its ``cache``: new ``mel``/``source``/``phase`` tensors, the CPU counters filled in
     place, other keys left alone.
 
@@ -459,8 +459,9 @@ def stream_batch(core: CausalVocoderCore, states: Sequence[dict], mels: Sequence
             out[i] = mel.new_zeros(1, 0)
             continue
         groups.setdefault(plan, []).append((i, state, mel, counters, after))
-    for plan, members in groups.items():
-        _run_group(core, plan, members, call, batch_buckets, out)
+    with torch.no_grad():  # streaming inference: a graphed ``call`` replays only without autograd
+        for plan, members in groups.items():
+            _run_group(core, plan, members, call, batch_buckets, out)
     return out  # type: ignore[return-value]
 
 
@@ -471,7 +472,8 @@ def _run_group(core, plan: ChunkPlan, members: list, call, batch_buckets, out: l
     mel = torch.cat([m[1]["mel"] for m in rows], dim=0)
     source = torch.cat([m[1]["source"] for m in rows], dim=0)
     phase = torch.cat([m[1]["phase"] for m in rows], dim=0)
-    chunk = torch.cat([m[2].to(core.device) for m in rows], dim=0)
+    # in the core's dtype (as _step appends it), so fp16 and fp32 chunks meet one graph per plan
+    chunk = torch.cat([m[2].to(core.device, core.dtype) for m in rows], dim=0)
     speech, mel, source, phase = call(plan, mel, source, phase, chunk, _noise_bases(core, [m[3] for m in rows]))
     for b, (i, state, _, _, after) in enumerate(members):
         state["mel"], state["source"], state["phase"] = mel[b:b + 1], source[b:b + 1], phase[b:b + 1]

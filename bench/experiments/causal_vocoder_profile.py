@@ -1,0 +1,85 @@
+"""Where minicpmo-utils' causal vocoder spends a steady chunk (experiment; not a shipped benchmark).
+
+A shipped-size ``CausalHiFTGenerator`` (seeded random weights) behind ``CausalVocoderCore``: one
+steady 50-frame chunk at batch B replayed from a CUDA graph (ms per chunk), then one eager chunk
+under the profiler (kernel count, CUDA ms, top kernels). Writes ``causal_vocoder_profile.json``.
+
+    STEPAUDIO2_PATH=.upstream/minicpmo-utils python3 bench/experiments/causal_vocoder_profile.py --out "$OUT"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [os.path.dirname(HERE), os.path.join(ROOT, "tests"), ROOT]
+
+import torch  # noqa: E402
+
+import _harness as H  # noqa: E402
+
+
+def main() -> int:
+    import upstream_packages as P
+    from torch_cfm.models.vocoder.causal import CausalVocoderCore, plan_chunk, COUNTERS
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    mods = P.load_minicpmo_token2wav()
+    model = P.build_causal_hift(mods, seed=0, table_samples=60 * 24000, **P.SHIPPED_CAUSAL).to(dev)
+    core = CausalVocoderCore(mods.BoundedVocoder(model))
+    result = dict(env=H.env_info(), rows=[])
+    gen = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        # a state two chunks in, so the timed chunk has the steady plan
+        state = core.new_state()
+        from torch_cfm.models.vocoder.causal import stream_batch
+        for _ in range(2):
+            stream_batch(core, [state], [torch.randn(1, 80, 50, device=dev, generator=gen)], [False])
+        counters = {k: int(state[k].item()) for k in COUNTERS}
+        plan, _, _ = plan_chunk(core.sizes, counters, state["mel"].shape[2],
+                                state["source"].shape[2] // core.sizes.hop, 50, False)
+        for b in [int(x) for x in args.batches.split(",")]:
+            mel, source, phase = (state[k].expand(b, *state[k].shape[1:]).contiguous()
+                                  for k in ("mel", "source", "phase"))
+            chunk = torch.randn(b, 80, 50, device=dev, generator=gen)
+            base = torch.zeros(b, dtype=torch.int64, device=dev)
+            for tf32 in (True, False):
+                with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32):
+                    t = H.time_cuda_graph(lambda: core.run(plan, mel, source, phase, chunk, base), calls=2,
+                                          repeats=7, warmup=2)
+                row = dict(batch=b, tf32=tf32, ms=round(t["us_p50"] / 1e3, 3))
+                if tf32 and b in (1, 64):
+                    from torch.profiler import ProfilerActivity, profile
+                    core.run(plan, mel, source, phase, chunk, base)
+                    torch.cuda.synchronize()
+                    with profile(activities=[ProfilerActivity.CUDA]) as p:
+                        core.run(plan, mel, source, phase, chunk, base)
+                        torch.cuda.synchronize()
+                    kern = []
+                    for e in p.key_averages():
+                        ms = getattr(e, "self_device_time_total", 0) / 1e3
+                        if ms:
+                            kern.append(dict(kernel=e.key[:110], count=e.count, ms=round(ms, 3)))
+                    kern.sort(key=lambda r: -r["ms"])
+                    row.update(kernels=sum(k["count"] for k in kern), kernel_ms=round(sum(k["ms"] for k in kern), 3),
+                               top=kern[:15])
+                result["rows"].append(row)
+                print({k: v for k, v in row.items() if k != "top"}, flush=True)
+                for k in row.get("top", [])[:10]:
+                    print("   ", k, flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "causal_vocoder_profile.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
