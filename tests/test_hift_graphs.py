@@ -58,7 +58,7 @@ def test_istft_equals_torch_istft(frames, batch):
                       window=window)
     out = istft(magnitude, phase, 16, 4, window)
     assert out.shape == ref.shape == (batch, 4 * (frames - 1))
-    assert err_rel_fro(out, ref) <= 1e-6
+    assert torch.equal(out, ref)  # torch.istft's own ops, in its order
 
 
 def test_capturable_forward_equals_the_upstream_and_restores_the_module():

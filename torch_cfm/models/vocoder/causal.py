@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from ...errors import fail, shape_str
+from ..hift_capturable import istft
 from ..upstream import type_name
 
 __all__ = ["CausalVocoderSizes", "ChunkPlan", "PlanStep", "CausalVocoderCore", "bounded_vocoder_gaps",
@@ -215,29 +216,6 @@ def plan_chunk(sizes: CausalVocoderSizes, counters: dict[str, int], mel_frames: 
 
 
 # ---------------------------------------------------------------------------- capturable model
-def istft(magnitude: torch.Tensor, phase: torch.Tensor, n_fft: int, hop: int, window: torch.Tensor) -> torch.Tensor:
-    """``HiFTGenerator._istft`` without ``torch.istft``'s host check: the same ops (inverse real
-    FFT, window, overlap-add by ``unfold_backward``, division by the overlap-added squared
-    window, centre trim), so the same result; with the HiFT's hann window at a quarter hop the
-    envelope is >= 1.25 on every kept sample.
-
-    Args:
-        magnitude, phase: (B, n_fft/2 + 1, F) float32; window: (n_fft,) on their device.
-    Returns:
-        (B, hop·(F - 1)) float32.
-    """
-    magnitude = torch.clip(magnitude, max=1e2)
-    spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-    frames = torch.fft.irfft(spec, n=n_fft, dim=1)  # (B, n_fft, F)
-    batch, count = frames.shape[0], frames.shape[2]
-    length = n_fft + hop * (count - 1)
-    wave = torch.ops.aten.unfold_backward((frames * window.view(-1, 1)).transpose(1, 2), [batch, length], 1,
-                                          n_fft, hop)
-    envelope = torch.ops.aten.unfold_backward(window.pow(2).expand(1, count, n_fft), [1, length], 1, n_fft, hop)
-    pad = n_fft // 2
-    return wave[:, pad:length - pad] / envelope[:, pad:length - pad]
-
-
 def _causal_convs(model: nn.Module) -> list[nn.Module]:
     """The model's causal convolutions whose missing cache the upstream fills from a CPU tensor."""
     return [m for m in model.modules() if isinstance(m, nn.Conv1d)
