@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The GPU work the last stop could not run (its device time ran out), as three device calls on one
-# warm machine. Carry .whl (the upstream wheels), .upstream (minicpmo-utils) and .old (the previous
-# landing's tree: `git archive 3b26b83 | tar -x -C .old`). Results land under $OUT.
-#   bash bench/experiments/device_calls_next.sh tests     # ~6 min: GPU tests of what changed
-#   bash bench/experiments/device_calls_next.sh compare   # ~9 min: vocoder + tokens->waveform vs 3b26b83
-#   bash bench/experiments/device_calls_next.sh peers     # ~8 min: vLLM-Omni plugin bars, minicpmo stream
+# The GPU measurements still owed to the open issues, as device calls on one warm machine (each
+# under 600 s). Carry .whl (the upstream wheels: `pip download --no-deps vllm-omni==0.30.0
+# stepaudio2-minicpmo==0.1.1 -d .whl`) and .upstream (`pip install --no-deps --target
+# .upstream/minicpmo-utils minicpmo-utils==1.0.7`). Results land under $OUT.
+#   bash bench/experiments/device_calls_next.sh peers     # issue 42's bars, issue 40's stream
+#   bash bench/experiments/device_calls_next.sh vocoder   # issue 43: per-layer times, tile sweep
+#   bash bench/experiments/device_calls_next.sh stages    # issue 40's causal vocoder, 43's encoder A/B
+#   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
 set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 BENCH_COMMIT=${BENCH_COMMIT:-unknown}
@@ -15,20 +17,27 @@ if ! ls torch_cfm/_C*.so > /dev/null 2>&1; then
   CXX=g++ CC=gcc MAX_JOBS=16 timeout 150 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1
   echo "build rc=$?"
 fi
-case ${1:?tests, compare or peers} in
-  tests)  # one result line per file (a file cut by its limit prints its dots only)
-    for f in test_vocoder_conv test_vocoder_hift test_token2wav_vocoder test_hift_graphs test_server test_graphs \
-             test_warmup test_vllm_omni test_minicpmo_server test_minicpmo_utils test_prompt_pacing; do
-      timeout -s INT 50 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu "tests/$f.py" > "$OUT/$f.log" 2>&1
+MINI=.upstream/minicpmo-utils
+case ${1:?peers, vocoder, stages or tests} in
+  peers)  # BatchedToken2Wav vs the plugin vs the front (one voice, then four); one minicpmo-utils stream
+    timeout 300 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --out "$OUT" > "$OUT/vllm_omni.log" 2>&1
+    grep -v "warmup \[" "$OUT/vllm_omni.log" | tail -16
+    STEPAUDIO2_PATH=$MINI timeout 130 python3 bench/minicpmo_stream.py --out "$OUT" > "$OUT/minicpmo_stream.log" 2>&1
+    grep -E "^\||captures|bar" "$OUT/minicpmo_stream.log" | tail -10 ;;
+  vocoder)  # where the 64-stream decode goes per layer, then the K-major tile sweep (parallel compiles)
+    timeout 200 python3 bench/experiments/vocoder_profile.py --streams 64 --layers --out "$OUT" > "$OUT/layers.log" 2>&1
+    grep -E "ms|layer" "$OUT/layers.log" | head -60
+    timeout 330 python3 bench/experiments/vocoder_profile.py --sweep tf32,fp16 > "$OUT/sweep.log" 2>&1
+    grep sweep "$OUT/sweep.log" ;;
+  stages)  # the causal vocoder's steady chunk (batch 1 / 16 / 64, kernels); the encoder's batching A/B
+    STEPAUDIO2_PATH=$MINI timeout 90 python3 bench/experiments/causal_vocoder_profile.py --out "$OUT" \
+      > "$OUT/causal.log" 2>&1; tail -30 "$OUT/causal.log"
+    timeout 400 python3 bench/serving.py --stages mel --providers torch_cfm,torch_cfm/enc_ragged,torch_cfm/enc_per_stream \
+      --concurrency 16,64 --quick --warmup --dtype fp16 --out "$OUT" > "$OUT/encoder.log" 2>&1; tail -12 "$OUT/encoder.log" ;;
+  tests)  # one result line per file
+    for f in test_vocoder_conv test_vocoder_hift test_hift_graphs test_server test_graphs test_warmup \
+             test_vllm_omni test_minicpmo_server test_minicpmo_utils test_prompt_pacing; do
+      timeout -s INT 80 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu "tests/$f.py" > "$OUT/$f.log" 2>&1
       echo "$f: $(grep -E 'passed|failed|error' "$OUT/$f.log" | tail -1)"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -5
     done ;;
-  compare)  # the 64-stream vocoder decode and the tokens->waveform / CFM-alone rows, old tree and new
-    OLD_TREE=.old OLD_COMMIT=3b26b83 PARTS="vocoder serving-wav" LIMIT_EACH=250 SKIP_BUILD=1 \
-      SERVING_WAV_ARGS="--stages cfm,wav --providers torch_cfm --concurrency 64 --quick --warmup --dtype fp16" \
-      timeout 560 bash bench/compare_trees.sh > "$OUT/compare.log" 2>&1; tail -40 "$OUT/compare.log" ;;
-  peers)  # issue 42's bars (BatchedToken2Wav vs the plugin) and issue 40's one minicpmo-utils stream
-    timeout 330 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --out "$OUT" > "$OUT/vllm_omni.log" 2>&1
-    tail -25 "$OUT/vllm_omni.log"
-    STEPAUDIO2_PATH=.upstream/minicpmo-utils timeout 150 python3 bench/minicpmo_stream.py --out "$OUT" \
-      > "$OUT/minicpmo_stream.log" 2>&1; tail -12 "$OUT/minicpmo_stream.log" ;;
 esac

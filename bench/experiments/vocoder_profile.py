@@ -49,6 +49,49 @@ def profile(fn, top: int = 25) -> dict:
     return dict(ops=ops[:top], kernels=kern[:top], kernel_ms_total=total, kernel_count=sum(k["count"] for k in kern))
 
 
+def layer_times(fn) -> list[dict]:
+    """Each fused convolution of one eager ``fn()`` timed alone (synchronised around its launch):
+    ms and TFLOP/s per layer shape (C_in, C_out, taps, dilation, stride, transposed, B x L_out)."""
+    import time
+
+    import torch_cfm.kernels.vocoder_conv as VC
+
+    inner, rows = VC.conv_fused_triton, {}
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def timed(conv, x, **kw):
+        sync()
+        t0 = time.perf_counter()
+        out = inner(conv, x, **kw)
+        sync()
+        ms = (time.perf_counter() - t0) * 1e3
+        ref = out[0] if out[0] is not None else out[1][0]
+        key = (conv.c_in, conv.c_out, conv.ksize, conv.dilation, conv.stride, conv.transposed, ref.shape[0],
+               ref.shape[1])
+        row = rows.setdefault(key, dict(c_in=conv.c_in, c_out=conv.c_out, taps=conv.ksize, dilation=conv.dilation,
+                                        stride=conv.stride, transposed=conv.transposed, batch=ref.shape[0],
+                                        frames_out=ref.shape[1], calls=0, ms=0.0))
+        row["calls"] += 1
+        row["ms"] += ms
+        return out
+
+    fn()
+    VC.conv_fused_triton = timed
+    try:
+        fn()
+    finally:
+        VC.conv_fused_triton = inner
+    for row in rows.values():
+        taps = row["taps"] // row["stride"] if row["transposed"] else row["taps"]
+        flop = 2.0 * row["batch"] * row["frames_out"] * row["c_out"] * row["c_in"] * taps * row["calls"]
+        row["ms"] = round(row["ms"], 3)
+        row["tflops"] = round(flop / row["ms"] / 1e9, 1)
+    out = sorted(rows.values(), key=lambda r: -r["ms"])
+    for row in out:
+        print("  layer", row, flush=True)
+    return out
+
+
 def main() -> int:
     from torch_cfm.models.vocoder import HiFTVocoder, stream_rng
 
@@ -57,6 +100,7 @@ def main() -> int:
     ap.add_argument("--frames", type=int, default=58)
     ap.add_argument("--out", required=True)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--layers", action="store_true", help="ms and TFLOP/s per fused convolution (eager, events)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     hift = V.build_hift(0, dev)
@@ -85,6 +129,8 @@ def main() -> int:
                 row["stream_chunk_ms"] = round(t2["us_p50"] / 1e3, 3)
                 if args.profile and b == max(int(s) for s in args.streams.split(",")):
                     result["profiles"][f"{prec}_B{b}"] = profile(lambda: voc.decode(mel, source))
+                if args.layers and voc.fused_convs:
+                    result.setdefault("layers", {})[f"{prec}_B{b}"] = layer_times(lambda: voc.decode(mel, source))
             result["rows"].append(row)
         for row in result["rows"]:
             out = row.pop("out", None)
