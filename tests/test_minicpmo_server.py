@@ -309,16 +309,17 @@ def test_the_server_took_the_causal_vocoder_and_batched_it(served):
 
 
 @in_child
-def test_a_lone_stream_is_the_packages_vocoder_bitwise(mods, flow, hift):
+def test_a_lone_stream_is_the_packages_vocoder(mods, flow, hift):
     """One stream alone in the server (nothing batched or padded): the waveform is the package's
-    ``_stream_vocode`` on the same mels bitwise, and its mel is the upstream's within 1e-5."""
+    ``_stream_vocode`` on the same mels within 2e-6 (one decoder pass per chunk where the package
+    runs one per 16-frame block: rounding apart, ~7e-7), and its mel is the upstream's within 1e-5."""
     plan = Plan(18, 0, [28] * 5 + [5], seed=9)
     served = _serve(mods, flow, hift, {"x": plan})
     up = _upstream_stream(mods, flow, hift, plan)
     _check_mels("x", served.mels["x"], up, plan)
     mels = [m[None] for m in served.mels["x"]]
     for i, (a, b) in enumerate(zip(served.wavs["x"], _vocode_with_the_package(mods, flow, hift, plan, mels))):
-        assert torch.equal(a, b[0]), f"chunk {i}: {err_rel_fro(a, b[0]):.2e}"
+        assert a.shape == b[0].shape and err_rel_fro(a, b[0]) <= 2e-6, f"chunk {i}: {err_rel_fro(a, b[0]):.2e}"
 
 
 def test_bench_smoke(tmp_path):

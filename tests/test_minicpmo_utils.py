@@ -14,12 +14,13 @@ In the child, the package's own classes (``Token2wav``, ``BoundedVocoder``, ``Ca
 the flow) at small sizes with random weights, on CPU in fp32:
 
 * the causal vocoder's chunk step (:mod:`torch_cfm.models.vocoder.causal`) equals
-  ``BoundedVocoder.stream`` bitwise, state and samples, over ragged chunks, a flush, a wrap of the
-  noise table and the finalized-stream rules; batched over streams it equals each stream alone
-  (state bitwise; samples within 2x the upstream fp32 error against a float64 run + 1e-6);
+  ``BoundedVocoder.stream`` over ragged chunks, a flush, a wrap of the noise table and the
+  finalized-stream rules: state bitwise, samples (one decoder pass per chunk, not per block)
+  within 2x the upstream fp32 error against its float64 stream + 1e-6; batched over streams it
+  equals each stream alone (the same bounds);
 * ``Token2wav.set_stream_cache`` / ``stream`` (its trims, its first-chunk silence, a last chunk)
   and ``__call__`` after ``apply_torch_cfm``: mel within 1e-5 relative of the upstream's (docs/design.md §6);
-  the waveform equals the package's own vocoder run on the same mel (a 1e-6 mel difference
+  the waveform equals the package's own vocoder run on the same mel within 2e-6 (a 1e-6 mel difference
   grows through the causal vocoder's float64 phase, so the end-to-end waveforms are compared
   loosely only); ``undo_torch_cfm`` gives the upstream results bitwise.
 
@@ -137,23 +138,30 @@ def test_its_flow_modules_are_stepaudio2_minicpmos_and_the_encoder_is_compiled(m
 # ---------------------------------------------------------------------------- the causal step
 @in_child
 @pytest.mark.parametrize("ending", ["last chunk", "empty flush"])
-def test_causal_step_equals_bounded_vocoder_stream_bitwise(mods, ending):
+def test_causal_step_equals_bounded_vocoder_stream(mods, ending):
     """Ragged chunks (a partial block, a 1-frame chunk, an empty non-final call), then a last
     chunk with frames or the empty final call (``Token2wav.stream`` without tokens), over a noise
-    table shortened to 2 s so the ~400-frame stream wraps it twice."""
+    table shortened to 2 s so the ~400-frame stream wraps it twice: the state bitwise the
+    upstream's; the samples (one decoder pass per chunk, not one per block) within 2x the
+    upstream fp32 error against its float64 stream + 1e-6."""
     from torch_cfm.integrations.minicpmo import CausalVocoderStream
 
     model = P.build_causal_hift(mods, seed=1, table_samples=2 * 24000)
     schedule = [50, 50, 16, 0, 33, 1, 50, 7, 50, 50] + ([93] if ending == "last chunk" else [43, 0])
     mel = _mel(sum(schedule), seed=2)
     ref, bounded = _upstream_stream(mods, model, mel, schedule)
+    ref64, _ = _upstream_stream(mods, copy.deepcopy(model).double(), mel.double(), schedule)
     ours = mods.BoundedVocoder(copy.deepcopy(model))
     voc = CausalVocoderStream(ours, graphs=False)
     pos = 0
-    for i, (frames, expected) in enumerate(zip(schedule, ref)):
+    for i, (frames, expected, exact) in enumerate(zip(schedule, ref, ref64)):
         out = voc.stream(mel[:, :, pos:pos + frames], finalize=i == len(schedule) - 1)
         pos += frames
-        assert out.dtype == expected.dtype and torch.equal(out, expected), f"call {i}: samples differ"
+        assert out.dtype == expected.dtype and out.shape == expected.shape, f"call {i}"
+        if exact.numel():
+            bound = 2 * err_rel_fro(expected, exact) + 1e-6
+            assert err_rel_fro(out, exact) <= bound, f"call {i}: {err_rel_fro(out, exact):.2e} > {bound:.2e}"
+            assert err_rel_fro(out, expected) <= 2e-6, f"call {i}"  # the decoder's rounding (~6e-7)
     assert sum(r.shape[1] for r in ref) == sum(schedule) * HOP and ref[-1].std() > 0.01
     for key, value in bounded.cache.items():
         assert torch.equal(ours.cache[key], value), key
@@ -366,8 +374,8 @@ def test_token2wav_stream_waveform_is_the_packages_vocoder_on_the_same_mel(mods,
                                                                          accelerated_run):
     up, acc = upstream_run, accelerated_run
     same_mel = _vocode_with_the_package(mods, flow, hift, prompt, acc.mels)
-    for i, (a, b) in enumerate(zip(acc.wavs, same_mel)):
-        assert torch.equal(a, b), f"chunk {i}: {err_rel_fro(a, b):.2e}"
+    for i, (a, b) in enumerate(zip(acc.wavs, same_mel)):  # one decoder pass per chunk: rounding apart
+        assert a.shape == b.shape and err_rel_fro(a, b) <= 2e-6, f"chunk {i}: {err_rel_fro(a, b):.2e}"
     # every frame is emitted by the last chunk, behind 8 frames of silence (the causal delay)
     assert [w.shape for w in acc.wavs] == [w.shape for w in up.wavs]
     assert sum(w.shape[1] for w in acc.wavs) == (sum(m.shape[2] for m in acc.mels) + 8) * HOP
@@ -465,7 +473,8 @@ def _ieee_fp32():
 @pytest.mark.parametrize("sizes", ["tiny", "shipped"])
 def test_gpu_graphed_causal_step_equals_bounded_vocoder_stream(mods, sizes):
     """The step replayed from CUDA graphs (first chunk, steady chunks, a last chunk) vs
-    ``BoundedVocoder.stream`` on CUDA: state bitwise, samples within 1e-6."""
+    ``BoundedVocoder.stream`` on CUDA: state bitwise, samples within 2x the upstream fp32 error
+    against its float64 stream + 1e-6."""
     from torch_cfm.integrations.minicpmo import CausalVocoderStream
 
     widths = P.TINY_CAUSAL if sizes == "tiny" else P.SHIPPED_CAUSAL
@@ -474,13 +483,15 @@ def test_gpu_graphed_causal_step_equals_bounded_vocoder_stream(mods, sizes):
     mel = _mel(sum(schedule), seed=2).cuda()
     with _ieee_fp32():
         ref, bounded = _upstream_stream(mods, model, mel, schedule)
+        ref64, _ = _upstream_stream(mods, copy.deepcopy(model).double(), mel.double(), schedule)
         ours = mods.BoundedVocoder(copy.deepcopy(model))
         voc = CausalVocoderStream(ours, graphs=True)
         pos = 0
-        for i, (frames, expected) in enumerate(zip(schedule, ref)):
+        for i, (frames, expected, exact) in enumerate(zip(schedule, ref, ref64)):
             out = voc.stream(mel[:, :, pos:pos + frames], finalize=i == len(schedule) - 1)
             pos += frames
-            assert out.shape == expected.shape and err_rel_fro(out, expected) <= 1e-6, f"call {i}"
+            bound = 2 * err_rel_fro(expected, exact) + 1e-6
+            assert out.shape == expected.shape and err_rel_fro(out, exact) <= bound, f"call {i}"
     for key, value in bounded.cache.items():
         assert torch.equal(ours.cache[key], value), key
     replays = sum(e.replays for e in voc.call.cache.entries())

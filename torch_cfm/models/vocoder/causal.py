@@ -24,8 +24,8 @@ absolute sample positions modulo its length; the phase starts at zero. So a stre
 a function of its ``source_end`` alone, which its state already holds: streams batched together
 need no per-stream generator state.
 
-What this module changes, none of it the math (every shape and slice is the upstream's, so the
-state after a chunk is bitwise the upstream's on the same device):
+What this module changes, none of it the math (the state after a chunk is bitwise the
+upstream's on the same device; the samples equal its within the convolutions' rounding):
 
 * the per-chunk bookkeeping is done on host integers first (:func:`plan_chunk`), so the tensor
   work of a chunk (:meth:`CausalVocoderCore.run`) has no host reads and no CPU tensors: it can
@@ -36,6 +36,8 @@ state after a chunk is bitwise the upstream's on the same device):
   causal convolutions' zero padding is made on the device instead of copied from a CPU tensor,
   the STFT window is a device copy, and the inverse STFT is :func:`istft` (``torch.istft``'s own
   ops without its host-side envelope check; bitwise equal to it on CPU);
+* a chunk's decoder runs once over its non-final blocks' union, not once per 16-frame block
+  with ``history`` frames of context each (:meth:`CausalVocoderCore.run`);
 * B streams at the same plan run as one batch (:func:`stream_batch`), equal per stream to
   ``BoundedVocoder.stream`` within the convolutions' rounding.
 
@@ -328,14 +330,16 @@ class CausalVocoderCore:
         merge = self.model.m_source
         return merge.l_tanh(merge.l_linear(excitation)).transpose(1, 2), phase
 
-    def _step(self, step: PlanStep, mel, source, phase, chunk, noise_base):
+    def _grow(self, step: PlanStep, mel, source, phase, chunk, noise_base, mel_shift: int):
+        """A step's new mel frames, f0 and source (``mel_shift``: frames held before the step's
+        logical start, see :meth:`run`)."""
         hop = self.sizes.hop
         a, b = step.take
         if b > a:
             mel = torch.cat([mel, chunk[:, :, a:b].to(self.dtype)], dim=2)
         if step.f0 is not None:
             window, first, pieces = step.f0
-            features = mel[:, :, window:]
+            features = mel[:, :, mel_shift + window:]
             f0 = self.model.f0_predictor(features.double(), finalize=step.finalize).to(features)[:, first:]
             parts, done = [source], 0
             for frames, offset in pieces:
@@ -345,35 +349,49 @@ class CausalVocoderCore:
                 parts.append(part)
                 done += frames
             source = torch.cat(parts, dim=2)
-        speech = None
-        if step.decode is not None:
-            start, end, src, out = step.decode
-            speech = self.model.decode(mel[:, :, start:end], source[:, :, src:], finalize=step.finalize)[:, out:]
-        keep_mel, keep_source = step.keep
-        return speech, mel[:, :, keep_mel:], source[:, :, keep_source:], phase  # views: run() copies once
+        return mel, source, phase
 
     def run(self, plan: ChunkPlan, mel: torch.Tensor, source: torch.Tensor, phase: torch.Tensor,
             chunk: torch.Tensor, noise_base: torch.Tensor):
         """One chunk of B streams at the same ``plan``: no host reads, no CPU tensors
         (capturable; replay it from a CUDA graph per ``plan``).
 
+        The plan's steps run in order for the mel, f0, source and phase (so the state is the
+        upstream's, bitwise), but what each step trims is only dropped at the end, and the
+        decodes of its non-final steps run as one decode over their union: the decoder is causal
+        and ``history`` covers its receptive field, so each sample is the per-block decode's in
+        exact arithmetic, for one decoder pass (a window of history + chunk frames, not one
+        per 16-frame block) instead of one per block. A final step's decode runs apart.
+
         Args:
             mel: (B, 80, plan.mel_frames) float32; source: (B, 1, plan.source_frames·hop) float32
             (the core's dtype);
-            phase: (B, 1, H) float64; chunk: (B, 80, plan.frames) any float dtype;
+            phase: (B, 1, H) float64; chunk: (B, 80, plan.frames) in the core's dtype
+            (:func:`stream_batch` converts);
             noise_base: (B,) int64, each stream's ``source_end·hop`` modulo the table length.
         Returns:
             (speech (B, plan.samples) float32, mel, source, phase): the new state tensors.
         """
-        speeches = []
+        decoding = [i for i, step in enumerate(plan.steps) if step.decode is not None and not step.finalize]
+        speeches, pending = [], None
+        mel_shift = source_shift = 0  # trimmed by the steps so far, still held
         with capturable_causal(self.model, self.window, self._convs), \
                 torch.amp.autocast(mel.device.type, enabled=False):
-            for step in plan.steps:
-                speech, mel, source, phase = self._step(step, mel, source, phase, chunk, noise_base)
-                if speech is not None:
-                    speeches.append(speech)
+            for i, step in enumerate(plan.steps):
+                mel, source, phase = self._grow(step, mel, source, phase, chunk, noise_base, mel_shift)
+                if step.decode is not None:
+                    start, end, src, out = step.decode
+                    if pending is None:
+                        pending = (mel_shift + start, source_shift + src, out)
+                    if step.finalize or i == decoding[-1]:
+                        first, first_src, drop = pending
+                        speeches.append(self.model.decode(mel[:, :, first:mel_shift + end], source[:, :, first_src:],
+                                                          finalize=step.finalize)[:, drop:])
+                        pending = None
+                keep_mel, keep_source = step.keep
+                mel_shift, source_shift = mel_shift + keep_mel, source_shift + keep_source
         speech = torch.cat(speeches, dim=1) if speeches else mel.new_zeros(mel.shape[0], 0)
-        return speech, mel.clone(), source.clone(), phase
+        return speech, mel[:, :, mel_shift:].clone(), source[:, :, source_shift:].clone(), phase
 
 
 # ---------------------------------------------------------------------------- streams
