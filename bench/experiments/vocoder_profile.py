@@ -50,8 +50,8 @@ def profile(fn, top: int = 25) -> dict:
 
 
 def layer_times(fn) -> list[dict]:
-    """Each fused convolution of one eager ``fn()`` timed alone (synchronised around its launch):
-    ms and TFLOP/s per layer shape (C_in, C_out, taps, dilation, stride, transposed, B x L_out)."""
+    """Each fused convolution of one eager ``fn()`` timed alone (synchronised around its launch,
+    so small layers carry the launch and a sync): ms and TFLOP/s per layer shape (C_in, C_out, taps, dilation, stride, transposed, B x L_out)."""
     import time
 
     import torch_cfm.kernels.vocoder_conv as VC
@@ -82,7 +82,7 @@ def layer_times(fn) -> list[dict]:
     finally:
         VC.conv_fused_triton = inner
     for row in rows.values():
-        taps = row["taps"] // row["stride"] if row["transposed"] else row["taps"]
+        taps = row["taps"] / row["stride"] if row["transposed"] else row["taps"]  # taps per output, on average
         flop = 2.0 * row["batch"] * row["frames_out"] * row["c_out"] * row["c_in"] * taps * row["calls"]
         row["ms"] = round(row["ms"], 3)
         row["tflops"] = round(flop / row["ms"] / 1e9, 1)
@@ -171,7 +171,8 @@ def sweep(precisions=("tf32", "fp16"), streams: int = 64, frames: int = 58) -> N
     jobs = [subprocess.Popen([sys.executable, __file__, "--sweep"], env=dict(os.environ, SWEEP_CHILD=f"{p}:{i}"))
             for p in precisions for i in range(len(configs))]
     for job in jobs:
-        job.wait()
+        if job.wait():
+            print("sweep: a compile child failed:", job.args, flush=True)
     for prec in precisions:
         for config in configs:
             _sweep_one(prec, config, streams, frames, repeats=5)

@@ -10,7 +10,7 @@ Three things in the upstream forward keep it out of a CUDA graph, and none is pa
 
 :func:`capturable` removes them for the duration of a call: the harmonic numbers come from
 ``torch.arange`` on the device, the window is a device copy made once, and the inverse STFT is
-:func:`istft` (the same transform: per-frame inverse real FFT, window, overlap-add by ``fold``,
+:func:`istft` (the same transform: per-frame inverse real FFT, window, overlap-add by ``unfold_backward``,
 division by the overlap-added squared window, centre trim; no host check: with the HiFT's hann
 window and a hop of a quarter of it the envelope is at least 1.25 on every kept sample). Everything
 else is the upstream code, called as it is; its random draws (the source's initial harmonic phases

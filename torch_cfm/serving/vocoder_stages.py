@@ -87,14 +87,14 @@ class HiFTVocoderStage(PerStreamVocoder):
             window = self._fade
         speech, source, next_rng = self.call(mel, rng, cache, prev, window)
         n, out = self.source_cache, {}
-        # one copy per batch, each stream keeping a row view of it (not a copy per stream: 4 kernels
-        # a tick instead of 4 per stream); the call's outputs are fresh tensors (GraphedCall copies)
-        keep_mel, keep_source = mel[:, :, -MEL_CACHE_FRAMES:].clone(), source[:, :, -n:].clone()
-        keep_speech = speech[:, -n:].clone()
+        # a copy per stream, not row views of one copy: a view would keep its whole (padded)
+        # batch alive after the batch's other streams close, past memory_plan()'s per-stream bound
         for b, (sid, m, last) in enumerate(members):
             st = self._streams[sid]
-            st.rng, st.mel = next_rng[b:b + 1], keep_mel[b:b + 1]
-            st.source, st.speech = keep_source[b:b + 1], keep_speech[b:b + 1]
+            st.rng = next_rng[b:b + 1].clone()
+            st.mel = m[:, :, -MEL_CACHE_FRAMES:].clone()
+            st.source = source[b:b + 1, :, -n:].clone()
+            st.speech = speech[b:b + 1, -n:].clone()
             out[sid] = speech[b] if last else speech[b, :-n]
         return out
 

@@ -361,7 +361,10 @@ class CausalVocoderCore:
         decodes of its non-final steps run as one decode over their union: the decoder is causal
         and ``history`` covers its receptive field, so each sample is the per-block decode's in
         exact arithmetic, for one decoder pass (a window of history + chunk frames, not one
-        per 16-frame block) instead of one per block. A final step's decode runs apart.
+        per 16-frame block) instead of one per block. A final step's decode runs apart. The
+        decoder's input is then history + chunk + lookahead frames (86 for a 50-frame chunk,
+        where the upstream's per-block bound is 52): a transient activation size; the state and
+        the maxima :func:`plan_chunk` reports stay the upstream's.
 
         Args:
             mel: (B, 80, plan.mel_frames) float32; source: (B, 1, plan.source_frames·hop) float32
@@ -468,7 +471,7 @@ def _run_group(core, plan: ChunkPlan, members: list, call, batch_buckets, out: l
     mel = torch.cat([m[1]["mel"] for m in rows], dim=0)
     source = torch.cat([m[1]["source"] for m in rows], dim=0)
     phase = torch.cat([m[1]["phase"] for m in rows], dim=0)
-    # in the core's dtype (as _step appends it), so fp16 and fp32 chunks meet one graph per plan
+    # in the core's dtype (as _grow appends it), so fp16 and fp32 chunks meet one graph per plan
     chunk = torch.cat([m[2].to(core.device, core.dtype) for m in rows], dim=0)
     speech, mel, source, phase = call(plan, mel, source, phase, chunk, _noise_bases(core, [m[3] for m in rows]))
     for b, (i, state, _, _, after) in enumerate(members):
