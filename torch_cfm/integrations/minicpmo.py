@@ -11,7 +11,8 @@ around them, and the functions here handle those differences, chosen by what the
   state dict (``token2wav.hift_cache_dict``, the ``BoundedVocoder.cache`` layout, restorable as
   before) from one CUDA graph per chunk plan (:mod:`torch_cfm.models.vocoder.causal`). Its state
   after each chunk is bitwise the upstream's on the same device; the samples differ from the
-  upstream's only by the rounding of the replayed kernels.
+  upstream's only by rounding (its decoder runs once per chunk, not once per 16-frame block, and
+  the replayed kernels).
 * ``Token2wav.__call__`` vocodes whole utterances through the original ``HiFTGenerator``, loaded
   lazily by ``_get_original_vocoder``: that method is wrapped so the HiFT it returns is replayed
   from CUDA graphs by :class:`~torch_cfm.integrations.hift.GraphedHiFT` (random draws included).
