@@ -5,6 +5,7 @@ steady 50-frame chunk at batch B replayed from a CUDA graph (ms per chunk), then
 under the profiler (kernel count, CUDA ms, top kernels). Writes ``causal_vocoder_profile.json``.
 
     STEPAUDIO2_PATH=.upstream/minicpmo-utils python3 bench/experiments/causal_vocoder_profile.py --out "$OUT"
+    ... --repo .old --out "$OUT/old"     # the same on another (built) tree
 """
 
 from __future__ import annotations
@@ -24,13 +25,17 @@ import _harness as H  # noqa: E402
 
 
 def main() -> int:
-    import upstream_packages as P
-    from torch_cfm.models.vocoder.causal import CausalVocoderCore, plan_chunk, COUNTERS
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--repo", default=None, help="the torch_cfm tree to time (default: this one), e.g. .old")
     args = ap.parse_args()
+    if args.repo:
+        sys.path.insert(0, os.path.abspath(args.repo))
+    import upstream_packages as P
+    from torch_cfm.models.vocoder.causal import CausalVocoderCore, plan_chunk, COUNTERS
+
+    print("torch_cfm from", os.path.dirname(sys.modules["torch_cfm"].__file__), flush=True)
     dev = torch.device("cuda")
     mods = P.load_minicpmo_token2wav()
     model = P.build_causal_hift(mods, seed=0, table_samples=60 * 24000, **P.SHIPPED_CAUSAL).to(dev)

@@ -2,7 +2,7 @@
 # The GPU measurements still owed to the open issues, as device calls on one warm machine (each
 # under 600 s). Carry .whl (the upstream wheels: `pip download --no-deps vllm-omni==0.30.0
 # stepaudio2-minicpmo==0.1.1 -d .whl`) and .upstream (`pip install --no-deps --target
-# .upstream/minicpmo-utils minicpmo-utils==1.0.7`). Results land under $OUT.
+# .upstream/minicpmo-utils minicpmo-utils==1.0.7`), and .old for `stages`. Results land under $OUT.
 #   bash bench/experiments/device_calls_next.sh peers     # issue 42's bars, issue 40's stream
 #   bash bench/experiments/device_calls_next.sh vocoder   # issue 43: per-layer times, tile sweep
 #   bash bench/experiments/device_calls_next.sh stages    # issue 40's causal vocoder, 43's encoder A/B
@@ -29,7 +29,16 @@ case ${1:?peers, vocoder, stages or tests} in
     grep -E "ms|layer" "$OUT/layers.log" | head -60
     timeout 330 python3 bench/experiments/vocoder_profile.py --sweep tf32,fp16 > "$OUT/sweep.log" 2>&1
     grep sweep "$OUT/sweep.log" ;;
-  stages)  # the causal vocoder's steady chunk (batch 1 / 16 / 64, kernels); the encoder's batching A/B
+  stages)  # the causal vocoder's steady chunk (batch 1 / 16 / 64, kernels), on the previous landing's
+    # tree too when .old holds it (`git archive 6212185 | tar -x -C .old`: one decoder pass per block);
+    # the encoder's batching A/B
+    if [ -d .old/torch_cfm ]; then
+      [ -e .old/torch_cfm/compile_rules ] || ln -s ../compile_rules .old/torch_cfm/compile_rules
+      ls .old/torch_cfm/_C*.so > /dev/null 2>&1 || (cd .old && CXX=g++ CC=gcc MAX_JOBS=16 timeout 150 \
+        python3 setup.py build_ext --inplace > "$OUT/build_old.log" 2>&1)
+      STEPAUDIO2_PATH=$MINI timeout 90 python3 bench/experiments/causal_vocoder_profile.py --repo .old \
+        --out "$OUT/old" > "$OUT/causal_old.log" 2>&1; grep -E "from|'ms'" "$OUT/causal_old.log"
+    fi
     STEPAUDIO2_PATH=$MINI timeout 90 python3 bench/experiments/causal_vocoder_profile.py --out "$OUT" \
       > "$OUT/causal.log" 2>&1; tail -30 "$OUT/causal.log"
     timeout 400 python3 bench/serving.py --stages mel --providers torch_cfm,torch_cfm/enc_ragged,torch_cfm/enc_per_stream \
