@@ -177,22 +177,34 @@ def test_causal_step_equals_bounded_vocoder_stream(mods, ending):
 @in_child
 def test_a_stream_meets_one_plan_per_chunk_kind_and_its_state_stays_bounded(mods, hift):
     """50-frame chunks: the first chunk's plan, then one steady plan (the CUDA-graph key) for
-    every later chunk; the state between chunks is never larger than ``state_bytes``."""
+    every later chunk, each decoded in one pass (86 frames: 31 of history, 50, 5 of lookahead;
+    the upstream's four blocks decode 194), the last chunk in two (its final flush apart); the
+    state between chunks is never larger than ``state_bytes``."""
     from torch_cfm.models.vocoder.causal import CausalVocoderCore, stream_batch
 
     core = CausalVocoderCore(mods.BoundedVocoder(copy.deepcopy(hift)))
-    plans = []
+    plans, decoded = [], []
+    decode = core.model.decode
 
     def call(plan, *tensors):
         plans.append(plan)
+        decoded.append([])
         return core.run(plan, *tensors)
 
+    def counted(x, *args, **kwargs):
+        decoded[-1].append(x.shape[2])
+        return decode(x, *args, **kwargs)
+
+    core.model.decode = counted
     state = core.new_state()
     mel = _mel(8 * 50, seed=4)
     sizes = []
     for i in range(8):
         stream_batch(core, [state], [mel[:, :, 50 * i:50 * i + 50]], [i == 7], call=call)
         sizes.append(sum(state[k].numel() * state[k].element_size() for k in ("mel", "source", "phase")))
+    del core.model.decode
+    assert decoded[1:7] == [[86]] * 6 and len(decoded[7]) == 2
+    assert sum(step.decode[1] - step.decode[0] for step in plans[1].steps if step.decode) == 194
     assert len(set(plans[1:7])) == 1 and plans[0] != plans[1] and plans[7] != plans[1]
     assert plans[1].samples == 50 * HOP and plans[7].samples == (50 + 8) * HOP
     assert max(sizes[:7]) == core.state_bytes() == 4 * (80 * 39 + HOP * 36) + 8 * 9  # 39 mel, 36 source frames
