@@ -41,8 +41,9 @@ case ${1:?peers, vocoder, stages or tests} in
     fi
     STEPAUDIO2_PATH=$MINI timeout 90 python3 bench/experiments/causal_vocoder_profile.py --out "$OUT" \
       > "$OUT/causal.log" 2>&1; tail -30 "$OUT/causal.log"
-    timeout 400 python3 bench/serving.py --stages mel --providers torch_cfm,torch_cfm/enc_ragged,torch_cfm/enc_per_stream \
-      --concurrency 16,64 --quick --warmup --dtype fp16 --out "$OUT" > "$OUT/encoder.log" 2>&1; tail -12 "$OUT/encoder.log" ;;
+    timeout 400 python3 bench/serving.py --stages mel --concurrency 16,64 --quick --warmup --dtype fp16 \
+      --providers torch_cfm,torch_cfm/enc_ragged,torch_cfm/enc_per_stream --out "$OUT" > "$OUT/encoder.log" 2>&1
+    tail -12 "$OUT/encoder.log" ;;
   tests)  # one result line per file
     for f in test_vocoder_conv test_vocoder_hift test_hift_graphs test_server test_graphs test_warmup \
              test_vllm_omni test_minicpmo_server test_minicpmo_utils test_prompt_pacing; do

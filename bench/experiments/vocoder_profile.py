@@ -51,7 +51,8 @@ def profile(fn, top: int = 25) -> dict:
 
 def layer_times(fn) -> list[dict]:
     """Each fused convolution of one eager ``fn()`` timed alone (synchronised around its launch,
-    so small layers carry the launch and a sync): ms and TFLOP/s per layer shape (C_in, C_out, taps, dilation, stride, transposed, B x L_out)."""
+    so small layers carry the launch and a sync): ms and TFLOP/s per layer shape (C_in, C_out,
+    taps, dilation, stride, transposed, B x L_out)."""
     import time
 
     import torch_cfm.kernels.vocoder_conv as VC

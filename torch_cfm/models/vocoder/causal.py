@@ -415,9 +415,9 @@ def stream_batch(core: CausalVocoderCore, states: Sequence[dict], mels: Sequence
     """``BoundedVocoder.stream(mel, finalize)`` for several streams at once, each on its own state.
 
     Streams whose chunk has the same :class:`ChunkPlan` run as one batch (padded with copies of
-    a row up to the next of ``batch_buckets``), without autograd. Each state dict is updated as the upstream
-    updates its ``cache``: new ``mel``/``source``/``phase`` tensors, the CPU counters filled in
-    place, other keys left alone.
+    a row up to the next of ``batch_buckets``), without autograd. Each state dict is updated as
+    the upstream updates its ``cache``: new ``mel``/``source``/``phase`` tensors, the CPU
+    counters filled in place, other keys left alone.
 
     Args:
         states: one state per stream (``BoundedVocoder.cache`` layout; :meth:`CausalVocoderCore.new_state`).
