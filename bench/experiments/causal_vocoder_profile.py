@@ -17,7 +17,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [os.path.dirname(HERE), os.path.join(ROOT, "tests"), ROOT]
+sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.join(ROOT, "tests"), ROOT]
 
 import torch  # noqa: E402
 
@@ -33,6 +33,7 @@ def main() -> int:
     if args.repo:
         sys.path.insert(0, os.path.abspath(args.repo))
     import upstream_packages as P
+    import vocoder_profile as VP  # its profiler summary (imports torch_cfm: after --repo)
     from torch_cfm.models.vocoder.causal import CausalVocoderCore, plan_chunk, COUNTERS
 
     print("torch_cfm from", os.path.dirname(sys.modules["torch_cfm"].__file__), flush=True)
@@ -62,20 +63,8 @@ def main() -> int:
                                           repeats=7, warmup=2)
                 row = dict(batch=b, tf32=tf32, ms=round(t["us_p50"] / 1e3, 3))
                 if tf32 and b in (1, 64):
-                    from torch.profiler import ProfilerActivity, profile
-                    core.run(plan, mel, source, phase, chunk, base)
-                    torch.cuda.synchronize()
-                    with profile(activities=[ProfilerActivity.CUDA]) as p:
-                        core.run(plan, mel, source, phase, chunk, base)
-                        torch.cuda.synchronize()
-                    kern = []
-                    for e in p.key_averages():
-                        ms = getattr(e, "self_device_time_total", 0) / 1e3
-                        if ms:
-                            kern.append(dict(kernel=e.key[:110], count=e.count, ms=round(ms, 3)))
-                    kern.sort(key=lambda r: -r["ms"])
-                    row.update(kernels=sum(k["count"] for k in kern), kernel_ms=round(sum(k["ms"] for k in kern), 3),
-                               top=kern[:15])
+                    prof = VP.profile(lambda: core.run(plan, mel, source, phase, chunk, base), top=15)
+                    row.update(kernels=prof["kernel_count"], kernel_ms=prof["kernel_ms_total"], top=prof["kernels"])
                 result["rows"].append(row)
                 print({k: v for k, v in row.items() if k != "top"}, flush=True)
                 for k in row.get("top", [])[:10]:
