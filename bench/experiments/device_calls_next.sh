@@ -7,6 +7,7 @@
 #   bash bench/experiments/device_calls_next.sh vocoder   # issue 43: per-layer times, tile sweep
 #   bash bench/experiments/device_calls_next.sh stages    # issue 40's causal vocoder, 43's encoder A/B
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
+#   bash bench/experiments/device_calls_next.sh voices    # issue 40's voice-cache bars (4 voices, arrivals)
 set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 BENCH_COMMIT=${BENCH_COMMIT:-unknown}
@@ -18,7 +19,7 @@ if ! ls torch_cfm/_C*.so > /dev/null 2>&1; then
   echo "build rc=$?"
 fi
 MINI=.upstream/minicpmo-utils
-case ${1:?peers, vocoder, stages or tests} in
+case ${1:?peers, vocoder, stages, voices or tests} in
   peers)  # BatchedToken2Wav vs the plugin vs the front (one voice, then four); one minicpmo-utils stream
     timeout 300 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --out "$OUT" > "$OUT/vllm_omni.log" 2>&1
     grep -v "warmup \[" "$OUT/vllm_omni.log" | tail -16
@@ -44,6 +45,12 @@ case ${1:?peers, vocoder, stages or tests} in
     timeout 400 python3 bench/serving.py --stages mel --concurrency 16,64 --quick --warmup --dtype fp16 \
       --providers torch_cfm,torch_cfm/enc_ragged,torch_cfm/enc_per_stream --out "$OUT" > "$OUT/encoder.log" 2>&1
     tail -12 "$OUT/encoder.log" ;;
+  voices)  # 4 voices, Poisson arrivals: CFM alone and tokens -> waveform at 16 and 64 streams, the front
+    # with and without its voice-prompt cache in the same run (bars: arrivals >= 0.9 x steady,
+    # first chunk p50 <= 1.5 x step p50, an open that hits <= 1 ms of GPU time)
+    timeout 560 python3 bench/serving.py --stages cfm,wav --concurrency 16,64 --quick --warmup --dtype fp16 \
+      --voices 4 --providers torch_cfm,torch_cfm/voices --out "$OUT" > "$OUT/voices.log" 2>&1
+    grep -v "warmup \[" "$OUT/voices.log" | tail -14 ;;
   tests)  # one result line per file
     for f in test_vocoder_conv test_vocoder_hift test_hift_graphs test_server test_graphs test_warmup \
              test_vllm_omni test_minicpmo_server test_minicpmo_utils test_prompt_pacing; do
