@@ -7,7 +7,9 @@
 #   bash bench/experiments/device_calls_next.sh vocoder   # issue 43: per-layer times, tile sweep
 #   bash bench/experiments/device_calls_next.sh stages    # issue 40's causal vocoder, 43's encoder A/B
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
+#   bash bench/experiments/device_calls_next.sh stream    # issue 40's one minicpmo-utils stream alone
 #   bash bench/experiments/device_calls_next.sh voices    # issue 40's voice-cache bars (4 voices, arrivals)
+# Modes run in the order given: `... tests stream` in one call.
 set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 BENCH_COMMIT=${BENCH_COMMIT:-unknown}
@@ -19,7 +21,10 @@ if ! ls torch_cfm/_C*.so > /dev/null 2>&1; then
   echo "build rc=$?"
 fi
 MINI=.upstream/minicpmo-utils
-case ${1:?peers, vocoder, stages, voices or tests} in
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, vocoder, stages, voices, tests, stream)" >&2; exit 2; }
+for mode in "$@"; do
+echo "== $mode"
+case $mode in
   peers)  # BatchedToken2Wav vs the plugin vs the front (one voice, then four); one minicpmo-utils stream
     timeout 300 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --out "$OUT" > "$OUT/vllm_omni.log" 2>&1
     grep -v "warmup \[" "$OUT/vllm_omni.log" | tail -16
@@ -51,10 +56,15 @@ case ${1:?peers, vocoder, stages, voices or tests} in
     timeout 560 python3 bench/serving.py --stages cfm,wav --concurrency 16,64 --quick --warmup --dtype fp16 \
       --voices 4 --providers torch_cfm,torch_cfm/voices --out "$OUT" > "$OUT/voices.log" 2>&1
     grep -v "warmup \[" "$OUT/voices.log" | tail -14 ;;
-  tests)  # one result line per file
-    for f in test_vocoder_conv test_vocoder_hift test_hift_graphs test_server test_graphs test_warmup \
-             test_vllm_omni test_minicpmo_server test_minicpmo_utils test_prompt_pacing; do
+  stream)  # issue 40's one minicpmo-utils stream alone (waveform chunk <= 15 ms, no capture while timed)
+    STEPAUDIO2_PATH=$MINI timeout 130 python3 bench/minicpmo_stream.py --out "$OUT" > "$OUT/minicpmo_stream.log" 2>&1
+    grep -E "^\||captures|bar" "$OUT/minicpmo_stream.log" | tail -10 ;;
+  tests)  # one result line per file (TESTS: a subset, e.g. "test_minicpmo_utils test_vocoder_hift")
+    for f in ${TESTS:-test_vocoder_conv test_vocoder_hift test_hift_graphs test_server test_graphs test_warmup \
+             test_vllm_omni test_minicpmo_server test_minicpmo_utils test_prompt_pacing}; do
       timeout -s INT 80 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu "tests/$f.py" > "$OUT/$f.log" 2>&1
       echo "$f: $(grep -E 'passed|failed|error' "$OUT/$f.log" | tail -1)"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -5
     done ;;
+  *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
+done
