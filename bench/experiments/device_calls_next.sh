@@ -2,10 +2,11 @@
 # The GPU measurements still owed to the open issues, as device calls on one warm machine (each
 # under 600 s). Carry .whl (the upstream wheels: `pip download --no-deps vllm-omni==0.30.0
 # stepaudio2-minicpmo==0.1.1 -d .whl`) and .upstream (`pip install --no-deps --target
-# .upstream/minicpmo-utils minicpmo-utils==1.0.7`), and .old for `stages`. Results land under $OUT.
-#   bash bench/experiments/device_calls_next.sh peers     # issue 42's bars, issue 40's stream
+# .upstream/minicpmo-utils minicpmo-utils==1.0.7`), and .old for `causal`. Results land under $OUT.
+#   bash bench/experiments/device_calls_next.sh peers     # issue 42's bars
 #   bash bench/experiments/device_calls_next.sh vocoder   # issue 43: per-layer times, tile sweep
-#   bash bench/experiments/device_calls_next.sh stages    # issue 40's causal vocoder, 43's encoder A/B
+#   bash bench/experiments/device_calls_next.sh causal    # issue 40's causal vocoder, new and previous tree
+#   bash bench/experiments/device_calls_next.sh encoder   # issue 43's encoder A/B
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
 #   bash bench/experiments/device_calls_next.sh stream    # issue 40's one minicpmo-utils stream alone
 #   bash bench/experiments/device_calls_next.sh voices    # issue 40's voice-cache bars (4 voices, arrivals)
@@ -21,32 +22,30 @@ if ! ls torch_cfm/_C*.so > /dev/null 2>&1; then
   echo "build rc=$?"
 fi
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, vocoder, stages, voices, tests, stream)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, vocoder, causal, encoder, voices, tests, stream)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode"
 case $mode in
-  peers)  # BatchedToken2Wav vs the plugin vs the front (one voice, then four); one minicpmo-utils stream
-    timeout 300 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --out "$OUT" > "$OUT/vllm_omni.log" 2>&1
-    grep -v "warmup \[" "$OUT/vllm_omni.log" | tail -16
-    STEPAUDIO2_PATH=$MINI timeout 130 python3 bench/minicpmo_stream.py --out "$OUT" > "$OUT/minicpmo_stream.log" 2>&1
-    grep -E "^\||captures|bar" "$OUT/minicpmo_stream.log" | tail -10 ;;
+  peers)  # issue 42: BatchedToken2Wav vs the plugin vs the front (one voice, then four)
+    timeout 290 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --out "$OUT" > "$OUT/vllm_omni.log" 2>&1
+    grep -v "warmup \[" "$OUT/vllm_omni.log" | tail -16 ;;
   vocoder)  # where the 64-stream decode goes per layer, then the K-major tile sweep (parallel compiles)
     timeout 200 python3 bench/experiments/vocoder_profile.py --streams 64 --layers --out "$OUT" > "$OUT/layers.log" 2>&1
     grep -E "ms|layer" "$OUT/layers.log" | head -60
     timeout 330 python3 bench/experiments/vocoder_profile.py --sweep tf32,fp16 > "$OUT/sweep.log" 2>&1
     grep sweep "$OUT/sweep.log" ;;
-  stages)  # the causal vocoder's steady chunk (batch 1 / 16 / 64, kernels), on the previous landing's
-    # tree too when .old holds it (`git archive 6212185 | tar -x -C .old`: one decoder pass per block);
-    # the encoder's batching A/B
+  causal)  # issue 40: the causal vocoder's steady chunk (batch 1 / 16 / 64, kernels), on the previous
+    # landing's tree too when .old holds it (`git archive 6212185 | tar -x -C .old`: one decoder pass per block)
     if [ -d .old/torch_cfm ]; then
       [ -e .old/torch_cfm/compile_rules ] || ln -s ../compile_rules .old/torch_cfm/compile_rules
       ls .old/torch_cfm/_C*.so > /dev/null 2>&1 || (cd .old && CXX=g++ CC=gcc MAX_JOBS=16 timeout 150 \
         python3 setup.py build_ext --inplace > "$OUT/build_old.log" 2>&1)
-      STEPAUDIO2_PATH=$MINI timeout 90 python3 bench/experiments/causal_vocoder_profile.py --repo .old \
+      STEPAUDIO2_PATH=$MINI timeout 80 python3 bench/experiments/causal_vocoder_profile.py --repo .old \
         --out "$OUT/old" > "$OUT/causal_old.log" 2>&1; grep -E "from|'ms'" "$OUT/causal_old.log"
     fi
-    STEPAUDIO2_PATH=$MINI timeout 90 python3 bench/experiments/causal_vocoder_profile.py --out "$OUT" \
-      > "$OUT/causal.log" 2>&1; tail -30 "$OUT/causal.log"
+    STEPAUDIO2_PATH=$MINI timeout 80 python3 bench/experiments/causal_vocoder_profile.py --out "$OUT" \
+      > "$OUT/causal.log" 2>&1; tail -30 "$OUT/causal.log" ;;
+  encoder)  # issue 43 item 2: the encoder's ragged batching against equal-shape groups and per stream
     timeout 400 python3 bench/serving.py --stages mel --concurrency 16,64 --quick --warmup --dtype fp16 \
       --providers torch_cfm,torch_cfm/enc_ragged,torch_cfm/enc_per_stream --out "$OUT" > "$OUT/encoder.log" 2>&1
     tail -12 "$OUT/encoder.log" ;;
