@@ -175,6 +175,35 @@ def test_causal_step_equals_bounded_vocoder_stream(mods, ending):
 
 
 @in_child
+def test_the_models_folded_parts_leave_its_decode_and_f0_bitwise(mods, hift):
+    """Inside ``capturable_causal`` the causal convolutions run on weights whose weight norm was
+    folded once (a missing cache padded on the device) and each Snake on parameters made once:
+    on the CPU the same ops on the same values, so ``decode`` and the f0 predictor equal the
+    upstream's bitwise; every weight-normed causal convolution and every Snake is covered, and
+    on exit the model runs its own modules again."""
+    from torch_cfm.models.vocoder.causal import CausalModelParts, capturable_causal
+
+    model = mods.BoundedVocoder(copy.deepcopy(hift)).model  # its f0 predictor in float64, as it runs
+    parts = CausalModelParts.of(model)
+    normed = [m for m in model.modules() if isinstance(m, torch.nn.Conv1d) and hasattr(m, "parametrizations")
+              and getattr(m, "causal_type", None) in ("left", "right")]
+    assert len(normed) >= 10 and {id(m) for m in normed} <= {id(c) for c, _ in parts.convs}
+    assert len(parts.snakes) == sum(type(m).__name__ == "Snake" for m in model.modules()) >= 6
+    assert parts.extra_bytes() >= sum(w.numel() * 4 for _, w in parts.convs[:1])
+    mel = _mel(40, seed=7)
+    source = torch.randn(1, 1, 40 * HOP, generator=torch.Generator().manual_seed(8)) * 0.1
+    with torch.no_grad():
+        expected = model.decode(mel, source, finalize=False)
+        f0 = model.f0_predictor(mel.double(), finalize=False)
+        with capturable_causal(model, model.stft_window, parts):
+            assert all("forward" in vars(m) for m, _ in parts.convs)
+            out = model.decode(mel, source, finalize=False)
+            f0_out = model.f0_predictor(mel.double(), finalize=False)
+        assert not any("forward" in vars(m) for m in model.modules())
+    assert torch.equal(out, expected) and torch.equal(f0_out, f0)
+
+
+@in_child
 def test_a_stream_meets_one_plan_per_chunk_kind_and_its_state_stays_bounded(mods, hift):
     """50-frame chunks: the first chunk's plan, then one steady plan (the CUDA-graph key) for
     every later chunk, each decoded in one pass (86 frames: 31 of history, 50, 5 of lookahead;

@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.skipif(R.hift_missing_reason() is not None, reason=str
 
 from torch_cfm.models.vocoder import (HarmonicSource, HiFTVocoder, istft_frames, overlap_fade,  # noqa: E402
                                       stft_frames, stream_rng, vocoder_precision)
+from torch_cfm.models.vocoder.elementwise import snake_channels  # noqa: E402
 from torch_cfm.models.vocoder.istft import analysis_basis, synthesis_basis  # noqa: E402
 from torch_cfm.models.vocoder.philox import philox4x32  # noqa: E402
 
@@ -558,7 +559,18 @@ def _child(out_path: str) -> None:
     mel, source = _inputs(2, 3)
     results["decode"] = HiFTVocoder(hift, kernels="triton").decode(mel, source)
     results["decode16"] = HiFTVocoder(hift, kernels="triton", precision="fp16").decode(mel, source)
+    x, alpha, inv = _snake_inputs()
+    results["snake"] = snake_channels(x, alpha, inv, backend="triton")
+    results["snake16"] = snake_channels(x.half(), alpha.half(), inv.half(), backend="triton")
     torch.save(results, out_path)
+
+
+def _snake_inputs():
+    """(3, 5, 37) activations up to |x| ~ 8, per-channel alpha in (0.05, 20) and its 1 / (alpha + 1e-9)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5, 37, generator=g) * 3
+    alpha = torch.tensor([0.05, 0.7, 1.0, 4.0, 20.0]).view(1, 5, 1)
+    return x, alpha, 1.0 / (alpha + 1e-9)
 
 
 @pytest.fixture(scope="module")
@@ -583,6 +595,17 @@ def test_triton_kernels_in_the_interpreter(interpreter_results):
     assert err_rel_fro(interpreter_results["decode"], HiFTVocoder(hift, kernels="torch").decode(mel, source)) <= 1e-6
     ref16 = HiFTVocoder(hift, kernels="torch", precision="fp16").decode(mel, source)
     assert err_rel_fro(interpreter_results["decode16"], ref16) <= 2e-3
+    x, alpha, inv = _snake_inputs()
+    x64, a64 = x.double(), alpha.double()
+    ref = x64 + torch.sin(x64 * a64) ** 2 / (a64 + 1e-9)  # the Snake in float64
+    snake = interpreter_results["snake"]
+    assert snake.dtype == torch.float32 and snake.shape == x.shape
+    assert err_max(snake, ref) <= 4e-6 * ref.abs().max()  # float32 rounding of x·alpha, sin, the sum
+    assert torch.equal(snake_channels(x, alpha, inv, backend="torch"), x + inv * pow(torch.sin(x * alpha), 2))
+    assert err_max(snake_channels(x, alpha, inv, backend="torch"), ref) <= 4e-6 * ref.abs().max()
+    snake16 = interpreter_results["snake16"]
+    ref16 = x.half().double() + torch.sin(x.half().double() * alpha.half().double()) ** 2 * inv.half().double()
+    assert snake16.dtype == torch.float16 and err_max(snake16, ref16) <= 2 ** -10 * ref16.abs().max()
 
 
 if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--child":

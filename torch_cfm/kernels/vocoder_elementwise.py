@@ -8,6 +8,9 @@ dtype but float64).
 * ``_vocoder_combine_kernel``: ``v = a[reflected row] (+ b | + (b + c))``, optionally stored,
   and K Snake outputs ``v + inv_k · sin(alpha_k · v)²`` (K <= 4).
 * ``_vocoder_accumulate_kernel``: ``s = t (+ r)``, ``(acc +) s``, optionally ``leaky(s / div)``.
+
+And one channel-major kernel, for the models that keep the upstream (B, C, T) layout (the causal
+HiFT): ``_snake_channels_kernel``, one Snake ``x + inv_c · sin(alpha_c · x)²`` per element.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import triton.language as tl
 
 from ._launch import on_device
 
-__all__ = ["combine_triton", "accumulate_triton", "store_snakes", "tf32_rne", "MAX_SNAKES"]
+__all__ = ["combine_triton", "accumulate_triton", "snake_channels_triton", "store_snakes", "tf32_rne", "MAX_SNAKES"]
 
 MAX_SNAKES = 4
 _TILE = 4096  # elements per program
@@ -107,6 +110,25 @@ def _vocoder_accumulate_kernel(
     tl.store(out_ptr + offs, s.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _snake_channels_kernel(
+    x_ptr, y_ptr,               # (R, T) rows of a contiguous (B, C, T) tensor, R = B·C
+    alpha_ptr, inv_ptr,         # (C,) float32 Snake parameters
+    C, T,
+    BLOCK_T: tl.constexpr,
+):
+    row = tl.program_id(0)
+    c = row % C
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    ok = t < T
+    offs = row.to(tl.int64) * T + t
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    alpha = tl.load(alpha_ptr + c)
+    inv = tl.load(inv_ptr + c)
+    s = tl.sin(x * alpha)
+    tl.store(y_ptr + offs, (x + inv * (s * s)).to(y_ptr.dtype.element_ty), mask=ok)
+
+
 def _tiles(rows: int, channels: int) -> tuple[int, int, tuple[int]]:
     block_c = triton.next_power_of_2(channels)
     if block_c > 1024:
@@ -162,3 +184,18 @@ def accumulate_triton(t: torch.Tensor, r: Optional[torch.Tensor], acc: Optional[
             HAS_R=r is not None, HAS_ACC=acc is not None, FINAL=final,
             BLOCK_M=block_m, BLOCK_C=block_c, num_warps=4)
     return out
+
+
+def snake_channels_triton(x: torch.Tensor, alpha: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """Host launcher of ``_snake_channels_kernel``; arguments as ``elementwise.snake_channels``."""
+    x = x.contiguous()
+    batch, channels, frames = x.shape
+    y = torch.empty_like(x)
+    if x.numel() == 0:
+        return y
+    block_t = min(1024, max(16, triton.next_power_of_2(frames)))
+    grid = (batch * channels, triton.cdiv(frames, block_t))
+    with on_device(x.device):
+        _snake_channels_kernel[grid](x, y, alpha.float().reshape(-1).contiguous(), inv.float().reshape(-1).contiguous(),
+                                     channels, frames, BLOCK_T=block_t, num_warps=4 if block_t >= 512 else 1)
+    return y

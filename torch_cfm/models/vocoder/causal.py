@@ -32,10 +32,11 @@ upstream's on the same device; the samples equal its within the convolutions' ro
   be replayed from one CUDA graph per :class:`ChunkPlan` (the plan is a function of the state's
   relative offsets, so a steady stream meets the same plan every chunk);
 * the noise table is read from a device copy made once, at positions computed on the device;
-* three host steps of the model are replaced while it runs (:func:`capturable_causal`): the
-  causal convolutions' zero padding is made on the device instead of copied from a CPU tensor,
-  the STFT window is a device copy, and the inverse STFT is :func:`istft` (``torch.istft``'s own
-  ops without its host-side envelope check; bitwise equal to it on CPU);
+* parts of the model are replaced while it runs (:func:`capturable_causal`): the causal
+  convolutions pad on the device (the upstream copies a CPU zero tensor) and run on weights
+  whose weight norm is folded once (:class:`CausalModelParts`: the same values), each Snake is one
+  kernel on CUDA, the STFT window is a device copy, and the inverse STFT is :func:`istft`
+  (``torch.istft``'s own ops without its host-side envelope check; bitwise equal to it on CPU);
 * a chunk's decoder runs once over its non-final blocks' union, not once per 16-frame block
   with ``history`` frames of context each (:meth:`CausalVocoderCore.run`);
 * B streams at the same plan run as one batch (:func:`stream_batch`), equal per stream to
@@ -54,14 +55,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ...errors import fail, shape_str
 from ..hift_capturable import istft
 from ..upstream import type_name
 
-__all__ = ["CausalVocoderSizes", "ChunkPlan", "PlanStep", "CausalVocoderCore", "bounded_vocoder_gaps",
-           "causal_hift_gaps", "capturable_causal", "istft", "plan_chunk", "stream_batch", "COUNTERS"]
+__all__ = ["CausalVocoderSizes", "ChunkPlan", "PlanStep", "CausalVocoderCore", "CausalModelParts",
+           "bounded_vocoder_gaps", "causal_hift_gaps", "capturable_causal", "istft", "plan_chunk", "stream_batch",
+           "COUNTERS"]
 
 COUNTERS = ("mel_offset", "source_offset", "source_end", "speech_offset", "finalized")
 
@@ -225,34 +228,95 @@ def _causal_convs(model: nn.Module) -> list[nn.Module]:
             and getattr(m, "causal_type", None) in ("left", "right")]
 
 
+def _snakes(model: nn.Module) -> list[nn.Module]:
+    """The model's ``Snake`` activations (``x + 1 / (alpha + eps) · sin(alpha · x)²``, alpha per channel)."""
+    return [m for m in model.modules() if type(m).__name__ == "Snake"
+            and isinstance(getattr(m, "alpha", None), torch.Tensor) and m.alpha.dim() == 1
+            and isinstance(getattr(m, "no_div_by_zero", None), float)]
+
+
+@dataclass(frozen=True)
+class CausalModelParts:
+    """What :func:`capturable_causal` substitutes, computed once from the model's parameters.
+
+    ``convs``: each causal convolution with its effective weight (a weight-norm parametrization
+    evaluated once: the same ``torch._weight_norm`` the parametrization runs per call, so the
+    same values; a plain weight is the parameter itself). ``snakes``: each Snake with its
+    (1, C, 1) alpha (``exp`` taken for a log-scale alpha) and ``1 / (alpha + eps)``, made by the
+    upstream's own ops. Tied to the parameters as they were when made: make new parts after
+    changing the model's weights, dtype or device.
+    """
+
+    convs: tuple[tuple[nn.Module, torch.Tensor], ...]
+    snakes: tuple[tuple[nn.Module, torch.Tensor, torch.Tensor], ...]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "CausalModelParts":
+        with torch.no_grad():
+            convs = tuple((conv, conv.weight.detach()) for conv in _causal_convs(model))
+            snakes = []
+            for snake in _snakes(model):
+                alpha = snake.alpha.detach().unsqueeze(0).unsqueeze(-1)
+                if getattr(snake, "alpha_logscale", False):
+                    alpha = torch.exp(alpha)
+                snakes.append((snake, alpha, 1.0 / (alpha + snake.no_div_by_zero)))
+        return cls(convs, tuple(snakes))
+
+    def extra_bytes(self) -> int:
+        """Device bytes these parts add to the model's own (the folded weights, Snake parameters)."""
+        convs = sum(w.numel() * w.element_size() for conv, w in self.convs if w is not conv.weight)
+        return convs + sum(2 * a.numel() * a.element_size() for _, a, _ in self.snakes)
+
+
 @contextlib.contextmanager
-def capturable_causal(model: nn.Module, window: torch.Tensor, convs: Optional[Sequence[nn.Module]] = None):
+def capturable_causal(model: nn.Module, window: torch.Tensor, parts: Optional[CausalModelParts] = None):
     """Within: ``model``'s ``decode`` and its f0 predictor make no CPU tensors and read nothing
-    on the host (the module docstring's three replacements). ``window``: the device copy of
-    ``model.stft_window``. Instance attributes set here are removed on exit."""
+    on the host, and launch fewer kernels (``parts``, default: made now):
+
+    * a causal convolution pads a missing cache on the device (one ``F.pad``, where the
+      upstream copies a CPU zero tensor and concatenates) and runs on its folded weight (no
+      weight-norm recomputation per call): the same values, so the same result;
+    * a Snake runs as :func:`~torch_cfm.models.vocoder.elementwise.snake_channels` on its
+      precomputed parameters: the upstream's own ops on the CPU (bitwise), one Triton kernel on
+      CUDA (where the upstream launches seven; equal within float32 rounding);
+    * the STFT window is ``window`` (the device copy of ``model.stft_window``) and the inverse
+      STFT is :func:`istft`.
+
+    Instance attributes set here are removed on exit."""
+    from .elementwise import snake_channels
+
     params = model.istft_params
     saved = model.stft_window
-    convs = _causal_convs(model) if convs is None else convs
+    parts = CausalModelParts.of(model) if parts is None else parts
 
-    def padded(conv):
+    def conv_forward(conv, weight):
+        left = conv.causal_type == "left"
+
         def forward(x, cache=None):
             if cache is None or cache.size(2) == 0:
-                cache = x.new_zeros(x.shape[0], x.shape[1], conv.causal_padding)
-            return type(conv).forward(conv, x, cache)
+                x = F.pad(x, (conv.causal_padding, 0) if left else (0, conv.causal_padding))
+            else:
+                x = torch.cat([cache, x] if left else [x, cache], dim=2)
+            return conv._conv_forward(x, weight, conv.bias)
         return forward
+
+    def snake_forward(alpha, inv):
+        return lambda x: snake_channels(x, alpha, inv)
 
     model.stft_window = window
     model._istft = lambda magnitude, phase: istft(magnitude, phase, params["n_fft"], params["hop_len"],
                                                   window.to(magnitude.dtype))
-    for conv in convs:
-        conv.forward = padded(conv)
+    for conv, weight in parts.convs:
+        conv.forward = conv_forward(conv, weight)
+    for snake, alpha, inv in parts.snakes:
+        snake.forward = snake_forward(alpha, inv)
     try:
         yield model
     finally:
         model.stft_window = saved
         vars(model).pop("_istft", None)
-        for conv in convs:
-            vars(conv).pop("forward", None)
+        for module in [c for c, _ in parts.convs] + [m for m, _, _ in parts.snakes]:
+            vars(module).pop("forward", None)
 
 
 # ---------------------------------------------------------------------------- the tensor work
@@ -276,6 +340,8 @@ class CausalVocoderCore:
         sizes: :class:`CausalVocoderSizes`.
         table: the noise table (L, H) float32 on ``device`` (a device copy: 259 MB at the
             shipped 300 s x 9 harmonics, once per core).
+        parts: :class:`CausalModelParts` (the folded convolution weights: 83 MB at the shipped
+            sizes in float32, once per core).
     Raises:
         TypeError: ``bounded`` is not a BoundedVocoder over a CausalHiFTGenerator (names what it lacks).
     """
@@ -296,7 +362,7 @@ class CausalVocoderCore:
         self.table = sine.sine_waves[0].to(self.device)  # (L, H)
         self.window = model.stft_window.to(self.device)
         self.mels = model.conv_pre.in_channels
-        self._convs = _causal_convs(model)
+        self.parts = CausalModelParts.of(model)
 
     def new_state(self) -> dict[str, torch.Tensor]:
         """A fresh stream state, in the layout of ``BoundedVocoder.reset()``."""
@@ -378,7 +444,7 @@ class CausalVocoderCore:
         decoding = [i for i, step in enumerate(plan.steps) if step.decode is not None and not step.finalize]
         speeches, pending = [], None
         mel_shift = source_shift = 0  # trimmed by the steps so far, still held
-        with capturable_causal(self.model, self.window, self._convs), \
+        with capturable_causal(self.model, self.window, self.parts), \
                 torch.amp.autocast(mel.device.type, enabled=False):
             for i, step in enumerate(plan.steps):
                 mel, source, phase = self._grow(step, mel, source, phase, chunk, noise_base, mel_shift)

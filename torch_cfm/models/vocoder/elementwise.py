@@ -13,6 +13,9 @@ The HiFT's elementwise ops fall into two shapes, each one pass over memory:
   a stage's ResBlocks), and at the stage's end ``leaky_relu(acc / K, slope)`` in the
   convolutions' dtype (the next upsampling's or ``conv_post``'s input).
 
+And, for a model kept in the upstream channel-major (B, C, T) layout (the causal HiFT),
+:func:`snake_channels`: one Snake per element, with the parameters (1, C, 1).
+
 The PyTorch versions keep the upstream's operation order (so float32 results equal the
 upstream's elementwise math bitwise, and ``torch.compile`` fuses each into one kernel); the
 Triton versions (CUDA) are single kernels with float32 math, any input dtypes, output dtypes
@@ -26,7 +29,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["combine", "accumulate", "SNAKE_EPS"]
+__all__ = ["combine", "accumulate", "snake_channels", "SNAKE_EPS"]
 
 SNAKE_EPS = 1e-9  # the upstream Snake's no_div_by_zero
 
@@ -96,3 +99,21 @@ def accumulate(t: torch.Tensor, r: Optional[torch.Tensor] = None, acc: Optional[
     if divisor is None:
         return s
     return F.leaky_relu(s / divisor, slope).to(out_dtype)
+
+
+def snake_channels(x: torch.Tensor, alpha: torch.Tensor, inv: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """The upstream ``Snake`` on a channel-major tensor: ``x + inv · sin(x · alpha)²``.
+
+    Args:
+        x: (B, C, T) float16 / bfloat16 / float32 / float64.
+        alpha, inv: (1, C, 1) in x's dtype; ``inv = 1 / (alpha + 1e-9)`` made once by the caller
+            (as the upstream makes it per call, so the PyTorch path equals the upstream bitwise).
+        backend: as :func:`combine` (Triton: one kernel, float32 math, x's dtype out).
+    Returns:
+        (B, C, T) in x's dtype.
+    """
+    if _triton_ok(backend, x):
+        from ...kernels.vocoder_elementwise import snake_channels_triton
+
+        return snake_channels_triton(x, alpha, inv)
+    return x + inv * pow(torch.sin(x * alpha), 2)
