@@ -5,7 +5,10 @@ the GPU's measured dense peak.
 Per dtype, rows (M = rows x 50 token rows; the conv taps rows x 52) and role (qkv, proj, conv, fc1 +
 GELU, fc2; :func:`torch_cfm.kernels.cutlass_gemm.body_roles`): fresh random operands, cuBLAS called
 as the body calls it (``addmm``, ``mm`` for the conv taps, ``_addmm_activation(use_gelu=True)`` for
-fc1) and every CUTLASS config with that epilogue. Each result is checked against a float64 product
+fc1) and every CUTLASS config with that epilogue. A diagnostic role ``fc1_bias`` (fc1's shape with the
+bias-only epilogue: ``addmm`` and every config) makes the cost of the GELU epilogue visible: its rows
+sit under fc1's in the same table, and a line under the table gives fc1 - fc1_bias per provider.
+Each result is checked against a float64 product
 first (relative Frobenius error <= 2 x cuBLAS's own + 1e-6; a failing config is not timed), then timed
 as µs per call in a CUDA graph of ``--calls`` calls, median of ``--repeats`` replays, twice: every call
 on the same operands (``us_p50``: they stay in L2, as in ``bench/experiments/large_batch_probe.py``)
@@ -24,6 +27,7 @@ dtype to ``<out>/cutlass_gemm.md``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -94,6 +98,22 @@ def cublas_call(a, w, b, out, gelu: bool):
     return lambda: torch.mm(a, w.t(), out=out)
 
 
+def bias_only(role: cg.Role) -> cg.Role:
+    """The diagnostic twin of a GELU role: same shape and bias, no GELU (``<name>_bias``)."""
+    return dataclasses.replace(role, name=f"{role.name}_bias", gelu=False)
+
+
+def roles_at(nrows: int, names: list[str]) -> list[cg.Role]:
+    """The body's roles at ``nrows`` rows that ``names`` asks for, each GELU role followed by its
+    bias-only twin (:func:`bias_only`) where that is asked for too."""
+    out = []
+    for role in cg.body_roles(nrows):
+        out += [role] if role.name in names else []
+        if role.gelu and bias_only(role).name in names:
+            out.append(bias_only(role))
+    return out
+
+
 def library_info(path: str) -> dict:
     with open(path, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()[:16]
@@ -137,7 +157,8 @@ def role_rows(role, rows, dname, peak, cfgs, env, timing, prov, path, rotate) ->
     """cuBLAS and every CUTLASS config with the role's epilogue at one shape: checked on fresh random
     operands against float64, then timed (a config that fails the check is not timed)."""
     dtype = DTYPES[dname]
-    sets = operand_sets(role, dtype, zlib.crc32(f"{role.name}/{rows}/{dname}".encode()), rotate)
+    seed = zlib.crc32(f"{role.name.removesuffix('_bias')}/{rows}/{dname}".encode())  # a _bias twin: its role's operands
+    sets = operand_sets(role, dtype, seed, rotate)
     a, w, b, out = sets[0]
     ref = reference(a, w, b, role.gelu)
     shape = {"role": role.name, "rows": rows, "M": role.m, "N": role.n, "K": role.k}
@@ -171,11 +192,18 @@ def role_rows(role, rows, dname, peak, cfgs, env, timing, prov, path, rotate) ->
                      "pct_peak_rotated": round(100 * floor / t["us_p50_rotated"], 1)}
         rows_out.append(make_row(env, provider=provider, variant=variant, rel_err=err, rel_err_cublas=cub_err,
                                  passed=passed, workspace_bytes=need, **base, **t, **extra))
-        print(f"{dname} rows={rows:<3d} {role.name:5s} {provider:7s} {variant:18s} "
+        print(f"{dname} rows={rows:<3d} {role.name:8s} {provider:7s} {variant:18s} "
               + (f"{t['us_p50']:8.2f} us ({extra['pct_peak']:5.1f}% peak), rotated {t['us_p50_rotated']:8.2f} us "
                  f"({extra['pct_peak_rotated']:5.1f}%)" if t else " not timed")
               + f"  err {err:.2e} (bound {bound:.2e}) {'ok' if passed else 'FAIL'}", flush=True)
     return rows_out, ok
+
+
+def _cell(r) -> str:
+    """Table cell: hot and rotated p50 µs with % of peak, or "-"."""
+    if not (r and r.get("us_p50")):
+        return "-"
+    return f"{r['us_p50']:.2f} ({r['pct_peak']:.0f} %); {r['us_p50_rotated']:.2f} ({r['pct_peak_rotated']:.0f} %)"
 
 
 def summary(rows: list, dname: str) -> str:
@@ -196,14 +224,33 @@ def summary(rows: list, dname: str) -> str:
         cut = sorted((r for r in group if r["provider"] == "cutlass" and r.get("us_p50")), key=lambda r: r["us_p50"])
         s = group[0]["shape"]
         best = cut[0] if cut else None
-        cell = (lambda r: f"{r['us_p50']:.2f} ({r['pct_peak']:.0f} %); {r['us_p50_rotated']:.2f} ({r['pct_peak_rotated']:.0f} %)"
-                if r and r.get("us_p50") else "-")
         others = ", ".join(f"{r['variant']} {r['us_p50']:.2f}" for r in cut)
         failed = [r["variant"] for r in group if r["provider"] == "cutlass" and not r.get("us_p50")]
-        lines.append(f"| {role} | {nrows} | {s['M']} x {s['N']} x {s['K']} | {group[0]['floor_us']:.2f} | {cell(cub)} "
-                     f"| {cell(best)} | {best['variant'] if best else '-'} | {others}"
+        lines.append(f"| {role} | {nrows} | {s['M']} x {s['N']} x {s['K']} | {group[0]['floor_us']:.2f} | {_cell(cub)} "
+                     f"| {_cell(best)} | {best['variant'] if best else '-'} | {others}"
                      + (f"; FAILED: {', '.join(failed)}" if failed else "") + " |")
-    return "\n".join(lines) + "\n"
+    notes = epilogue_costs(rows, dname, keys)
+    return "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
+
+
+def epilogue_costs(rows: list, dname: str, keys: list) -> list:
+    """One line per (GELU role, rows) whose ``_bias`` twin was timed too: the GELU epilogue's cost,
+    p50 µs with GELU minus without, for cuBLAS and each CUTLASS config timed in both."""
+    def times(role, nrows):
+        return {(r["provider"], r["variant"]): r["us_p50"] for r in rows
+                if r["dtype"] == dname and r.get("us_p50") and r.get("variant") != "peak"
+                and (r["shape"]["role"], r["shape"]["rows"]) == (role, nrows)}
+
+    out = []
+    for role, nrows in keys:
+        if not role.endswith("_bias") or (role[:-len("_bias")], nrows) not in keys:
+            continue
+        gelu, plain = times(role[:-len("_bias")], nrows), times(role, nrows)
+        both = [k for k in gelu if k in plain]
+        if both:
+            cost = ", ".join(f"{v or p} {gelu[(p, v)] - plain[(p, v)]:+.2f}" for p, v in both)
+            out.append(f"GELU epilogue cost, {role[:-len('_bias')]} - {role} at {nrows} rows (µs): {cost}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -213,7 +260,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fp16 only, rows 32 and 128, fewer repeats")
     ap.add_argument("--dtypes", default="fp16,bf16")
     ap.add_argument("--rows", default="32,64,128")
-    ap.add_argument("--roles", default="qkv,proj,conv,fc1,fc2")
+    ap.add_argument("--roles", default="qkv,proj,conv,fc1,fc1_bias,fc2",
+                    help="roles to run; fc1_bias: fc1's shape with the bias-only epilogue (the GELU epilogue's cost)")
     ap.add_argument("--configs", default="", help="comma list of config names (default: all)")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=30)
@@ -243,11 +291,10 @@ def main(argv=None) -> int:
                                  timing="cuda_graph", tflops=round(peak, 1),
                                  **prov))
         for nrows in [int(x) for x in args.rows.split(",")]:
-            for role in cg.body_roles(nrows):
-                if role.name in roles:
-                    got, good = role_rows(role, nrows, dname, peak, cfgs, env, timing, prov, path, args.rotate)
-                    rows_all += got
-                    ok &= good
+            for role in roles_at(nrows, roles):
+                got, good = role_rows(role, nrows, dname, peak, cfgs, env, timing, prov, path, args.rotate)
+                rows_all += got
+                ok &= good
     os.makedirs(args.out, exist_ok=True)
     upsert_rows(os.path.join(args.out, "cutlass_gemm.json"), rows_all, table=False)
     given = argv if argv is not None else sys.argv[1:]
