@@ -39,17 +39,12 @@ CUTLASS_DEVICE float ex2_approx_ftz(float a) {
 // negative arguments and no tanh.approx (whose 2^-11 relative error is that of the fp16 output).
 // Straight-line code, 8 instructions per element (FADD, FMUL, FFMA, FMUL, MUFU.EX2, FADD, MUFU.RCP, FMUL):
 // - log2(e) is folded into the polynomial: sigmoid(2u) = 1 / (1 + 2^t), t = -2u log2(e) = x (C1 + C3 x^2).
-// - __fdividef (MUFU.RCP + FMUL; 2 ulp for a divisor < 2^126, else 0 or a subnormal where the true value
-//   is < 1e-37), not x / y: the IEEE division took a MUFU.RCP, 5 FFMAs, an FCHK and a branch to a slow-path
-//   subroutine per element (~23 instructions per element, each in its own BSSY/BSYNC region, so the
-//   compiler could not interleave elements), and made the fc1 GEMM ~2x slower than cuBLAS with its GELU.
-// Error: t carries ~3 fp32 roundings (|dt| <~ 2e-7 |t|), so 2^t is off by ~ln2 |dt| + 2 ulp, and the
-// sigmoid by at most that; with the rcp's and the product's few ulp: <= ~1e-6 relative for |x| <= 4,
-// ~5e-6 at x = -6 (|t| = 36, output ~1e-10). That is >= 100x below the output rounding (fp16 2^-11,
-// bf16 2^-8 relative): an fp16/bf16 output differs from the correctly rounded GELU only where the exact
-// value lies within ~1e-6 of a rounding boundary (~1e-4 of outputs), adding ~1e-7 to the relative error.
-// Limits: x -> -inf: 2^t -> +inf, rcp(inf) = 0, out -> -0, no NaN for finite x (|x| > ~1e19: x^2 = inf,
-// t = +inf still); x = -inf gives NaN, as the formula does; x -> +inf: 2^t -> 0, out = x; x = 0: 0.
+// - __fdividef (MUFU.RCP + FMUL), not x / y: an IEEE division branches to a slow-path subroutine per
+//   element, which keeps the compiler from interleaving the elements of a fragment.
+// Error: <= ~1e-6 relative for |x| <= 4, ~5e-6 at x = -6 (output ~1e-10): >= 100x below the output
+// rounding (fp16 2^-11, bf16 2^-8 relative).
+// Limits: x -> -inf: 2^t -> +inf, rcp(inf) = 0, out -> -0, no NaN for finite x; x = -inf gives NaN, as the
+// formula does; x -> +inf: out = x; x = 0: 0.
 template <class T>
 struct AddGeluTanh;
 
