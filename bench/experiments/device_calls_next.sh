@@ -10,6 +10,8 @@
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
 #   bash bench/experiments/device_calls_next.sh stream    # issue 40's one minicpmo-utils stream alone
 #   bash bench/experiments/device_calls_next.sh voices    # issue 40's voice-cache bars (4 voices, arrivals)
+#   bash bench/experiments/device_calls_next.sh cutlass   # issue 41: the GEMM library's GPU tests, fc1's
+#                        GELU epilogue against the previous library (carry build_cutlass, build_cutlass_prev)
 # Modes run in the order given: `... tests stream` in one call.
 set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -22,7 +24,7 @@ if ! ls torch_cfm/_C*.so > /dev/null 2>&1; then
   echo "build rc=$?"
 fi
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, vocoder, causal, encoder, voices, tests, stream)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, vocoder, causal, encoder, voices, tests, stream, cutlass)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode"
 case $mode in
@@ -55,6 +57,15 @@ case $mode in
     timeout 560 python3 bench/serving.py --stages cfm,wav --concurrency 16,64 --quick --warmup --dtype fp16 \
       --voices 4 --providers torch_cfm,torch_cfm/voices --out "$OUT" > "$OUT/voices.log" 2>&1
     grep -v "warmup \[" "$OUT/voices.log" | tail -14 ;;
+  cutlass)  # the library's GPU tests, then qkv / fc1 / fc1_bias on it and on the previous build, one call
+    TORCH_CFM_CUTLASS_SO=$PWD/build_cutlass/libtcfm_cutlass.so timeout -s INT 120 python3 -m pytest -q \
+      -p no:cacheprovider -rfE -m gpu tests/test_cutlass_gemm.py > "$OUT/test_cutlass_gemm.log" 2>&1
+    echo "test_cutlass_gemm: $(grep -E 'passed|failed|error' "$OUT/test_cutlass_gemm.log" | tail -1)"
+    for lib in build_cutlass build_cutlass_prev; do
+      [ -f $lib/libtcfm_cutlass.so ] || continue
+      timeout 150 python3 bench/cutlass_gemm.py --so $lib/libtcfm_cutlass.so --quick --roles qkv,fc1,fc1_bias \
+        --out "$OUT/$lib" > "$OUT/$lib.log" 2>&1; grep -E "fc1|qkv" "$OUT/$lib/cutlass_gemm.md" | head -8
+    done ;;
   stream)  # issue 40's one minicpmo-utils stream alone (waveform chunk <= 15 ms, no capture while timed)
     STEPAUDIO2_PATH=$MINI timeout 130 python3 bench/minicpmo_stream.py --out "$OUT" > "$OUT/minicpmo_stream.log" 2>&1
     grep -E "^\||captures|bar" "$OUT/minicpmo_stream.log" | tail -10 ;;
