@@ -318,6 +318,10 @@ def sweep_plans(swept: set) -> list:
                   ("default", "sweep_tf32_wgmma_mlp", _plan("wgmma")),
                   ("arena", "sweep_tf32_arena_wgmma_mlp", _plan("wgmma")),
                   ("arena", "sweep_tf32_arena_cublas", _plan("cublas"))]
+    if "arena_attention" in swept:  # the arena step: the table's arena plan against the fused attention kernel's
+        # arena form (16-bit; at >= 32 rows the two differ in the attention role only)
+        plans += [("arena", "sweep_arena_attention_table", _plan("table")),
+                  ("arena", "sweep_arena_attention_fused_warp_rownorm", _plan("fused_attention_warp_rownorm"))]
     if "qkv" in swept:  # the step on the in-place arena: wgmma's QKV GEMM with the q/k-cache epilogue or not; cublas
         plans += [("arena", "sweep_arena_wgmma_qkv_cache_on", _plan("wgmma", arena_qkv="wgmma_qk_cache")),
                   ("arena", "sweep_arena_wgmma_qkv_cache_off", _plan("wgmma", arena_qkv="qk_cache")),
@@ -707,7 +711,8 @@ def main(argv=None) -> int:
                          "sets; fc2: the wgmma plan's split-K fc2 configs; rownorm: the row-norm kernel's rows "
                          "per program and warps on the table's plan; qkv: the arena step with and without the "
                          "wgmma QKV + cache epilogue; tf32: the wgmma plan's TF32 GEMMs against cublas for "
-                         "fp32-tf32 bodies)")
+                         "fp32-tf32 bodies; arena_attention: the arena step on the table's plan and on "
+                         "fused_attention_warp_rownorm, the fused attention kernel's arena form)")
     ap.add_argument("--sweep-kernels", action="store_true",
                     help="also write each sweep plan's per-kernel table (eager, torch.profiler) under --out")
     ap.add_argument("--variants", default=",".join(PLAN_NAMES + ("arena",)),

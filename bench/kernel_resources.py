@@ -13,10 +13,10 @@ the Triton version of the GPU box for numbers that match it, e.g. on the CPU box
     PYTHONPATH=/tmp/tri36 python3 bench/kernel_resources.py            # sm_90 (H100/H200)
 
 One line per kernel configuration: the attention kernel as ``choose_config`` picks it for the
-docs/design.md §7 shapes, and the body's v5 attention + cache kernel at its launch parameters; with
-``--only vocoder_conv``, the HiFT's fused convolutions at the shipped sizes; with
-``--only cuda_attention``, every instantiation of the hand-written CUDA attention kernel
-(``csrc/cuda/``, compiled with the local ``nvcc``; no Triton needed). Not a
+docs/design.md §7 shapes, and the body's v5 attention + cache kernel at its launch parameters (its
+new-cache and in-place arena forms); with ``--only vocoder_conv``, the HiFT's fused convolutions at
+the shipped sizes; with ``--only cuda_attention``, every instantiation of the hand-written CUDA
+attention kernel (``csrc/cuda/``, compiled with the local ``nvcc``; no Triton needed). Not a
 benchmark (nothing runs): spills predict slowness, their absence does not predict speed.
 """
 
@@ -120,28 +120,36 @@ def attention_rows(arch: int, n_sm: int) -> list[str]:
     return rows
 
 
-def dit_attention_rows(arch: int, n_rows: int = 8, t_len: int = 50, l_len: int = 400) -> list[str]:
+def dit_attention_rows(arch: int, n_rows: int = 8, t_len: int = 50, l_len: int = 400, append: bool = False
+                       ) -> list[str]:
+    """The body's attention + cache kernel (the fused_attention plans') at its launch parameters: the
+    new-cache form (old cache in, new cache out, copy programs), or with ``append`` the in-place arena
+    form (APPEND: the old frames read in the arena, the current ones appended there; fp32 in its IEEE
+    form only)."""
     from torch_cfm.kernels.dit_attention import LOG2E, _dit_attention_cache_kernel as kernel
     from torch_cfm.kernels.dit_attention import attention_tiles
 
     rows = []
     heads, d = 8, 64
-    for dtype, dot in ((torch.float16, "tf32"), (torch.bfloat16, "tf32"), (torch.float32, "tf32"),
-                       (torch.float32, "tf32x3")):
+    forms = (((torch.float16, "tf32"), (torch.bfloat16, "tf32"), (torch.float32, "tf32x3")) if append else
+             ((torch.float16, "tf32"), (torch.bfloat16, "tf32"), (torch.float32, "tf32"), (torch.float32, "tf32x3")))
+    for dtype, dot in forms:
         ty = "*" + _TRITON_TYPES[dtype]
         cfg = attention_tiles(dtype, d, t_len)
+        q_tiles = -(-t_len // cfg["block_q"])
+        frames = t_len + l_len  # the new cache, or the arena (L old frames of room + T)
+        old = (heads * frames * 2 * d, frames * 2 * d) if append else (heads * l_len * 2 * d, l_len * 2 * d)
         args = dict(qkv_ptr=ty, stride_qkv=3 * heads * d, qn_w_ptr=ty, qn_b_ptr=ty, kn_w_ptr=ty, kn_b_ptr=ty,
-                    old_ptr=ty, s_old_n=heads * l_len * 2 * d, s_old_h=l_len * 2 * d, s_old_f=2 * d, s_old_e=1,
-                    new_ptr=ty, s_new_n=heads * (t_len + l_len) * 2 * d, s_new_h=(t_len + l_len) * 2 * d,
+                    old_ptr=ty, s_old_n=old[0], s_old_h=old[1], s_old_f=2 * d, s_old_e=1,
+                    new_ptr=ty, s_new_n=heads * frames * 2 * d, s_new_h=frames * 2 * d,
                     s_new_f=2 * d, s_new_e=1, out_ptr=ty, valid_ptr="*i32", cached_ptr="*i32",
-                    T=t_len, L=l_len, H=heads, q_tiles=-(-t_len // cfg["block_q"]),
-                    n_attn=n_rows * heads * -(-t_len // cfg["block_q"]), f_chunks=-(-(t_len + l_len) // cfg["copy_f"]),
-                    eps=1e-6, qk_scale=LOG2E / d ** 0.5)
+                    T=t_len, L=l_len, H=heads, q_tiles=q_tiles, n_attn=n_rows * heads * q_tiles,
+                    f_chunks=0 if append else -(-frames // cfg["copy_f"]), eps=1e-6, qk_scale=LOG2E / d ** 0.5)
         const = dict(HAS_OLD=True, HEAD_DIM=d, BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"],
-                     BLOCK_C=cfg["block_c"], COPY_F=cfg["copy_f"], DOT_PRECISION=dot, USE_PDL=True)
+                     BLOCK_C=cfg["block_c"], COPY_F=cfg["copy_f"], DOT_PRECISION=dot, USE_PDL=True, APPEND=append)
         compiled = compile_like_launch(kernel, args, const, cfg["num_warps"], cfg["num_stages"], arch)
-        rows.append(f"dit_attention (v5) {n_rows},{t_len},{l_len} {_TRITON_TYPES[dtype]}-{dot} {cfg}: "
-                    + describe(compiled))
+        rows.append(f"dit_attention ({'arena' if append else 'v5'}) {n_rows},{t_len},{l_len} "
+                    f"{_TRITON_TYPES[dtype]}-{dot} {cfg}: " + describe(compiled))
     return rows
 
 
@@ -225,7 +233,7 @@ def main(argv=None) -> int:
 
     print(f"triton {triton.__version__}, target sm_{args.arch}")
     groups = dict(attention=lambda: attention_rows(args.arch, args.sms),
-                  dit_attention=lambda: dit_attention_rows(args.arch),
+                  dit_attention=lambda: dit_attention_rows(args.arch) + dit_attention_rows(args.arch, append=True),
                   cuda_attention=lambda: cuda_attention_rows(args.arch),
                   vocoder_conv=lambda: vocoder_conv_rows(args.arch))
     for name, rows in groups.items():

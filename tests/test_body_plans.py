@@ -162,6 +162,28 @@ def test_named_plans_and_bad_names():
         bp.named_plan("wgmma", torch.float32, "ieee")
 
 
+def test_fused_attention_arena_plan_is_named_only():
+    """fused_attention_warp_rownorm: cublas_warp_rownorm with the fused attention + cache kernel, which
+    has an arena form (its APPEND mode); chosen by name only (16-bit families), never by the table."""
+    plan = bp.FUSED_ATTENTION_WARP_ROWNORM_16BIT
+    for dtype in (torch.float16, torch.bfloat16):
+        assert bp.named_plan("fused_attention_warp_rownorm", dtype, None) is plan
+    assert plan.attention == "attention_cache" and plan.arena_plan is None and plan.rownorm_launch == (1, 1)
+    assert dataclasses.replace(plan, name="cublas_warp_rownorm", attention="qk_cache+cfm_attention",
+                               evidence=bp.CUBLAS_WARP_ROWNORM_16BIT.evidence) == bp.CUBLAS_WARP_ROWNORM_16BIT
+    assert dataclasses.replace(plan, name="fused_attention", rownorm_launch=None,
+                               arena_plan=bp.CUBLAS_WARP_ROWNORM_16BIT,
+                               evidence=bp.FUSED_ATTENTION_16BIT.evidence) == bp.FUSED_ATTENTION_16BIT
+    assert all(p is not plan for entries in bp.TABLE.values() for _, _, p in entries)
+    assert plan not in _plans_in_use() and "fused_attention_warp_rownorm" not in bp.PLAN_NAMES
+    for family in ("tf32", "ieee"):
+        with pytest.raises(ValueError, match="plan"):
+            bp.named_plan("fused_attention_warp_rownorm", *FAMILIES[family])
+    # attention_cache does the arena's q/k-cache work itself: no QKV epilogue doing it too
+    with pytest.raises(ValueError, match="arena_qkv"):
+        dataclasses.replace(plan, arena_qkv="wgmma_qk_cache")
+
+
 def test_pdl_of_a_plan():
     pytest.importorskip("triton")
     from torch_cfm.kernels._launch import plan_pdl
@@ -199,6 +221,11 @@ def test_plan_for_explicit_scoped_and_arena():
         with bp.use_plan(bp.CUBLAS_16BIT):
             assert plan_for(x16, None) == bp.CUBLAS_16BIT
         assert plan_for(x16, None) == bp.FUSED_ATTENTION_16BIT
+    # a plan with an arena form runs there itself, given or scoped
+    fused_arena = bp.FUSED_ATTENTION_WARP_ROWNORM_16BIT
+    assert plan_for(x16, None, "fused_attention_warp_rownorm", arena=True) == fused_arena
+    with bp.use_plan("fused_attention_warp_rownorm"):
+        assert plan_for(x16, None, arena=True) == fused_arena and plan_for(x8, None) == fused_arena
     assert bp.scoped_plan() is None
     with pytest.raises(ValueError, match="plan"):
         plan_for(torch.zeros(2, 320, 5), "ieee", "wgmma")

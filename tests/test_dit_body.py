@@ -6,7 +6,8 @@
   solo row; autocast; packing/repacking; ValueErrors; fake metadata; opcheck.
 * Triton interpreter (child process, ``TRITON_INTERPRET=1``): the fused driver (every kernel
   variant) in fp32/fp16 on tiny shapes against the fp64 reference (docs/design.md §6), incl. no caches,
-  T_n = 0, L = 0, T = 1.
+  T_n = 0, L = 0, T = 1; on the in-place arena, the shipped plan and the fused attention kernel's arena
+  form (fp16/bf16), which writes the arena the shipped plan writes.
 * GPU (``gpu`` marker, H200): fused vs the model's reference path for fp16 / bf16 / fp32-tf32 /
   fp32-ieee with ragged rows at the shipped widths (C=512, H=8, D=64; 4 blocks), outputs and
   every cache; the model hook; sync-debug mode.
@@ -320,6 +321,17 @@ INTERP_CASES += [dict(c, name=f"{c['name']}_arena", variant="cublas", arena=True
                  for c in _INTERP_BASE if c["name"] in ("ragged_f32", "nocache_f32", "ragged_f16", "nokeys_row_f32")]
 INTERP_CASES += [dict(name="wide_f16_arena", dtype=torch.float16, n=2, t=5, l_len=70, valid=[5, 1], cached=[70, 33],
                       variant="cublas", wide=True, arena=True)]
+# the arena at >= 32 rows: the shipped plan (cublas_warp_rownorm: q/k-cache APPEND + cfm_attention) and the
+# fused attention kernel's APPEND form (fused_attention_warp_rownorm), given explicitly, on the same arenas: ragged
+# T_n < T, L_n = 0, a row without current frames (bf16: on the GPU, test_gpu_arena_plans_within_oracle)
+ARENA_PLANS = ("cublas_warp_rownorm", "fused_attention_warp_rownorm")
+_ARENA_BASE = [dict(name="arena3_f16", dtype=torch.float16, n=3, t=5, l_len=7, valid=[5, 3, 2], cached=[7, 0, 4]),
+               dict(name="arena3_bf16", dtype=torch.bfloat16, n=3, t=5, l_len=7, valid=[2, 5, 0], cached=[0, 7, 3])]
+INTERP_CASES += [dict(c, name=f"{c['name']}_{p}", variant=p, arena=True, plan=p) for c in _ARENA_BASE
+                 for p in ARENA_PLANS if c["dtype"] != torch.bfloat16]
+INTERP_CASES += [dict(name="wide_f16_arena_fused_attention_warp_rownorm", dtype=torch.float16, n=2, t=5, l_len=70,
+                      valid=[5, 1], cached=[70, 33], variant=ARENA_PLANS[1], wide=True, arena=True,
+                      plan=ARENA_PLANS[1])]
 
 
 def _interp_args(case):
@@ -340,16 +352,20 @@ def _interp_args(case):
 
 def _run_arena(x_in, w, table, cnn, att, valid, cached, out, case):
     """The in-place arena form: old keys reversed into a poisoned arena of T + L frames, the body
-    appends, the result turned back to the newest-first layout (zeros past each row's length)."""
+    appends (the table's arena plan, or ``case["plan"]``), the result turned back to the newest-first
+    layout (zeros past each row's length). Returns (velocity, conv cache, att cache, the arena itself)."""
     from strategies import poisoned_arena
+    from torch_cfm.kernels.body_plans import CUBLAS_WARP_ROWNORM_16BIT
     from torch_cfm.models.cache import reverse_keys
     from torch_cfm.kernels.dit_body import dit_body_arena_into
 
     vel, cnn_out, att_out = out
     shape = att_out.shape[:3] + (case["t"] + case["l_len"], att_out.shape[4])
-    arena, vl, cl = poisoned_arena(att, valid, cached, shape, case["t"], att_out.dtype, "cpu")
-    dit_body_arena_into(x_in, w, table, cnn, arena, vl, cl, "ieee", (vel, cnn_out))
-    return vel, cnn_out, reverse_keys(arena, vl + cl)  # padding frames (still NaN) come back as zeros
+    arena, vl, cl = poisoned_arena(att, valid, cached, shape, case["t"], att_out.dtype, x_in.device)
+    plan = case.get("plan")
+    plan = CUBLAS_WARP_ROWNORM_16BIT if plan == "cublas_warp_rownorm" else plan  # not a named plan
+    dit_body_arena_into(x_in, w, table, cnn, arena, vl, cl, "ieee", (vel, cnn_out), plan)
+    return vel, cnn_out, reverse_keys(arena, vl + cl), arena  # padding frames (still NaN) come back as zeros
 
 
 def _child(out_path: str, shard: int = 0, shards: int = 1) -> None:
@@ -362,7 +378,8 @@ def _child(out_path: str, shard: int = 0, shards: int = 1) -> None:
         s = check_dit_body(x_in, w, table, cnn, att, valid, cached, "ieee")
         out = tuple(o.fill_(float("nan")) for o in _empty_outputs(x_in, s))  # poisoned
         if case.get("arena"):
-            results[case["name"]] = _run_arena(x_in, w, table, cnn, att, valid, cached, out, case)
+            vel, cnn_out, att_out, arena = _run_arena(x_in, w, table, cnn, att, valid, cached, out, case)
+            results[case["name"]], results[case["name"] + "/arena"] = (vel, cnn_out, att_out), arena
             continue
         dit_body_fused_into(x_in, w, table, cnn, att, valid, cached, "ieee", out, case["variant"])
         results[case["name"]] = out
@@ -384,7 +401,11 @@ def interp_results(tmp_path_factory):
 
 @pytest.mark.parametrize("case", INTERP_CASES, ids=[c["name"] for c in INTERP_CASES])
 def test_triton_driver_interpreter_within_oracle(case, interp_results):
-    fast = interp_results[case["name"]]
+    _assert_case_within_oracle(case, interp_results[case["name"]])
+
+
+def _assert_case_within_oracle(case, fast) -> None:
+    """``fast`` (velocity, conv cache, attention cache; CPU) within the §6 oracle of the case's inputs."""
     model, x_in, w, table, cnn, att, valid, cached = _interp_args(case)
     same = dit_body_reference(x_in, w, table, cnn, att, valid, cached)
     w64 = [t.double() for t in pack_dit(model, torch.float64, "cpu").body]
@@ -399,6 +420,48 @@ def test_triton_driver_interpreter_within_oracle(case, interp_results):
             assert err_rel_fro(f, r) <= IEEE_REL_BOUND, name
     # padding frames of the new attention cache are zero, not poison
     assert torch.isfinite(fast[2]).all()
+
+
+_ARENA_INTERP = [c for c in _ARENA_BASE if c["dtype"] != torch.bfloat16]
+
+
+@pytest.mark.parametrize("case", _ARENA_INTERP, ids=[c["name"] for c in _ARENA_INTERP])
+def test_fused_attention_arena_form_writes_the_shipped_arena(case, interp_results):
+    """fused_attention_warp_rownorm on the arena writes what the shipped arena plan writes: block 0
+    (the same input to both) bitwise, every block's frames outside [L_n, L_n + T_n) untouched (old
+    frames as given, poison still NaN), bitwise in both; later blocks' current frames follow each
+    plan's own attention output (their sums differ in order), checked against the oracle above."""
+    shipped, fused = (interp_results[f"{case['name']}_{p}/arena"] for p in ARENA_PLANS)
+    bits = shipped.view(torch.int16)
+    assert torch.equal(fused[0].view(torch.int16), bits[0])
+    for i, (tn, ln) in enumerate(zip(case["valid"], case["cached"])):
+        outside = torch.ones(shipped.shape[3], dtype=torch.bool)
+        outside[ln:ln + tn] = False
+        assert torch.equal(fused[:, i, :, outside].view(torch.int16), bits[:, i, :, outside])
+        assert torch.isnan(fused[:, i, :, ln + tn:]).all() and not torch.isnan(fused[:, i, :, :ln + tn]).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("plan", ARENA_PLANS)
+@pytest.mark.parametrize("case", _ARENA_BASE + [dict(name="wide_f16", dtype=torch.float16, n=2, t=5, l_len=70,
+                                                     valid=[5, 1], cached=[70, 33], wide=True)],
+                         ids=lambda c: c["name"])
+def test_gpu_arena_plans_within_oracle(case, plan):
+    """Both arena plans of >= 32-row 16-bit bodies on the GPU, on the interpreter cases' inputs (bf16
+    included): within the oracle, and every frame outside [L_n, L_n + T_n) untouched."""
+    from torch_cfm.ops.dit_body import body_outputs
+
+    case = dict(case, variant=plan, arena=True, plan=plan)
+    _, *args = _interp_args(case)
+    dev = torch.device("cuda")
+    x_in, w, table, cnn, att, valid, cached = (
+        [t.to(dev) for t in a] if isinstance(a, list) else (None if a is None else a.to(dev)) for a in args)
+    s = check_dit_body(x_in, w, table, cnn, att, valid, cached, "ieee")
+    out = tuple(o.fill_(float("nan")) for o in body_outputs(x_in, s))
+    vel, cnn_out, att_out, arena = _run_arena(x_in, w, table, cnn, att, valid, cached, out, case)
+    _assert_case_within_oracle(case, (vel.cpu(), cnn_out.cpu(), att_out.cpu()))
+    for i, (tn, ln) in enumerate(zip(case["valid"], case["cached"])):
+        assert torch.isnan(arena[:, i, :, ln + tn:]).all() and not torch.isnan(arena[:, i, :, :ln + tn]).any()
 
 
 # --------------------------------------------------------------------------------------------

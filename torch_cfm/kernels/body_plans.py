@@ -5,12 +5,14 @@ its q/k-norm + cache write, proj, the two conv-tap GEMMs, fc1 + GELU, fc2, the r
 the QKV GEMM on the in-place arena) and the body kernels launched with programmatic dependent launch.
 Plans are named after what they run: "cublas" (cuBLAS GEMMs, Triton row-norm, q/k-cache and
 attention kernels), "cublas_warp_rownorm" (the same with one-warp row-norm programs),
-"fused_attention" (the q/k norm and cache write fused into the attention kernel) and "wgmma" (the
-GEMMs on the SM90a wgmma kernel). :data:`TABLE` maps (dtype family, row bucket) to the plan measured
-fastest there; each plan cites the bench rows that chose it (``evidence``, resolved by
-:func:`evidence_rows`). :func:`torch_cfm.kernels.dit_body.dit_body_triton` reads one plan and nothing
-else; benches and tests pass a plan (or a plan's name, or :func:`use_plan` around a path that takes
-none) to compare others. Pure data, no Triton import: explain() reads it anywhere.
+"fused_attention" (the q/k norm and cache write fused into the attention kernel; no arena form),
+"fused_attention_warp_rownorm" (the same with one-warp row-norm programs, and an arena form: the
+attention kernel appends to the arena itself) and "wgmma" (the GEMMs on the SM90a wgmma kernel).
+:data:`TABLE` maps (dtype family, row bucket) to the plan measured fastest there; each plan cites the
+bench rows that chose it (``evidence``, resolved by :func:`evidence_rows`).
+:func:`torch_cfm.kernels.dit_body.dit_body_triton` reads one plan and nothing else; benches and tests
+pass a plan (or a plan's name, or :func:`use_plan` around a path that takes none) to compare others.
+Pure data, no Triton import: explain() reads it anywhere.
 
 Adding a plan is one entry: a ``BodyPlan`` constant and its row bucket in :data:`TABLE`.
 """
@@ -30,7 +32,9 @@ import torch
 WGMMA_MAX_ROWS = 8  # the wgmma GEMM plans cover bodies of at most this many rows
 ANY_ROWS = 1 << 62  # the upper end of the last row bucket
 
-# The kernels each role can run on (the body driver implements exactly these)
+# The kernels each role can run on (the body driver implements exactly these). arena_qkv: the QKV GEMM
+# and q/k-cache work of attention "qk_cache+cfm_attention" on the arena; attention "attention_cache"
+# does that work in its own kernel (its APPEND mode), so its plans keep arena_qkv at "qk_cache".
 ROLE_KERNELS = {
     "qkv": ("cublas", "wgmma"),
     "attention": ("qk_cache+cfm_attention", "attention_cache"),  # attention_cache: q/k norm, cache, attention
@@ -91,6 +95,9 @@ class BodyPlan:
             if getattr(self, role) not in kernels:
                 raise ValueError(f"BodyPlan {self.name!r}: {role} must be one of {kernels}, "
                                  f"got {getattr(self, role)!r}")
+        if self.attention == "attention_cache" and self.arena_qkv != "qk_cache":
+            raise ValueError(f"BodyPlan {self.name!r}: attention 'attention_cache' appends to the arena itself, "
+                             f"so arena_qkv must be 'qk_cache', got {self.arena_qkv!r}")
         if not self.pdl <= PDL_CAPABLE_KERNELS:
             raise ValueError(f"BodyPlan {self.name!r}: pdl must be a subset of {sorted(PDL_CAPABLE_KERNELS)}, "
                              f"got {sorted(self.pdl)}")
@@ -145,6 +152,11 @@ FUSED_ATTENTION_16BIT = BodyPlan(
                "dit_step/sweep_v1_body_pdl_off/32x50x400/fp16/20261201T052125Z"),
               ("dit_step/sweep_v5_l2_off/32x50x400/fp16/20261202T134007Z",
                "dit_step/sweep_v1_l2_off/32x50x400/fp16/20261202T134007Z")))
+# fused_attention with cublas_warp_rownorm's row-norm launch and an arena form (the attention kernel's
+# APPEND mode: q/k norm, the arena append and attention in one launch per block), for A/B runs against
+# cublas_warp_rownorm on the arena: no bucket picks it (not measured yet)
+FUSED_ATTENTION_WARP_ROWNORM_16BIT = dataclasses.replace(
+    FUSED_ATTENTION_16BIT, name="fused_attention_warp_rownorm", rownorm_launch=(1, 1), arena_plan=None, evidence=())
 # fp32 form for A/B runs only: no bucket picks it (CUBLAS_FP32's evidence has it slower)
 FUSED_ATTENTION_FP32 = dataclasses.replace(FUSED_ATTENTION_16BIT, pdl=CUBLAS_FP32.pdl, arena_plan=CUBLAS_FP32,
                                            evidence=())
@@ -181,8 +193,10 @@ TABLE: dict[str, tuple[tuple[int, int, BodyPlan], ...]] = {
 UNKNOWN_ROWS = {"fp16": CUBLAS_16BIT, "bf16": CUBLAS_16BIT, "tf32": CUBLAS_FP32, "ieee": CUBLAS_FP32}
 # Plans by name per family, for benches and tests comparing plans the table does not pick there
 NAMED = {
-    "fp16": {"cublas": CUBLAS_16BIT, "fused_attention": FUSED_ATTENTION_16BIT, "wgmma": WGMMA_16BIT},
-    "bf16": {"cublas": CUBLAS_16BIT, "fused_attention": FUSED_ATTENTION_16BIT, "wgmma": WGMMA_16BIT},
+    "fp16": {"cublas": CUBLAS_16BIT, "fused_attention": FUSED_ATTENTION_16BIT, "wgmma": WGMMA_16BIT,
+             "fused_attention_warp_rownorm": FUSED_ATTENTION_WARP_ROWNORM_16BIT},
+    "bf16": {"cublas": CUBLAS_16BIT, "fused_attention": FUSED_ATTENTION_16BIT, "wgmma": WGMMA_16BIT,
+             "fused_attention_warp_rownorm": FUSED_ATTENTION_WARP_ROWNORM_16BIT},
     "tf32": {"cublas": CUBLAS_FP32, "fused_attention": FUSED_ATTENTION_FP32, "wgmma": WGMMA_TF32},
     "ieee": {"cublas": CUBLAS_FP32, "fused_attention": FUSED_ATTENTION_FP32},
 }

@@ -21,6 +21,14 @@ kernels (q and k rounded to the compute dtype before the dots, the cache stores 
 read), so it is checked against the same docs/design.md §6 oracle. The tuning table
 (:mod:`torch_cfm.kernels.body_plans`) picks it for 16-bit bodies of N >= 32 rows, where both forms
 are bound by the new cache's copy traffic.
+
+APPEND (the in-place arena, :func:`torch_cfm.kernels.dit_body.dit_body_triton` with ``arena=True``;
+the plan "fused_attention_warp_rownorm"): the cache is an arena block (N, H, P, 2D) already holding
+row n's L_n old frames at [0, L_n) in reversed key order. Attention programs only: query tile 0
+writes current frame f at L_n + T_n - 1 - f (as ``_dit_qk_cache_kernel``'s APPEND), every tile
+walks the current frames in registers and the old frames in place at [0, L_n), which no program
+writes in this launch (a tile never reads [L_n, L_n + T_n), which tile 0 is writing). Nothing else
+is written.
 """
 
 from __future__ import annotations
@@ -99,16 +107,17 @@ def _copy_old_frames(old_ptr, s_old_n, s_old_h, s_old_f, s_old_e, new_ptr, s_new
 def _dit_attention_cache_kernel(
     qkv_ptr, stride_qkv,        # (N*T, 3*H*D) packed q | k | v GEMM output (bias included)
     qn_w_ptr, qn_b_ptr, kn_w_ptr, kn_b_ptr,  # (D,) q/k LayerNorm affine
-    old_ptr, s_old_n, s_old_h, s_old_f, s_old_e,   # (N, H, L, 2D) old cache [HAS_OLD]
-    new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,   # (N, H, T+L, 2D) new cache (written)
+    old_ptr, s_old_n, s_old_h, s_old_f, s_old_e,   # (N, H, L, 2D) old cache [HAS_OLD]; APPEND: the arena
+    new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,   # (N, H, T+L, 2D) new cache (written); APPEND: (N, H, P, 2D) arena
     out_ptr,                    # (N, T, H, D) contiguous attention output (written)
-    valid_ptr, cached_ptr,      # (N,) int32 T_n, L_n, already clamped to [0, T] / [0, L]
+    valid_ptr, cached_ptr,      # (N,) int32 T_n, L_n, already clamped to [0, T] / [0, L] (APPEND: [0, P - T])
     T, L, H, q_tiles, n_attn, f_chunks, eps, qk_scale,
     HAS_OLD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_C: tl.constexpr, COPY_F: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    APPEND: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    if pid >= n_attn:
+    if not APPEND and pid >= n_attn:  # APPEND: attention programs only (the grid has no copy programs)
         _copy_old_frames(old_ptr, s_old_n, s_old_h, s_old_f, s_old_e, new_ptr, s_new_n, s_new_h, s_new_f, s_new_e,
                          valid_ptr, cached_ptr, pid - n_attn, f_chunks, H, T, L, HAS_OLD, HEAD_DIM, COPY_F, USE_PDL)
     else:
@@ -138,11 +147,15 @@ def _dit_attention_cache_kernel(
         write_cache = q_tile == 0  # current frames of the new cache: written by query tile 0 only
 
         # 1. the current frames f < T_n (k normalised in registers), BLOCK_C at a time: they are the
-        #    new cache's first T_n frames. Small tiles: the k LayerNorm keeps a (BLOCK_C, D) fp32 block live.
+        #    new cache's first T_n frames (APPEND: the arena's frames L_n + T_n - 1 - f, which no tile
+        #    reads back). Small tiles: the k LayerNorm keeps a (BLOCK_C, D) fp32 block live.
         new_base = new_ptr + n * s_new_n + h * s_new_h
         offs_c = tl.arange(0, BLOCK_C)
         for k0 in range(0, tn, BLOCK_C):
             f = k0 + offs_c
+            pos = f
+            if APPEND:
+                pos = ln + tn - 1 - f
             cur = f < tn
             krow = (n * T + f)[:, None] * stride_qkv
             kx = tl.load(qkv_ptr + krow + (inner + h * HEAD_DIM + offs_d)[None, :], mask=cur[:, None], other=0.0)
@@ -150,11 +163,12 @@ def _dit_attention_cache_kernel(
             v = tl.load(qkv_ptr + krow + (2 * inner + h * HEAD_DIM + offs_d)[None, :], mask=cur[:, None],
                         other=0.0).to(cdt)
             if write_cache:
-                _store_tile(new_base, f, k, v, cur, s_new_f, s_new_e, offs_d, HEAD_DIM)
+                _store_tile(new_base, pos, k, v, cur, s_new_f, s_new_e, offs_d, HEAD_DIM)
             m_i, l_i, acc = _attend_tile(q, k, v, f, tn, m_i, l_i, acc, qk_scale, DOT_PRECISION)
-        # 2. the old frames j < L_n, read where they are (the old cache; key order does not matter),
-        #    with cfm_attention's tile step: whole tiles unmasked, then at most one masked tail tile.
-        #    The copy into the new cache is the copy programs' work, in parallel with this walk.
+        # 2. the old frames j < L_n, read where they are (the old cache, APPEND: the arena's [0, L_n);
+        #    key order does not matter), with cfm_attention's tile step: whole tiles unmasked, then at
+        #    most one masked tail tile (its loads masked to j < L_n). The copy into the new cache is the
+        #    copy programs' work, in parallel with this walk; APPEND copies nothing.
         if HAS_OLD:
             offs_k = tl.arange(0, BLOCK_K)
             old_base = old_ptr + n * s_old_n + h * s_old_h
@@ -198,33 +212,41 @@ def attention_tiles(dtype: torch.dtype, head_dim: int, t_len: int, launch: Optio
 def attention_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], old: Optional[torch.Tensor],
                     new: torch.Tensor, out: torch.Tensor, valid: torch.Tensor, cached: torch.Tensor, *,
                     n_rows: int, t_len: int, heads: int, head_dim: int, dot_precision: str,
-                    pdl: bool = False, launch: Optional[dict] = None) -> None:
+                    append: bool = False, pdl: bool = False, launch: Optional[dict] = None) -> None:
     """Launch ``_dit_attention_cache_kernel`` for one block (sync-free, graph-capturable).
 
     Args:
         qkv: (N*T, 3*H*D) packed q | k | v (the QKV GEMM output, bias included), compute dtype.
         norms: (q_w, q_b, k_w, k_b), each (D,).
-        old: (N, H, L, 2D) old cache in the compute dtype, or None (L = 0).
-        new: (N, H, T+L, 2D) new cache, written whole (current frames, old frames, zeros).
+        old: (N, H, L, 2D) old cache in the compute dtype, or None (L = 0; with ``append``: None).
+        new: (N, H, T+L, 2D) new cache, written whole (current frames, old frames, zeros); with
+            ``append``: an arena block (N, H, P, 2D), P >= T, holding row n's L_n old frames at
+            [0, L_n) in reversed key order, read in place; the T_n current frames are written at
+            L_n + T_n - 1 - f and nothing else (the module docstring's APPEND).
         out: (N, T, H, D) contiguous attention output.
-        valid, cached: (N,) int32 T_n, L_n, already clamped.
+        valid, cached: (N,) int32 T_n, L_n, already clamped (with ``append``: L_n to [0, P - T]).
         dot_precision: Triton ``input_precision`` ("tf32" for 16-bit inputs, "tf32" | "tf32x3" |
             "ieee" for float32).
+        append: the in-place arena form (attention programs only, no copy programs).
         pdl: launch with programmatic dependent launch (the caller's rule; the lengths are read
             before the wait, so the kernel in front must not write ``valid``/``cached``).
         launch: launch parameters in place of :func:`attention_tiles`' (block_q, block_k, block_c,
-            copy_f, num_warps, num_stages).
+            copy_f, num_warps, num_stages; copy_f unused with ``append``).
     """
-    l_len = 0 if old is None else old.shape[2]
-    if n_rows == 0 or t_len + l_len == 0:
+    if append and old is not None:
+        raise ValueError("attention_cache: append takes old=None (the old frames are read in the arena)")
+    l_len = (new.shape[2] - t_len) if append else (0 if old is None else old.shape[2])
+    if n_rows == 0 or t_len + l_len == 0 or (append and t_len == 0):  # append: no current frame, nothing to do
         return
     if not out.is_contiguous():
         raise ValueError("attention_cache: out must be a contiguous (N, T, H, D) buffer")
     cfg = attention_tiles(new.dtype, head_dim, t_len, launch)
     q_tiles = triton.cdiv(t_len, cfg["block_q"])
     n_attn = n_rows * heads * q_tiles
-    f_chunks = triton.cdiv(t_len + l_len, cfg["copy_f"])
-    o = old if old is not None and l_len > 0 else new
+    f_chunks = 0 if append else triton.cdiv(t_len + l_len, cfg["copy_f"])
+    # the old frames: the old cache, or in place in the arena (none where it has no room for any)
+    o = new if append else (old if old is not None and l_len > 0 else new)
+    has_old = l_len > 0 if append else o is not new
     with on_device(qkv.device):
         _dit_attention_cache_kernel[(n_attn + n_rows * heads * f_chunks,)](
             qkv, qkv.stride(0), *norms,
@@ -232,7 +254,7 @@ def attention_cache(qkv: torch.Tensor, norms: tuple[torch.Tensor, ...], old: Opt
             new, new.stride(0), new.stride(1), new.stride(2), new.stride(3),
             out, valid, cached, t_len, l_len, heads, q_tiles, n_attn, f_chunks, QK_NORM_EPS,
             LOG2E / math.sqrt(head_dim),
-            HAS_OLD=o is not new, HEAD_DIM=head_dim, BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"],
+            HAS_OLD=has_old, HEAD_DIM=head_dim, BLOCK_Q=cfg["block_q"], BLOCK_K=cfg["block_k"],
             BLOCK_C=cfg["block_c"], COPY_F=cfg["copy_f"], DOT_PRECISION=dot_precision, USE_PDL=pdl,
-            num_warps=cfg["num_warps"],
+            APPEND=append, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"], **launch_kwargs(pdl))

@@ -137,11 +137,14 @@ def dit_body_triton(
     take stays on cuBLAS); attention through ``torch_cfm::cfm_attention``.
 
     ``plan``: a :class:`~torch_cfm.kernels.body_plans.BodyPlan`, or the name of one in the call's
-    dtype family ("cublas", "fused_attention", "wgmma"); None: the tuning table's (:func:`plan_for`).
+    dtype family ("cublas", "fused_attention", "wgmma", 16-bit: "fused_attention_warp_rownorm"); None:
+    the tuning table's (:func:`plan_for`).
     Per block, "cublas" runs 3 row-norms + q/k cache + attention + 6 GEMMs + GELU = 12 kernels;
-    "fused_attention" fuses the q/k cache into the attention (11); "wgmma" runs qkv, proj, the conv
-    GEMMs and the MLP on the wgmma kernel, fc2 as split-K partials summed by the row-norm behind it,
-    and on the arena (16-bit) the QKV GEMM with the q/k-cache work in its epilogue (11).
+    "fused_attention" fuses the q/k cache into the attention (11; on the arena only in its
+    "fused_attention_warp_rownorm" form, whose attention kernel appends to the arena); "wgmma" runs
+    qkv, proj, the conv GEMMs and the MLP on the wgmma kernel, fc2 as split-K partials summed by the
+    row-norm behind it, and on the arena (16-bit) the QKV GEMM with the q/k-cache work in its
+    epilogue (11).
     """
     p = plan_for(x_in, precision, plan, arena)
     if arena and att_cache is not None:
@@ -216,15 +219,17 @@ class _BodyCall:
                 shift=_mod_off(0, SHIFT_A, c), scale=_mod_off(0, SCALE_A, c), **self.rn, **self.common)
 
     def attention(self, blk: _Block, old: Optional[torch.Tensor], new_att: torch.Tensor) -> None:
-        """Packed QKV GEMM, q/k norm + cache write, attention over the new cache, proj GEMM into ``y``."""
+        """Packed QKV GEMM, q/k norm + cache write, attention over the new cache, proj GEMM into ``y``.
+        On the arena the cache write is the append (qk_cache's, the QKV GEMM's epilogue's or, for
+        attention_cache, the attention kernel's own) and the attention reads the arena in place."""
         p, m, inner, heads, head_dim = self.p, self.m, self.inner, self.heads, self.head_dim
         norms = (blk.qn_w, blk.qn_b, blk.kn_w, blk.kn_b)
         if p.attention == "attention_cache":
             self.gemm(p.qkv, self.a, blk.qkv_w, blk.qkv_b, self.qkv)
             attention_cache(self.qkv, norms, old, new_att, self.qbuf, self.valid, self.cached, heads=heads,
                             head_dim=head_dim, dot_precision=_fused_attention_dot_precision(self.cd, self.precision),
-                            pdl=plan_pdl(p, "attention_cache", self.dev), launch=dict(p.attention_launch),
-                            **self.common)
+                            append=self.arena, pdl=plan_pdl(p, "attention_cache", self.dev),
+                            launch=dict(p.attention_launch), **self.common)
             self.gemm(p.proj, self.qbuf.view(m, inner), blk.proj_w, blk.proj_b, self.y)
             return
         if not (self.arena and p.arena_qkv == "wgmma_qk_cache" and qkv_cache_into(
