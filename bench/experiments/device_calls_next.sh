@@ -10,6 +10,8 @@
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
 #   bash bench/experiments/device_calls_next.sh stream    # issue 40's one minicpmo-utils stream alone
 #   bash bench/experiments/device_calls_next.sh voices    # issue 40's voice-cache bars (4 voices, arrivals)
+#   bash bench/experiments/device_calls_next.sh v5a       # issue 41: the fused attention kernel's arena form
+#                        (GPU tests, then the arena step against the table's arena plan at 32-128 rows)
 #   bash bench/experiments/device_calls_next.sh cutlass   # issue 41: the GEMM library's GPU tests, fc1's
 #                        GELU epilogue against the previous library (carry build_cutlass, build_cutlass_prev)
 # Modes run in the order given: `... tests stream` in one call.
@@ -24,7 +26,7 @@ if ! ls torch_cfm/_C*.so > /dev/null 2>&1; then
   echo "build rc=$?"
 fi
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, vocoder, causal, encoder, voices, tests, stream, cutlass)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, vocoder, causal, encoder, voices, tests, stream, cutlass, v5a)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode"
 case $mode in
@@ -57,6 +59,13 @@ case $mode in
     timeout 560 python3 bench/serving.py --stages cfm,wav --concurrency 16,64 --quick --warmup --dtype fp16 \
       --voices 4 --providers torch_cfm,torch_cfm/voices --out "$OUT" > "$OUT/voices.log" 2>&1
     grep -v "warmup \[" "$OUT/voices.log" | tail -14 ;;
+  v5a)  # fused_attention_warp_rownorm on the arena: its GPU tests, then the A/B in one run
+    timeout -s INT 150 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_dit_attention_arena.py \
+      tests/test_dit_body.py -k "arena" > "$OUT/test_v5a.log" 2>&1
+    echo "v5a tests: $(grep -E 'passed|failed|error' "$OUT/test_v5a.log" | tail -1)"
+    timeout 300 python3 bench/dit_step.py --no-solve --no-steps --sweep --sweep-variants arena_attention \
+      --sweep-rounds 3 --shapes "32,50,400;64,50,400;128,50,400" --dtypes fp16,bf16 --out "$OUT/v5a" \
+      > "$OUT/v5a.log" 2>&1; grep -E "arena_attention" "$OUT/v5a.log" | tail -12 ;;
   cutlass)  # the library's GPU tests, then qkv / fc1 / fc1_bias on it and on the previous build, one call
     TORCH_CFM_CUTLASS_SO=$PWD/build_cutlass/libtcfm_cutlass.so timeout -s INT 120 python3 -m pytest -q \
       -p no:cacheprovider -rfE -m gpu tests/test_cutlass_gemm.py > "$OUT/test_cutlass_gemm.log" 2>&1
