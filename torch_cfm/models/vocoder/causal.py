@@ -235,6 +235,10 @@ def _snakes(model: nn.Module) -> list[nn.Module]:
             and isinstance(getattr(m, "no_div_by_zero", None), float)]
 
 
+def _parametrized(conv: nn.Module) -> bool:
+    return "weight" in getattr(getattr(conv, "parametrizations", None), "keys", lambda: ())()
+
+
 @dataclass(frozen=True)
 class CausalModelParts:
     """What :func:`capturable_causal` substitutes, computed once from the model's parameters.
@@ -253,7 +257,9 @@ class CausalModelParts:
     @classmethod
     def of(cls, model: nn.Module) -> "CausalModelParts":
         with torch.no_grad():
-            convs = tuple((conv, conv.weight.detach()) for conv in _causal_convs(model))
+            # a parametrized weight is computed here, once; a plain one is the parameter itself
+            convs = tuple((conv, conv.weight.detach() if _parametrized(conv) else conv.weight)
+                          for conv in _causal_convs(model))
             snakes = []
             for snake in _snakes(model):
                 alpha = snake.alpha.detach().unsqueeze(0).unsqueeze(-1)
@@ -264,7 +270,7 @@ class CausalModelParts:
 
     def extra_bytes(self) -> int:
         """Device bytes these parts add to the model's own (the folded weights, Snake parameters)."""
-        convs = sum(w.numel() * w.element_size() for conv, w in self.convs if w is not conv.weight)
+        convs = sum(w.numel() * w.element_size() for conv, w in self.convs if _parametrized(conv))
         return convs + sum(2 * a.numel() * a.element_size() for _, a, _ in self.snakes)
 
 
