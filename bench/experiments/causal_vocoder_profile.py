@@ -6,6 +6,7 @@ under the profiler (kernel count, CUDA ms, top kernels). Writes ``causal_vocoder
 
     STEPAUDIO2_PATH=.upstream/minicpmo-utils python3 bench/experiments/causal_vocoder_profile.py --out "$OUT"
     ... --repo .old --out "$OUT/old"     # the same on another (built) tree
+    ... --count-ops --out /tmp/ops          # no GPU: top-level aten ops of one steady chunk (CPU)
 """
 
 from __future__ import annotations
@@ -24,20 +25,35 @@ import torch  # noqa: E402
 import _harness as H  # noqa: E402
 
 
+def count_ops(fn) -> dict:
+    """Top-level aten ops of one ``fn()`` (those not called from another aten op), by name."""
+    from collections import Counter
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as p:
+        fn()
+    top = Counter(e.name for e in p.events() if e.name.startswith("aten::")
+                  and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+    return dict(batch=1, device="cpu", aten_ops=sum(top.values()), by_op=dict(top.most_common()))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--out", required=True)
     ap.add_argument("--repo", default=None, help="the torch_cfm tree to time (default: this one), e.g. .old")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="on the CPU: count the top-level aten ops of one steady batch-1 chunk, nothing timed")
     args = ap.parse_args()
     if args.repo:
         sys.path.insert(0, os.path.abspath(args.repo))
+    import torch_cfm  # noqa: F401  from --repo, before vocoder_profile puts this checkout first on sys.path
     import upstream_packages as P
     import vocoder_profile as VP  # its profiler summary (imports torch_cfm: after --repo)
     from torch_cfm.models.vocoder.causal import CausalVocoderCore, plan_chunk, COUNTERS
 
     print("torch_cfm from", os.path.dirname(sys.modules["torch_cfm"].__file__), flush=True)
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if args.count_ops else "cuda")
     mods = P.load_minicpmo_token2wav()
     model = P.build_causal_hift(mods, seed=0, table_samples=60 * 24000, **P.SHIPPED_CAUSAL).to(dev)
     core = CausalVocoderCore(mods.BoundedVocoder(model))
@@ -52,7 +68,12 @@ def main() -> int:
         counters = {k: int(state[k].item()) for k in COUNTERS}
         plan, _, _ = plan_chunk(core.sizes, counters, state["mel"].shape[2],
                                 state["source"].shape[2] // core.sizes.hop, 50, False)
-        for b in [int(x) for x in args.batches.split(",")]:
+        if args.count_ops:
+            result["rows"].append(count_ops(lambda: core.run(plan, state["mel"], state["source"], state["phase"],
+                                                             torch.randn(1, 80, 50, generator=gen),
+                                                             torch.zeros(1, dtype=torch.int64))))
+            print(result["rows"][-1], flush=True)
+        for b in [] if args.count_ops else [int(x) for x in args.batches.split(",")]:
             mel, source, phase = (state[k].expand(b, *state[k].shape[1:]).contiguous()
                                   for k in ("mel", "source", "phase"))
             chunk = torch.randn(b, 80, 50, device=dev, generator=gen)

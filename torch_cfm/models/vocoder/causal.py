@@ -61,6 +61,7 @@ from torch import nn
 from ...errors import fail, shape_str
 from ..hift_capturable import istft
 from ..upstream import type_name
+from .elementwise import snake_channels
 
 __all__ = ["CausalVocoderSizes", "ChunkPlan", "PlanStep", "CausalVocoderCore", "CausalModelParts",
            "bounded_vocoder_gaps", "causal_hift_gaps", "capturable_causal", "istft", "plan_chunk", "stream_batch",
@@ -289,8 +290,6 @@ def capturable_causal(model: nn.Module, window: torch.Tensor, parts: Optional[Ca
       STFT is :func:`istft`.
 
     Instance attributes set here are removed on exit."""
-    from .elementwise import snake_channels
-
     params = model.istft_params
     saved = model.stft_window
     parts = CausalModelParts.of(model) if parts is None else parts
