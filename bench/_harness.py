@@ -404,6 +404,7 @@ COMMANDS = {
     "attention": "python3 bench/attention.py --out bench/results   # run_device.sh stage: attention",
     "attention_sweep": "python3 bench/attention.py --sweep --out bench/results   # stage: sweep",
     "attention_accuracy": "python3 bench/attention_accuracy.py --out bench/results",
+    "vocoder_tiles": "python3 bench/vocoder_tiles.py --out bench/results   # then the TABLE entries it prints",
     "cuda_attention_ablation": "python3 bench/cuda_attention_ablation.py --out bench/results   # stage: cuda-ablation",
     "dit_step": "python3 bench/dit_step.py --out bench/results   # stages: dit, dit-full, dit-compile",
     "wgmma_gemm": "python3 bench/wgmma_gemm.py --out bench/results [--parts rownorm]   # stage: wgmma-gemm",

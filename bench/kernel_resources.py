@@ -192,7 +192,7 @@ def cuda_attention_rows(arch: int) -> list[str]:
 
 def vocoder_conv_rows(arch: int, streams: int = 64, stages: int = 0) -> list[str]:
     """The HiFT's fused convolutions (kernels/vocoder_conv.py) at the shipped sizes, 58 frames per
-    stream, with the tiles ``_tiles`` picks: a ResBlock convolution per stage (with its Snake
+    stream, with the tiles the tuning table picks (``kernels/vocoder_tiles.py``): a ResBlock convolution per stage (with its Snake
     epilogue), the stage merge (3 Snakes), the upsamplings, TF32 and fp16."""
     import torch_cfm.kernels.vocoder_conv as vc
 
@@ -208,7 +208,8 @@ def vocoder_conv_rows(arch: int, streams: int = 64, stages: int = 0) -> list[str
             weight = torch.empty(phases, taps, c_out, c_in, dtype=dtype)
             conv = vc.PackedConv(weight, None, c_in, c_out, taps * phases, phases, 0, 1, 0, transposed)
             q = -(-l_out // phases)
-            block_m, block_n, block_k, warps = vc._tiles(conv, q)
+            tiles = vc.conv_tiles(vc.launch_key(conv, q, dot or "tf32"))
+            block_m, block_n, block_k, warps = tiles.block_m, tiles.block_n, tiles.block_k, tiles.warps
             args = dict(x_ptr=ty, w_ptr=ty, bias_ptr="*fp32", r_ptr="*fp32", acc_ptr="*fp32", a_ptr="*fp32",
                         s_ptr="*fp32", y_ptr=ty, y_stride=streams * l_out * c_out, alpha_ptr="*fp32", inv_ptr="*fp32",
                         L_in=l_out, L_out=l_out, L_a=l_out, C_in=c_in, C_out=c_out, Q=q, STRIDE=phases, PAD=1, DIL=3,
@@ -217,7 +218,7 @@ def vocoder_conv_rows(arch: int, streams: int = 64, stages: int = 0) -> list[str
                           ROUND_OUT=dot == "tf32", HAS_BIAS=True, ADD_R=add_r, ADD_ACC=False, ADD_A=False,
                           REFLECT=False, ACT=0, DIVIDE=False, STORE_S=add_r or not snakes, K=snakes,
                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-            compiled = compile_like_launch(vc._vocoder_conv_kernel, args, consts, warps, stages or vc.NUM_STAGES, arch)
+            compiled = compile_like_launch(vc._vocoder_conv_kernel, args, consts, warps, stages or tiles.stages, arch)
             rows.append(f"vocoder_conv {_TRITON_TYPES[dtype]} {name:16s} tiles {block_m}x{block_n}x{block_k} "
                         f"w{warps}: {describe(compiled)}")
     return rows

@@ -14,7 +14,8 @@ FIELDS = {"op", "provider", "variant", "shape", "dtype", "precision", "timing", 
 
 
 @pytest.mark.parametrize("script,result,op", [("attention.py", "attention.json", "cfm_attention"),
-                                             ("dit_step.py", "dit_step.json", "dit_step")])
+                                             ("dit_step.py", "dit_step.json", "dit_step"),
+                                             ("vocoder_tiles.py", "vocoder_tiles.json", "vocoder_tiles")])
 def test_bench_script_dry_run_writes_complete_rows(tmp_path, script, result, op):
     res = subprocess.run([sys.executable, os.path.join(BENCH, script), "--dry-run", "--quick", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600, env=dict(os.environ, BENCH_COMMIT="test"))

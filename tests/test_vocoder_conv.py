@@ -22,6 +22,7 @@ from oracle import err_rel_fro
 
 from torch_cfm.kernels.vocoder_conv import (ACT_ELU, ACT_LEAKY, conv_fused_triton, pack_conv_weight,  # noqa: E402
                                             round_tf32)
+from torch_cfm.kernels.vocoder_tiles import ConvTiles
 
 # (transposed, C_in, C_out, k, stride, padding, dilation, output_padding, L_in)
 GEOMETRIES = [
@@ -37,6 +38,8 @@ GEOMETRIES = [
 
 
 WIDE = (False, 20, 130, 3, 1, 1, 1, 0, 520)  # 2 N tiles of 128 channels, 5 M tiles of 128 frames
+# launch tiles passed explicitly (a bench's candidates): many small tiles with a K tail; one 256-frame tile
+TILES = (ConvTiles(32, 32, 16, 2, 2), ConvTiles(256, 64, 32, 8, 4))
 
 
 def _random_geometries(count: int = 14, seed: int = 7) -> list[tuple]:
@@ -118,6 +121,11 @@ def _run_all(device: str) -> dict:
         s, ys = conv_fused_triton(p32, x.to(device), dot="tf32", r=r, store_s=True, alpha=alpha[:2], inv=inv[:2],
                                    round_out=True)
         out[f"epi_{name}"] = [s.cpu()] + [y.cpu() for y in ys]
+    for name, g in (("up", GEOMETRIES[5]), ("wide", WIDE)):  # tiles no rule picks: small, a K tail, 2 stages
+        w, bias, x = _case(g, 13)
+        for tiles in TILES:
+            out[f"tiles_{name}_{tiles.name}"] = conv_fused_triton(_pack(g, w.to(device), bias.to(device)), x.to(device),
+                                                                  dot="ieee", store_s=True, tiles=tiles)[0].cpu()
     g = GEOMETRIES[1]
     w, bias, x = _case(g, 1)
     p = _pack(g, w.to(device), bias.to(device))
@@ -168,6 +176,10 @@ def _check_all(results: dict) -> None:
             y = results[f"epi_{name}"][k + 1]
             assert torch.equal(y, round_tf32(y)), name
             assert err_rel_fro(y, s + inv[k] * torch.sin(alpha[k] * s) ** 2) <= 1e-3, name
+    for name, g in (("up", GEOMETRIES[5]), ("wide", WIDE)):
+        w, bias, x = _case(g, 13)
+        for tiles in TILES:
+            assert err_rel_fro(results[f"tiles_{name}_{tiles.name}"], _ref(g, w, bias, x)) <= 1e-6, (name, tiles)
     g = GEOMETRIES[1]
     w, bias, x = _case(g, 1)
     conv = _ref(g, w, bias, x)

@@ -4,7 +4,7 @@
 # stepaudio2-minicpmo==0.1.1 -d .whl`) and .upstream (`pip install --no-deps --target
 # .upstream/minicpmo-utils minicpmo-utils==1.0.7`), and .old for `causal`. Results land under $OUT.
 #   bash bench/experiments/device_calls_next.sh peers     # issue 42's bars
-#   bash bench/experiments/device_calls_next.sh vocoder   # issue 43: per-layer times, tile sweep
+#   bash bench/experiments/device_calls_next.sh vocoder   # issue 43: per-layer times, bench/vocoder_tiles.py
 #   bash bench/experiments/device_calls_next.sh causal    # issue 40's causal vocoder, new and previous tree
 #   bash bench/experiments/device_calls_next.sh encoder   # issue 43's encoder A/B
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
@@ -43,11 +43,11 @@ case $mode in
   peers)  # issue 42: BatchedToken2Wav vs the plugin vs the front (one voice, then four)
     timeout 290 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --out "$OUT" > "$OUT/vllm_omni.log" 2>&1
     grep -v "warmup \[" "$OUT/vllm_omni.log" | tail -16 ;;
-  vocoder)  # where the 64-stream decode goes per layer, then the K-major tile sweep (parallel compiles)
-    timeout 200 python3 bench/experiments/vocoder_profile.py --streams 64 --layers --out "$OUT" > "$OUT/layers.log" 2>&1
-    grep -E "ms|layer" "$OUT/layers.log" | head -60
-    timeout 330 python3 bench/experiments/vocoder_profile.py --sweep tf32,fp16 > "$OUT/sweep.log" 2>&1
-    grep sweep "$OUT/sweep.log" ;;
+  vocoder)  # where the 64-stream decode goes per layer, then the tile sweep per table key (parallel compiles)
+    timeout 150 python3 bench/experiments/vocoder_profile.py --streams 64 --layers --out "$OUT" > "$OUT/layers.log" 2>&1
+    grep -E "ms|layer" "$OUT/layers.log" | head -40
+    timeout 380 python3 bench/vocoder_tiles.py --quick --families tf32,fp16 --out "$OUT/vocoder_tiles" \
+      > "$OUT/vocoder_tiles.log" 2>&1; grep -vE "^compile " "$OUT/vocoder_tiles.log" | tail -45 ;;
   causal)  # issue 40: the causal vocoder's steady chunk (batch 1 / 16 / 64, kernels), on the previous
     # landing's tree too when .old holds it (`git archive 6212185 | tar -x -C .old`: one decoder pass per block)
     if [ -d .old/torch_cfm ]; then

@@ -37,11 +37,11 @@ import triton.language as tl
 
 from ._launch import on_device
 from .vocoder_elementwise import MAX_SNAKES, store_snakes, tf32_rne
+from .vocoder_tiles import ConvTiles, conv_tiles, family, layer_key
 
-__all__ = ["pack_conv_weight", "PackedConv", "conv_fused_triton", "round_tf32"]
+__all__ = ["pack_conv_weight", "PackedConv", "conv_fused_triton", "launch_key", "round_tf32"]
 
 ACT_NONE, ACT_LEAKY, ACT_ELU = 0, 1, 2
-NUM_STAGES = 3  # software-pipelining depth of the K loop
 
 
 @triton.jit
@@ -188,27 +188,26 @@ def pack_conv_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], *, tran
     return PackedConv(packed, b, c_in, c_out, k, stride, padding, dilation, output_padding, transposed)
 
 
-def _tiles(conv: PackedConv, q: int) -> tuple[int, int, int, int]:
-    block_n = min(128, max(16, triton.next_power_of_2(conv.c_out)))
-    block_k = 32 if conv.weight.dtype == torch.float32 else 64
-    block_k = min(block_k, max(16, triton.next_power_of_2(conv.c_in)))
-    block_m = 128 if q >= 256 else 64
-    warps = 8 if block_m * block_n >= 128 * 128 else 4
-    return block_m, block_n, block_k, warps
+def launch_key(conv: PackedConv, q: int, dot: str) -> tuple:
+    """The :mod:`.vocoder_tiles` key of a launch of ``conv`` with ``q`` output frames per phase."""
+    return layer_key(family(conv.weight.dtype, dot), conv.c_in, conv.c_out, conv.weight.shape[1],
+                     conv.weight.shape[0], q)
 
 
 def conv_fused_triton(conv: PackedConv, x: torch.Tensor, *, dot: str, r=None, acc=None, a=None, reflect=False,
                       divisor=None, act: int = ACT_NONE, slope: float = 0.0, store_s: bool = False,
                       s_dtype: torch.dtype = torch.float32, alpha=None, inv=None,
                       y_dtype: torch.dtype = torch.float32, round_input: bool = True,
-                      round_out: bool = False) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
+                      round_out: bool = False, tiles: Optional[ConvTiles] = None,
+                      ) -> tuple[Optional[torch.Tensor], list[torch.Tensor]]:
     """The fused convolution (module docstring) on x (B, L_in, C_in).
 
     Returns (s (B, L_out, C_out) in ``s_dtype`` or None, [K Snake outputs (B, L_out, C_out) in
     ``y_dtype``]). ``dot``: "ieee" or "tf32" (float32 weights), ignored for 16-bit weights. With
     "tf32", ``round_input`` rounds x to TF32 as it is loaded (not needed where x's producer
     rounded it) and ``round_out`` rounds the outputs meant for the next convolution (the Snake
-    outputs and an activated ``s``) when they are float32.
+    outputs and an activated ``s``) when they are float32. ``tiles``: launch parameters in place of
+    the tuning table's (:func:`~torch_cfm.kernels.vocoder_tiles.conv_tiles`; benches and tests).
     """
     x = x.contiguous()
     batch, frames, c_in = x.shape
@@ -233,8 +232,8 @@ def conv_fused_triton(conv: PackedConv, x: torch.Tensor, *, dot: str, r=None, ac
         if tuple(a.shape) != want or (reflect and l_out < 3):
             raise ValueError(f"conv_fused_triton: a must be {want} (reflect: at least 2 frames), got {tuple(a.shape)}")
     r, acc, a = [None if t is None else t.contiguous() for t in (r, acc, a)]
-    block_m, block_n, block_k, warps = _tiles(conv, q)
-    grid = (batch * phases * triton.cdiv(q, block_m), triton.cdiv(conv.c_out, block_n))
+    tiles = tiles if tiles is not None else conv_tiles(launch_key(conv, q, dot))
+    grid = (batch * phases * triton.cdiv(q, tiles.block_m), triton.cdiv(conv.c_out, tiles.block_n))
     is32 = conv.weight.dtype == torch.float32
     dummy = x
     with on_device(dev):
@@ -250,5 +249,6 @@ def conv_fused_triton(conv: PackedConv, x: torch.Tensor, *, dot: str, r=None, ac
             ROUND_OUT=is32 and dot == "tf32" and round_out, HAS_BIAS=conv.bias is not None,
             ADD_R=r is not None, ADD_ACC=acc is not None, ADD_A=a is not None, REFLECT=bool(reflect),
             ACT=int(act), DIVIDE=divisor is not None, STORE_S=store_s, K=count,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=NUM_STAGES)
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.warps,
+            num_stages=tiles.stages)
     return s, ([] if y is None else [y[k] for k in range(count)])

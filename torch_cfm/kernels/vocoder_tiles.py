@@ -1,0 +1,152 @@
+"""The vocoder convolution's tuning table: the launch tiles of each layer shape, measured, with a rule
+for the shapes no measurement covers.
+
+:func:`conv_tiles` is what :func:`torch_cfm.kernels.vocoder_conv.conv_fused_triton` launches with. A
+layer's key (:func:`layer_key`) holds only what is fixed by the layer and the chunk length (operand
+family, C_in, C_out, taps, phases, and whether a phase has at least 256 output frames), never the batch:
+a stream's waveform must not depend on how many streams share its tick (the kernel's bitwise batch
+invariance, ``vocoder_conv``'s docstring). :data:`TABLE` maps keys to the tiles measured fastest by
+``bench/vocoder_tiles.py``; each entry cites its rows (``evidence``: (chosen, the rule's) pairs of row
+ids, :func:`row_id`, both of one run). A key not in the table gets :func:`rule_tiles`.
+
+Pure data, no Triton import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Optional
+
+import torch
+
+FAMILIES = ("ieee", "tf32", "fp16", "bf16")
+LONG_PHASE = 256  # output frames per phase from which the rule takes 128-frame tiles
+
+EVIDENCE_DATA = os.path.join("bench", "results", "vocoder_tiles.json")
+ROW_ID_FORM = "vocoder_tiles/<variant>/<C_in>x<C_out>x<taps>x<phases>x<short|long>/<ieee|tf32|fp16|bf16>/<run id>"
+_ROW_ID = re.compile(r"vocoder_tiles/(?P<variant>m\d+n\d+k\d+w\d+s\d+)/(?P<layer>\d+x\d+x\d+x\d+x(?:short|long))/"
+                     r"(?P<dtype>ieee|tf32|fp16|bf16)/(?P<run>\d{8}T\d{6}Z(?:-[0-9a-f]+)?)$")
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvTiles:
+    """Launch parameters of one fused convolution: BLOCK_M output frames of one phase of one batch row
+    x BLOCK_N output channels per program, BLOCK_K input channels per reduction step, ``warps`` warps,
+    ``stages`` software-pipelining stages of the reduction loop. ``evidence``: (row id of these tiles,
+    row id of the rule's) pairs, each pair from one run of ``bench/vocoder_tiles.py``."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int = 3
+    evidence: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, lo, hi in (("block_m", 16, 256), ("block_n", 16, 256), ("block_k", 16, 128), ("warps", 1, 16)):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and _pow2(v) and lo <= v <= hi):
+                raise ValueError(f"ConvTiles: {name} must be a power of 2 in [{lo}, {hi}], got {v!r}")
+        if not (isinstance(self.stages, int) and 1 <= self.stages <= 6):
+            raise ValueError(f"ConvTiles: stages must be an int in [1, 6], got {self.stages!r}")
+        for pair in self.evidence:
+            if len(pair) != 2 or not all(isinstance(i, str) and _ROW_ID.match(i) for i in pair):
+                raise ValueError(f"ConvTiles: evidence must be (row id, row id) pairs of the form {ROW_ID_FORM}, "
+                                 f"got {pair!r}")
+
+    @property
+    def name(self) -> str:
+        """The bench variant of these tiles, e.g. ``m128n64k32w4s3``."""
+        return f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.warps}s{self.stages}"
+
+    @classmethod
+    def parse(cls, name: str) -> "ConvTiles":
+        """The tiles a :attr:`name` spells (ValueError for anything else)."""
+        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)w(\d+)s(\d+)", name)
+        if m is None:
+            raise ValueError(f"ConvTiles.parse: name must look like m128n64k32w4s3, got {name!r}")
+        return cls(*(int(v) for v in m.groups()))
+
+
+def family(weight_dtype: torch.dtype, dot: str) -> str:
+    """The operand family of a launch: "fp16" / "bf16" for 16-bit weights, else the float32 ``dot``."""
+    if weight_dtype == torch.float16:
+        return "fp16"
+    if weight_dtype == torch.bfloat16:
+        return "bf16"
+    if dot not in ("ieee", "tf32"):
+        raise ValueError(f"vocoder_tiles.family: dot must be 'ieee' or 'tf32' for float32 weights, got {dot!r}")
+    return dot
+
+
+def layer_key(fam: str, c_in: int, c_out: int, taps: int, phases: int, q: int) -> tuple:
+    """(family, C_in, C_out, taps, phases, "long" | "short"): a phase is long from LONG_PHASE output
+    frames (``q``). Nothing here depends on the batch."""
+    return (fam, c_in, c_out, taps, phases, "long" if q >= LONG_PHASE else "short")
+
+
+def layer_text(key: tuple) -> str:
+    """The row-id spelling of a key's layer part: ``<C_in>x<C_out>x<taps>x<phases>x<short|long>``."""
+    return "x".join(str(v) for v in key[1:])
+
+
+def rule_tiles(key: tuple) -> ConvTiles:
+    """The tiles of a key no measurement covers: BLOCK_N the channel count up to 128, BLOCK_K 32 for
+    float32 operands and 64 for 16-bit ones (at most C_in rounded up to a power of 2), 128-frame tiles
+    on long phases, 8 warps for 128 x 128 tiles."""
+    fam, c_in, c_out, _, _, length = key
+    block_n = min(128, max(16, 1 << max(0, (c_out - 1).bit_length())))
+    block_k = min(32 if fam in ("ieee", "tf32") else 64, max(16, 1 << max(0, (c_in - 1).bit_length())))
+    block_m = 128 if length == "long" else 64
+    return ConvTiles(block_m, block_n, block_k, 8 if block_m * block_n >= 128 * 128 else 4)
+
+
+# Keys measured by bench/vocoder_tiles.py, with their rows in EVIDENCE_DATA. Empty until a run on the
+# target GPU says a tile beats the rule there.
+TABLE: dict[tuple, ConvTiles] = {}
+
+
+def conv_tiles(key: tuple, table: Optional[dict] = None) -> ConvTiles:
+    """The tiles ``key`` launches with: its :data:`TABLE` entry, else :func:`rule_tiles`."""
+    found = (TABLE if table is None else table).get(key)
+    return found if found is not None else rule_tiles(key)
+
+
+def row_id(row: dict) -> str:
+    """The id of a ``bench/vocoder_tiles.py`` data row (:data:`ROW_ID_FORM`)."""
+    s = row["shape"]
+    layer = f"{s['c_in']}x{s['c_out']}x{s['taps']}x{s['phases']}x{s['length']}"
+    return f"vocoder_tiles/{row['variant']}/{layer}/{row['dtype']}/{row['run_id']}"
+
+
+def find_row(rows: list[dict], rid: str) -> dict:
+    """The one ``vocoder_tiles`` row of ``rows`` that ``rid`` names; ValueError when none or several."""
+    if _ROW_ID.match(rid) is None:
+        raise ValueError(f"find_row: rid must have the form {ROW_ID_FORM}, got {rid!r}")
+    found = [r for r in rows if r.get("op") == "vocoder_tiles" and r.get("run_id") and r.get("variant")
+             and isinstance(r.get("shape"), dict) and row_id(r) == rid]
+    if len(found) != 1:
+        raise ValueError(f"find_row: {rid!r} names {len(found)} rows of the data, not one")
+    return found[0]
+
+
+def evidence_rows(tiles: ConvTiles, path: Optional[str] = None) -> list[dict]:
+    """The rows ``tiles.evidence`` names, two per pair (these tiles', then the rule's). ``path``: the
+    data file; default :data:`EVIDENCE_DATA` of the source tree (FileNotFoundError without one)."""
+    if path is None:
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                            EVIDENCE_DATA)
+    with open(path, encoding="utf-8") as f:
+        rows = json.load(f)
+    return [find_row(rows, rid) for pair in tiles.evidence for rid in pair]
+
+
+__all__ = ["ConvTiles", "TABLE", "conv_tiles", "evidence_rows", "family", "find_row", "layer_key", "layer_text",
+           "row_id", "rule_tiles"]
