@@ -5,13 +5,15 @@
 # .upstream/minicpmo-utils minicpmo-utils==1.0.7`), and .old for `causal`. Results land under $OUT.
 #   bash bench/experiments/device_calls_next.sh peers     # issue 42's bars
 #   bash bench/experiments/device_calls_next.sh vocoder   # issue 43: per-layer times, bench/vocoder_tiles.py
+#                        (tiles: the tile sweep alone)
 #   bash bench/experiments/device_calls_next.sh causal    # issue 40's causal vocoder, new and previous tree
 #   bash bench/experiments/device_calls_next.sh encoder   # issue 43's encoder A/B
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
 #   bash bench/experiments/device_calls_next.sh stream    # issue 40's one minicpmo-utils stream alone
 #   bash bench/experiments/device_calls_next.sh voices    # issue 40's voice-cache bars (4 voices, arrivals)
 #   bash bench/experiments/device_calls_next.sh v5a       # issue 41: the fused attention kernel's arena form
-#                        (GPU tests, then the arena step against the table's arena plan at 32-128 rows)
+#                        (GPU tests, then the arena step against the table's arena plan at 32-128 rows;
+#                        v5a_ab: the A/B alone)
 #   bash bench/experiments/device_calls_next.sh cutlass   # issue 41: the GEMM library's GPU tests, fc1's
 #                        GELU epilogue against the previous library (carry build_cutlass, build_cutlass_prev)
 # Modes run in the order given: `... tests stream` in one call.
@@ -35,7 +37,7 @@ if ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; then
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, vocoder, causal, encoder, voices, tests, stream, cutlass, v5a)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, vocoder, tiles, causal, encoder, voices, tests, stream, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass) ;; *) need_cuda ;; esac
@@ -43,9 +45,11 @@ case $mode in
   peers)  # issue 42: BatchedToken2Wav vs the plugin vs the front (one voice, then four)
     timeout 290 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --out "$OUT" > "$OUT/vllm_omni.log" 2>&1
     grep -v "warmup \[" "$OUT/vllm_omni.log" | tail -16 ;;
-  vocoder)  # where the 64-stream decode goes per layer, then the tile sweep per table key (parallel compiles)
-    timeout 150 python3 bench/experiments/vocoder_profile.py --streams 64 --layers --out "$OUT" > "$OUT/layers.log" 2>&1
-    grep -E "ms|layer" "$OUT/layers.log" | head -40
+  vocoder|tiles)  # where the 64-stream decode goes per layer (vocoder only), then the tile sweep per table key
+    if [ $mode = vocoder ]; then
+      timeout 150 python3 bench/experiments/vocoder_profile.py --streams 64 --layers --out "$OUT" > "$OUT/layers.log" 2>&1
+      grep -E "ms|layer" "$OUT/layers.log" | head -40
+    fi
     timeout 380 python3 bench/vocoder_tiles.py --quick --families tf32,fp16 --out "$OUT/vocoder_tiles" \
       > "$OUT/vocoder_tiles.log" 2>&1; grep -vE "^compile " "$OUT/vocoder_tiles.log" | tail -45 ;;
   causal)  # issue 40: the causal vocoder's steady chunk (batch 1 / 16 / 64, kernels), on the previous
@@ -69,10 +73,12 @@ case $mode in
     timeout 560 python3 bench/serving.py --stages cfm,wav --concurrency 16,64 --quick --warmup --dtype fp16 \
       --voices 4 --providers torch_cfm,torch_cfm/voices --out "$OUT" > "$OUT/voices.log" 2>&1
     grep -v "warmup \[" "$OUT/voices.log" | tail -14 ;;
-  v5a)  # fused_attention_warp_rownorm on the arena: its GPU tests, then the A/B in one run
-    timeout -s INT 150 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_dit_attention_arena.py \
-      tests/test_dit_body.py -k "arena" > "$OUT/test_v5a.log" 2>&1
-    echo "v5a tests: $(grep -E 'passed|failed|error' "$OUT/test_v5a.log" | tail -1)"
+  v5a|v5a_ab)  # fused_attention_warp_rownorm on the arena: its GPU tests (v5a only), then the A/B in one run
+    if [ $mode = v5a ]; then
+      timeout -s INT 150 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_dit_attention_arena.py \
+        tests/test_dit_body.py -k "arena" > "$OUT/test_v5a.log" 2>&1
+      echo "v5a tests: $(grep -E 'passed|failed|error' "$OUT/test_v5a.log" | tail -1)"
+    fi
     timeout 300 python3 bench/dit_step.py --no-solve --no-steps --sweep --sweep-variants arena_attention \
       --sweep-rounds 3 --shapes "32,50,400;64,50,400;128,50,400" --dtypes fp16,bf16 --out "$OUT/v5a" \
       > "$OUT/v5a.log" 2>&1; grep -E "arena_attention" "$OUT/v5a.log" | tail -12 ;;
