@@ -186,8 +186,10 @@ def test_the_models_folded_parts_leave_its_decode_and_f0_bitwise(mods, hift):
     model = mods.BoundedVocoder(copy.deepcopy(hift)).model  # its f0 predictor in float64, as it runs
     parts = CausalModelParts.of(model)
     normed = [m for m in model.modules() if isinstance(m, torch.nn.Conv1d) and hasattr(m, "parametrizations")
-              and getattr(m, "causal_type", None) in ("left", "right")]
+              and isinstance(getattr(m, "causal_padding", None), int)]  # causal, upsampling and strided
     assert len(normed) >= 10 and {id(m) for m in normed} <= {id(c) for c, _ in parts.convs}
+    kinds = {type(m).__name__.removeprefix("Parametrized") for m, _ in parts.convs}
+    assert kinds == {"CausalConv1d", "CausalConv1dUpsample", "CausalConv1dDownSample"}, kinds
     assert len(parts.snakes) == sum(type(m).__name__ == "Snake" for m in model.modules()) >= 6
     folded = [w for c, w in parts.convs if hasattr(c, "parametrizations")]  # float32: 4 bytes an element
     assert parts.extra_bytes() >= 4 * sum(w.numel() for w in folded) > 0
@@ -202,6 +204,31 @@ def test_the_models_folded_parts_leave_its_decode_and_f0_bitwise(mods, hift):
             f0_out = model.f0_predictor(mel.double(), finalize=False)
         assert not any("forward" in vars(m) for m in model.modules())
     assert torch.equal(out, expected) and torch.equal(f0_out, f0)
+
+
+@in_child
+def test_convolutions_that_pad_themselves_keep_decode_within_rounding(mods, hift):
+    """``implicit_pad`` (the CUDA default outside float64): each causal, upsampling and strided
+    convolution pads itself and keeps the frames its causal padding gives. The decode stays within
+    float32 rounding of a float64 decode (the upstream's own float32 error, doubled, + 1e-6), and
+    float64 (the f0 predictor's dtype) keeps the upstream's explicit padding, hence f0 bitwise."""
+    from torch_cfm.models.vocoder.causal import capturable_causal
+
+    model = mods.BoundedVocoder(copy.deepcopy(hift)).model
+    exact_model = copy.deepcopy(model).double()
+    mel = _mel(40, seed=9)
+    source = torch.randn(1, 1, 40 * HOP, generator=torch.Generator().manual_seed(10)) * 0.1
+    with torch.no_grad():
+        expected = model.decode(mel, source, finalize=False)
+        exact = exact_model.decode(mel.double(), source.double(), finalize=False)
+        f0 = model.f0_predictor(mel.double(), finalize=False)
+        with capturable_causal(model, model.stft_window, implicit_pad=True):
+            out = model.decode(mel, source, finalize=False)
+        with capturable_causal(model, model.stft_window):  # auto: the CPU pads explicitly
+            f0_out = model.f0_predictor(mel.double(), finalize=False)
+    assert out.shape == expected.shape
+    assert err_rel_fro(out, exact) <= 2 * err_rel_fro(expected, exact) + 1e-6
+    assert torch.equal(f0_out, f0)
 
 
 @in_child

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -222,11 +223,23 @@ def plan_chunk(sizes: CausalVocoderSizes, counters: dict[str, int], mel_frames: 
 
 
 # ---------------------------------------------------------------------------- capturable model
+def _causal_kind(m: nn.Module) -> Optional[str]:
+    """"left" / "right" (``CausalConv1d``), "up" (``CausalConv1dUpsample``: nearest upsampling, then
+    left padding), "down" (``CausalConv1dDownSample``: left padding, strided), or None."""
+    pad = getattr(m, "causal_padding", None)
+    if not isinstance(m, nn.Conv1d) or not isinstance(pad, numbers.Integral) or tuple(m.padding) != (0,):
+        return None  # (the upstream's strided convolutions hold numpy integers)
+    kind = getattr(m, "causal_type", None)
+    if kind in ("left", "right"):
+        return kind
+    if isinstance(getattr(m, "upsample", None), nn.Upsample) and m.stride[0] == 1:
+        return "up"
+    return "down" if kind is None and m.stride[0] > 1 and pad == m.stride[0] - 1 else None
+
+
 def _causal_convs(model: nn.Module) -> list[nn.Module]:
-    """The model's causal convolutions whose missing cache the upstream fills from a CPU tensor."""
-    return [m for m in model.modules() if isinstance(m, nn.Conv1d)
-            and isinstance(getattr(m, "causal_padding", None), int)
-            and getattr(m, "causal_type", None) in ("left", "right")]
+    """The model's causal convolutions (:func:`_causal_kind`)."""
+    return [m for m in model.modules() if _causal_kind(m) is not None]
 
 
 def _snakes(model: nn.Module) -> list[nn.Module]:
@@ -276,13 +289,18 @@ class CausalModelParts:
 
 
 @contextlib.contextmanager
-def capturable_causal(model: nn.Module, window: torch.Tensor, parts: Optional[CausalModelParts] = None):
+def capturable_causal(model: nn.Module, window: torch.Tensor, parts: Optional[CausalModelParts] = None,
+                      implicit_pad: Optional[bool] = None):
     """Within: ``model``'s ``decode`` and its f0 predictor make no CPU tensors and read nothing
     on the host, and launch fewer kernels (``parts``, default: made now):
 
-    * a causal convolution pads a missing cache on the device (one ``F.pad``, where the
-      upstream copies a CPU zero tensor and concatenates) and runs on its folded weight (no
-      weight-norm recomputation per call): the same values, so the same result;
+    * a causal convolution (upsampling and strided ones too) runs on its folded weight (no
+      weight-norm recomputation per call: the same values). A missing cache is padded on the
+      device: with ``implicit_pad`` the convolution pads itself (both sides) and the frames the
+      causal padding gives are kept, so no padded copy is made (default: on CUDA, outside
+      float64, where it saves a fill and a copy per convolution and the convolution may round
+      differently); else one ``F.pad``, where the upstream copies a CPU zero tensor and
+      concatenates (the same ops on the same values: the same result);
     * a Snake runs as :func:`~torch_cfm.models.vocoder.elementwise.snake_channels` on its
       precomputed parameters: the upstream's own ops on the CPU (bitwise), one Triton kernel on
       CUDA (where the upstream launches seven; equal within float32 rounding);
@@ -295,13 +313,21 @@ def capturable_causal(model: nn.Module, window: torch.Tensor, parts: Optional[Ca
     parts = CausalModelParts.of(model) if parts is None else parts
 
     def conv_forward(conv, weight):
-        left = conv.causal_type == "left"
+        kind, pad = _causal_kind(conv), int(conv.causal_padding)
+        stride, dilation, taps = int(conv.stride[0]), int(conv.dilation[0]), int(conv.kernel_size[0])
+        left = kind != "right"
 
         def forward(x, cache=None):
-            if cache is None or cache.size(2) == 0:
-                x = F.pad(x, (conv.causal_padding, 0) if left else (0, conv.causal_padding))
-            else:
+            if kind == "up":
+                x = conv.upsample(x)
+            if cache is not None and cache.size(2) > 0:
                 x = torch.cat([cache, x] if left else [x, cache], dim=2)
+            elif implicit_pad if implicit_pad is not None else (x.is_cuda and x.dtype != torch.float64):
+                y = F.conv1d(x, weight, conv.bias, stride, pad, dilation, conv.groups)
+                frames = (x.shape[2] + pad - dilation * (taps - 1) - 1) // stride + 1
+                return y[:, :, :frames] if left else y[:, :, pad:]
+            else:
+                x = F.pad(x, (pad, 0) if left else (0, pad))
             return conv._conv_forward(x, weight, conv.bias)
         return forward
 
