@@ -18,7 +18,8 @@ the timed pass only loads kernels.
 
 Rows (``op`` "vocoder_tiles", provider "torch_cfm", variant the tiles' name (``m128n64k32w4s3``),
 shape {c_in, c_out, taps, phases, length, streams, frames, calls}, dtype the family, ``rule`` true for the
-rule's tiles, ``speedup`` rule µs / these µs) go to ``<out>/vocoder_tiles.json`` with provenance (GPU,
+rule's tiles, ``speedup`` rule µs / these µs, ``gflop`` and ``mbytes`` the key's work for a floor: every
+tap's multiply-adds, each operand and output through memory once) go to ``<out>/vocoder_tiles.json`` with provenance (GPU,
 versions, commit: env ``BENCH_COMMIT`` on a tree without .git, run id) and a table to
 ``<out>/vocoder_tiles.md``. The run prints, per key whose best candidate beats the rule by more than
 ``--margin``, the ``TABLE`` entry with its evidence (the two row ids).
@@ -123,6 +124,24 @@ def replay(calls: list, tiles) -> list:
     return outs
 
 
+def work_of(calls: list) -> tuple[float, float]:
+    """(GFLOP, MB) of a key's calls: the multiply-adds of every tap (a transposed convolution's masked
+    taps excluded), and each operand and output through memory once (the floor's terms)."""
+    flop = nbytes = 0.0
+    for conv, x, kw in calls:
+        batch, frames, c_in = x.shape
+        l_out = conv.out_frames(frames)
+        taps_per_frame = conv.ksize / conv.stride if conv.transposed else conv.ksize
+        flop += 2.0 * batch * l_out * conv.c_out * c_in * taps_per_frame
+        out = batch * l_out * conv.c_out
+        snakes = 0 if kw.get("alpha") is None else kw["alpha"].shape[0]
+        nbytes += x.numel() * x.element_size() + conv.weight.numel() * conv.weight.element_size()
+        size = {k: torch.finfo(kw.get(k, torch.float32)).bits // 8 for k in ("y_dtype", "s_dtype")}
+        nbytes += out * (snakes * size["y_dtype"] + (size["s_dtype"] if kw.get("store_s") else 0))
+        nbytes += sum(t.numel() * t.element_size() for t in (kw.get("r"), kw.get("acc"), kw.get("a")) if t is not None)
+    return flop / 1e9, nbytes / 1e6
+
+
 def rel_to(outs: list, refs: list) -> float:
     num = sum(float((o.double() - r.double()).square().sum()) for o, r in zip(outs, refs))
     den = sum(float(r.double().square().sum()) for r in refs)
@@ -196,6 +215,7 @@ def main(argv=None) -> int:
         for key, calls in sorted(groups.items(), key=lambda kv: kv[0][1:]):
             shape = dict(c_in=key[1], c_out=key[2], taps=key[3], phases=key[4], length=key[5], streams=streams,
                          frames=frames, calls=len(calls))
+            work = dict(zip(("gflop", "mbytes"), (round(v, 3) for v in work_of(calls))))
             refs, timed = None, []
             for index, tiles in enumerate(candidates_of(key, picks)):
                 base = dict(op="vocoder_tiles", provider="torch_cfm", variant=tiles.name, shape=shape, dtype=fam,
@@ -218,7 +238,7 @@ def main(argv=None) -> int:
                         raise
                     rows.append(H.make_row(env, **base, error=str(exc)[:200]))
                     continue
-                row = H.make_row(env, **base, rel_err=err, **t)
+                row = H.make_row(env, **base, rel_err=err, **work, **t)
                 timed.append((tiles, row))
                 rows.append(row)
             rule_us = timed[0][1]["us_p50"]
