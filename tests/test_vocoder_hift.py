@@ -562,6 +562,8 @@ def _child(out_path: str) -> None:
     x, alpha, inv = _snake_inputs()
     results["snake"] = snake_channels(x, alpha, inv, backend="triton")
     results["snake16"] = snake_channels(x.half(), alpha.half(), inv.half(), backend="triton")
+    wide = torch.cat([x, x.flip(2)[:, :, :6] + 50.0], dim=2)  # a causal convolution's output, padding frames last
+    results["snake_view"] = snake_channels(wide[:, :, :37], alpha, inv, backend="triton")
     torch.save(results, out_path)
 
 
@@ -601,6 +603,8 @@ def test_triton_kernels_in_the_interpreter(interpreter_results):
     snake = interpreter_results["snake"]
     assert snake.dtype == torch.float32 and snake.shape == x.shape
     assert err_max(snake, ref) <= 4e-6 * ref.abs().max()  # float32 rounding of x·alpha, sin, the sum
+    view = interpreter_results["snake_view"]  # read through the view's strides, written contiguous
+    assert view.is_contiguous() and torch.equal(view, snake)
     assert torch.equal(snake_channels(x, alpha, inv, backend="torch"), x + inv * pow(torch.sin(x * alpha), 2))
     assert err_max(snake_channels(x, alpha, inv, backend="torch"), ref) <= 4e-6 * ref.abs().max()
     snake16 = interpreter_results["snake16"]

@@ -112,21 +112,21 @@ def _vocoder_accumulate_kernel(
 
 @triton.jit
 def _snake_channels_kernel(
-    x_ptr, y_ptr,               # (R, T) rows of a contiguous (B, C, T) tensor, R = B·C
+    x_ptr, y_ptr,               # (B, C, T): x with strides (stride_b, stride_c, 1), y contiguous
     alpha_ptr, inv_ptr,         # (C,) float32 Snake parameters
-    C, T,
+    stride_b, stride_c, C, T,
     BLOCK_T: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0)      # b·C + c
     c = row % C
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = t < T
-    offs = row.to(tl.int64) * T + t
-    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + ((row // C).to(tl.int64) * stride_b + c.to(tl.int64) * stride_c + t), mask=ok,
+                other=0.0).to(tl.float32)
     alpha = tl.load(alpha_ptr + c)
     inv = tl.load(inv_ptr + c)
     s = tl.sin(x * alpha)
-    tl.store(y_ptr + offs, (x + inv * (s * s)).to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + (row.to(tl.int64) * T + t), (x + inv * (s * s)).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def _tiles(rows: int, channels: int) -> tuple[int, int, tuple[int]]:
@@ -187,15 +187,19 @@ def accumulate_triton(t: torch.Tensor, r: Optional[torch.Tensor], acc: Optional[
 
 
 def snake_channels_triton(x: torch.Tensor, alpha: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """Host launcher of ``_snake_channels_kernel``; arguments as ``elementwise.snake_channels``."""
-    x = x.contiguous()
+    """Host launcher of ``_snake_channels_kernel``; arguments as ``elementwise.snake_channels``. ``x`` may
+    be a view with strided batch and channel axes (a slice of a longer convolution output: no copy),
+    the output is contiguous."""
+    if x.stride(2) != 1:
+        x = x.contiguous()
     batch, channels, frames = x.shape
-    y = torch.empty_like(x)
+    y = torch.empty((batch, channels, frames), device=x.device, dtype=x.dtype)
     if x.numel() == 0:
         return y
     block_t = min(1024, max(16, triton.next_power_of_2(frames)))
     grid = (batch * channels, triton.cdiv(frames, block_t))
     with on_device(x.device):
         _snake_channels_kernel[grid](x, y, alpha.float().reshape(-1).contiguous(), inv.float().reshape(-1).contiguous(),
-                                     channels, frames, BLOCK_T=block_t, num_warps=4 if block_t >= 512 else 1)
+                                     x.stride(0), x.stride(1), channels, frames, BLOCK_T=block_t,
+                                     num_warps=4 if block_t >= 512 else 1)
     return y
