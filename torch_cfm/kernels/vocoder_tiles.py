@@ -22,7 +22,6 @@ from typing import Optional
 
 import torch
 
-FAMILIES = ("ieee", "tf32", "fp16", "bf16")
 LONG_PHASE = 256  # output frames per phase from which the rule takes 128-frame tiles
 
 EVIDENCE_DATA = os.path.join("bench", "results", "vocoder_tiles.json")
