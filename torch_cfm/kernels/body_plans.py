@@ -22,12 +22,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import json
 import os
 import re
 from typing import Iterator, Optional, Union
 
 import torch
+
+from ._evidence import check_pairs, data_rows, one_row
 
 WGMMA_MAX_ROWS = 8  # the wgmma GEMM plans cover bodies of at most this many rows
 ANY_ROWS = 1 << 62  # the upper end of the last row bucket
@@ -101,10 +102,7 @@ class BodyPlan:
         if not self.pdl <= PDL_CAPABLE_KERNELS:
             raise ValueError(f"BodyPlan {self.name!r}: pdl must be a subset of {sorted(PDL_CAPABLE_KERNELS)}, "
                              f"got {sorted(self.pdl)}")
-        for pair in self.evidence:
-            if len(pair) != 2 or not all(isinstance(i, str) and _ROW_ID.match(i) for i in pair):
-                raise ValueError(f"BodyPlan {self.name!r}: evidence must be (row id, row id) pairs of the form "
-                                 f"{ROW_ID_FORM}, got {pair!r}")
+        check_pairs(f"BodyPlan {self.name!r}", self.evidence, _ROW_ID, ROW_ID_FORM)
 
     @property
     def uses_wgmma(self) -> bool:
@@ -316,13 +314,7 @@ def _matches(row: dict, fields: dict) -> bool:
 
 def find_row(rows: list[dict], rid: str) -> dict:
     """The one row of ``rows`` that ``rid`` names; ValueError when it names none or several."""
-    m = _ROW_ID.match(rid)
-    if m is None:
-        raise ValueError(f"find_row: rid must have the form {ROW_ID_FORM}, got {rid!r}")
-    found = [r for r in rows if _matches(r, m.groupdict())]
-    if len(found) != 1:
-        raise ValueError(f"find_row: {rid!r} names {len(found)} rows of the data, not one")
-    return found[0]
+    return one_row(rows, rid, _ROW_ID, ROW_ID_FORM, _matches)
 
 
 def evidence_rows(plan: BodyPlan, path: Optional[str] = None) -> list[dict]:
@@ -331,9 +323,5 @@ def evidence_rows(plan: BodyPlan, path: Optional[str] = None) -> list[dict]:
     ``path``: the data file; default :data:`EVIDENCE_DATA` of the source tree (an installed package
     without the repository has none: FileNotFoundError). ValueError when an id names no row or several.
     """
-    if path is None:
-        path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                            EVIDENCE_DATA)
-    with open(path, encoding="utf-8") as f:
-        rows = json.load(f)
+    rows = data_rows(EVIDENCE_DATA, path)
     return [find_row(rows, rid) for pair in plan.evidence for rid in pair]

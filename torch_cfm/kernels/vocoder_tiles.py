@@ -15,12 +15,13 @@ Pure data, no Triton import.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from typing import Optional
 
 import torch
+
+from ._evidence import check_pairs, data_rows, one_row
 
 LONG_PHASE = 256  # output frames per phase from which the rule takes 128-frame tiles
 
@@ -55,10 +56,7 @@ class ConvTiles:
                 raise ValueError(f"ConvTiles: {name} must be a power of 2 in [{lo}, {hi}], got {v!r}")
         if not (isinstance(self.stages, int) and 1 <= self.stages <= 6):
             raise ValueError(f"ConvTiles: stages must be an int in [1, 6], got {self.stages!r}")
-        for pair in self.evidence:
-            if len(pair) != 2 or not all(isinstance(i, str) and _ROW_ID.match(i) for i in pair):
-                raise ValueError(f"ConvTiles: evidence must be (row id, row id) pairs of the form {ROW_ID_FORM}, "
-                                 f"got {pair!r}")
+        check_pairs("ConvTiles", self.evidence, _ROW_ID, ROW_ID_FORM)
 
     @property
     def name(self) -> str:
@@ -127,23 +125,16 @@ def row_id(row: dict) -> str:
 
 def find_row(rows: list[dict], rid: str) -> dict:
     """The one ``vocoder_tiles`` row of ``rows`` that ``rid`` names; ValueError when none or several."""
-    if _ROW_ID.match(rid) is None:
-        raise ValueError(f"find_row: rid must have the form {ROW_ID_FORM}, got {rid!r}")
-    found = [r for r in rows if r.get("op") == "vocoder_tiles" and r.get("run_id") and r.get("variant")
-             and isinstance(r.get("shape"), dict) and row_id(r) == rid]
-    if len(found) != 1:
-        raise ValueError(f"find_row: {rid!r} names {len(found)} rows of the data, not one")
-    return found[0]
+    def matches(row: dict, _: dict) -> bool:
+        return (row.get("op") == "vocoder_tiles" and bool(row.get("run_id")) and bool(row.get("variant"))
+                and isinstance(row.get("shape"), dict) and row_id(row) == rid)
+    return one_row(rows, rid, _ROW_ID, ROW_ID_FORM, matches)
 
 
 def evidence_rows(tiles: ConvTiles, path: Optional[str] = None) -> list[dict]:
     """The rows ``tiles.evidence`` names, two per pair (these tiles', then the rule's). ``path``: the
     data file; default :data:`EVIDENCE_DATA` of the source tree (FileNotFoundError without one)."""
-    if path is None:
-        path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                            EVIDENCE_DATA)
-    with open(path, encoding="utf-8") as f:
-        rows = json.load(f)
+    rows = data_rows(EVIDENCE_DATA, path)
     return [find_row(rows, rid) for pair in tiles.evidence for rid in pair]
 
 
