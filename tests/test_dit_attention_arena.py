@@ -95,8 +95,18 @@ def _check_arena(case, got) -> None:
     name, dtype, n, t, _, tn, ln, _ = case
     qkv, norms, arena, _, _ = _inputs(case)
     bits = torch.int32 if dtype == torch.float32 else torch.int16
-    # bitwise qk_cache's APPEND, poison included (every frame outside [L_n, L_n + T_n) untouched)
-    assert torch.equal(got["fused_arena"].view(bits), got["ship_arena"].view(bits))
+    fused, ship = got["fused_arena"], got["ship_arena"]
+    if dtype == torch.float32:
+        # float32 keys: the two kernels reduce the LayerNorm statistics in different orders on a GPU
+        # (bitwise in the interpreter), so the new keys agree to float32 rounding and everything else
+        # bitwise; each is checked against the float64 LayerNorm below
+        new_k = torch.zeros(fused.shape, dtype=torch.bool)
+        for i in range(n):
+            new_k[i, :, ln[i]:ln[i] + tn[i], :D] = True
+        assert ((fused - ship).abs()[new_k] <= 4 * torch.finfo(dtype).eps * (ship.abs()[new_k] + 1e-2)).all()
+        fused, ship = fused.masked_fill(new_k, 0.0), ship.masked_fill(new_k, 0.0)
+    # qk_cache's APPEND bitwise, poison included (every frame outside [L_n, L_n + T_n) untouched)
+    assert torch.equal(fused.view(bits), ship.view(bits))
     k = qkv.view(n, t, 3, H, D)
     for i in range(n):
         assert torch.equal(got["fused_arena"][i, :, :ln[i]].view(bits), arena[i, :, :ln[i]].view(bits))
