@@ -16,7 +16,8 @@
 #                        v5a_ab: the A/B alone)
 #   bash bench/experiments/device_calls_next.sh cutlass   # issue 41: the GEMM library's GPU tests, fc1's
 #                        GELU epilogue against the previous library (carry build_cutlass, build_cutlass_prev)
-# Modes run in the order given: `... tests stream` in one call.
+# Modes run in the order given: `... tests stream` in one call. Pass BENCH_COMMIT as a literal hash
+# computed here: a `git rev-parse` in the device command reads a stale .git there (rows got 0c1aac8).
 set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 BENCH_COMMIT=${BENCH_COMMIT:-unknown}
