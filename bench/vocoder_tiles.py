@@ -19,10 +19,11 @@ the timed pass only loads kernels.
 Rows (``op`` "vocoder_tiles", provider "torch_cfm", variant the tiles' name (``m128n64k32w4s3``),
 shape {c_in, c_out, taps, phases, length, streams, frames, calls}, dtype the family, ``rule`` true for the
 rule's tiles, ``speedup`` rule µs / these µs, ``gflop`` and ``mbytes`` the key's work for a floor: every
-tap's multiply-adds, each operand and output through memory once) go to ``<out>/vocoder_tiles.json`` with provenance (GPU,
-versions, commit: env ``BENCH_COMMIT`` on a tree without .git, run id) and a table to
+tap's multiply-adds, each operand and output through memory once) go to ``<out>/vocoder_tiles.json``
+with provenance (GPU, versions, commit: env ``BENCH_COMMIT`` where no .git is current, run id) and a table to
 ``<out>/vocoder_tiles.md``. The run prints, per key whose best candidate beats the rule by more than
-``--margin``, the ``TABLE`` entry with its evidence (the two row ids).
+``--margin``, its ``TABLE`` line (family, layer, chosen tiles, the rule's tiles) and the run id the
+evidence ids are made of.
 
     python3 bench/vocoder_tiles.py --out "$OUT/vocoder_tiles" [--quick] [--families tf32,fp16] [--streams 64]
     python3 bench/vocoder_tiles.py --dry-run --out /tmp/vt   # CPU: interpreter, tiny HiFT, one replay each
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "bench", "results"))
     args = ap.parse_args(argv)
 
-    from torch_cfm.kernels.vocoder_tiles import ConvTiles, layer_text, row_id
+    from torch_cfm.kernels.vocoder_tiles import layer_text
 
     families = [f for f in args.families.split(",") if f]
     bad = [f for f in families if f not in BOUND]
@@ -249,15 +250,12 @@ def main(argv=None) -> int:
                     f"best {best_tiles.name} {best['us_p50']:8.1f} us")
             print(line, flush=True)
             if best is not timed[0][1] and rule_us > (1 + args.margin) * best["us_p50"]:
-                entries.append(f"    {key!r}: ConvTiles({best_tiles.block_m}, {best_tiles.block_n}, "
-                               f"{best_tiles.block_k}, {best_tiles.warps}, {best_tiles.stages}, evidence=(("
-                               f"\"{row_id(best)}\",\n        \"{row_id(timed[0][1])}\"),)),")
+                entries.append(f'    ("{fam}", "{layer_text(key)}", "{best_tiles.name}", "{timed[0][0].name}"),')
     path = os.path.join(args.out, "vocoder_tiles.json")
     H.upsert_rows(path, rows)
     print(f"{len(rows)} rows -> {path}")
     if entries:
-        print("TABLE entries (kernels/vocoder_tiles.py):\n" + "\n".join(entries))
-    assert all(isinstance(ConvTiles.parse(r["variant"]), ConvTiles) for r in rows)
+        print(f"TABLE entries (kernels/vocoder_tiles.py, run=\"{env['run_id']}\"):\n" + "\n".join(entries))
     return 0
 
 
