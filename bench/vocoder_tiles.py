@@ -60,13 +60,11 @@ CHILD_STREAMS = 16
 
 
 def clipped(cand: tuple, key: tuple):
-    from torch_cfm.kernels.vocoder_tiles import ConvTiles
+    from torch_cfm.kernels.vocoder_tiles import ConvTiles, channel_block
 
     _, c_in, c_out, _, _, _ = key
     bm, bn, bk, warps, stages = cand
-    bn = min(bn, max(16, 1 << max(0, (c_out - 1).bit_length())))
-    bk = min(bk, max(16, 1 << max(0, (c_in - 1).bit_length())))
-    return ConvTiles(bm, bn, bk, warps, stages)
+    return ConvTiles(bm, channel_block(c_out, bn), channel_block(c_in, bk), warps, stages)
 
 
 def candidates_of(key: tuple, picks: list[int]) -> list:

@@ -94,13 +94,18 @@ def layer_text(key: tuple) -> str:
     return "x".join(str(v) for v in key[1:])
 
 
+def channel_block(channels: int, cap: int) -> int:
+    """A tile's channel extent: ``channels`` rounded up to a power of 2, at least 16, at most ``cap``."""
+    return min(cap, max(16, 1 << max(0, (channels - 1).bit_length())))
+
+
 def rule_tiles(key: tuple) -> ConvTiles:
     """The tiles of a key no measurement covers: BLOCK_N the channel count up to 128, BLOCK_K 32 for
     float32 operands and 64 for 16-bit ones (at most C_in rounded up to a power of 2), 128-frame tiles
     on long phases, 8 warps for 128 x 128 tiles."""
     fam, c_in, c_out, _, _, length = key
-    block_n = min(128, max(16, 1 << max(0, (c_out - 1).bit_length())))
-    block_k = min(32 if fam in ("ieee", "tf32") else 64, max(16, 1 << max(0, (c_in - 1).bit_length())))
+    block_n = channel_block(c_out, 128)
+    block_k = channel_block(c_in, 32 if fam in ("ieee", "tf32") else 64)
     block_m = 128 if length == "long" else 64
     return ConvTiles(block_m, block_n, block_k, 8 if block_m * block_n >= 128 * 128 else 4)
 
@@ -168,5 +173,5 @@ def evidence_rows(tiles: ConvTiles, path: Optional[str] = None) -> list[dict]:
     return [find_row(rows, rid) for pair in tiles.evidence for rid in pair]
 
 
-__all__ = ["ConvTiles", "TABLE", "conv_tiles", "evidence_rows", "family", "find_row", "layer_key", "layer_text",
-           "row_id", "rule_tiles"]
+__all__ = ["ConvTiles", "TABLE", "channel_block", "conv_tiles", "evidence_rows", "family", "find_row", "layer_key",
+           "layer_text", "row_id", "rule_tiles"]
