@@ -5,7 +5,7 @@
 # .upstream/minicpmo-utils minicpmo-utils==1.0.7`), and .old for `causal`. Results land under $OUT.
 #   bash bench/experiments/device_calls_next.sh peers     # issue 42's bars
 #   bash bench/experiments/device_calls_next.sh vocoder   # issue 43: per-layer times, bench/vocoder_tiles.py
-#                        (tiles: the tile sweep alone)
+#                        (tiles: the tile sweep alone; tiles_ab: the whole decode, table against rule)
 #   bash bench/experiments/device_calls_next.sh causal    # issue 40's causal vocoder, new and previous tree
 #   bash bench/experiments/device_calls_next.sh encoder   # issue 43's encoder A/B
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
@@ -38,7 +38,7 @@ if ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; then
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, vocoder, tiles, causal, encoder, voices, tests, stream, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, vocoder, tiles, tiles_ab, causal, encoder, voices, tests, stream, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass) ;; *) need_cuda ;; esac
@@ -53,6 +53,9 @@ case $mode in
     fi
     timeout 380 python3 bench/vocoder_tiles.py --quick --families tf32,fp16 --out "$OUT/vocoder_tiles" \
       > "$OUT/vocoder_tiles.log" 2>&1; grep -vE "^compile " "$OUT/vocoder_tiles.log" | tail -45 ;;
+  tiles_ab)  # issue 43: the tile table against the rule over whole decodes, one process
+    timeout ${AB_TIMEOUT:-200} python3 bench/experiments/vocoder_table_ab.py --streams 16,64 --out "$OUT" \
+      > "$OUT/vocoder_table_ab.log" 2>&1; tail -6 "$OUT/vocoder_table_ab.log" ;;
   causal)  # issue 40: the causal vocoder's steady chunk (batch 1 / 16 / 64, kernels), on the previous
     # landing's tree too when .old holds it (`git archive 6212185 | tar -x -C .old`: one decoder pass per block)
     if [ -d .old/torch_cfm ]; then
