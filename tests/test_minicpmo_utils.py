@@ -212,8 +212,8 @@ def test_convolutions_that_pad_themselves_keep_decode_within_rounding(mods, hift
     """``implicit_pad`` (the CUDA default outside float64): each causal, upsampling and strided
     convolution pads itself and keeps the frames its causal padding gives. The decode stays within
     float32 rounding of a float64 decode (the upstream's own float32 error, doubled, + 1e-6); the
-    default on the CPU pads explicitly, so f0 stays bitwise (float64 on CUDA does too: the GPU
-    tests' stream state is compared bitwise)."""
+    default on the CPU pads explicitly, so f0 stays bitwise (float64 on CUDA runs as DGEMMs, the
+    next test)."""
     from torch_cfm.models.vocoder.causal import capturable_causal
 
     model = mods.BoundedVocoder(copy.deepcopy(hift)).model
@@ -231,6 +231,32 @@ def test_convolutions_that_pad_themselves_keep_decode_within_rounding(mods, hift
     assert out.shape == expected.shape
     assert err_rel_fro(out, exact) <= 2 * err_rel_fro(expected, exact) + 1e-6
     assert torch.equal(f0_out, f0)
+
+
+@in_child
+def test_float64_convolutions_as_matrix_products_keep_f0_within_float64_rounding(mods, hift):
+    """``f64_gemm`` (the CUDA default): each float64 causal convolution is one matrix product over
+    (C_in · taps). The f0 predictor (float64, as ``BoundedVocoder`` runs it) stays within float64
+    rounding of the upstream's (1e-13 relative) and its float32 cast, what the source reads,
+    equals the upstream's; a float64 decode (strided and upsampling convolutions too) stays within
+    1e-13 of the same decode on library convolutions (``f64_gemm=False``)."""
+    from torch_cfm.models.vocoder.causal import capturable_causal
+
+    model = mods.BoundedVocoder(copy.deepcopy(hift)).model
+    exact_model = copy.deepcopy(model).double()
+    mel = _mel(40, seed=11).double()
+    source = torch.randn(1, 1, 40 * HOP, generator=torch.Generator().manual_seed(12), dtype=torch.float64) * 0.1
+    with torch.no_grad():
+        f0 = model.f0_predictor(mel, finalize=False)
+        with capturable_causal(model, model.stft_window, f64_gemm=True):
+            f0_out = model.f0_predictor(mel, finalize=False)
+        with capturable_causal(exact_model, exact_model.stft_window, f64_gemm=False):
+            expected = exact_model.decode(mel, source, finalize=False)
+        with capturable_causal(exact_model, exact_model.stft_window, f64_gemm=True):
+            out = exact_model.decode(mel, source, finalize=False)
+    assert f0_out.dtype == torch.float64 and err_rel_fro(f0_out, f0) <= 1e-13
+    assert torch.equal(f0_out.float(), f0.float())
+    assert out.shape == expected.shape and err_rel_fro(out, expected) <= 1e-13
 
 
 @in_child

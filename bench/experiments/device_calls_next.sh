@@ -74,7 +74,7 @@ case $mode in
   voices)  # 4 voices, Poisson arrivals: CFM alone and tokens -> waveform at 16 and 64 streams, the front
     # with and without its voice-prompt cache in the same run (bars: arrivals >= 0.9 x steady,
     # first chunk p50 <= 1.5 x step p50, an open that hits <= 1 ms of GPU time)
-    timeout 560 python3 bench/serving.py --stages cfm,wav --concurrency 16,64 --quick --warmup --dtype fp16 \
+    timeout ${VOICES_TIMEOUT:-560} python3 bench/serving.py --stages cfm,wav --concurrency ${VOICES_AT:-16,64} --quick --warmup --dtype fp16 \
       --voices 4 --providers torch_cfm,torch_cfm/voices --out "$OUT" > "$OUT/voices.log" 2>&1
     grep -v "warmup \[" "$OUT/voices.log" | tail -14 ;;
   v5a|v5a_ab)  # fused_attention_warp_rownorm on the arena: its GPU tests (v5a only), then the A/B in one run

@@ -288,9 +288,20 @@ class CausalModelParts:
         return convs + sum(2 * a.numel() * a.element_size() for _, a, _ in self.snakes)
 
 
+def _conv1d_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], stride: int,
+                 dilation: int) -> torch.Tensor:
+    """``F.conv1d(x, weight, bias, stride, 0, dilation)`` (one group) as one matrix product over
+    (C_in · taps): x (B, C_in, L), weight (C_out, C_in, taps) -> (B, C_out, L_out), same dtype."""
+    c_out, c_in, taps = weight.shape
+    cols = x.unfold(2, dilation * (taps - 1) + 1, stride)[..., ::dilation]  # (B, C_in, L_out, taps)
+    cols = cols.transpose(2, 3).reshape(x.shape[0], c_in * taps, cols.shape[2])
+    y = torch.matmul(weight.reshape(c_out, c_in * taps), cols)
+    return y if bias is None else y + bias[:, None]
+
+
 @contextlib.contextmanager
 def capturable_causal(model: nn.Module, window: torch.Tensor, parts: Optional[CausalModelParts] = None,
-                      implicit_pad: Optional[bool] = None):
+                      implicit_pad: Optional[bool] = None, f64_gemm: Optional[bool] = None):
     """Within: ``model``'s ``decode`` and its f0 predictor make no CPU tensors and read nothing
     on the host, and launch fewer kernels (``parts``, default: made now):
 
@@ -300,7 +311,13 @@ def capturable_causal(model: nn.Module, window: torch.Tensor, parts: Optional[Ca
       causal padding gives are kept, so no padded copy is made (default: on CUDA, outside
       float64, where it saves a fill and a copy per convolution and the convolution may round
       differently); else one ``F.pad``, where the upstream copies a CPU zero tensor and
-      concatenates (the same ops on the same values: the same result);
+      concatenates (the same ops on the same values: the same result). With ``f64_gemm``
+      a float64 convolution is one matrix product over (C_in · taps) (:func:`_conv1d_gemm`;
+      default: on CUDA, where cuDNN's float64 convolution kernel took 3.4 of the 6.2 ms of a
+      one-stream chunk, all of it the f0 predictor's, and a DGEMM runs on the tensor cores): the
+      same sums in another order, so f0 agrees within float64 rounding and its float32 cast,
+      which the source reads, is the upstream's unless a difference of ~1e-16 straddles a
+      float32 rounding boundary;
     * a Snake runs as :func:`~torch_cfm.models.vocoder.elementwise.snake_channels` on its
       precomputed parameters: the upstream's own ops on the CPU (bitwise), one Triton kernel on
       CUDA (where the upstream launches seven; equal within float32 rounding);
@@ -322,14 +339,22 @@ def capturable_causal(model: nn.Module, window: torch.Tensor, parts: Optional[Ca
                 x = conv.upsample(x)
             if cache is not None and cache.size(2) > 0:
                 x = torch.cat([cache, x] if left else [x, cache], dim=2)
+            elif gemm(x, conv):
+                x = F.pad(x, (pad, 0) if left else (0, pad))
             elif implicit_pad if implicit_pad is not None else (x.is_cuda and x.dtype != torch.float64):
                 y = F.conv1d(x, weight, conv.bias, stride, pad, dilation, conv.groups)
                 frames = (x.shape[2] + pad - dilation * (taps - 1) - 1) // stride + 1
                 return y[:, :, :frames] if left else y[:, :, pad:]
             else:
                 x = F.pad(x, (pad, 0) if left else (0, pad))
+            if gemm(x, conv):
+                return _conv1d_gemm(x, weight, conv.bias, stride, dilation)
             return conv._conv_forward(x, weight, conv.bias)
         return forward
+
+    def gemm(x, conv):
+        return (x.dtype == torch.float64 and conv.groups == 1
+                and (f64_gemm if f64_gemm is not None else x.is_cuda))
 
     def snake_forward(alpha, inv):
         return lambda x: snake_channels(x, alpha, inv)
