@@ -98,12 +98,14 @@ def _check_arena(case, got) -> None:
     fused, ship = got["fused_arena"], got["ship_arena"]
     if dtype == torch.float32:
         # float32 keys: the two kernels reduce the LayerNorm statistics in different orders on a GPU
-        # (bitwise in the interpreter), so the new keys agree to float32 rounding and everything else
-        # bitwise; each is checked against the float64 LayerNorm below
+        # (bitwise in the interpreter), so the new keys agree to float32 rounding of the normalised
+        # vector (an error in mu or sigma moves every element by eps x the vector's scale, not its own
+        # magnitude) and everything else bitwise; each is checked against the float64 LayerNorm below
         new_k = torch.zeros(fused.shape, dtype=torch.bool)
         for i in range(n):
             new_k[i, :, ln[i]:ln[i] + tn[i], :D] = True
-        assert ((fused - ship).abs()[new_k] <= 4 * torch.finfo(dtype).eps * (ship.abs()[new_k] + 1e-2)).all()
+        scale = ship[..., :D].abs().amax(-1, keepdim=True).expand(-1, -1, -1, 2 * D)
+        assert ((fused - ship).abs()[new_k] <= 4 * torch.finfo(dtype).eps * scale[new_k]).all()
         fused, ship = fused.masked_fill(new_k, 0.0), ship.masked_fill(new_k, 0.0)
     # qk_cache's APPEND bitwise, poison included (every frame outside [L_n, L_n + T_n) untouched)
     assert torch.equal(fused.view(bits), ship.view(bits))
