@@ -308,16 +308,14 @@ def capturable_causal(model: nn.Module, window: torch.Tensor, parts: Optional[Ca
     * a causal convolution (upsampling and strided ones too) runs on its folded weight (no
       weight-norm recomputation per call: the same values). A missing cache is padded on the
       device: with ``implicit_pad`` the convolution pads itself (both sides) and the frames the
-      causal padding gives are kept, so no padded copy is made (default: on CUDA, outside
-      float64, where it saves a fill and a copy per convolution and the convolution may round
+      causal padding gives are kept, so no padded copy is made (never in float64; default: on
+      CUDA, where it saves a fill and a copy per convolution and the convolution may round
       differently); else one ``F.pad``, where the upstream copies a CPU zero tensor and
-      concatenates (the same ops on the same values: the same result). With ``f64_gemm``
-      a float64 convolution is one matrix product over (C_in · taps) (:func:`_conv1d_gemm`;
-      default: on CUDA, where cuDNN's float64 convolution kernel took 3.4 of the 6.2 ms of a
-      one-stream chunk, all of it the f0 predictor's, and a DGEMM runs on the tensor cores): the
-      same sums in another order, so f0 agrees within float64 rounding and its float32 cast,
-      which the source reads, is the upstream's unless a difference of ~1e-16 straddles a
-      float32 rounding boundary;
+      concatenates (the same ops on the same values: the same result). With ``f64_gemm`` (default:
+      on CUDA, where cuDNN's float64 convolution took 3.4 of a one-stream chunk's 6.2 ms, all in
+      the f0 predictor) a float64 convolution is one DGEMM (:func:`_conv1d_gemm`): f0 within
+      float64 rounding, its float32 cast (what the source reads) the upstream's unless a ~1e-16
+      difference straddles a float32 rounding boundary;
     * a Snake runs as :func:`~torch_cfm.models.vocoder.elementwise.snake_channels` on its
       precomputed parameters: the upstream's own ops on the CPU (bitwise), one Triton kernel on
       CUDA (where the upstream launches seven; equal within float32 rounding);
@@ -339,9 +337,7 @@ def capturable_causal(model: nn.Module, window: torch.Tensor, parts: Optional[Ca
                 x = conv.upsample(x)
             if cache is not None and cache.size(2) > 0:
                 x = torch.cat([cache, x] if left else [x, cache], dim=2)
-            elif gemm(x, conv):
-                x = F.pad(x, (pad, 0) if left else (0, pad))
-            elif implicit_pad if implicit_pad is not None else (x.is_cuda and x.dtype != torch.float64):
+            elif x.dtype != torch.float64 and (implicit_pad if implicit_pad is not None else x.is_cuda):
                 y = F.conv1d(x, weight, conv.bias, stride, pad, dilation, conv.groups)
                 frames = (x.shape[2] + pad - dilation * (taps - 1) - 1) // stride + 1
                 return y[:, :, :frames] if left else y[:, :, pad:]
