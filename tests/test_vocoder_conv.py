@@ -1,7 +1,7 @@
 """The vocoder's fused Triton convolution (torch_cfm.kernels.vocoder_conv) against float64 references.
 
 Every convolution geometry the HiFT uses (dilated, strided, 1x1, transposed with each of its
-upsampling strides), seeded random geometries, and every epilogue form (residual, accumulator, reflected addend, leaky-ReLU /
+upsampling strides), the causal HiFT's asymmetric paddings, seeded random geometries, and every epilogue form (residual, accumulator, reflected addend, leaky-ReLU /
 ELU, K Snake outputs) is run in Triton's interpreter (a child process) and on CUDA when present,
 and compared with ``F.conv1d`` / ``F.conv_transpose1d`` and the elementwise math in float64.
 TF32 is checked against a float64 convolution of the TF32-rounded operands (the kernel rounds to
@@ -37,6 +37,14 @@ GEOMETRIES = [
 ]
 
 
+# (transposed, C_in, C_out, k, stride, (left, right) padding, dilation, L_in): causal geometries
+ASYMMETRIC = [
+    (False, 24, 20, 3, 1, (6, 0), 3, 29),    # a left-causal dilated convolution (L_out = L_in)
+    (False, 18, 16, 8, 4, (3, 0), 1, 41),    # a causal downsampling (stride 4, left pad 3)
+    (False, 80, 24, 5, 1, (0, 4), 1, 17),    # a right-looking one (4 frames of lookahead)
+    (False, 80, 24, 5, 1, (0, 0), 1, 17),    # its non-final form: no padding (L_out = L_in - 4)
+    (True, 24, 16, 9, 3, (0, 6), 1, 7),      # transposed, cropped on the right only
+]
 WIDE = (False, 20, 130, 3, 1, 1, 1, 0, 520)  # 2 N tiles of 128 channels, 5 M tiles of 128 frames
 # launch tiles passed explicitly (a bench's candidates): many small tiles with a K tail; one 256-frame tile
 TILES = (ConvTiles(32, 32, 16, 2, 2), ConvTiles(256, 64, 32, 8, 4))
@@ -126,6 +134,11 @@ def _run_all(device: str) -> dict:
         for tiles in TILES:
             out[f"tiles_{name}_{tiles.name}"] = conv_fused_triton(_pack(g, w.to(device), bias.to(device)), x.to(device),
                                                                   dot="ieee", store_s=True, tiles=tiles)[0].cpu()
+    for i, (tr, c_in, c_out, k, stride, (left, right), dil, length) in enumerate(ASYMMETRIC):
+        w, bias, x = _case((tr, c_in, c_out, k, stride, 0, dil, 0, length), 200 + i)
+        p = pack_conv_weight(w.to(device), bias.to(device), transposed=tr, stride=stride, padding=left,
+                             padding_right=right, dilation=dil, output_padding=0, dtype=torch.float32, tf32=False)
+        out[f"asym{i}"] = conv_fused_triton(p, x.to(device), dot="ieee", store_s=True)[0].cpu()
     g = GEOMETRIES[1]
     w, bias, x = _case(g, 1)
     p = _pack(g, w.to(device), bias.to(device))
@@ -180,6 +193,17 @@ def _check_all(results: dict) -> None:
         w, bias, x = _case(g, 13)
         for tiles in TILES:
             assert err_rel_fro(results[f"tiles_{name}_{tiles.name}"], _ref(g, w, bias, x)) <= 1e-6, (name, tiles)
+    for i, (tr, c_in, c_out, k, stride, (left, right), dil, length) in enumerate(ASYMMETRIC):
+        w, bias, x = _case((tr, c_in, c_out, k, stride, 0, dil, 0, length), 200 + i)
+        xd = x.double().transpose(1, 2)
+        if tr:  # the full transposed convolution, cropped
+            ref = F.conv_transpose1d(xd, w.double(), bias.double(), stride)
+            ref = ref[:, :, left:ref.shape[2] - right]
+        else:
+            ref = F.conv1d(F.pad(xd, (left, right)), w.double(), bias.double(), stride, 0, dil)
+        ref = ref.transpose(1, 2)
+        assert results[f"asym{i}"].shape == ref.shape, ASYMMETRIC[i]
+        assert err_rel_fro(results[f"asym{i}"], ref) <= 1e-6, ASYMMETRIC[i]
     g = GEOMETRIES[1]
     w, bias, x = _case(g, 1)
     conv = _ref(g, w, bias, x)

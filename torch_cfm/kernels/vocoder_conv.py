@@ -1,7 +1,8 @@
 """The vocoder's convolutions as one Triton implicit-GEMM kernel with the elementwise work fused after it.
 
-Tensors are frame-major (B, L, C), channels innermost. A ``Conv1d`` (any stride, padding,
-dilation) or a ``ConvTranspose1d`` (any stride, padding, output padding; dilation 1) is a GEMM
+Tensors are frame-major (B, L, C), channels innermost. A ``Conv1d`` (any stride, padding, left
+and right apart as a causal convolution has them, dilation) or a ``ConvTranspose1d`` (any stride,
+padding or crop on either side, output padding; dilation 1) is a GEMM
 over taps: output frame o of a plain convolution reads input frame ``o·stride - pad + m·dil``
 through tap m. A transposed convolution is split into ``stride`` phases (the output frames
 ``o = q·stride + ph``): within a phase it is a plain convolution over q whose tap m reads input
@@ -150,21 +151,24 @@ class PackedConv:
     dilation: int
     output_padding: int
     transposed: bool
+    padding_right: Optional[int] = None  # None: ``padding`` on both sides (a causal convolution: 0)
 
     def out_frames(self, frames: int) -> int:
+        pads = self.padding + (self.padding if self.padding_right is None else self.padding_right)
         if self.transposed:
-            return (frames - 1) * self.stride - 2 * self.padding + self.dilation * (self.ksize - 1) \
-                + self.output_padding + 1
-        return (frames + 2 * self.padding - self.dilation * (self.ksize - 1) - 1) // self.stride + 1
+            return (frames - 1) * self.stride - pads + self.dilation * (self.ksize - 1) + self.output_padding + 1
+        return (frames + pads - self.dilation * (self.ksize - 1) - 1) // self.stride + 1
 
 
 def pack_conv_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], *, transposed: bool, stride: int,
                      padding: int, dilation: int, output_padding: int, dtype: torch.dtype,
-                     tf32: bool) -> PackedConv:
+                     tf32: bool, padding_right: Optional[int] = None) -> PackedConv:
     """Pack a Conv1d weight (C_out, C_in, k) or a ConvTranspose1d weight (C_in, C_out, k).
 
     ``dtype`` is the operand dtype (float32, float16, bfloat16); with ``tf32`` float32 weights
-    are rounded to TF32 once here. Groups are not supported (the HiFT uses none).
+    are rounded to TF32 once here. Groups are not supported (the HiFT uses none). ``padding`` is
+    the left one (the frames a transposed convolution crops on the left), ``padding_right`` the
+    right one (default: ``padding``): a left-causal convolution has (dilation · (k - 1), 0).
     """
     w = weight.detach().double()
     if transposed:
@@ -185,7 +189,7 @@ def pack_conv_weight(weight: torch.Tensor, bias: Optional[torch.Tensor], *, tran
     if tf32 and dtype == torch.float32:
         packed = round_tf32(packed)
     b = None if bias is None else bias.detach().float().contiguous()
-    return PackedConv(packed, b, c_in, c_out, k, stride, padding, dilation, output_padding, transposed)
+    return PackedConv(packed, b, c_in, c_out, k, stride, padding, dilation, output_padding, transposed, padding_right)
 
 
 def launch_key(conv: PackedConv, q: int, dot: str) -> tuple:
