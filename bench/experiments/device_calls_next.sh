@@ -7,6 +7,7 @@
 #   bash bench/experiments/device_calls_next.sh vocoder   # issue 43: per-layer times, bench/vocoder_tiles.py
 #                        (tiles: the tile sweep alone; tiles_ab: the whole decode, table against rule)
 #   bash bench/experiments/device_calls_next.sh causal    # issue 40's causal vocoder, new and previous tree
+#                        (causal_fused: its decode on the fused Triton convolutions, bench/experiments/causal_fused_decode.py)
 #   bash bench/experiments/device_calls_next.sh encoder   # issue 43's encoder A/B
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
 #   bash bench/experiments/device_calls_next.sh stream    # issue 40's one minicpmo-utils stream alone
@@ -38,7 +39,7 @@ if ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; then
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, vocoder, tiles, tiles_ab, causal, encoder, voices, tests, stream, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass) ;; *) need_cuda ;; esac
@@ -67,6 +68,9 @@ case $mode in
     fi
     STEPAUDIO2_PATH=$MINI timeout 80 python3 bench/experiments/causal_vocoder_profile.py --out "$OUT" \
       > "$OUT/causal.log" 2>&1; tail -30 "$OUT/causal.log" ;;
+  causal_fused)  # issue 40: the causal decode on the fused Triton convolutions against today's (B = 1, 16, 64)
+    STEPAUDIO2_PATH=$MINI timeout 200 python3 bench/experiments/causal_fused_decode.py --out "$OUT" \
+      > "$OUT/causal_fused.log" 2>&1; tail -10 "$OUT/causal_fused.log" ;;
   encoder)  # issue 43 item 2: the encoder's ragged batching against equal-shape groups and per stream
     timeout 400 python3 bench/serving.py --stages mel --concurrency 16,64 --quick --warmup --dtype fp16 \
       --providers torch_cfm,torch_cfm/enc_ragged,torch_cfm/enc_per_stream --out "$OUT" > "$OUT/encoder.log" 2>&1

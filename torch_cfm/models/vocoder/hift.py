@@ -345,9 +345,11 @@ class HiFTVocoder(nn.Module):
         # differently depending on where it sits in the batch
         return torch.abs((x * self.f0_weight[0]).sum(dim=-1) + self.f0_bias[0])
 
-    def _decode_math(self, mel: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    def _decode_math(self, mel: torch.Tensor, source: torch.Tensor, spec_trim: int = 0) -> torch.Tensor:
+        """``spec_trim``: STFT frames dropped from the source's end (a causal HiFT's lookahead)."""
         d, dt = self.dims, dict(cdt=self.conv_dtype, adt=self.act_dtype, backend=self._backend())
         spec = stft_frames(source.to(self.act_dtype), self.analysis, d["n_fft"], d["hop"])  # (B, F, n_fft + 2)
+        spec = spec[:, :spec.shape[1] - spec_trim] if spec_trim else spec
         a, _ = self.conv_pre.run(mel.transpose(1, 2), divisor=1.0, slope=d["slope"], external=True, **dt)
         k = d["kernels"]
         for i in range(d["stages"]):
