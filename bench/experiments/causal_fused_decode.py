@@ -18,8 +18,8 @@ The sums and the tiles round differently from the upstream's, so the samples agr
 convolutions' rounding, not bitwise. ``--check`` compares the fused decode with the upstream's
 float32 decode against a float64 one (CPU: Triton's interpreter, tiny sizes); the GPU run times a
 steady 86-frame decode (history + chunk + lookahead) at B streams from CUDA graphs against the
-decode ``CausalVocoderCore`` runs today (cuDNN under ``capturable_causal``) and writes
-``causal_fused_decode.json``.
+decode ``CausalVocoderCore`` runs today (cuDNN under ``capturable_causal``), then a whole steady
+chunk with each decode, and writes ``causal_fused_decode.json``.
 
     STEPAUDIO2_PATH=.upstream/minicpmo-utils TRITON_INTERPRET=1 python3 bench/experiments/causal_fused_decode.py --check
     STEPAUDIO2_PATH=.upstream/minicpmo-utils python3 bench/experiments/causal_fused_decode.py --out "$OUT"
@@ -168,9 +168,52 @@ def timing(mods, P, batches: list[int], out: str) -> None:
                        ms=round(t["us_p50"] / 1e3, 3), rel_err_vs_fp64=err)
             rows.append(row)
             print({k: row[k] for k in ("B", "variant", "ms", "rel_err_vs_fp64")}, flush=True)
+    rows += chunk_timing(mods, P, model, fused["tf32"], batches)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "causal_fused_decode.json"), "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def chunk_timing(mods, P, model, fused: FusedCausalDecode, batches: list[int]) -> list[dict]:
+    """A whole steady 50-frame chunk (``CausalVocoderCore.run``: f0, source, decode) at B streams
+    from CUDA graphs, its decode today's and then the fused one (``model.decode`` swapped)."""
+    import _harness as H
+    from torch_cfm.models.vocoder.causal import COUNTERS, CausalVocoderCore, plan_chunk, stream_batch
+
+    dev = torch.device("cuda")
+    core = CausalVocoderCore(mods.BoundedVocoder(model))
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows = []
+    with torch.no_grad():
+        state = core.new_state()
+        for _ in range(2):  # two chunks in: the timed chunk has the steady plan
+            stream_batch(core, [state], [torch.randn(1, 80, 50, device=dev, generator=gen)], [False])
+        counters = {k: int(state[k].item()) for k in COUNTERS}
+        plan, _, _ = plan_chunk(core.sizes, counters, state["mel"].shape[2], state["source"].shape[2] // core.sizes.hop,
+                                50, False)
+        for b in batches:
+            mel, source, phase = (state[k].expand(b, *state[k].shape[1:]).contiguous()
+                                  for k in ("mel", "source", "phase"))
+            chunk = torch.randn(b, 80, 50, device=dev, generator=gen)
+            base = torch.zeros(b, dtype=torch.int64, device=dev)
+            outs = {}
+            for name in ("today", "fused_tf32"):
+                if name == "today":
+                    vars(core.model).pop("decode", None)
+                else:
+                    core.model.decode = lambda x, s, finalize=True: fused.decode(x, s, finalize)
+                with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
+                    t = H.time_cuda_graph(lambda: core.run(plan, mel, source, phase, chunk, base), calls=2,
+                                          repeats=9, warmup=2)
+                    outs[name] = core.run(plan, mel, source, phase, chunk, base)[0]
+                row = dict(H.env_info(), op="causal_fused_chunk", B=b, frames=50, variant=name,
+                           ms=round(t["us_p50"] / 1e3, 3))
+                if name != "today":
+                    row["rel_diff_vs_today"] = _err(outs[name], outs["today"])
+                rows.append(row)
+                print({k: row.get(k) for k in ("B", "variant", "ms", "rel_diff_vs_today")}, flush=True)
+            vars(core.model).pop("decode", None)
+    return rows
 
 
 def main() -> int:
