@@ -2,8 +2,9 @@
 
 Every convolution geometry the HiFT uses (dilated, strided, 1x1, transposed with each of its
 upsampling strides), the causal HiFT's asymmetric paddings, seeded random geometries, and every
-epilogue form (residual, accumulator, reflected addend, leaky-ReLU / ELU, K Snake outputs) is run in Triton's interpreter (a child process) and on CUDA when present,
-and compared with ``F.conv1d`` / ``F.conv_transpose1d`` and the elementwise math in float64.
+epilogue form (residual, accumulator, reflected addend, leaky-ReLU / ELU, K Snake outputs) is run
+in Triton's interpreter (a child process) and on CUDA when present, and compared with
+``F.conv1d`` / ``F.conv_transpose1d`` and the elementwise math in float64.
 TF32 is checked against a float64 convolution of the TF32-rounded operands (the kernel rounds to
 nearest), and batch invariance bitwise on CUDA.
 """
