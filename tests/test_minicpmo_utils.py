@@ -138,14 +138,22 @@ def test_its_flow_modules_are_stepaudio2_minicpmos_and_the_encoder_is_compiled(m
 
 # ---------------------------------------------------------------------------- the causal step
 @in_child
-@pytest.mark.parametrize("ending", ["last chunk", "empty flush"])
-def test_causal_step_equals_bounded_vocoder_stream(mods, ending):
+@pytest.mark.parametrize("ending, f0_convs", [("last chunk", "library"), ("empty flush", "library"),
+                                              ("last chunk", "dgemm")])
+def test_causal_step_equals_bounded_vocoder_stream(mods, ending, f0_convs, monkeypatch):
     """Ragged chunks (a partial block, a 1-frame chunk, an empty non-final call), then a last
     chunk with frames or the empty final call (``Token2wav.stream`` without tokens), over a noise
     table shortened to 2 s so the ~400-frame stream wraps it twice: the state bitwise the
     upstream's; the samples (one decoder pass per chunk, not one per block) within 2x the
-    upstream fp32 error against its float64 stream + 1e-6."""
+    upstream fp32 error against its float64 stream + 1e-6. "dgemm": f0's float64 convolutions as
+    matrix products (``f64_gemm``, the CUDA default) and still the state bitwise."""
+    import functools
+
+    import torch_cfm.models.vocoder.causal as causal
     from torch_cfm.integrations.minicpmo import CausalVocoderStream
+
+    if f0_convs == "dgemm":
+        monkeypatch.setattr(causal, "capturable_causal", functools.partial(causal.capturable_causal, f64_gemm=True))
 
     model = P.build_causal_hift(mods, seed=1, table_samples=2 * 24000)
     schedule = [50, 50, 16, 0, 33, 1, 50, 7, 50, 50] + ([93] if ending == "last chunk" else [43, 0])
