@@ -36,7 +36,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [os.path.dirname(HERE), os.path.join(ROOT, "tests"), ROOT]
+sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.join(ROOT, "tests"), ROOT]
 
 import torch  # noqa: E402
 
@@ -178,19 +178,15 @@ def chunk_timing(mods, P, model, fused: FusedCausalDecode, batches: list[int]) -
     """A whole steady 50-frame chunk (``CausalVocoderCore.run``: f0, source, decode) at B streams
     from CUDA graphs, its decode today's and then the fused one (``model.decode`` swapped)."""
     import _harness as H
-    from torch_cfm.models.vocoder.causal import COUNTERS, CausalVocoderCore, plan_chunk, stream_batch
+    from causal_vocoder_profile import steady_chunk
+    from torch_cfm.models.vocoder.causal import CausalVocoderCore
 
     dev = torch.device("cuda")
     core = CausalVocoderCore(mods.BoundedVocoder(model))
     gen = torch.Generator(device=dev).manual_seed(0)
     rows = []
     with torch.no_grad():
-        state = core.new_state()
-        for _ in range(2):  # two chunks in: the timed chunk has the steady plan
-            stream_batch(core, [state], [torch.randn(1, 80, 50, device=dev, generator=gen)], [False])
-        counters = {k: int(state[k].item()) for k in COUNTERS}
-        plan, _, _ = plan_chunk(core.sizes, counters, state["mel"].shape[2], state["source"].shape[2] // core.sizes.hop,
-                                50, False)
+        state, plan = steady_chunk(core, gen)
         for b in batches:
             mel, source, phase = (state[k].expand(b, *state[k].shape[1:]).contiguous()
                                   for k in ("mel", "source", "phase"))

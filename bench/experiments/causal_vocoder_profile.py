@@ -37,6 +37,20 @@ def count_ops(fn) -> dict:
     return dict(batch=1, device="cpu", aten_ops=sum(top.values()), by_op=dict(top.most_common()))
 
 
+def steady_chunk(core, gen: torch.Generator, frames: int = 50):
+    """A one-stream state two ``frames``-frame chunks in, and the plan of its next chunk (the steady
+    plan, the one a timed chunk should have): (state, plan). Call without autograd."""
+    from torch_cfm.models.vocoder.causal import COUNTERS, plan_chunk, stream_batch
+
+    state = core.new_state()
+    for _ in range(2):
+        stream_batch(core, [state], [torch.randn(1, 80, frames, device=core.device, generator=gen)], [False])
+    counters = {k: int(state[k].item()) for k in COUNTERS}
+    plan, _, _ = plan_chunk(core.sizes, counters, state["mel"].shape[2], state["source"].shape[2] // core.sizes.hop,
+                            frames, False)
+    return state, plan
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,16,64")
@@ -50,7 +64,7 @@ def main() -> int:
     import torch_cfm  # noqa: F401  from --repo, before vocoder_profile puts this checkout first on sys.path
     import upstream_packages as P
     import vocoder_profile as VP  # its profiler summary (imports torch_cfm: after --repo)
-    from torch_cfm.models.vocoder.causal import CausalVocoderCore, plan_chunk, COUNTERS
+    from torch_cfm.models.vocoder.causal import CausalVocoderCore
 
     print("torch_cfm from", os.path.dirname(sys.modules["torch_cfm"].__file__), flush=True)
     dev = torch.device("cpu" if args.count_ops else "cuda")
@@ -60,14 +74,7 @@ def main() -> int:
     result = dict(env=H.env_info(), rows=[])
     gen = torch.Generator(device=dev).manual_seed(0)
     with torch.no_grad():
-        # a state two chunks in, so the timed chunk has the steady plan
-        state = core.new_state()
-        from torch_cfm.models.vocoder.causal import stream_batch
-        for _ in range(2):
-            stream_batch(core, [state], [torch.randn(1, 80, 50, device=dev, generator=gen)], [False])
-        counters = {k: int(state[k].item()) for k in COUNTERS}
-        plan, _, _ = plan_chunk(core.sizes, counters, state["mel"].shape[2],
-                                state["source"].shape[2] // core.sizes.hop, 50, False)
+        state, plan = steady_chunk(core, gen)
         if args.count_ops:
             result["rows"].append(count_ops(lambda: core.run(plan, state["mel"], state["source"], state["phase"],
                                                              torch.randn(1, 80, 50, generator=gen),
