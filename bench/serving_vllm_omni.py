@@ -23,7 +23,8 @@ By default every stream shares one prompt (vLLM-Omni batches a voice's requests 
 ``--mixed-prompts`` gives them four. Rows (``serving_vllm_omni.jsonl`` under ``--out``, JSON
 lines with provenance, identity: provider, variant, dtype, concurrency, gpu, run): audio-s/s (the
 arrivals' setup included), steady audio-s/s (chunk steps alone), chunk and first-chunk latency
-p50/p99, ``peak_gib`` (device memory allocated at the peak, over what the modules hold),
+p50/p99, ``peak_gib`` (device memory allocated at the peak, over what the modules hold; the larger
+of ``build_peak_gib``, building and warming up, and ``serve_peak_gib``, the measured ticks),
 ``bytes_per_request`` (torch_cfm's memory plan), ``captures_measured`` (graphs captured during the
 measured ticks) and the error of a provider that failed (out of memory, say). The summary prints
 the issue's ratios per C.
@@ -60,6 +61,11 @@ from torch_cfm.integrations.vllm_omni.plugin import merged_bucket_key  # noqa: E
 OP = "serving_vllm_omni"
 IDENTITY = H.IDENTITIES[OP]
 PROVIDERS = ("vllm_omni", "vllm_omni/torch_cfm", "torch_cfm")
+
+
+def _cfm_memory(server) -> tuple[int, int]:
+    plan = server.cfm_server.memory_plan()
+    return plan.arena_bytes, plan.graph_pool_bytes
 
 
 class Code2WavDriver:
@@ -119,6 +125,11 @@ class Code2WavDriver:
         adapter = VA.accelerated_backend(self.backend)
         return adapter.memory_report()["bytes_per_request"] if adapter is not None else None
 
+    def cfm_memory(self) -> Optional[tuple[int, int]]:
+        """(CFM arena bytes, CFM graph pool bytes) of torch_cfm's server; None unpatched."""
+        adapter = VA.accelerated_backend(self.backend)
+        return None if adapter is None else _cfm_memory(adapter.server)
+
 
 class ServerDriver:
     """The ``Token2wavServer`` driven directly: one ``open_many`` per tick's arrivals, one ``step``."""
@@ -155,6 +166,9 @@ class ServerDriver:
 
     def captures(self) -> int:
         return sum(self.server.graph_counts().values())
+
+    def cfm_memory(self) -> tuple[int, int]:
+        return _cfm_memory(self.server)
 
     def bytes_per_request(self) -> int:
         return self.server.memory_plan().total
@@ -260,10 +274,17 @@ def main(argv=None) -> list[dict]:
                             mem0 = torch.cuda.memory_allocated()
                         stub.new_process()  # vLLM's per-process graph pool: one per backend built here
                         prov = build(name, bt, flow, hift, c, wl, voices, inputs, device, dname == "fp16")
+                        if device == "cuda":  # the build and warm-up apart from serving: which sets the peak
+                            row["build_peak_gib"] = round((torch.cuda.max_memory_allocated() - mem0) / 2 ** 30, 3)
+                            torch.cuda.reset_peak_memory_stats()
                         row.update(S.run_one(prov, c, wl, args.seed + c))
                         row["bytes_per_request"] = prov.bytes_per_request()
+                        cfm_mem = prov.cfm_memory()
+                        if cfm_mem is not None:
+                            row["cfm_arena_gib"], row["cfm_graph_pool_gib"] = (round(b / 2 ** 30, 3) for b in cfm_mem)
                         if device == "cuda":
-                            row["peak_gib"] = round((torch.cuda.max_memory_allocated() - mem0) / 2 ** 30, 3)
+                            row["serve_peak_gib"] = round((torch.cuda.max_memory_allocated() - mem0) / 2 ** 30, 3)
+                            row["peak_gib"] = max(row["build_peak_gib"], row["serve_peak_gib"])
                     except Exception as exc:  # noqa: BLE001 - out of memory, typically: the row says so
                         traceback.print_exc()
                         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
