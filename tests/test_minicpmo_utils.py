@@ -55,12 +55,12 @@ REL = 1e-5  # docs/design.md §6 fp32 bound, relative Frobenius
 HOP = 480
 
 
-def _run_child(marker: str) -> None:
-    P.run_child_session(NAME, __file__, marker)
+def _run_child(marker: str, **env: str) -> None:
+    P.run_child_session(NAME, __file__, marker, **env)
 
 
 def test_minicpmo_utils_cpu_tests_in_their_own_interpreter():
-    _run_child("not gpu")
+    _run_child("not gpu", TRITON_INTERPRET="1")  # the fused decode's Triton kernels on the CPU
 
 
 @pytest.mark.gpu
@@ -213,6 +213,48 @@ def test_the_models_folded_parts_leave_its_decode_and_f0_bitwise(mods, hift):
             f0_out = model.f0_predictor(mel.double(), finalize=False)
         assert not any("forward" in vars(m) for m in model.modules())
     assert torch.equal(out, expected) and torch.equal(f0_out, f0)
+
+
+@in_child
+@pytest.mark.parametrize("finalize", [True, False])
+def test_the_fused_decode_is_within_the_upstream_fp32_error(mods, hift, finalize):
+    """``FusedCausalDecode`` (the causal core's decode on CUDA at TF32; here IEEE operands in
+    Triton's interpreter): 2 streams x 12 frames, finalizing (``conv_pre`` padded on the right)
+    and not (the lookahead consumed, the last frame held back): the upstream decode's shape, and
+    within 2x its float32 error against its float64 decode + 1e-6."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1 before import; the launcher sets it)")
+    from torch_cfm.models.vocoder.causal_decode import FusedCausalDecode
+
+    model = mods.BoundedVocoder(copy.deepcopy(hift)).model  # its f0 predictor in float64, as it runs
+    exact = copy.deepcopy(model).double()
+    mel = _mel(12, seed=9, batch=2)
+    source = torch.randn(2, 1, 12 * HOP, generator=torch.Generator().manual_seed(10)) * 0.1
+    with torch.no_grad():
+        ref64 = exact.decode(mel.double(), source.double(), finalize=finalize)
+        up32 = model.decode(mel, source, finalize=finalize)
+    out = FusedCausalDecode(model, kernels="triton").decode(mel, source, finalize)
+    assert out.dtype == torch.float32 and out.shape == ref64.shape == up32.shape
+    bound = 2 * err_rel_fro(up32, ref64) + 1e-6
+    assert err_rel_fro(out, ref64) <= bound, f"{err_rel_fro(out, ref64):.2e} > {bound:.2e}"
+
+
+@in_child
+def test_the_core_decodes_fused_only_where_it_runs_and_says_why_not(mods, hift):
+    """``CausalVocoderCore(decoder=...)``: "auto" on the CPU keeps the model's decode and says why;
+    "fused" asks for it (Triton kernels: the interpreter's on the CPU); a float64 core or an
+    unknown choice is refused with a ValueError that names the argument."""
+    from torch_cfm.models.vocoder.causal import CausalVocoderCore
+
+    bounded = mods.BoundedVocoder(copy.deepcopy(hift))
+    auto = CausalVocoderCore(bounded)
+    assert auto.fused is None and any("CUDA" in r for r in auto.decoder_reasons), auto.decoder_reasons
+    assert CausalVocoderCore(bounded, decoder="upstream").fused is None
+    assert CausalVocoderCore(bounded, decoder="fused").fused is not None
+    with pytest.raises(ValueError, match=r"CausalVocoderCore: decoder must be .*float64"):
+        CausalVocoderCore(mods.BoundedVocoder(copy.deepcopy(hift).double()), dtype=torch.float64, decoder="fused")
+    with pytest.raises(ValueError, match=r"CausalVocoderCore: decoder must be \"auto\", \"fused\" or \"upstream\""):
+        CausalVocoderCore(bounded, decoder="cudnn")
 
 
 @in_child
@@ -603,6 +645,38 @@ def test_gpu_graphed_causal_step_equals_bounded_vocoder_stream(mods, sizes):
         assert torch.equal(ours.cache[key], value), key
     replays = sum(e.replays for e in voc.call.cache.entries())
     assert voc.graph_count >= 1 and replays >= 5, voc.call.events  # the steady chunks replayed
+
+
+@in_child
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes", ["tiny", "shipped"])
+def test_gpu_fused_decode_stream_at_tf32_equals_bounded_vocoder_stream(mods, sizes):
+    """At PyTorch's default precision (cuDNN TF32) the core decodes on the fused convolutions
+    (``decoder="auto"``), replayed from CUDA graphs: the state bitwise the upstream's
+    ``BoundedVocoder.stream`` (TF32 too), the samples within 2x the upstream's TF32 error against
+    its float64 stream + 1e-6."""
+    from torch_cfm.integrations.minicpmo import CausalVocoderStream
+
+    widths = P.TINY_CAUSAL if sizes == "tiny" else P.SHIPPED_CAUSAL
+    model = P.build_causal_hift(mods, seed=1, **widths).cuda()
+    schedule = [50] * 6 + [56]
+    mel = _mel(sum(schedule), seed=2).cuda()
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
+        ref, bounded = _upstream_stream(mods, model, mel, schedule)
+        ref64, _ = _upstream_stream(mods, copy.deepcopy(model).double(), mel.double(), schedule)
+        ours = mods.BoundedVocoder(copy.deepcopy(model))
+        voc = CausalVocoderStream(ours, graphs=True)
+        assert voc.core.fused is not None, voc.core.decoder_reasons
+        pos = 0
+        for i, (frames, expected, exact) in enumerate(zip(schedule, ref, ref64)):
+            out = voc.stream(mel[:, :, pos:pos + frames], finalize=i == len(schedule) - 1)
+            pos += frames
+            bound = 2 * err_rel_fro(expected, exact) + 1e-6
+            assert out.shape == expected.shape, f"call {i}"
+            assert err_rel_fro(out, exact) <= bound, f"call {i}: {err_rel_fro(out, exact):.2e} > {bound:.2e}"
+    for key, value in bounded.cache.items():
+        assert torch.equal(ours.cache[key], value), key
+    assert voc.graph_count >= 1
 
 
 @in_child

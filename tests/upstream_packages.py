@@ -113,9 +113,11 @@ class IsolatedRun:
     output: str
 
 
-def run_isolated(name: str, test_file: str, args: tuple[str, ...] = (), timeout: float = 1800) -> IsolatedRun:
-    """Run ``pytest test_file`` in a child interpreter isolated for package ``name``."""
-    env = dict(os.environ, **{ACTIVE_ENV: name, "STEPAUDIO2_PATH": folder(name)})
+def run_isolated(name: str, test_file: str, args: tuple[str, ...] = (), timeout: float = 1800,
+                 **env_extra: str) -> IsolatedRun:
+    """Run ``pytest test_file`` in a child interpreter isolated for package ``name`` (``env_extra``:
+    more environment variables for it)."""
+    env = dict(os.environ, **{ACTIVE_ENV: name, "STEPAUDIO2_PATH": folder(name)}, **env_extra)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     handle, report = tempfile.mkstemp(prefix=f"{name}-", suffix=".xml")
     os.close(handle)
@@ -136,7 +138,7 @@ def run_isolated(name: str, test_file: str, args: tuple[str, ...] = (), timeout:
 
 
 
-def run_child_session(name: str, test_file: str, marker: str) -> None:
+def run_child_session(name: str, test_file: str, marker: str, **env: str) -> None:
     """Launcher-test body: run ``test_file``'s tests marked ``marker`` isolated for ``name``.
 
     Skips when the package is not installed or every child test skipped; fails on any child
@@ -146,7 +148,7 @@ def run_child_session(name: str, test_file: str, marker: str) -> None:
     reason = missing_reason(name)
     if reason is not None:
         pytest.skip(reason)
-    run = run_isolated(name, os.path.abspath(test_file), ("-m", marker))
+    run = run_isolated(name, os.path.abspath(test_file), ("-m", marker), **env)
     tail = run.output[-6000:]
     assert run.returncode == 0 and run.failures == 0 and run.errors == 0, f"child session failed:\n{tail}"
     if run.tests == run.skipped:

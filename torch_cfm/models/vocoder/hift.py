@@ -63,7 +63,7 @@ from .istft import analysis_basis, istft_frames, stft_frames, synthesis_basis
 from .precision import activation_dtype, conv_dtype, conv_precision_scope, vocoder_precision
 from .source import HarmonicSource
 
-__all__ = ["HiFTVocoder", "folded_weight", "overlap_fade"]
+__all__ = ["HiFTVocoder", "folded_weight", "fused_conv_reasons", "overlap_fade"]
 
 F0_LEAKY_FINAL = 0.01  # HiFTGenerator.decode: F.leaky_relu(x) before conv_post, torch's default slope
 
@@ -229,6 +229,29 @@ def _hift_dims(hift: nn.Module) -> dict:
                 limit=float(hift.audio_limit), kernels=int(hift.num_kernels), stages=int(hift.num_upsamples))
 
 
+def fused_conv_reasons(device: torch.device, choice: str, kernels: str = "auto", compiled: bool = False) -> list[str]:
+    """Why the vocoder's convolutions would not run as the fused Triton kernel
+    (``kernels.vocoder_conv``) for a precision ``choice`` (empty: they would). They do when Triton
+    kernels are asked for, or with "auto" on an SM80+ GPU at a tensor-core precision (TF32, fp16,
+    bf16: where it was measured faster; IEEE float32 stays on cuDNN); never compiled or float64."""
+    device = torch.device(device)
+    if compiled:
+        return ["compiled: Inductor generates the convolutions' code"]
+    if kernels == "torch":
+        return ['kernels="torch"']
+    if choice == "fp64":
+        return ["float64 runs on PyTorch's convolutions"]
+    if kernels == "triton":
+        return []
+    if device.type != "cuda":
+        return [f"the fused convolutions need CUDA, found {device.type}"]
+    if choice == "ieee":
+        return ["IEEE float32 convolutions stay on cuDNN (measured faster there)"]
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return ["the fused convolutions need SM80+"]
+    return []
+
+
 class HiFTVocoder(nn.Module):
     """A ``HiFTGenerator``'s f0 predictor, source and decode for a batch of streams (module docstring).
 
@@ -317,16 +340,7 @@ class HiFTVocoder(nn.Module):
         self.source = HarmonicSource(hift.m_source, scale, kernel=self.kernels)
 
     def _fused_convs_apply(self) -> bool:
-        """Whether the convolutions run as the fused Triton kernel (``kernels.vocoder_conv``):
-        Triton kernels asked for, or "auto" on an SM80+ GPU at a tensor-core precision (TF32,
-        fp16, bf16: where it was measured faster; IEEE float32 stays on cuDNN); never compiled
-        or float64."""
-        if self.compiled or self.kernels == "torch" or self.decision.choice == "fp64":
-            return False
-        if self.kernels == "triton":
-            return True
-        return (self.device.type == "cuda" and self.decision.choice != "ieee"
-                and torch.cuda.get_device_capability(self.device) >= (8, 0))
+        return not fused_conv_reasons(self.device, self.decision.choice, self.kernels, self.compiled)
 
     def extra_repr(self) -> str:
         return (f"precision={self.decision.describe()}, slab_rows={self.slab_rows}, compiled={self.compiled}, "
