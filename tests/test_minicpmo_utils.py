@@ -681,10 +681,12 @@ def test_gpu_fused_decode_stream_at_tf32_equals_bounded_vocoder_stream(mods, siz
 
 @in_child
 @pytest.mark.gpu
-def test_gpu_batched_graphed_stage_equals_each_stream_alone(mods, hift):
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+def test_gpu_batched_graphed_stage_equals_each_stream_alone(mods, hift, precision):
     """Five streams on CUDA, arriving on different ticks, batched through a graphed step (buckets
     1, 2, 4, 8) vs ``BoundedVocoder.stream`` per stream: samples within 2x the upstream fp32
-    error against the float64 step + 1e-6, phase within 1e-4 cycles."""
+    error against the float64 step + 1e-6, phase within 1e-4 cycles. IEEE: the model's decode;
+    TF32 (PyTorch's default, the upstream's error at TF32): the fused decode."""
     from torch_cfm.graphs import GraphedCall
     from torch_cfm.models.vocoder.causal import CausalVocoderCore, stream_batch
 
@@ -692,9 +694,11 @@ def test_gpu_batched_graphed_stage_equals_each_stream_alone(mods, hift):
     schedules = [[50] * 6 + [56], [50] * 7 + [20], [50] * 5 + [2], [50] * 6 + [50], [50] * 4 + [56]]
     arrival = [0, 0, 1, 1, 2]
     mels = [_mel(sum(s), seed=30 + i).cuda() for i, s in enumerate(schedules)]
-    with _ieee_fp32():
+    scope = _ieee_fp32() if precision == "ieee" else torch.backends.cudnn.flags(enabled=True, allow_tf32=True)
+    with scope:
         refs = [_upstream_stream(mods, model, m, s) for m, s in zip(mels, schedules)]
         core = CausalVocoderCore(mods.BoundedVocoder(copy.deepcopy(model)))
+        assert (core.fused is not None) == (precision == "tf32"), core.decoder_reasons
         core64 = CausalVocoderCore(mods.BoundedVocoder(copy.deepcopy(model).double()), dtype=torch.float64)
         call = GraphedCall(core.run, name="causal_vocoder_batch")
         states, states64 = [core.new_state() for _ in schedules], [core64.new_state() for _ in schedules]
