@@ -240,20 +240,18 @@ def test_the_fused_decode_is_within_the_upstream_fp32_error(mods, hift, finalize
 
 
 @in_child
-def test_the_core_decodes_fused_only_where_it_runs_and_says_why_not(mods, hift):
-    """``CausalVocoderCore(decoder=...)``: "auto" on the CPU keeps the model's decode and says why;
-    "fused" asks for it (Triton kernels: the interpreter's on the CPU); a float64 core or an
-    unknown choice is refused with a ValueError that names the argument."""
+def test_the_core_decodes_fused_only_where_asked_and_where_it_runs(mods, hift):
+    """``CausalVocoderCore(decoder=...)``: "upstream" (the default) keeps the model's decode;
+    "fused" asks for :class:`FusedCausalDecode` (its Triton kernels, the interpreter's on the
+    CPU); a float64 core or an unknown choice is refused with a ValueError naming the argument."""
     from torch_cfm.models.vocoder.causal import CausalVocoderCore
 
     bounded = mods.BoundedVocoder(copy.deepcopy(hift))
-    auto = CausalVocoderCore(bounded)
-    assert auto.fused is None and any("CUDA" in r for r in auto.decoder_reasons), auto.decoder_reasons
-    assert CausalVocoderCore(bounded, decoder="upstream").fused is None
+    assert CausalVocoderCore(bounded).fused is None
     assert CausalVocoderCore(bounded, decoder="fused").fused is not None
     with pytest.raises(ValueError, match=r"CausalVocoderCore: decoder must be .*float64"):
         CausalVocoderCore(mods.BoundedVocoder(copy.deepcopy(hift).double()), dtype=torch.float64, decoder="fused")
-    with pytest.raises(ValueError, match=r"CausalVocoderCore: decoder must be \"auto\", \"fused\" or \"upstream\""):
+    with pytest.raises(ValueError, match=r"CausalVocoderCore: decoder must be \"upstream\" or \"fused\""):
         CausalVocoderCore(bounded, decoder="cudnn")
 
 
@@ -651,8 +649,8 @@ def test_gpu_graphed_causal_step_equals_bounded_vocoder_stream(mods, sizes):
 @pytest.mark.gpu
 @pytest.mark.parametrize("sizes", ["tiny", "shipped"])
 def test_gpu_fused_decode_stream_at_tf32_equals_bounded_vocoder_stream(mods, sizes):
-    """At PyTorch's default precision (cuDNN TF32) the core decodes on the fused convolutions
-    (``decoder="auto"``), replayed from CUDA graphs: the state bitwise the upstream's
+    """At PyTorch's default precision (cuDNN TF32) the core decoding on the fused convolutions
+    (``decoder="fused"``), replayed from CUDA graphs: the state bitwise the upstream's
     ``BoundedVocoder.stream`` (TF32 too), the samples within 2x the upstream's TF32 error against
     its float64 stream + 1e-6."""
     from torch_cfm.integrations.minicpmo import CausalVocoderStream
@@ -665,8 +663,7 @@ def test_gpu_fused_decode_stream_at_tf32_equals_bounded_vocoder_stream(mods, siz
         ref, bounded = _upstream_stream(mods, model, mel, schedule)
         ref64, _ = _upstream_stream(mods, copy.deepcopy(model).double(), mel.double(), schedule)
         ours = mods.BoundedVocoder(copy.deepcopy(model))
-        voc = CausalVocoderStream(ours, graphs=True)
-        assert voc.core.fused is not None, voc.core.decoder_reasons
+        voc = CausalVocoderStream(ours, graphs=True, decoder="fused")
         pos = 0
         for i, (frames, expected, exact) in enumerate(zip(schedule, ref, ref64)):
             out = voc.stream(mel[:, :, pos:pos + frames], finalize=i == len(schedule) - 1)
@@ -686,7 +683,7 @@ def test_gpu_batched_graphed_stage_equals_each_stream_alone(mods, hift, precisio
     """Five streams on CUDA, arriving on different ticks, batched through a graphed step (buckets
     1, 2, 4, 8) vs ``BoundedVocoder.stream`` per stream: samples within 2x the upstream fp32
     error against the float64 step + 1e-6, phase within 1e-4 cycles. IEEE: the model's decode;
-    TF32 (PyTorch's default, the upstream's error at TF32): the fused decode."""
+    TF32 (PyTorch's default; the upstream's error at TF32): ``decoder="fused"``."""
     from torch_cfm.graphs import GraphedCall
     from torch_cfm.models.vocoder.causal import CausalVocoderCore, stream_batch
 
@@ -697,8 +694,8 @@ def test_gpu_batched_graphed_stage_equals_each_stream_alone(mods, hift, precisio
     scope = _ieee_fp32() if precision == "ieee" else torch.backends.cudnn.flags(enabled=True, allow_tf32=True)
     with scope:
         refs = [_upstream_stream(mods, model, m, s) for m, s in zip(mels, schedules)]
-        core = CausalVocoderCore(mods.BoundedVocoder(copy.deepcopy(model)))
-        assert (core.fused is not None) == (precision == "tf32"), core.decoder_reasons
+        core = CausalVocoderCore(mods.BoundedVocoder(copy.deepcopy(model)),
+                                 decoder="fused" if precision == "tf32" else "upstream")
         core64 = CausalVocoderCore(mods.BoundedVocoder(copy.deepcopy(model).double()), dtype=torch.float64)
         call = GraphedCall(core.run, name="causal_vocoder_batch")
         states, states64 = [core.new_state() for _ in schedules], [core64.new_state() for _ in schedules]

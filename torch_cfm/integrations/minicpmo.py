@@ -81,14 +81,15 @@ class CausalVocoderStream:
         graphs: replay from CUDA graphs (:class:`~torch_cfm.graphs.GraphedCall`,
             each plan's capture checked against its eager call); False: the same step eagerly.
         max_graphs: plans kept (a stream meets three: its first chunk, a steady chunk, its last).
+        decoder: the core's (:class:`~torch_cfm.models.vocoder.causal.CausalVocoderCore`).
     Attributes:
         core: the :class:`~torch_cfm.models.vocoder.causal.CausalVocoderCore`.
         call: the ``GraphedCall`` (None without graphs).
     """
 
-    def __init__(self, bounded: Any, *, graphs: bool, max_graphs: int = 16) -> None:
+    def __init__(self, bounded: Any, *, graphs: bool, max_graphs: int = 16, decoder: str = "upstream") -> None:
         self.bounded = bounded
-        self.core = CausalVocoderCore(bounded)
+        self.core = CausalVocoderCore(bounded, decoder=decoder)
         self.call = GraphedCall(self.core.run, name="bounded_vocoder.stream", max_graphs=max_graphs) \
             if graphs else None
 

@@ -236,13 +236,13 @@ class CausalVocoderCore:
         device: where the state lives (default: the model's).
         dtype: of the mel, source and decoder (float32 as upstream; float64 for a reference,
             with ``bounded.model`` in float64).
-        decoder: "auto" (the fused decode where :func:`fused_decode_reasons` finds no reason
-            against it: CUDA at TF32), "fused" (kernels="triton" off CUDA: tests under Triton's
-            interpreter) or "upstream" (the model's ``decode``).
+        decoder: "upstream" (the model's ``decode``; the default until the fused one is timed on
+            a GPU: ``bench/experiments/causal_fused_decode.py``) or "fused" (:class:`FusedCausalDecode`,
+            where :func:`fused_decode_reasons` finds no reason against it: CUDA at TF32; off
+            CUDA its Triton kernels, for tests under Triton's interpreter).
     Attributes:
         model: the ``CausalHiFTGenerator`` (run as it is, inside :func:`capturable_causal`).
-        fused: the :class:`FusedCausalDecode` the decode runs on (None: the model's own);
-            ``decoder_reasons``: why not, where "auto" left it off.
+        fused: the :class:`FusedCausalDecode` the decode runs on (None: the model's own).
         sizes: :class:`CausalVocoderSizes`.
         table: the noise table (L, H) float32 on ``device`` (a device copy: 259 MB at the
             shipped 300 s x 9 harmonics, once per core).
@@ -253,9 +253,9 @@ class CausalVocoderCore:
     """
 
     def __init__(self, bounded: Any, device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32,
-                 decoder: str = "auto") -> None:
-        if decoder not in ("auto", "fused", "upstream"):
-            fail("CausalVocoderCore", "decoder", 'be "auto", "fused" or "upstream"', repr(decoder))
+                 decoder: str = "upstream") -> None:
+        if decoder not in ("upstream", "fused"):
+            fail("CausalVocoderCore", "decoder", 'be "upstream" or "fused"', repr(decoder))
         gaps = bounded_vocoder_gaps(bounded)
         if gaps:
             raise TypeError(f"CausalVocoderCore: bounded must be a stepaudio2 BoundedVocoder over a "
@@ -272,13 +272,14 @@ class CausalVocoderCore:
         self.window = model.stft_window.to(self.device)
         self.mels = model.conv_pre.in_channels
         self.parts = CausalModelParts.of(model)
-        kernels = "auto" if decoder == "auto" or self.device.type == "cuda" else "triton"
-        self.decoder_reasons = ["decoder='upstream'"] if decoder == "upstream" else \
-            fused_decode_reasons(self.device, dtype, kernels)
-        if decoder == "fused" and self.decoder_reasons:
-            fail("CausalVocoderCore", "decoder", "be 'fused' only where the fused decode runs",
-                 "'fused'", "; ".join(self.decoder_reasons))
-        self.fused = None if self.decoder_reasons else FusedCausalDecode(model, self.device, kernels)
+        self.fused = None
+        if decoder == "fused":
+            kernels = "auto" if self.device.type == "cuda" else "triton"
+            reasons = fused_decode_reasons(self.device, dtype, kernels)
+            if reasons:
+                fail("CausalVocoderCore", "decoder", "be 'fused' only where the fused decode runs", "'fused'",
+                     "; ".join(reasons))
+            self.fused = FusedCausalDecode(model, self.device, kernels)
 
     def new_state(self) -> dict[str, torch.Tensor]:
         """A fresh stream state, in the layout of ``BoundedVocoder.reset()``."""
