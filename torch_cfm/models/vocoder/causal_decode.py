@@ -15,7 +15,8 @@ asymmetric padding):
   as the upstream does, the last frame's samples are held back;
 * the nearest-upsampling convolution (upsample ×u, then a left-causal k-tap convolution) is a
   transposed convolution of stride u whose ``k + u - 1`` taps are sums of the original ones (tap
-  j sums taps ``k - 1 - j .. k - u - j``, clipped), cropped by ``k - 1`` frames on the right.
+  j sums taps ``k - 1 - j .. k + u - 2 - j`` clipped to ``0 .. k - 1``), cropped by ``k - 1`` frames
+  on the right.
 
 The sums and the tiles round differently from the upstream's, so the samples agree within the
 convolutions' rounding, not bitwise; the f0 predictor and the source (the stream's state) are not
