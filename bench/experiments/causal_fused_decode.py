@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import sys
 
@@ -27,11 +26,8 @@ sys.path[:0] = [HERE, os.path.dirname(HERE), os.path.join(ROOT, "tests"), ROOT]
 
 import torch  # noqa: E402
 
+from oracle import err_rel_fro as _err  # noqa: E402  (tests/oracle.py: relative Frobenius error)
 from torch_cfm.models.vocoder.causal_decode import FusedCausalDecode  # noqa: E402
-
-
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def check(mods, P) -> dict:

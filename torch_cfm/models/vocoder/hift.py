@@ -293,7 +293,7 @@ class HiFTVocoder(nn.Module):
         with torch.no_grad():
             self._load(hift, adt, cdt)
         self.to(self.device)
-        self.fused_convs = self._fused_convs_apply()
+        self.fused_convs = not fused_conv_reasons(self.device, choice, self.kernels, self.compiled)
         if self.fused_convs:
             dot = {"tf32": "tf32", "ieee": "ieee"}.get(choice)
             f0 = set(self.f0_convs)
@@ -338,9 +338,6 @@ class HiFTVocoder(nn.Module):
         scale = math.prod(int(u.stride[0]) for u in hift.ups) * self.dims["hop"]
         self.samples_per_frame = scale
         self.source = HarmonicSource(hift.m_source, scale, kernel=self.kernels)
-
-    def _fused_convs_apply(self) -> bool:
-        return not fused_conv_reasons(self.device, self.decision.choice, self.kernels, self.compiled)
 
     def extra_repr(self) -> str:
         return (f"precision={self.decision.describe()}, slab_rows={self.slab_rows}, compiled={self.compiled}, "
