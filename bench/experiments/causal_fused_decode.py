@@ -80,7 +80,7 @@ def timing(mods, P, batches: list[int], out: str) -> None:
         candidates = {"cudnn_tf32": today, **{f"fused_{p}": (lambda f=f: f.decode(mel, source, False))
                                               for p, f in fused.items()}}
         for name, fn in candidates.items():
-            with torch.no_grad(), torch.backends.cudnn.flags(allow_tf32=True):
+            with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
                 t = H.time_cuda_graph(fn, calls=2, repeats=9, warmup=2)
                 err = _err(fn(), ref64)
             row = dict(H.env_info(), op="causal_fused_decode", B=b, frames=86, variant=name,
@@ -88,9 +88,37 @@ def timing(mods, P, batches: list[int], out: str) -> None:
             rows.append(row)
             print({k: row[k] for k in ("B", "variant", "ms", "rel_err_vs_fp64")}, flush=True)
     rows += chunk_timing(mods, P, model, fused["tf32"], batches)
+    rows += errors_by_width(mods, P)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "causal_fused_decode.json"), "w") as f:
         json.dump(rows, f, indent=1)
+
+
+def errors_by_width(mods, P, widths=(16, 64, 512)) -> list[dict]:
+    """One 86-frame decode per model width (``base_channels`` = ``f0_channels``): the upstream's
+    at cuDNN TF32 and at IEEE float32, and the fused one at TF32, each against float64. Whether a
+    narrow layer runs on cuDNN's tensor cores at all decides how much of the upstream's "TF32"
+    error is TF32's: the fused convolutions round every layer's operands."""
+    import _harness as H
+
+    dev = torch.device("cuda")
+    rows = []
+    for width in widths:
+        model = P.build_causal_hift(mods, seed=1, base_channels=width, f0_channels=width).to(dev)
+        gen = torch.Generator(device=dev).manual_seed(width)
+        mel = torch.randn(1, 80, 86, generator=gen, device=dev)
+        source = torch.randn(1, 1, 86 * 480, generator=gen, device=dev) * 0.1
+        with torch.no_grad():
+            ref64 = copy.deepcopy(model).double().decode(mel.double(), source.double(), finalize=False)
+            row = dict(H.env_info(), op="causal_fused_error", width=width, B=1, frames=86)
+            for name, tf32 in (("upstream_tf32", True), ("upstream_ieee", False)):
+                with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32):
+                    row[name] = _err(model.decode(mel, source, finalize=False), ref64)
+            row["fused_tf32"] = _err(FusedCausalDecode(model, precision="tf32").decode(mel, source, False), ref64)
+        row["fused_over_upstream_tf32"] = row["fused_tf32"] / row["upstream_tf32"]
+        rows.append(row)
+        print({k: v for k, v in row.items() if k == "width" or "tf32" in k or "ieee" in k}, flush=True)
+    return rows
 
 
 def chunk_timing(mods, P, model, fused: FusedCausalDecode, batches: list[int]) -> list[dict]:

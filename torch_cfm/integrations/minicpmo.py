@@ -87,7 +87,7 @@ class CausalVocoderStream:
         call: the ``GraphedCall`` (None without graphs).
     """
 
-    def __init__(self, bounded: Any, *, graphs: bool, max_graphs: int = 16, decoder: str = "upstream") -> None:
+    def __init__(self, bounded: Any, *, graphs: bool, max_graphs: int = 16, decoder: str = "auto") -> None:
         self.bounded = bounded
         self.core = CausalVocoderCore(bounded, decoder=decoder)
         self.call = GraphedCall(self.core.run, name="bounded_vocoder.stream", max_graphs=max_graphs) \

@@ -236,10 +236,11 @@ class CausalVocoderCore:
         device: where the state lives (default: the model's).
         dtype: of the mel, source and decoder (float32 as upstream; float64 for a reference,
             with ``bounded.model`` in float64).
-        decoder: "upstream" (the model's ``decode``; the default until the fused one is timed on
-            a GPU: ``bench/experiments/causal_fused_decode.py``) or "fused" (:class:`FusedCausalDecode`,
-            where :func:`fused_decode_reasons` finds no reason against it: CUDA at TF32; off
-            CUDA its Triton kernels, for tests under Triton's interpreter).
+        decoder: "auto" (the default: "fused" on CUDA where :func:`fused_decode_reasons` finds no
+            reason against it, i.e. float32 at TF32, PyTorch's default for cuDNN; else "upstream"),
+            "upstream" (the model's ``decode``) or "fused" (:class:`FusedCausalDecode`; off CUDA its
+            Triton kernels, for tests under Triton's interpreter). The fused decode is 1.6-1.7x the
+            model's at 16 and 64 streams (``docs/performance.md`` §6).
     Attributes:
         model: the ``CausalHiFTGenerator`` (run as it is, inside :func:`capturable_causal`).
         fused: the :class:`FusedCausalDecode` the decode runs on (None: the model's own).
@@ -253,9 +254,9 @@ class CausalVocoderCore:
     """
 
     def __init__(self, bounded: Any, device: Optional[torch.device] = None, dtype: torch.dtype = torch.float32,
-                 decoder: str = "upstream") -> None:
-        if decoder not in ("upstream", "fused"):
-            fail("CausalVocoderCore", "decoder", 'be "upstream" or "fused"', repr(decoder))
+                 decoder: str = "auto") -> None:
+        if decoder not in ("auto", "upstream", "fused"):
+            fail("CausalVocoderCore", "decoder", 'be "auto", "upstream" or "fused"', repr(decoder))
         gaps = bounded_vocoder_gaps(bounded)
         if gaps:
             raise TypeError(f"CausalVocoderCore: bounded must be a stepaudio2 BoundedVocoder over a "
@@ -273,6 +274,9 @@ class CausalVocoderCore:
         self.mels = model.conv_pre.in_channels
         self.parts = CausalModelParts.of(model)
         self.fused = None
+        if decoder == "auto":
+            runs = self.device.type == "cuda" and not fused_decode_reasons(self.device, dtype)
+            decoder = "fused" if runs else "upstream"
         if decoder == "fused":
             kernels = "auto" if self.device.type == "cuda" else "triton"
             reasons = fused_decode_reasons(self.device, dtype, kernels)
