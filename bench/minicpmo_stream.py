@@ -57,18 +57,6 @@ PACKAGE = "minicpmo-utils"
 BARS = {"chunk_ms": 15.0}  # issue 40: H200 fp16, one stream through Token2wav.stream, chunk p50
 
 
-def _isolate(argv) -> None:
-    """Re-execute this script in an interpreter whose ``stepaudio2`` is minicpmo-utils' alone."""
-    folder = os.path.realpath(P.folder(PACKAGE))
-    here = os.environ.get("STEPAUDIO2_PATH")
-    if os.environ.get(P.ACTIVE_ENV) == PACKAGE and here and os.path.realpath(here) == folder:
-        return
-    if "stepaudio2" in sys.modules:
-        raise SystemExit(f"{OP}: stepaudio2 is imported already; run with STEPAUDIO2_PATH={folder}")
-    env = dict(os.environ, **{P.ACTIVE_ENV: PACKAGE, "STEPAUDIO2_PATH": folder})
-    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__), *argv], env)
-
-
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -268,7 +256,7 @@ def main(argv=None) -> int:
     if reason is not None:
         print(f"{OP}: {reason}", file=sys.stderr)
         return 2
-    _isolate(argv)
+    P.reexec_isolated(PACKAGE, __file__, argv, OP)
     from torch_cfm.integrations.stepaudio2 import apply_torch_cfm, warmup
 
     setup = build(args)

@@ -65,8 +65,16 @@ gpu) under
 ``--out`` (default ``bench/results``); ``serving.md`` (table) and ``serving.png`` (throughput and
 p99 chunk latency against C; skipped with a message without matplotlib) are written from it.
 
+``--vocoder causal``: the wav stage's vocoder is minicpmo-utils' causal one (a ``BoundedVocoder``
+over a ``CausalHiFTGenerator``, shipped sizes, seeded random weights; the package MiniCPM-o 4.5
+requires), served by the front's causal vocoder stage; its rows carry the variant
+``causal_vocoder``. The script then re-executes itself with minicpmo-utils' ``stepaudio2`` alone
+(``tests/upstream_packages.py``: ``.upstream/minicpmo-utils``); the ``voc`` stage and the upstream
+wav path (both the ``HiFTGenerator``'s) are skipped.
+
     BENCH_COMMIT=$(git rev-parse HEAD) python bench/serving.py --quick          # GPU, fp16
     python bench/serving.py --device cpu --tiny --quick --out /tmp/serving      # CPU smoke
+    python bench/serving.py --quick --warmup --stages wav --vocoder causal --providers torch_cfm,torch_cfm/voices
 """
 
 from __future__ import annotations
@@ -91,6 +99,7 @@ sys.path[:0] = [HERE, os.path.join(ROOT, "tests"), ROOT]
 
 import _harness as H  # noqa: E402
 import upstream_flow as U  # noqa: E402
+import upstream_packages as P  # noqa: E402
 from torch_cfm.serving import StreamPrompt, Token2wavServer  # noqa: E402
 from torch_cfm.models.cache import TRIM_KEEP_OLDEST  # noqa: E402
 
@@ -699,6 +708,20 @@ def run_one(provider, c: int, wl: Workload, seed: int) -> dict:
             "captures_measured": captures() - (captured_before or 0)}
 
 
+CAUSAL_PACKAGE = "minicpmo-utils"
+
+
+def causal_vocoder(tiny: bool, seed: int, device: str):
+    """minicpmo-utils' ``BoundedVocoder`` over a ``CausalHiFTGenerator`` (float32, as its
+    ``Token2wav`` keeps it) with seeded random weights, at the shipped sizes or tiny ones."""
+    mods = P.load_minicpmo_token2wav()
+    bad = P.check_isolated(CAUSAL_PACKAGE)
+    if bad:
+        raise SystemExit(f"serving: stepaudio2 is not {CAUSAL_PACKAGE}'s alone: {bad}")
+    model = P.build_causal_hift(mods, seed=seed, **(P.TINY_CAUSAL if tiny else P.SHIPPED_CAUSAL))
+    return mods.BoundedVocoder(model.to(device))
+
+
 def stage_shares(provider: TorchCfmProvider, c: int, wl: Workload) -> dict:
     """The front's per-stage seconds over a few ticks of C streams (timing=True syncs per stage)."""
     server = provider.server
@@ -832,6 +855,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--warmup", action="store_true", help="run Token2wavServer.warmup before the ticks")
     ap.add_argument("--no-stage-graphs", action="store_true",
                     help="run the front's encoder and HiFT eagerly (the CFM keeps its graphs): the graphs' A/B")
+    ap.add_argument("--vocoder", choices=("hift", "causal"), default="hift",
+                    help="the wav stage's vocoder: the HiFTGenerator, or minicpmo-utils' causal one")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tables", action="store_true",
@@ -843,6 +868,9 @@ def main(argv=None) -> list[dict]:
         print(write_table(rows, os.path.join(args.out, "serving.md"), _reproduce(rows)))
         write_plot(rows, os.path.join(args.out, "serving.png"))
         return rows
+    causal = args.vocoder == "causal"
+    if causal:
+        P.reexec_isolated(CAUSAL_PACKAGE, __file__, list(sys.argv[1:] if argv is None else argv), "serving")
     STAGE_GRAPHS[0] = False if args.no_stage_graphs else None
     PROMPT_STEPS[0] = args.prompt_steps
     device = args.device
@@ -867,7 +895,9 @@ def main(argv=None) -> list[dict]:
         U.resize_scratch_buffers(flow, wl.prompt_frames + TRIM_KEEP_OLDEST + wl.chunk_frames)
     flow = flow.to(device=device, dtype=dtype)
     hift, hift_error = None, None
-    if "wav" in args.stages or "voc" in args.stages:
+    if causal and "wav" in args.stages:
+        hift = causal_vocoder(args.tiny, args.seed, device)
+    elif "wav" in args.stages or "voc" in args.stages:
         try:
             import importlib
 
@@ -889,6 +919,8 @@ def main(argv=None) -> list[dict]:
     command = "python bench/serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
     for stage in args.stages.split(","):
         for prov_name in args.providers.split(","):
+            if causal and (stage == "voc" or (stage == "wav" and not prov_name.startswith("torch_cfm"))):
+                continue  # the HiFTGenerator's paths
             if stage == "voc":
                 if prov_name not in ("torch_cfm", "upstream_ieee", "upstream_tf32"):
                     continue
@@ -901,7 +933,8 @@ def main(argv=None) -> list[dict]:
                 variant = "+".join(v for v, on in (("no_stage_graphs", args.no_stage_graphs and prov_name.startswith(
                     "torch_cfm")), ("mixed_prompts", args.mixed_prompts),
                     (f"prompt_steps_{args.prompt_steps}", prov_name == "torch_cfm/paced"),
-                    (f"voices_{args.voices}", prov_name == "torch_cfm/voices")) if on)
+                    (f"voices_{args.voices}", prov_name == "torch_cfm/voices"),
+                    ("causal_vocoder", causal and stage == "wav")) if on)
                 base = dict(op=OP, provider=prov_name, variant=variant, stage=stage, concurrency=c, dtype=dname,
                             prompt_s=[2 * wl.pool_tokens(i) * FRAME_S for i in range(4)] if mix
                             else wl.prompt_frames * FRAME_S, chunk_s=wl.chunk_frames * FRAME_S,

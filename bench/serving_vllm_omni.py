@@ -25,6 +25,8 @@ lines with provenance, identity: provider, variant, dtype, concurrency, gpu, run
 arrivals' setup included), steady audio-s/s (chunk steps alone), chunk and first-chunk latency
 p50/p99, ``peak_gib`` (device memory allocated at the peak, over what the modules hold; the larger
 of ``build_peak_gib``, building and warming up, and ``serve_peak_gib``, the measured ticks),
+``reserved_peak_gib`` (the same for memory reserved: CUDA-graph pools are reserved but not
+allocated once captured, so this is the footprint a card must hold; ``build_``/``serve_`` too),
 ``bytes_per_request`` (torch_cfm's memory plan), ``captures_measured`` (graphs captured during the
 measured ticks) and the error of a provider that failed (out of memory, say). The summary prints
 the issue's ratios per C.
@@ -210,6 +212,8 @@ def summary(rows: list[dict]) -> str:
                 parts.append(f"{r['audio_s_per_s'] / base['audio_s_per_s']:.2f}x vllm_omni {base_dt}{bar}")
                 if base.get("peak_gib") and r.get("peak_gib") is not None:
                     parts.append(f"peak {r['peak_gib'] / base['peak_gib']:.2f}x{' (bar: <= 0.5 at 16)' if bar else ''}")
+                if base.get("reserved_peak_gib") and r.get("reserved_peak_gib") is not None:
+                    parts.append(f"reserved {r['reserved_peak_gib'] / base['reserved_peak_gib']:.2f}x")
         front = got.get(("torch_cfm", dt, variant, c))
         if front and front.get("audio_s_per_s"):
             parts.append(f"{r['audio_s_per_s'] / front['audio_s_per_s']:.2f}x torch_cfm front (bar: >= 0.9)")
@@ -271,11 +275,12 @@ def main(argv=None) -> list[dict]:
                         if device == "cuda":
                             torch.cuda.empty_cache()
                             torch.cuda.reset_peak_memory_stats()
-                            mem0 = torch.cuda.memory_allocated()
+                            mem0, res0 = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
                         stub.new_process()  # vLLM's per-process graph pool: one per backend built here
                         prov = build(name, bt, flow, hift, c, wl, voices, inputs, device, dname == "fp16")
                         if device == "cuda":  # the build and warm-up apart from serving: which sets the peak
                             row["build_peak_gib"] = round((torch.cuda.max_memory_allocated() - mem0) / 2 ** 30, 3)
+                            row["build_reserved_gib"] = round((torch.cuda.max_memory_reserved() - res0) / 2 ** 30, 3)
                             torch.cuda.reset_peak_memory_stats()
                         row.update(S.run_one(prov, c, wl, args.seed + c))
                         row["bytes_per_request"] = prov.bytes_per_request()
@@ -285,6 +290,8 @@ def main(argv=None) -> list[dict]:
                         if device == "cuda":
                             row["serve_peak_gib"] = round((torch.cuda.max_memory_allocated() - mem0) / 2 ** 30, 3)
                             row["peak_gib"] = max(row["build_peak_gib"], row["serve_peak_gib"])
+                            row["serve_reserved_gib"] = round((torch.cuda.max_memory_reserved() - res0) / 2 ** 30, 3)
+                            row["reserved_peak_gib"] = max(row["build_reserved_gib"], row["serve_reserved_gib"])
                     except Exception as exc:  # noqa: BLE001 - out of memory, typically: the row says so
                         traceback.print_exc()
                         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"

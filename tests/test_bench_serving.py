@@ -76,3 +76,27 @@ def test_upstream_graph_peer_solves_like_the_upstream():
             ref, _, _ = dec.solve_euler_chunk(peer.x[b:b + 1], peer.t_span, peer.mu[b:b + 1], peer.spks[b:b + 1],
                                               peer.cond[b:b + 1], peer.cnn[:, :, pick], peer.att[:, :, pick])
             assert err_rel_fro(both[b], ref[0]) <= 1e-5
+
+
+def test_causal_vocoder_rows(tmp_path):
+    """``--vocoder causal``: the script re-executes itself with minicpmo-utils' ``stepaudio2`` alone
+    and serves the wav stage through the front's causal vocoder stage; the HiFTGenerator's paths
+    (the upstream wav rows, the voc stage) are left out."""
+    import subprocess
+
+    import upstream_packages as P
+
+    reason = P.missing_reason(serving.CAUSAL_PACKAGE)
+    if reason:
+        pytest.skip(reason)
+    env = {k: v for k, v in os.environ.items() if k not in (P.ACTIVE_ENV, "STEPAUDIO2_PATH")}
+    cmd = [sys.executable, os.path.join(os.path.dirname(serving.__file__), "serving.py"), "--device", "cpu", "--tiny",
+           "--quick", "--concurrency", "2", "--ticks", "2", "--chunks", "2", "--warm-ticks", "1",
+           "--stages", "wav,voc", "--vocoder", "causal", "--providers", "torch_cfm,upstream", "--out", str(tmp_path)]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "serving.jsonl").read_text().splitlines()]
+    assert [(r["stage"], r["provider"], r["variant"]) for r in rows] == [("wav", "torch_cfm", "causal_vocoder")]
+    row = rows[0]
+    assert not row.get("error") and row["audio_s_per_s"] > 0 and row["captures_measured"] == 0
+    assert abs(sum(row[f"share_{k}"] for k in ("encoder", "cfm", "vocoder")) - 1) < 0.01

@@ -103,6 +103,20 @@ def check_isolated(name: str) -> list[str]:
     return bad
 
 
+def reexec_isolated(name: str, script: str, argv: list, op: str) -> None:
+    """Re-execute ``script`` with ``argv`` in an interpreter whose ``stepaudio2`` is package
+    ``name``'s alone; returns at once inside that interpreter. Raises SystemExit when this one
+    has imported another ``stepaudio2`` already (nothing can be unloaded)."""
+    path = os.path.realpath(folder(name))
+    here = os.environ.get("STEPAUDIO2_PATH")
+    if active() == name and here and os.path.realpath(here) == path:
+        return
+    if "stepaudio2" in sys.modules:
+        raise SystemExit(f"{op}: stepaudio2 is imported already; run with {ACTIVE_ENV}={name} STEPAUDIO2_PATH={path}")
+    env = dict(os.environ, **{ACTIVE_ENV: name, "STEPAUDIO2_PATH": path})
+    os.execve(sys.executable, [sys.executable, os.path.abspath(script), *argv], env)
+
+
 @dataclass
 class IsolatedRun:
     returncode: int

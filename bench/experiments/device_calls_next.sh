@@ -12,6 +12,7 @@
 #   bash bench/experiments/device_calls_next.sh encoder   # issue 43's encoder A/B
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
 #   bash bench/experiments/device_calls_next.sh stream    # issue 40's one minicpmo-utils stream alone
+#                        (causal_serving: tokens -> waveform, minicpmo-utils' causal vocoder, 16 and 64 streams)
 #   bash bench/experiments/device_calls_next.sh voices    # issue 40's voice-cache bars (4 voices, arrivals)
 #   bash bench/experiments/device_calls_next.sh v5a       # issue 41: the fused attention kernel's arena form
 #                        (GPU tests, then the arena step against the table's arena plan at 32-128 rows;
@@ -40,7 +41,7 @@ if ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; then
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, peers64, peers_bars, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, peers64, peers_bars, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass) ;; *) need_cuda ;; esac
@@ -110,6 +111,10 @@ case $mode in
       timeout 150 python3 bench/cutlass_gemm.py --so $lib/libtcfm_cutlass.so --quick --roles qkv,fc1,fc1_bias \
         --out "$OUT/$lib" > "$OUT/$lib.log" 2>&1; grep -E "fc1|qkv" "$OUT/$lib/cutlass_gemm.md" | head -8
     done ;;
+  causal_serving)  # issue 40 / 43: tokens -> waveform through minicpmo-utils' causal vocoder at 16 and 64 streams
+    timeout ${CAUSAL_TIMEOUT:-400} python3 bench/serving.py --stages cfm,wav --vocoder causal --concurrency 16,64 --quick \
+      --warmup --dtype fp16 --providers torch_cfm --out "$OUT" > "$OUT/causal_serving.log" 2>&1
+    grep -v "warmup \[" "$OUT/causal_serving.log" | grep -E "^\| r|C= " | tail -8 ;;
   stream)  # issue 40's one minicpmo-utils stream alone (waveform chunk <= 15 ms, no capture while timed)
     STEPAUDIO2_PATH=$MINI timeout 200 python3 bench/minicpmo_stream.py --out "$OUT" > "$OUT/minicpmo_stream.log" 2>&1
     grep -E "^\||captures|bar" "$OUT/minicpmo_stream.log" | tail -10 ;;
