@@ -27,7 +27,8 @@ p50/p99, ``peak_gib`` (device memory allocated at the peak, over what the module
 of ``build_peak_gib``, building and warming up, and ``serve_peak_gib``, the measured ticks),
 ``reserved_peak_gib`` (the same for memory reserved: CUDA-graph pools are reserved but not
 allocated once captured, so this is the footprint a card must hold; ``build_``/``serve_`` too),
-``bytes_per_request`` (torch_cfm's memory plan), ``captures_measured`` (graphs captured during the
+``memory_attribution`` (``--memory-attribution``: pools and allocated bytes by source line,
+``bench/_memory.py``), ``bytes_per_request`` (torch_cfm's memory plan), ``captures_measured`` (graphs captured during the
 measured ticks) and the error of a provider that failed (out of memory, say). The summary prints
 the issue's ratios per C.
 
@@ -53,6 +54,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, os.path.join(ROOT, "tests"), ROOT]
 
 import _harness as H  # noqa: E402
+import _memory as M  # noqa: E402
 import serving as S  # noqa: E402
 import upstream_flow as U  # noqa: E402
 import vllm_omni_reference as V  # noqa: E402
@@ -235,8 +237,14 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--warm-ticks", type=int, default=None)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--memory-attribution", action="store_true",
+                    help="record every CUDA allocation's stack; rows carry memory_attribution (bench/_memory.py): "
+                         "pools reserved vs allocated, allocated bytes by source line (a diagnostic run: "
+                         "recording slows allocation)")
     args = ap.parse_args(argv)
     device = args.device
+    if args.memory_attribution and device == "cuda":
+        M.start()
     size = U.TINY if args.tiny else U.SHIPPED
     cs = [int(c) for c in (args.concurrency or ("1,2" if args.tiny else "1,4,16,32")).split(",")]
     dtypes = (args.dtypes or ("fp16,fp32" if device == "cuda" else "fp32")).split(",")
@@ -292,6 +300,9 @@ def main(argv=None) -> list[dict]:
                             row["peak_gib"] = max(row["build_peak_gib"], row["serve_peak_gib"])
                             row["serve_reserved_gib"] = round((torch.cuda.max_memory_reserved() - res0) / 2 ** 30, 3)
                             row["reserved_peak_gib"] = max(row["build_reserved_gib"], row["serve_reserved_gib"])
+                            if args.memory_attribution:
+                                row["memory_attribution"] = M.attribution(top=15)
+                                print("\n".join(M.lines(row["memory_attribution"])), flush=True)
                     except Exception as exc:  # noqa: BLE001 - out of memory, typically: the row says so
                         traceback.print_exc()
                         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"

@@ -4,7 +4,8 @@
 # stepaudio2-minicpmo==0.1.1 -d .whl`) and .upstream (`pip install --no-deps --target
 # .upstream/minicpmo-utils minicpmo-utils==1.0.7`), and .old for `causal`. Results land under $OUT.
 #   bash bench/experiments/device_calls_next.sh peers     # issue 42's bars (peers64: 64 streams, patched and front;
-#                        peers_bars: 16 streams, all three, then 64, patched and front)
+#                        peers_bars: 16 streams, all three, then 64, patched and front;
+#                        peers_memory: 16 streams, where each provider's memory is, by pool and source line)
 #   bash bench/experiments/device_calls_next.sh vocoder   # issue 43: per-layer times, bench/vocoder_tiles.py
 #                        (tiles: the tile sweep alone; tiles_ab: the whole decode, table against rule)
 #   bash bench/experiments/device_calls_next.sh causal    # issue 40's causal vocoder, new and previous tree
@@ -41,7 +42,7 @@ if ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; then
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, peers64, peers_bars, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass) ;; *) need_cuda ;; esac
@@ -55,6 +56,10 @@ case $mode in
     timeout 330 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --concurrency 64 \
       --providers vllm_omni/torch_cfm,torch_cfm --out "$OUT" > "$OUT/vllm_omni64.log" 2>&1
     grep -v "warmup \[" "$OUT/vllm_omni64.log" | tail -6 ;;
+  peers_memory)  # issue 42's memory bar: 16 streams, all three, each allocation's stack recorded (bench/_memory.py)
+    timeout 260 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --concurrency 16 --memory-attribution \
+      --out "$OUT/memory" > "$OUT/vllm_omni_memory.log" 2>&1
+    grep -E "MiB|C= 16" "$OUT/vllm_omni_memory.log" | grep -v "warm-up" | head -60 ;;
   peers64)  # issue 42's "64 streams on an 80 GB card": the plugin and the front alone (unpatched runs out of memory)
     timeout 400 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --concurrency 64 \
       --providers vllm_omni/torch_cfm,torch_cfm --out "$OUT" > "$OUT/vllm_omni64.log" 2>&1
