@@ -248,8 +248,9 @@ class CFMServer:
         key = voice if cached is not None else None
         if self.voices is not None and prompt_mu is not None and voice is not False:
             key = voice if voice is not None else content_key(spks, prompt_mu, prompt_mel, prompt_len, self.dtype)
-        req = self._take_slot(request_id, self._free_bucket(op), spks, prompt_len)
+        bucket = self._free_bucket(op)
         state = None if key is None else self.voices.get(key)
+        req = self._take_slot(request_id, bucket, spks, prompt_len, fresh=state is None)
         if state is not None:
             return self._restore_voice(req, state)
         if prompt_mu is None:
@@ -273,7 +274,7 @@ class CFMServer:
         why = state_mismatch(state, self.arenas[0], self.max_prompt_frames)
         if why:
             fail(op, "state", "be a prompt state of this server (CFMServer.prompt_state)", why)
-        req = self._take_slot(request_id, self._free_bucket(op), state.spks[None], state.prompt_len)
+        req = self._take_slot(request_id, self._free_bucket(op), state.spks[None], state.prompt_len, fresh=False)
         return self._restore_voice(req, state)
 
     def _free_bucket(self, op: str) -> int:
@@ -286,14 +287,18 @@ class CFMServer:
                 "server with more slots")
         return bucket
 
-    def _take_slot(self, request_id: Hashable, bucket: int, spks: torch.Tensor, prompt_len: int) -> _Request:
+    def _take_slot(self, request_id: Hashable, bucket: int, spks: torch.Tensor, prompt_len: int,
+                   fresh: bool = True) -> _Request:
+        """A free slot of ``bucket`` for the request; ``fresh``: its caches emptied (False: a voice
+        state is restored over them next)."""
         slot = self._free[bucket].pop(0)
         arena = self.arenas[bucket]
         arena.spks[slot].copy_(spks[0])
         arena.prompt_lengths[slot] = prompt_len
-        arena.cache_lengths[slot] = 0
-        arena.cnn[:, :, slot].zero_()  # a new request starts with zero conv history (docs/design.md §2)
-        arena.cnn[:, :, arena.rows + slot].zero_()
+        if fresh:
+            arena.cache_lengths[slot] = 0
+            arena.cnn[:, :, slot].zero_()  # a new request starts with zero conv history (docs/design.md §2)
+            arena.cnn[:, :, arena.rows + slot].zero_()
         req = self._requests[request_id] = _Request(bucket, slot, prompt_len)
         return req
 
