@@ -373,3 +373,19 @@ def test_gpu_served_streams_match_token2wav_stream(mods, flow, hift):
             _check_stream(mods, flow, hift, sid, plan, served, device="cuda")
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+
+
+@in_child
+@pytest.mark.gpu
+def test_gpu_served_causal_stage_decodes_on_the_fused_convolutions_at_tf32(mods, flow):
+    """The server's causal vocoder stage takes the core's default decoder: the fused convolutions at
+    PyTorch's default precision (cuDNN TF32), the model's decode with TF32 off (the stream tests
+    above; the fused decode's accuracy: test_minicpmo_utils's TF32 tests)."""
+    from torch_cfm.serving import Token2wavServer
+
+    hift = P.build_causal_hift(mods, seed=0, table_samples=20 * 24000, **P.SHIPPED_CAUSAL).cuda()
+    for tf32 in (True, False):
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32):
+            t2w = _token2wav(mods, copy.deepcopy(flow), hift, _prompt(next(iter(PLANS.values()))), "cuda")
+            server = Token2wavServer(t2w, max_streams=2, max_prompt_frames=64, n_timesteps=N_STEPS)
+            assert (server.vocoder.core.fused is not None) == tf32
