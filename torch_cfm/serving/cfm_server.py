@@ -248,8 +248,7 @@ class CFMServer:
         key = voice if cached is not None else None
         if self.voices is not None and prompt_mu is not None and voice is not False:
             key = voice if voice is not None else content_key(spks, prompt_mu, prompt_mel, prompt_len, self.dtype)
-        bucket = self._free_bucket(op)
-        state = None if key is None else self.voices.get(key)
+        bucket, state = self._free_bucket(op), None if key is None else self.voices.get(key)
         req = self._take_slot(request_id, bucket, spks, prompt_len, fresh=state is None)
         if state is not None:
             return self._restore_voice(req, state)
@@ -287,19 +286,15 @@ class CFMServer:
                 "server with more slots")
         return bucket
 
-    def _take_slot(self, request_id: Hashable, bucket: int, spks: torch.Tensor, prompt_len: int,
-                   fresh: bool = True) -> _Request:
-        """A free slot of ``bucket`` for the request; ``fresh``: its caches emptied (False: a voice
-        state is restored over them next)."""
+    def _take_slot(self, request_id: Hashable, bucket: int, spks: torch.Tensor, prompt_len: int, fresh=True) -> _Request:
         slot = self._free[bucket].pop(0)
         arena = self.arenas[bucket]
         arena.spks[slot].copy_(spks[0])
         arena.prompt_lengths[slot] = prompt_len
-        if fresh:
+        if fresh:  # a new request starts with zero conv history (docs/design.md §2); not fresh: a voice restored
             arena.cache_lengths[slot] = 0
-            arena.cnn[:, :, slot].zero_()  # a new request starts with zero conv history (docs/design.md §2)
-            arena.cnn[:, :, arena.rows + slot].zero_()
-        req = self._requests[request_id] = _Request(bucket, slot, prompt_len)
+            arena.cnn[:, :, slot::arena.rows].zero_()  # its cond and uncond rows
+        self._requests[request_id] = req = _Request(bucket, slot, prompt_len)
         return req
 
     def close_request(self, request_id: Hashable) -> None:
