@@ -239,8 +239,8 @@ class CausalVocoderCore:
         decoder: "auto" (the default: "fused" on CUDA where :func:`fused_decode_reasons` finds no
             reason against it, i.e. float32 at TF32, PyTorch's default for cuDNN; else "upstream"),
             "upstream" (the model's ``decode``) or "fused" (:class:`FusedCausalDecode`; off CUDA its
-            Triton kernels, for tests under Triton's interpreter). The fused decode is 1.6-1.7x the
-            model's at 16 and 64 streams (``docs/performance.md`` §6).
+            Triton kernels, for tests under Triton's interpreter). A steady chunk of 16-64 streams
+            runs 1.6-1.7x faster on the fused decode (``docs/performance.md`` §6).
     Attributes:
         model: the ``CausalHiFTGenerator`` (run as it is, inside :func:`capturable_causal`).
         fused: the :class:`FusedCausalDecode` the decode runs on (None: the model's own).
