@@ -28,8 +28,8 @@ of ``build_peak_gib``, building and warming up, and ``serve_peak_gib``, the meas
 ``reserved_peak_gib`` (the same for memory reserved: CUDA-graph pools are reserved but not
 allocated once captured, so this is the footprint a card must hold; ``build_``/``serve_`` too),
 ``memory_attribution`` (``--memory-attribution``: pools and allocated bytes by source line,
-``bench/_memory.py``), ``bytes_per_request`` (torch_cfm's memory plan), ``captures_measured`` (graphs captured during the
-measured ticks) and the error of a provider that failed (out of memory, say). The summary prints
+``bench/_memory.py``), ``bytes_per_request`` (torch_cfm's memory plan), ``captures_measured``
+(graphs captured during the measured ticks) and the error of a provider that failed (out of memory, say). The summary prints
 the issue's ratios per C.
 
     python bench/serving_vllm_omni.py --quick                      # GPU: fp16 and fp32 flows, C = 1, 4, 16, 32
