@@ -6,7 +6,8 @@ compares it with the upstream's float32 decode against a float64 one (CPU: Trito
 interpreter, tiny sizes); the GPU run times a steady 86-frame decode (history + chunk +
 lookahead) at B streams from CUDA graphs, cuDNN under ``capturable_causal`` against the fused
 one at TF32 and fp16, then a whole steady chunk (``CausalVocoderCore.run``) with each decode,
-and writes ``causal_fused_decode.json``.
+then each decode's error against float64 by model width (``errors_by_width``), and writes
+``causal_fused_decode.json`` (the committed run: ``bench/experiments/causal_fused_decode.json``).
 
     STEPAUDIO2_PATH=.upstream/minicpmo-utils TRITON_INTERPRET=1 python3 bench/experiments/causal_fused_decode.py --check
     STEPAUDIO2_PATH=.upstream/minicpmo-utils python3 bench/experiments/causal_fused_decode.py --out "$OUT"
