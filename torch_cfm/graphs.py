@@ -29,7 +29,7 @@ next call: the in-place form's results live outside it and replays return copies
 from another (:class:`SharedStatic`): each replay copies its inputs in right before it runs and its
 outputs out right after (the capture copies the function's results into the shared outputs), so a
 cache holds about its largest key's inputs and outputs rather than the sum over keys (the encoder
-stage's batched conformer caches: 2.1 GiB at 16 streams otherwise,
+stage's batched conformer caches: 2.1 GiB at 16 streams and 10.3 at 64 otherwise,
 ``bench/experiments/encoder_graph_bytes.py``).
 
 ``random=True`` is for functions that draw from the device's default CUDA generator: the check
