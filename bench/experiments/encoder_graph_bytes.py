@@ -7,7 +7,9 @@ are a whole batch's conformer caches in and out. On the CPU the stage runs eager
 ``GraphedCall`` sees the same calls, so the inputs and outputs of every key a warm-up meets can be
 summed here, at the shipped encoder sizes (the DiT is tiny: the CFM does not change these), as
 fp16 bytes (the flow's dtype on CUDA), with the batch buckets a server on CUDA pads to (its CFM
-slot buckets, ``Buckets.for_graphs``).
+slot buckets, ``Buckets.for_graphs``). Then the same keys, in the warm-up's order, carved from the
+shared buffers of ``GraphCache(shared_io=True)`` (:class:`~torch_cfm.graphs.SharedStatic` on meta
+tensors): the bytes of every buffer the growth leaves alive.
 
     python3 bench/experiments/encoder_graph_bytes.py [--streams 16]
 """
@@ -27,7 +29,7 @@ import torch  # noqa: E402
 
 import upstream_flow as U  # noqa: E402
 from torch_cfm.buckets import Buckets  # noqa: E402
-from torch_cfm.graphs import GraphedCall, signature, tree_tensors  # noqa: E402
+from torch_cfm.graphs import GraphedCall, SharedStatic, signature, tree_tensors  # noqa: E402
 from torch_cfm.models.cache import TRIM_KEEP_OLDEST  # noqa: E402
 from torch_cfm.serving import Token2wavServer  # noqa: E402
 
@@ -37,6 +39,18 @@ MIB = 2 ** 20
 def cuda_bytes(obj) -> int:
     """Bytes of the tensors of ``obj`` as the fp16 flow holds them on CUDA (floats in 2 bytes)."""
     return sum(t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in tree_tensors(obj))
+
+
+def shared_bytes(keys: list[tuple[list, list]]) -> int:
+    """Bytes of every buffer a :class:`SharedStatic` allocates for these keys' (dtype, shape) lists,
+    carved in order (a buffer outgrown stays alive: the graphs captured before hold views of it)."""
+    shared, total, last = SharedStatic(), 0, None
+    for specs in keys:
+        shared.carve([torch.empty(shape, dtype=torch.float16 if dtype.is_floating_point else dtype, device="meta")
+                      for dtype, shape in specs])
+        if shared.buffer is not None and shared.buffer is not last:
+            total, last = total + shared.nbytes, shared.buffer
+    return total
 
 
 def main() -> int:
@@ -55,7 +69,8 @@ def main() -> int:
         out = original(self, *a, **kw)
         key = (self.name, signature(a), signature(kw))
         if self.name.startswith("Token2wavServer.encoder") and key not in keys:
-            keys[key] = ([tuple(t.shape) for t in tree_tensors(a)], cuda_bytes((a, kw)), cuda_bytes(out))
+            keys[key] = ([(t.dtype, tuple(t.shape)) for t in tree_tensors((a, kw))],
+                         [(t.dtype, tuple(t.shape)) for t in tree_tensors(out)], cuda_bytes((a, kw)), cuda_bytes(out))
         return out
 
     GraphedCall.__call__ = counted
@@ -66,11 +81,13 @@ def main() -> int:
     finally:
         GraphedCall.__call__ = original
     total_in = total_out = 0
-    for shapes, nin, nout in keys.values():
+    for ins, _, nin, nout in keys.values():
         total_in, total_out = total_in + nin, total_out + nout
-        print(f"inputs {str(shapes):62s} static inputs {nin / MIB:7.1f} MiB, outputs {nout / MIB:7.1f} MiB")
-    print(f"{len(keys)} encoder keys at {args.streams} streams (batch buckets {list(buckets)}): static inputs {total_in / MIB:.0f} MiB, "
-          f"outputs {total_out / MIB:.0f} MiB (fp16), held for as long as their graphs live")
+        print(f"inputs {str([s for _, s in ins][:3]):62s} static inputs {nin / MIB:7.1f} MiB, outputs {nout / MIB:7.1f} MiB")
+    print(f"{len(keys)} encoder keys at {args.streams} streams (batch buckets {list(buckets)}): static inputs "
+          f"{total_in / MIB:.0f} MiB, outputs {total_out / MIB:.0f} MiB (fp16), held for as long as their graphs live")
+    ins, outs = (shared_bytes([k[i] for k in keys.values()]) for i in (0, 1))
+    print(f"with shared_io: input buffers {ins / MIB:.0f} MiB, output buffers {outs / MIB:.0f} MiB")
     return 0
 
 
