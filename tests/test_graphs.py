@@ -345,12 +345,9 @@ def test_gpu_graphs_of_one_cache_share_a_pool_and_replay_in_any_order():
 
     call = GraphedCall(fn, name="shared_pool")
     shapes = [(512, 4096), (256, 4096), (512, 2048)]
-    gen = torch.Generator("cuda").manual_seed(0)
-    fresh = lambda shape: torch.randn(shape, device="cuda", generator=gen)  # noqa: E731
+    fresh = _fresh_cuda()
     with torch.no_grad():
-        for shape in shapes:
-            for _ in range(call.cache.calls_per_capture(torch.device("cuda"))):
-                call(fresh(shape))
+        _capture_every_shape(call, shapes, lambda shape: (fresh(shape),))
         assert call.graph_count == len(shapes), call.events
         first, *later = [e.pool_bytes for e in call.cache.entries()]
         assert first >= 2 * 512 * 4096 * 4 and sum(later) <= first // 2, (first, later)
@@ -460,12 +457,9 @@ def test_gpu_shared_io_keys_share_their_buffers_and_replay_in_any_order():
 
     call = GraphedCall(fn, name="shared_io", shared_io=True)
     shapes = [(64, 512), (256, 512), (128, 1024)]
-    gen = torch.Generator("cuda").manual_seed(0)
-    fresh = lambda shape: torch.randn(shape, device="cuda", generator=gen)  # noqa: E731
+    fresh = _fresh_cuda()
     with torch.no_grad():
-        for shape in shapes:
-            for _ in range(call.cache.calls_per_capture(torch.device("cuda"))):
-                call(fresh(shape), fresh(shape[:1]))
+        _capture_every_shape(call, shapes, lambda shape: (fresh(shape), fresh(shape[:1])))
         entries = call.cache.entries()
         assert call.graph_count == len(shapes), call.events
         inputs, outputs = call.cache.shared
@@ -478,6 +472,19 @@ def test_gpu_shared_io_keys_share_their_buffers_and_replay_in_any_order():
             for x, (total, head) in zip(xs, got):
                 want_total, want_head = fn(*x)
                 assert torch.equal(total, want_total) and torch.equal(head["head"], want_head["head"])
+
+
+def _fresh_cuda(seed: int = 0):
+    """shape -> a fresh standard normal CUDA tensor (one seeded generator)."""
+    gen = torch.Generator("cuda").manual_seed(seed)
+    return lambda shape: torch.randn(shape, device="cuda", generator=gen)
+
+
+def _capture_every_shape(call, shapes, args_of) -> None:
+    """Call ``call`` with ``args_of(shape)`` until each shape's graph is captured."""
+    for shape in shapes:
+        for _ in range(call.cache.calls_per_capture(torch.device("cuda"))):
+            call(*args_of(shape))
 
 
 def _first_tensor(obj):
