@@ -7,9 +7,10 @@ are a whole batch's conformer caches in and out. On the CPU the stage runs eager
 ``GraphedCall`` sees the same calls, so the inputs and outputs of every key a warm-up meets can be
 summed here, at the shipped encoder sizes (the DiT is tiny: the CFM does not change these), as
 fp16 bytes (the flow's dtype on CUDA), with the batch buckets a server on CUDA pads to (its CFM
-slot buckets, ``Buckets.for_graphs``). Then the same keys, in the warm-up's order, carved from the
-shared buffers of ``GraphCache(shared_io=True)`` (:class:`~torch_cfm.graphs.SharedStatic` on meta
-tensors): the bytes of every buffer the growth leaves alive.
+slot buckets, ``Buckets.for_graphs``). Then the same keys, in the warm-up's order, as the shared
+buffers of ``bench/experiments/shared_io.patch`` would hold them (every key's inputs carved from one
+buffer, its outputs from another, 256-byte aligned; a buffer outgrown is replaced by one at least
+twice its size and stays alive, the graphs captured before holding views of it).
 
     python3 bench/experiments/encoder_graph_bytes.py [--streams 16]
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 
@@ -29,7 +31,7 @@ import torch  # noqa: E402
 
 import upstream_flow as U  # noqa: E402
 from torch_cfm.buckets import Buckets  # noqa: E402
-from torch_cfm.graphs import GraphedCall, SharedStatic, signature, tree_tensors  # noqa: E402
+from torch_cfm.graphs import GraphedCall, signature, tree_tensors  # noqa: E402
 from torch_cfm.models.cache import TRIM_KEEP_OLDEST  # noqa: E402
 from torch_cfm.serving import Token2wavServer  # noqa: E402
 
@@ -41,15 +43,21 @@ def cuda_bytes(obj) -> int:
     return sum(t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in tree_tensors(obj))
 
 
-def shared_bytes(keys: list[tuple[list, list]]) -> int:
-    """Bytes of every buffer a :class:`SharedStatic` allocates for these keys' (dtype, shape) lists,
-    carved in order (a buffer outgrown stays alive: the graphs captured before hold views of it)."""
-    shared, total, last = SharedStatic(), 0, None
+ALIGN = 256
+
+
+def shared_bytes(keys: list[list]) -> int:
+    """Bytes of every shared buffer the patch's growth rule allocates for these keys' (dtype, shape)
+    lists, carved in order (module docstring)."""
+    buffer = total = 0
     for specs in keys:
-        shared.carve([torch.empty(shape, dtype=torch.float16 if dtype.is_floating_point else dtype, device="meta")
-                      for dtype, shape in specs])
-        if shared.buffer is not None and shared.buffer is not last:
-            total, last = total + shared.nbytes, shared.buffer
+        need = 0
+        for dtype, shape in specs:
+            itemsize = 2 if dtype.is_floating_point else torch.empty((), dtype=dtype).element_size()
+            need += -(-math.prod(shape) * itemsize // ALIGN) * ALIGN
+        if need > buffer:
+            buffer = max(need, 2 * buffer)
+            total += buffer
     return total
 
 
@@ -87,7 +95,7 @@ def main() -> int:
     print(f"{len(keys)} encoder keys at {args.streams} streams (batch buckets {list(buckets)}): static inputs "
           f"{total_in / MIB:.0f} MiB, outputs {total_out / MIB:.0f} MiB (fp16), held for as long as their graphs live")
     ins, outs = (shared_bytes([k[i] for k in keys.values()]) for i in (0, 1))
-    print(f"with shared_io: input buffers {ins / MIB:.0f} MiB, output buffers {outs / MIB:.0f} MiB")
+    print(f"with shared_io.patch: input buffers {ins / MIB:.0f} MiB, output buffers {outs / MIB:.0f} MiB")
     return 0
 
 

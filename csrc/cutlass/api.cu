@@ -19,15 +19,12 @@ ConfigEntry const& config_coop_128x256_c2x1();
 ConfigEntry const& config_pingpong_128x128();
 ConfigEntry const& config_streamk_128x128();
 ConfigEntry const& config_streamk_128x256();
-ConfigEntry const& config_pingpong_64x128();
-ConfigEntry const& config_pingpong_64x256();
 
 namespace {
 
 using Accessor = ConfigEntry const& (*)();
 constexpr Accessor kConfigs[] = {&config_coop_128x128,      &config_coop_128x256,    &config_coop_128x256_c2x1,
-                                 &config_pingpong_128x128,  &config_streamk_128x128, &config_streamk_128x256,
-                                 &config_pingpong_64x128,   &config_pingpong_64x256};
+                                 &config_pingpong_128x128,  &config_streamk_128x128, &config_streamk_128x256};
 constexpr int kNumConfigs = static_cast<int>(sizeof(kConfigs) / sizeof(kConfigs[0]));
 constexpr int kMaxDevices = 64;
 
