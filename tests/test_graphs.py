@@ -345,12 +345,9 @@ def test_gpu_graphs_of_one_cache_share_a_pool_and_replay_in_any_order():
 
     call = GraphedCall(fn, name="shared_pool")
     shapes = [(512, 4096), (256, 4096), (512, 2048)]
-    gen = torch.Generator("cuda").manual_seed(0)
-    fresh = lambda shape: torch.randn(shape, device="cuda", generator=gen)  # noqa: E731
+    fresh = _fresh_cuda()
     with torch.no_grad():
-        for shape in shapes:
-            for _ in range(call.cache.calls_per_capture(torch.device("cuda"))):
-                call(fresh(shape))
+        _capture_every_shape(call, shapes, lambda shape: (fresh(shape),))
         assert call.graph_count == len(shapes), call.events
         first, *later = [e.pool_bytes for e in call.cache.entries()]
         assert first >= 2 * 512 * 4096 * 4 and sum(later) <= first // 2, (first, later)
@@ -413,3 +410,84 @@ if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--child":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run the child with TRITON_INTERPRET=1")
     _child(sys.argv[2])
+
+
+def test_shared_static_carves_aligned_views_of_one_buffer_and_grows():
+    """``SharedStatic.carve``: contiguous views of the shapes and dtypes asked, 256-byte aligned, one
+    after the other in one buffer; a larger request gets a buffer at least twice the old one while
+    the earlier views keep theirs."""
+    from torch_cfm.graphs import SharedStatic
+
+    shared = SharedStatic()
+    asked = [torch.zeros(3, 5, dtype=torch.float16), torch.zeros(7, dtype=torch.int64), torch.zeros(0, 4),
+             torch.zeros(2, dtype=torch.bool)]
+    views = shared.carve(asked)
+    base = shared.buffer.data_ptr()
+    assert [(v.shape, v.dtype) for v in views] == [(a.shape, a.dtype) for a in asked]
+    assert all(v.is_contiguous() for v in views)
+    assert [v.data_ptr() - base for v in views if v.numel()] == [0, 256, 512]  # an empty tensor has no address
+    assert shared.nbytes == 768
+    views[0].fill_(1.5)
+    views[1].copy_(torch.arange(7))
+    again = shared.carve(asked[:2])  # a second key: the same storage, from the start
+    assert again[0].data_ptr() == base and torch.equal(again[1], torch.arange(7))
+    big = shared.carve([torch.zeros(1000, dtype=torch.float32)])
+    assert shared.nbytes == 4096 and big[0].data_ptr() == shared.buffer.data_ptr() != base
+    assert torch.all(views[0] == 1.5)  # the old views keep the old buffer
+
+
+def test_shared_io_needs_the_checked_form():
+    from torch_cfm.graphs import GraphCache
+
+    with pytest.raises(ValueError, match="shared_io needs check=True"):
+        GraphCache("x", shared_io=True)
+    assert GraphCache("y", check=True, shared_io=True).shared_bytes == 0
+
+
+@pytest.mark.gpu
+def test_gpu_shared_io_keys_share_their_buffers_and_replay_in_any_order():
+    """``shared_io``: the keys' static inputs (and outputs) lie in one buffer each, and replays of
+    keys in another order than the captures equal eager calls bitwise (each replay copies its
+    inputs in and its outputs out)."""
+    from torch_cfm.graphs import GraphedCall
+
+    def fn(x, bias):
+        h = (torch.sin(x) * 3 + 1).exp().sqrt()
+        return (h * x).sum(-1) + bias, {"head": h[..., :4] * 2}
+
+    call = GraphedCall(fn, name="shared_io", shared_io=True)
+    shapes = [(64, 512), (256, 512), (128, 1024)]
+    fresh = _fresh_cuda()
+    with torch.no_grad():
+        _capture_every_shape(call, shapes, lambda shape: (fresh(shape), fresh(shape[:1])))
+        entries = call.cache.entries()
+        assert call.graph_count == len(shapes), call.events
+        inputs, outputs = call.cache.shared
+        last = entries[-1]
+        assert last.static_args[0].untyped_storage().data_ptr() == inputs.buffer.data_ptr()
+        assert _first_tensor(last.static_out).untyped_storage().data_ptr() == outputs.buffer.data_ptr()
+        for order in ([2, 0, 1], [1, 2, 0], [0, 2, 1, 0]):
+            xs = [(fresh(shapes[i]), fresh(shapes[i][:1])) for i in order]
+            got = [call(*x) for x in xs]
+            for x, (total, head) in zip(xs, got):
+                want_total, want_head = fn(*x)
+                assert torch.equal(total, want_total) and torch.equal(head["head"], want_head["head"])
+
+
+def _fresh_cuda(seed: int = 0):
+    """shape -> a fresh standard normal CUDA tensor (one seeded generator)."""
+    gen = torch.Generator("cuda").manual_seed(seed)
+    return lambda shape: torch.randn(shape, device="cuda", generator=gen)
+
+
+def _capture_every_shape(call, shapes, args_of) -> None:
+    """Call ``call`` with ``args_of(shape)`` until each shape's graph is captured."""
+    for shape in shapes:
+        for _ in range(call.cache.calls_per_capture(torch.device("cuda"))):
+            call(*args_of(shape))
+
+
+def _first_tensor(obj):
+    from torch_cfm.graphs import tree_tensors
+
+    return tree_tensors(obj)[0]

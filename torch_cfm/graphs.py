@@ -25,6 +25,13 @@ overlap (one stream, one call at a time) and nothing a replay leaves in the pool
 next call: the in-place form's results live outside it and replays return copies of the outputs
 (``static_out`` stays allocated, so no later capture reuses it).
 
+``shared_io=True`` (checked form) carves every key's static inputs from one buffer and its outputs
+from another (:class:`SharedStatic`): each replay copies its inputs in right before it runs and its
+outputs out right after (the capture copies the function's results into the shared outputs), so a
+cache holds about its largest key's inputs and outputs rather than the sum over keys (the encoder
+stage's batched conformer caches: 2.1 GiB at 16 streams and 10.3 at 64 otherwise,
+``bench/experiments/encoder_graph_bytes.py``).
+
 ``random=True`` is for functions that draw from the device's default CUDA generator: the check
 replays from the generator state the eager call started from (a replay reads the generator's seed
 and offset when it starts and advances it by the captured draws, as eager kernels do), so only a
@@ -99,6 +106,45 @@ def mismatch(got: Any, expected: Any) -> Optional[str]:
     return None
 
 
+class SharedStatic:
+    """One buffer that the static tensors of a cache's keys are carved from (``shared_io``).
+
+    Each key's tensors lie one after the other from the buffer's start, 256-byte aligned. A key that
+    needs more than the buffer gets a new one of at least twice the size; keys captured before keep
+    views of the old one until they are dropped.
+    """
+
+    ALIGN = 256
+
+    def __init__(self) -> None:
+        self.buffer: Optional[torch.Tensor] = None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def carve(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Contiguous tensors of the shapes and dtypes of ``tensors`` (one device), uninitialised."""
+        if not tensors:
+            return []
+        sizes = [-(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN for t in tensors]
+        buf, device = self.buffer, tensors[0].device
+        if buf is None or buf.device != device or buf.numel() < sum(sizes):
+            grown = 2 * buf.numel() if buf is not None and buf.device == device else 0
+            self.buffer = buf = torch.empty(max(sum(sizes), grown), dtype=torch.uint8, device=device)
+        views, offset = [], 0
+        for t, size in zip(tensors, sizes):
+            views.append(buf[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+            offset += size
+        return views
+
+
+def _replace_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with its tensors replaced, in :func:`tree_tensors` order, by ``tensors``."""
+    it = iter(tensors)
+    return tree_map(obj, lambda _: next(it))
+
+
 @dataclass
 class GraphEntry:
     """One key of a :class:`GraphCache`.
@@ -138,16 +184,22 @@ class GraphCache:
         warmup: eager calls per key before the capturing call; >= 1.
         check: the checked form (the function returns its results; module docstring).
         random: the function draws from the default CUDA generator (checked form only).
+        shared_io: the keys' static inputs and outputs carved from shared buffers (checked form
+            only; module docstring).
     Attributes:
         hits, misses: lookups that found / created a key. captures: graphs captured.
+        shared: the (inputs, outputs) :class:`SharedStatic` pair (None without ``shared_io``).
         events: captures, failures, rejections and evictions, one line each.
     """
 
     def __init__(self, name: str, *, max_graphs: int = 8, warmup: int = 1, check: bool = False,
-                 random: bool = False) -> None:
+                 random: bool = False, shared_io: bool = False) -> None:
         for arg, value in (("max_graphs", max_graphs), ("warmup", warmup)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GraphCache: {arg} must be an int >= 1, got {value!r}")
+        if shared_io and not check:
+            raise ValueError("GraphCache: shared_io needs check=True (the outputs' shapes come from the eager call)")
+        self.shared = (SharedStatic(), SharedStatic()) if shared_io else None  # (inputs, outputs)
         self.name, self.max_graphs, self.warmup = name, max_graphs, warmup
         self.check, self.random = check, random
         self._keys: "OrderedDict[Hashable, GraphEntry]" = OrderedDict()
@@ -169,6 +221,11 @@ class GraphCache:
     def pool_bytes(self) -> int:
         """Device memory reserved by the kept graphs' captures."""
         return sum(e.pool_bytes for e in self._keys.values())
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of the shared static buffers now (``shared_io``; 0 without)."""
+        return 0 if self.shared is None else sum(b.nbytes for b in self.shared)
 
     def calls_per_capture(self, device: torch.device) -> int:
         """Calls of a new key until its graph exists: ``warmup`` eager calls and the capturing call
@@ -222,11 +279,24 @@ class GraphCache:
         ent.replays += 1
         return None if ent.static_out is None else tree_map(ent.static_out, torch.clone)
 
-    def _capture(self, ent: GraphEntry, fn: Callable, args: tuple, kwargs: dict, device: torch.device) -> bool:
-        """Capture ``fn`` over static copies of the inputs; False (reason in events) when it fails."""
+    def _static_io(self, args: tuple, kwargs: dict, expected: Any) -> tuple[tuple, dict, Optional[list]]:
+        """Static copies of the inputs and, with ``shared_io``, the views the outputs go to."""
+        if self.shared is None:
+            return tree_map(args, torch.clone), tree_map(kwargs, torch.clone), None
+        inputs = tree_tensors((args, kwargs))
+        views = self.shared[0].carve(inputs)
+        for dst, src in zip(views, inputs):
+            dst.copy_(src)
+        static_args, static_kwargs = _replace_tensors((args, kwargs), views)
+        return static_args, static_kwargs, self.shared[1].carve(tree_tensors(expected))
+
+    def _capture(self, ent: GraphEntry, fn: Callable, args: tuple, kwargs: dict, device: torch.device,
+                 expected: Any = None) -> bool:
+        """Capture ``fn`` over static copies of the inputs (``expected``: the eager outputs of the
+        checked form); False (reason in events) when it fails."""
         try:
             with torch.inference_mode(False), torch.no_grad():
-                ent.static_args, ent.static_kwargs = tree_map(args, torch.clone), tree_map(kwargs, torch.clone)
+                ent.static_args, ent.static_kwargs, outs = self._static_io(args, kwargs, expected)
                 # torch.cuda.graph() empties the allocator cache on entry: empty it first so the
                 # reserved-bytes delta is this graph's pool alone
                 torch.cuda.synchronize(device)
@@ -243,6 +313,13 @@ class GraphCache:
                     pool = self._pools[index] = torch.cuda.graph_pool_handle()
                 with torch.cuda.graph(graph, pool=pool), cast:
                     out = fn(*ent.static_args, **ent.static_kwargs)
+                    if outs is not None:  # the results into the shared outputs; their own memory is scratch
+                        got = tree_tensors(out)
+                        if [(t.shape, t.dtype) for t in got] != [(t.shape, t.dtype) for t in outs]:
+                            raise RuntimeError("outputs of another shape or dtype than the eager call's")
+                        for dst, src in zip(outs, got):
+                            dst.copy_(src)
+                        out = _replace_tensors(out, outs)
                 ent.pool_bytes = max(0, torch.cuda.memory_reserved(device) - before)
         except Exception as exc:  # noqa: BLE001 - any capture failure keeps this key eager
             self._reject(ent, f"capture failed: {type(exc).__name__}: {str(exc)[:200]}")
@@ -262,7 +339,7 @@ class GraphCache:
         end = torch.cuda.get_rng_state(device) if self.random else None
         ent.eager_calls += 1
         try:
-            if self._capture(ent, fn, args, kwargs, device):
+            if self._capture(ent, fn, args, kwargs, device, expected):
                 if start is not None:
                     torch.cuda.set_rng_state(start, device)
                 ent.copy_in(args, kwargs)
@@ -298,15 +375,17 @@ class GraphedCall:
         warmup: eager calls per signature before the capturing call (>= 1).
         max_graphs: graphs kept (least recently used dropped).
         random: ``fn`` draws from the default CUDA generator (module docstring).
+        shared_io: the signatures' static inputs and outputs in shared buffers (module docstring).
     Attributes:
         cache: the :class:`GraphCache` (``events``, ``entries()``, counters).
     """
 
     def __init__(self, fn: Callable, *, name: str, warmup: int = 1, max_graphs: int = 16,
-                 random: bool = False) -> None:
+                 random: bool = False, shared_io: bool = False) -> None:
         self._fn = weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
         self.name = name
-        self.cache = GraphCache(name, max_graphs=max_graphs, warmup=warmup, check=True, random=random)
+        self.cache = GraphCache(name, max_graphs=max_graphs, warmup=warmup, check=True, random=random,
+                                shared_io=shared_io)
 
     @property
     def fn(self) -> Callable:
@@ -336,4 +415,4 @@ class GraphedCall:
         return self.cache.run(key, self.fn, args, kwargs, device=tensors[0].device, label=label)
 
 
-__all__ = ["GraphCache", "GraphEntry", "GraphedCall", "signature", "mismatch", "tree_map", "tree_tensors"]
+__all__ = ["GraphCache", "GraphEntry", "GraphedCall", "SharedStatic", "signature", "mismatch", "tree_map", "tree_tensors"]

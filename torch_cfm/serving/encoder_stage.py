@@ -13,7 +13,9 @@ batched across streams:
   encoding, does not change with left padding, so each stream gets its own result.
 
 On CUDA each batch shape is replayed from a checked CUDA graph (:class:`~torch_cfm.graphs.GraphedCall`),
-batches padded to the bucket sizes with copies of a row (rows never mix).
+batches padded to the bucket sizes with copies of a row (rows never mix). The graphs' static caches
+in and out share two buffers (``shared_io``): the largest batch's, not one copy per (batch, cache
+length) key.
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ class EncoderStage:
         self.call, self.ragged_call = self._encode_group, self._ragged_group
         if graphs:
             budget = 8 * max(len(batch_buckets or [1]), 1)
-            self.call = GraphedCall(self._encode_group, name="Token2wavServer.encoder", max_graphs=budget)
+            # shared_io: the (batch, cache length) keys' conformer caches in and out share two buffers
+            self.call = GraphedCall(self._encode_group, name="Token2wavServer.encoder", max_graphs=budget,
+                                    shared_io=True)
             self.ragged_call = GraphedCall(self._ragged_group, name="Token2wavServer.encoder_ragged",
-                                           max_graphs=budget)
+                                           max_graphs=budget, shared_io=True)
 
     def autocast(self):
         """``Token2wav(float16=True)`` runs the flow (embedding, encoder, projections) under fp16
