@@ -1,16 +1,17 @@
 """Issue 42's memory: the bytes a captured encoder graph holds, counted on the CPU.
 
 ``GraphCache`` keeps, per captured key, a static copy of the call's tensor inputs (``static_args``,
-outside the graph pool) and the outputs the capture allocated (``static_out``, allocated inside
-it): both count as allocated memory for as long as the graph lives. For the encoder stage those
-are a whole batch's conformer caches in and out. On the CPU the stage runs eagerly, but its
-``GraphedCall`` sees the same calls, so the inputs and outputs of every key a warm-up meets can be
-summed here, at the shipped encoder sizes (the DiT is tiny: the CFM does not change these), as
-fp16 bytes (the flow's dtype on CUDA), with the batch buckets a server on CUDA pads to (its CFM
-slot buckets, ``Buckets.for_graphs``). Then the same keys, in the warm-up's order, as the shared
-buffers of ``bench/experiments/shared_io.patch`` would hold them (every key's inputs carved from one
-buffer, its outputs from another, 256-byte aligned; a buffer outgrown is replaced by one at least
-twice its size and stays alive, the graphs captured before holding views of it).
+outside the graph pool) and the outputs the capture allocated (``static_out``, allocated inside it):
+both count as allocated memory for as long as the graph lives, as they did for the encoder stage
+before it took ``GraphCache(shared_io=True)``. For the encoder stage those are a whole batch's
+conformer caches in and out. On the CPU the stage runs eagerly, but its ``GraphedCall`` sees the
+same calls, so the inputs and outputs of every key a warm-up meets can be summed here, at the
+shipped encoder sizes (the DiT is tiny: the CFM does not change these), as fp16 bytes (the flow's
+dtype on CUDA), with the batch buckets a server on CUDA pads to (its CFM slot buckets,
+``Buckets.for_graphs``). Then the same keys, in the warm-up's order, as the shared buffers of
+``GraphCache(shared_io=True)`` hold them (every key's inputs carved from one buffer, its outputs
+from another, 256-byte aligned; a buffer outgrown is replaced by one at least twice its size and
+stays alive, the graphs captured before holding views of it).
 
     python3 bench/experiments/encoder_graph_bytes.py [--streams 16]
 """
@@ -95,7 +96,7 @@ def main() -> int:
     print(f"{len(keys)} encoder keys at {args.streams} streams (batch buckets {list(buckets)}): static inputs "
           f"{total_in / MIB:.0f} MiB, outputs {total_out / MIB:.0f} MiB (fp16), held for as long as their graphs live")
     ins, outs = (shared_bytes([k[i] for k in keys.values()]) for i in (0, 1))
-    print(f"with shared_io.patch: input buffers {ins / MIB:.0f} MiB, output buffers {outs / MIB:.0f} MiB")
+    print(f"with shared_io: input buffers {ins / MIB:.0f} MiB, output buffers {outs / MIB:.0f} MiB")
     return 0
 
 
