@@ -10,6 +10,7 @@ import torch
 
 from torch_cfm.graphs import GraphCache
 from torch_cfm.models import DiT, DiTConfig
+from torch_cfm.models.cache import _word_aligned, copy_wide_
 from torch_cfm.serving import AdmissionError, CFMServer
 from torch_cfm.solve import StreamingCFM
 
@@ -81,6 +82,25 @@ def test_load_request_caches_round_trips_and_checks(cfm):
         server.load_request_caches("a", cnn, att.double())
     with pytest.raises(ValueError, match="'b'"):
         server.load_request_caches("b", cnn, att)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float64])
+def test_copy_wide_is_a_bitwise_strided_copy(dtype):
+    """A slot's rows of an arena-like buffer (words where the strides allow, elements where they do
+    not: odd last dimension, odd offset) equal an element-wise copy bit for bit; neighbours untouched."""
+    g = torch.Generator().manual_seed(5)
+    bits = lambda *shape: torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)  # noqa: E731
+    size = torch.empty((), dtype=dtype).element_size()
+    for last, start, width, wide in ((16, 0, 16, True), (5, 0, 5, False), (17, 1, 16, False)):
+        buf = bits(3, 4, 5, 9, last * size).view(dtype)
+        before = buf.clone()
+        src = bits(3, 2, 5, 7, width * size).view(dtype)
+        dst = buf[:, 1:3, :, 2:9, start:start + width]
+        assert size == 8 or _word_aligned(dst, 8 // size) == wide  # which path the case takes
+        copy_wide_(dst, src)
+        want = before.clone()
+        want[:, 1:3, :, 2:9, start:start + width] = src
+        assert torch.equal(buf.view(torch.int8), want.view(torch.int8))
 
 
 def test_warmup_covers_every_later_prompt_and_tick(cfm, capsys):

@@ -11,6 +11,8 @@
 #   bash bench/experiments/device_calls_next.sh causal    # issue 40's causal vocoder, new and previous tree
 #                        (causal_fused: its decode on the fused Triton convolutions, bench/experiments/causal_fused_decode.py)
 #   bash bench/experiments/device_calls_next.sh encoder   # issue 43's encoder A/B
+#   bash bench/experiments/device_calls_next.sh restore   # issue 40: a voice hit's slot write, copy_ vs copy_wide_
+#   bash bench/experiments/device_calls_next.sh ncu       # issue 43: the fused convolutions under Nsight Compute
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
 #   bash bench/experiments/device_calls_next.sh stream    # issue 40's one minicpmo-utils stream alone
 #                        (causal_serving: tokens -> waveform, minicpmo-utils' causal vocoder, 16 and 64 streams)
@@ -42,10 +44,10 @@ if ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; then
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (restore, ncu, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
-case $mode in tests|cutlass) ;; *) need_cuda ;; esac
+case $mode in tests|cutlass|restore|ncu) ;; *) need_cuda ;; esac
 case $mode in
   peers)  # issue 42: BatchedToken2Wav vs the plugin vs the front (one voice, then four)
     timeout 290 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --out "$OUT" > "$OUT/vllm_omni.log" 2>&1
@@ -123,6 +125,19 @@ case $mode in
   stream)  # issue 40's one minicpmo-utils stream alone (waveform chunk <= 15 ms, no capture while timed)
     STEPAUDIO2_PATH=$MINI timeout 200 python3 bench/minicpmo_stream.py --out "$OUT" > "$OUT/minicpmo_stream.log" 2>&1
     grep -E "^\||captures|bar" "$OUT/minicpmo_stream.log" | tail -10 ;;
+  restore)  # issue 40: a voice-cache hit's slot write, PyTorch's strided copy against copy_wide_ (one run)
+    timeout 120 python3 bench/experiments/voice_restore_copy.py --out "$OUT" > "$OUT/restore.log" 2>&1
+    tail -3 "$OUT/restore.log" ;;
+  ncu)  # issue 43: one 64-stream decode's fused convolutions under Nsight Compute, TF32 then fp16
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    for prec in tf32 fp16; do
+      timeout ${NCU_TIMEOUT:-150} "$NCU" --clock-control none --profile-from-start off -k regex:vocoder_conv \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        --section WarpStateStats --section Occupancy --section LaunchStats -f -o "$OUT/ncu_$prec" \
+        python3 bench/experiments/vocoder_conv_ncu.py --precision $prec > "$OUT/ncu_$prec.log" 2>&1
+      "$NCU" --import "$OUT/ncu_$prec.ncu-rep" --csv --page details > "$OUT/ncu_$prec.csv" 2>> "$OUT/ncu_$prec.log"
+      rm -f "$OUT/ncu_$prec.ncu-rep"; tail -2 "$OUT/ncu_$prec.log"; wc -l "$OUT/ncu_$prec.csv"
+    done ;;
   tests)  # one result line per file (TESTS: a subset, e.g. "test_minicpmo_utils test_vocoder_hift";
     # TEST_TIMEOUT per file, default 150 s: test_vocoder_hift's torch.compile test alone takes ~60 s)
     for f in ${TESTS:-test_vocoder_conv test_vocoder_hift test_hift_graphs test_server test_graphs test_warmup \

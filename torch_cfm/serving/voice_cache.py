@@ -87,9 +87,7 @@ class VoiceState:
         """Write this state into slot ``slot`` of ``arena`` (bitwise the slot it was copied from;
         the speaker embedding and P are the slot's own)."""
         length = self.cache_len
-        for row, src in ((slot, 0), (arena.rows + slot, 1)):
-            arena.att[:, :, row, :, :length].copy_(self.att[:, :, src])
-            arena.cnn[:, :, row].copy_(self.cnn[:, :, src])
+        arena.write_slot(slot, self.cnn, self.att)
         arena.frame_keys[slot, :length].copy_(self.frame_keys)
         arena.cache_lengths[slot] = length
 
