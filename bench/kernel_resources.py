@@ -70,7 +70,8 @@ def compile_like_launch(kernel, args: dict, constexprs: dict, num_warps: int, nu
 
 
 def describe(compiled) -> str:
-    """REG / STACK (spill bytes per thread) from cuobjdump, shared memory, async copies in the PTX."""
+    """REG / STACK (spill bytes per thread) from cuobjdump, shared memory, SASS instructions (code
+    size: a kernel too big for the instruction cache stalls on fetch), async copies in the PTX."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -80,7 +81,9 @@ def describe(compiled) -> str:
     out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
     line = next((ln.strip() for ln in out.splitlines() if "REG:" in ln), "?")
     ptx = compiled.asm["ptx"]
-    return (line.split(" SHARED")[0] + f" smem={compiled.metadata.shared}"
+    sass = subprocess.run([os.path.join(os.path.dirname(tool), "nvdisasm"), path], capture_output=True, text=True).stdout
+    instructions = sum(1 for ln in sass.splitlines() if ln.strip().startswith("/*") and "*/" in ln and ";" in ln)
+    return (line.split(" SHARED")[0] + f" smem={compiled.metadata.shared} sass={instructions}"
             + f" cp.async={ptx.count('cp.async.cg') + ptx.count('cp.async.ca')}"
             + f" wgmma={ptx.count('wgmma.mma_async')} mma.sync={ptx.count('mma.sync')}")
 
@@ -197,14 +200,18 @@ def vocoder_conv_rows(arch: int, streams: int = 64, stages: int = 0) -> list[str
     import torch_cfm.kernels.vocoder_conv as vc
 
     rows = []
-    # (name, C_in, C_out, taps, phases, transposed, frames out, snakes, add_r)
-    layers = [("resblock s0 k11", 256, 256, 11, 1, False, 464, 1, True), ("resblock s1 k11", 128, 128, 11, 1, False,
-              2320, 1, True), ("resblock s2 k11", 64, 64, 11, 1, False, 6961, 1, True),
-              ("merge s2 k11", 64, 64, 11, 1, False, 6961, 3, True), ("up x8", 512, 256, 2, 8, True, 464, 0, False),
-              ("up x3", 128, 64, 3, 3, True, 6960, 0, False)]
+    # (name, C_in, C_out, taps, phases, transposed, frames out, snakes, add_r, add_a): a stage's merge is its
+    # source ResBlock's last convolution, adding the upsampled x (reflected at the last stage) and feeding
+    # the three ResBlocks' first Snakes
+    layers = [("resblock s0 k11", 256, 256, 11, 1, False, 464, 1, True, False),
+              ("resblock s1 k11", 128, 128, 11, 1, False, 2320, 1, True, False),
+              ("resblock s2 k11", 64, 64, 11, 1, False, 6961, 1, True, False),
+              ("merge s1 k7", 128, 128, 7, 1, False, 2320, 3, True, True),
+              ("merge s2 k11", 64, 64, 11, 1, False, 6961, 3, True, True),
+              ("up x8", 512, 256, 2, 8, True, 464, 0, False, False), ("up x3", 128, 64, 3, 3, True, 6960, 0, False, False)]
     for dtype, dot in ((torch.float32, "tf32"), (torch.float16, None)):
         ty = "*" + _TRITON_TYPES[dtype]
-        for name, c_in, c_out, taps, phases, transposed, l_out, snakes, add_r in layers:
+        for name, c_in, c_out, taps, phases, transposed, l_out, snakes, add_r, add_a in layers:
             weight = torch.empty(phases, taps, c_out, c_in, dtype=dtype)
             conv = vc.PackedConv(weight, None, c_in, c_out, taps * phases, phases, 0, 1, 0, transposed)
             q = -(-l_out // phases)
@@ -215,8 +222,8 @@ def vocoder_conv_rows(arch: int, streams: int = 64, stages: int = 0) -> list[str
                         L_in=l_out, L_out=l_out, L_a=l_out, C_in=c_in, C_out=c_out, Q=q, STRIDE=phases, PAD=1, DIL=3,
                         KSIZE=taps * phases, divisor=1.0, slope=0.1)
             consts = dict(PHASES=phases, TAPS=taps, TRANSPOSED=transposed, DOT=dot, ROUND_A=False,
-                          ROUND_OUT=dot == "tf32", HAS_BIAS=True, ADD_R=add_r, ADD_ACC=False, ADD_A=False,
-                          REFLECT=False, ACT=0, DIVIDE=False, STORE_S=add_r or not snakes, K=snakes,
+                          ROUND_OUT=dot == "tf32", HAS_BIAS=True, ADD_R=add_r, ADD_ACC=False, ADD_A=add_a,
+                          REFLECT=add_a and c_in == 64, ACT=0, DIVIDE=False, STORE_S=add_r or not snakes, K=snakes,
                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
             compiled = compile_like_launch(vc._vocoder_conv_kernel, args, consts, warps, stages or tiles.stages, arch)
             rows.append(f"vocoder_conv {_TRITON_TYPES[dtype]} {name:16s} tiles {block_m}x{block_n}x{block_k} "

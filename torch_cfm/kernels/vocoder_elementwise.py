@@ -44,7 +44,7 @@ def store_snakes(v, y_ptr, y_stride, offs, ok, alpha_ptr, inv_ptr, cols, col_ok,
     """Store ``v + inv_k · sin(alpha_k · v)²`` for k < K at ``y_ptr + k · y_stride + offs``
     (rounded to TF32 first with ``ROUND``); alpha / inv are (K, C) float32."""
     out = y_ptr + offs  # advanced by y_stride per output: no k · y_stride product to overflow int32
-    for k in tl.static_range(K):
+    for k in tl.range(K, loop_unroll_factor=1):
         alpha = tl.load(alpha_ptr + k * C + cols, mask=col_ok, other=0.0)[None, :]
         inv = tl.load(inv_ptr + k * C + cols, mask=col_ok, other=0.0)[None, :]
         s = tl.sin(v * alpha)
