@@ -22,7 +22,8 @@
 #                        v5a_ab: the A/B alone)
 #   bash bench/experiments/device_calls_next.sh cutlass   # issue 41: the GEMM library's GPU tests, fc1's
 #                        GELU epilogue against the previous library (carry build_cutlass, build_cutlass_prev)
-# Modes run in the order given: `... tests stream` in one call. Pass BENCH_COMMIT as a literal hash
+# Modes run in the order given: `... tests stream` in one call. The device returns at most 8 files
+# from $OUT: a call of many modes loses the rest (name few modes, or copy what matters to stdout). Pass BENCH_COMMIT as a literal hash
 # computed here: a `git rev-parse` in the device command reads a stale .git there (rows got 0c1aac8).
 set -u
 OUT=${OUT:-$PWD/device_out}; mkdir -p "$OUT"
@@ -137,7 +138,9 @@ case $mode in
         python3 bench/experiments/vocoder_conv_ncu.py --precision $prec > "$OUT/ncu_$prec.log" 2>&1
       "$NCU" --import "$OUT/ncu_$prec.ncu-rep" --csv --page details > "$OUT/ncu_$prec.csv" 2>> "$OUT/ncu_$prec.log"
       rm -f "$OUT/ncu_$prec.ncu-rep"; tail -2 "$OUT/ncu_$prec.log"; wc -l "$OUT/ncu_$prec.csv"
-    done ;;
+    done
+    python3 bench/experiments/vocoder_conv_ncu.py --summarize "$OUT"/ncu_*.csv > "$OUT/vocoder_conv_ncu.md"
+    grep -E "merge|launches" "$OUT/vocoder_conv_ncu.md" ;;
   tests)  # one result line per file (TESTS: a subset, e.g. "test_minicpmo_utils test_vocoder_hift";
     # TEST_TIMEOUT per file, default 150 s: test_vocoder_hift's torch.compile test alone takes ~60 s)
     for f in ${TESTS:-test_vocoder_conv test_vocoder_hift test_hift_graphs test_server test_graphs test_warmup \

@@ -8,6 +8,11 @@ SM, tensor pipes, L1, L2 and HBM; warp stall reasons; occupancy). This script ru
         --section Occupancy --section LaunchStats -f -o "$OUT/ncu_tf32" \\
         python3 bench/experiments/vocoder_conv_ncu.py --precision tf32
     ncu --import "$OUT/ncu_tf32.ncu-rep" --csv --page details > "$OUT/ncu_tf32.csv"
+    python3 bench/experiments/vocoder_conv_ncu.py --summarize "$OUT/ncu_tf32.csv" "$OUT/ncu_fp16.csv"
+
+``--summarize`` prints one table per CSV: a row per launch, named by the decode's order (conv_pre;
+per stage the upsampling, the source's downsampling, its ResBlock's six convolutions, the last of
+which is the stage merge with three Snake outputs, then the three ResBlocks' six each; conv_post).
 
 The HiFT at its shipped sizes, random weights scaled as ``bench/vocoder.py`` does, ``--streams``
 one-second chunks (58 frames with the 8 cached ones); precision and tiles as dispatch picks them.
@@ -28,9 +33,51 @@ import torch  # noqa: E402
 import vocoder as V  # noqa: E402
 
 
+COLUMNS = [("Duration", "µs"), ("Compute (SM) Throughput", "SM %"), ("L2 Cache Throughput", "L2 %"),
+           ("DRAM Throughput", "DRAM %"), ("L1/TEX Hit Rate", "L1 hit %"), ("Achieved Occupancy", "occupancy %"),
+           ("Registers Per Thread", "registers"), ("Warp Cycles Per Issued Instruction", "cycles / issue")]
+
+
+def layer_names(stages: int = 3, resblock_kernels=(3, 7, 11), source_kernels=(7, 7, 11)) -> list[str]:
+    """The fused convolutions of one decode, in launch order (the shipped HiFT)."""
+    names = ["conv_pre"]
+    pairs = [f"c{c} d{d}" for d in (1, 3, 5) for c in (1, 2)]
+    for i in range(stages):
+        names += [f"s{i} up", f"s{i} source down"]
+        names += [f"s{i} source k{source_kernels[i]} {p}" for p in pairs[:-1]] + [f"s{i} merge (3 Snakes)"]
+        names += [f"s{i} k{k} {p}" for k in resblock_kernels for p in pairs]
+    return names + ["conv_post"]
+
+
+def summarize(path: str) -> str:
+    import csv
+
+    metrics: dict[str, dict] = {}
+    for r in csv.DictReader(open(path)):
+        m = metrics.setdefault(r["ID"], {"grid": r["Grid Size"], "block": r["Block Size"]})
+        value = r["Metric Value"].replace(",", "")
+        if r["Metric Name"] == "Duration" and r["Metric Unit"] in ("ms", "msecond"):
+            value = str(float(value) * 1e3)
+        m[r["Metric Name"]] = value
+    names = layer_names()
+    if len(metrics) != len(names):
+        names = [f"launch {i}" for i in range(len(metrics))]
+    lines = ["| launch | layer | grid | " + " | ".join(label for _, label in COLUMNS) + " |",
+             "|---" * (3 + len(COLUMNS)) + "|"]
+    total = 0.0
+    for (key, m), name in zip(sorted(metrics.items(), key=lambda kv: int(kv[0])), names):
+        total += float(m.get("Duration", 0))
+        lines.append(f"| {key} | {name} | {m['grid']} | " + " | ".join(m.get(k, "-") for k, _ in COLUMNS) + " |")
+    return "\n".join(lines + ["", f"{len(metrics)} launches, {total / 1e3:.2f} ms under the profiler"])
+
+
 def main() -> int:
     from torch_cfm.models.vocoder import HiFTVocoder
 
+    if "--summarize" in sys.argv:
+        for path in sys.argv[sys.argv.index("--summarize") + 1:]:
+            print(f"## {os.path.basename(path)}\n\n{summarize(path)}\n")
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precision", default="tf32")
     ap.add_argument("--streams", type=int, default=64)
