@@ -11,6 +11,8 @@
 #   bash bench/experiments/device_calls_next.sh causal    # issue 40's causal vocoder, new and previous tree
 #                        (causal_fused: its decode on the fused Triton convolutions, bench/experiments/causal_fused_decode.py)
 #   bash bench/experiments/device_calls_next.sh encoder   # issue 43's encoder A/B
+#   bash bench/experiments/device_calls_next.sh voc       # issue 43 item 3: vocoder-only rows with the upstream HiFT as peers
+#   bash bench/experiments/device_calls_next.sh peers_close  # issue 42's owed rows: fp32 flow at 16 streams, 64 streams
 #   bash bench/experiments/device_calls_next.sh restore   # issue 40: a voice hit's slot write, copy_ vs copy_wide_
 #   bash bench/experiments/device_calls_next.sh ncu       # issue 43: the fused convolutions under Nsight Compute
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
@@ -45,7 +47,7 @@ if ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; then
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (restore, ncu, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass|restore|ncu) ;; *) need_cuda ;; esac
@@ -126,6 +128,16 @@ case $mode in
   stream)  # issue 40's one minicpmo-utils stream alone (waveform chunk <= 15 ms, no capture while timed)
     STEPAUDIO2_PATH=$MINI timeout 200 python3 bench/minicpmo_stream.py --out "$OUT" > "$OUT/minicpmo_stream.log" 2>&1
     grep -E "^\||captures|bar" "$OUT/minicpmo_stream.log" | tail -10 ;;
+  voc)  # issue 43 item 3: the vocoder stage alone at 16 and 64 streams, the upstream HiFT batched per tick as peers
+    timeout ${VOC_TIMEOUT:-300} python3 bench/serving.py --stages voc --concurrency 16,64 --quick --warmup \
+      --providers torch_cfm,upstream_tf32,upstream_ieee --out "$OUT" > "$OUT/voc.log" 2>&1
+    grep -v "warmup \[" "$OUT/voc.log" | grep -E "^\| r|C= " | tail -8 ;;
+  peers_close)  # issue 42's last rows: the shipped fp32 flow at 16 streams (all three), then 64 streams (fp16, plugin and front)
+    timeout 200 python3 bench/serving_vllm_omni.py --quick --dtypes fp32 --concurrency 16 --out "$OUT" \
+      > "$OUT/vllm_omni_fp32.log" 2>&1; grep -E "C= 16|bar" "$OUT/vllm_omni_fp32.log" | tail -4
+    timeout 330 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --concurrency 64 \
+      --providers vllm_omni/torch_cfm,torch_cfm --out "$OUT" > "$OUT/vllm_omni64.log" 2>&1
+    grep -E "C= 64|bar" "$OUT/vllm_omni64.log" | tail -4 ;;
   restore)  # issue 40: a voice-cache hit's slot write, PyTorch's strided copy against copy_wide_ (one run)
     timeout 120 python3 bench/experiments/voice_restore_copy.py --out "$OUT" > "$OUT/restore.log" 2>&1
     tail -3 "$OUT/restore.log" ;;
