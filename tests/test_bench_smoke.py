@@ -57,7 +57,8 @@ def test_attention_error_sources_dry_run(tmp_path):
 
 def test_kernel_resources_compiles_for_sm90_without_a_gpu():
     """bench/kernel_resources.py: a kernel specialised like a launch compiles for sm_90 on this
-    machine and its resource line parses (registers, spill stack, shared memory, async copies)."""
+    machine and its resource line parses (registers, spill stack, shared memory, SASS instructions,
+    async copies)."""
     import re
 
     pytest.importorskip("triton")
@@ -67,10 +68,10 @@ def test_kernel_resources_compiles_for_sm90_without_a_gpu():
     finally:
         sys.path.remove(BENCH)
     line = kr.dit_attention_rows(90)[0]
-    m = re.search(r"REG:(\d+) STACK:(\d+) smem=(\d+) cp\.async=(\d+)", line)
+    m = re.search(r"REG:(\d+) STACK:(\d+) smem=(\d+) sass=(\d+) cp\.async=(\d+)", line)
     assert m, line
-    regs, _, smem, _ = map(int, m.groups())
-    assert 0 < regs <= 255 and smem > 0, line
+    regs, _, smem, sass, _ = map(int, m.groups())
+    assert 0 < regs <= 255 and smem > 0 and sass > 100, line
 
 
 def test_ingest_floor_model(tmp_path):
