@@ -52,8 +52,10 @@ def layer_names(stages: int = 3, resblock_kernels=(3, 7, 11), source_kernels=(7,
 def summarize(path: str) -> str:
     import csv
 
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
     metrics: dict[str, dict] = {}
-    for r in csv.DictReader(open(path)):
+    for r in rows:
         m = metrics.setdefault(r["ID"], {"grid": r["Grid Size"], "block": r["Block Size"]})
         value = r["Metric Value"].replace(",", "")
         if r["Metric Name"] == "Duration" and r["Metric Unit"] in ("ms", "msecond"):
