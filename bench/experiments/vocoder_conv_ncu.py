@@ -74,17 +74,18 @@ def summarize(path: str) -> str:
 
 
 def main() -> int:
-    from torch_cfm.models.vocoder import HiFTVocoder
-
-    if "--summarize" in sys.argv:
-        for path in sys.argv[sys.argv.index("--summarize") + 1:]:
-            print(f"## {os.path.basename(path)}\n\n{summarize(path)}\n")
-        return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--precision", default="tf32")
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--frames", type=int, default=58)
+    ap.add_argument("--summarize", nargs="+", metavar="CSV", help="print the tables of ncu CSV exports instead")
     args = ap.parse_args()
+    if args.summarize:
+        for path in args.summarize:
+            print(f"## {os.path.basename(path)}\n\n{summarize(path)}\n")
+        return 0
+    from torch_cfm.models.vocoder import HiFTVocoder
+
     dev = torch.device("cuda")
     hift = V.build_hift(0, dev)
     mel, source = V.make_inputs(hift, args.streams, args.frames, 1, dev)

@@ -403,7 +403,7 @@ def copy_wide_(dst: torch.Tensor, src: torch.Tensor) -> None:
     copy moves one element per thread: 2-byte elements run at a fraction of HBM rate. Viewing both
     sides as int64 (last dimension contiguous and every stride and offset a multiple of the words)
     makes the same bytes move in a quarter of the elements."""
-    ratio = 8 // dst.element_size() if dst.element_size() < 8 else 1
+    ratio = 8 // dst.element_size()  # 0 for elements wider than a word
     if ratio > 1 and dst.dtype == src.dtype and all(_word_aligned(t, ratio) for t in (dst, src)):
         dst, src = dst.view(torch.int64), src.view(torch.int64)
     dst.copy_(src)
