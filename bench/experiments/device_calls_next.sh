@@ -13,6 +13,7 @@
 #   bash bench/experiments/device_calls_next.sh encoder   # issue 43's encoder A/B
 #   bash bench/experiments/device_calls_next.sh voc       # issue 43 item 3: vocoder-only rows with the upstream HiFT as peers
 #   bash bench/experiments/device_calls_next.sh peers_close  # issue 42's owed rows: fp32 flow at 16 streams, 64 streams
+#   bash bench/experiments/device_calls_next.sh encprof   # issue 43: the encoder stage at 64 / 16 streams under torch.profiler
 #   bash bench/experiments/device_calls_next.sh restore   # issue 40: a voice hit's slot write, copy_ vs copy_wide_
 #   bash bench/experiments/device_calls_next.sh ncu       # issue 43: the fused convolutions under Nsight Compute
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
@@ -47,7 +48,7 @@ if ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; then
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (encprof, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass|restore|ncu) ;; *) need_cuda ;; esac
@@ -138,6 +139,11 @@ case $mode in
     timeout 330 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --concurrency 64 \
       --providers vllm_omni/torch_cfm,torch_cfm --out "$OUT" > "$OUT/vllm_omni64.log" 2>&1
     grep -E "C= 64|bar" "$OUT/vllm_omni64.log" | tail -4 ;;
+  encprof)  # issue 43 item 2: where the encoder stage's time goes at 16 and 64 streams (torch.profiler)
+    for c in ${ENC_STREAMS:-64 16}; do
+      timeout 200 python3 bench/experiments/encoder_profile.py --streams $c --out "$OUT" > "$OUT/encprof_$c.log" 2>&1
+      grep -vE "warmup \[" "$OUT/encprof_$c.log" | tail -60
+    done ;;
   restore)  # issue 40: a voice-cache hit's slot write, PyTorch's strided copy against copy_wide_ (one run)
     timeout 120 python3 bench/experiments/voice_restore_copy.py --out "$OUT" > "$OUT/restore.log" 2>&1
     tail -3 "$OUT/restore.log" ;;
