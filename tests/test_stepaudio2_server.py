@@ -289,12 +289,12 @@ def test_admission_and_memory(flow):
             server.open_many({"c": (prompt.tokens, prompt.mel, prompt.spk)})
         for _ in range(4):
             server.step({"a": chunk, "b": chunk})
-        held = server.state_bytes() - empty
-        assert 0 < held <= 2 * plan.encoder, (held, plan)
-        a, b = (server._streams[s].conf_att for s in "ab")  # noqa: SLF001 - batched, yet not shared
-        assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-        assert a.untyped_storage().nbytes() == a.numel() * a.element_size()
-        del a, b
+        assert server.state_bytes() == empty  # the conformer slots are held from the start, like the CFM arenas
+        assert 0 < server.encoder.slots.nbytes() <= server.max_streams * plan.encoder, plan
+        (ca, a), (cb, b) = (server.encoder.caches(s) for s in "ab")  # batched, yet each in its own slot
+        for x, y in ((a, b), (ca, cb)):
+            assert x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() and x.data_ptr() != y.data_ptr()
+        del a, b, ca, cb, x, y
         server.close_stream("a")
         server.close_stream("b")
         assert server.state_bytes() == empty

@@ -14,6 +14,7 @@
 #   bash bench/experiments/device_calls_next.sh voc       # issue 43 item 3: vocoder-only rows with the upstream HiFT as peers
 #   bash bench/experiments/device_calls_next.sh peers_close  # issue 42's owed rows: fp32 flow at 16 streams, 64 streams
 #   bash bench/experiments/device_calls_next.sh encprof   # issue 43: the encoder stage at 64 / 16 streams under torch.profiler
+#   bash bench/experiments/device_calls_next.sh enc_ab    # issue 43: tokens -> mel / waveform against the previous tree (.old)
 #   bash bench/experiments/device_calls_next.sh restore   # issue 40: a voice hit's slot write, copy_ vs copy_wide_
 #   bash bench/experiments/device_calls_next.sh ncu       # issue 43: the fused convolutions under Nsight Compute
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
@@ -48,7 +49,7 @@ if ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; then
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (encprof, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (encprof, enc_ab, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass|restore|ncu) ;; *) need_cuda ;; esac
@@ -143,6 +144,16 @@ case $mode in
     for c in ${ENC_STREAMS:-64 16}; do
       timeout 200 python3 bench/experiments/encoder_profile.py --streams $c --out "$OUT" > "$OUT/encprof_$c.log" 2>&1
       grep -vE "warmup \[" "$OUT/encprof_$c.log" | tail -60
+    done ;;
+  enc_ab)  # issue 43 item 2: this tree against the previous one (carry .old), tokens -> mel / waveform, one call
+    cp torch_cfm/_C*.so .old/torch_cfm/; [ -e .old/torch_cfm/compile_rules ] || ln -s ../compile_rules .old/torch_cfm/compile_rules
+    for side in old new; do
+      dir=$PWD; [ $side = old ] && dir=$PWD/.old
+      (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout ${ENC_AB_TIMEOUT:-200} python3 bench/serving.py \
+        --stages ${ENC_AB_STAGES:-mel,wav} --providers torch_cfm --concurrency ${ENC_AB_C:-64} --quick --warmup \
+        --dtype fp16 --out /tmp/enc_ab_$side > "$OUT/enc_ab_$side.log" 2>&1)
+      cp /tmp/enc_ab_$side/serving.jsonl "$OUT/enc_ab_$side.jsonl"
+      echo "-- $side"; grep -E "^\| r[0-9]" /tmp/enc_ab_$side/serving.md | cut -d'|' -f5,7-9,12,18,20
     done ;;
   restore)  # issue 40: a voice-cache hit's slot write, PyTorch's strided copy against copy_wide_ (one run)
     timeout 120 python3 bench/experiments/voice_restore_copy.py --out "$OUT" > "$OUT/restore.log" 2>&1

@@ -16,6 +16,10 @@ On CUDA each batch shape is replayed from a checked CUDA graph (:class:`~torch_c
 batches padded to the bucket sizes with copies of a row (rows never mix). The graphs' static caches
 in and out share two buffers (``shared_io``): the largest batch's, not one copy per (batch, cache
 length) key.
+
+The stage holds every open stream's conformer caches in slots (:class:`ConformerSlots`): a batch's
+caches are gathered out of them in one launch, and the new caches, trimmed as ``Token2wav.stream``
+trims them, scattered back in one more per prompt length, whatever the batch size.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import torch.nn.functional as F
 
 from ..buckets import CACHE_STEP, padded_count
 from ..graphs import GraphedCall
+from ..models.cache import TRIM_KEEP_OLDEST, trim_attention_cache
 from ..models.upstream import encoder_forward_chunk
+from .conformer_slots import ConformerSlots
 
 
 class EncoderStage:
@@ -39,13 +45,23 @@ class EncoderStage:
         batch_buckets: sorted batch sizes a batch is padded to (None: no padding).
         graphs: replay each batch shape from a CUDA graph.
         stats: the server's counters (``encoder_batches``, ``ragged_batches`` are incremented).
+        max_streams, max_prompt_frames: the slots held and the longest prompt (mel frames).
+        causal: trim as minicpmo-utils' ``Token2wav.stream`` does (the token-rate layers at the token
+            rate); else as stepaudio2-minicpmo's.
     """
 
-    def __init__(self, flow, *, batching, batch_buckets: Optional[Sequence[int]], graphs: bool, stats: dict) -> None:
-        self.flow, self.batching, self.batch_buckets = flow, batching, batch_buckets
+    def __init__(self, flow, *, batching, batch_buckets: Optional[Sequence[int]], graphs: bool, stats: dict,
+                 max_streams: int, max_prompt_frames: int, causal: bool = False) -> None:
+        self.flow, self.batching, self.batch_buckets, self.causal = flow, batching, batch_buckets, causal
+        self._prompt: dict[Hashable, int] = {}
         self.lookahead, self.up_rate = int(flow.pre_lookahead_len), int(flow.up_rate)
         param = next(flow.encoder.parameters())
         self.dtype, self.device, self.stats = param.dtype, param.device, stats
+        enc = flow.encoder
+        attn = enc.encoders[0].self_attn
+        self.slots = ConformerSlots(max_streams, max_prompt_frames + TRIM_KEEP_OLDEST,
+                                    (len(enc.encoders) + len(enc.up_encoders), attn.h, 2 * attn.d_k),
+                                    (enc.output_size(), 2 + 2 * int(enc.up_layer.stride)), param.dtype, param.device)
         self._forward_chunk = encoder_forward_chunk(flow.encoder)  # the eager method, never Dynamo's wrapper
         self.call, self.ragged_call = self._encode_group, self._ragged_group
         if graphs:
@@ -66,21 +82,65 @@ class EncoderStage:
         """The batch size ``count`` rows are padded to (:func:`~torch_cfm.buckets.padded_count`)."""
         return padded_count(count, self.batch_buckets)
 
-    def __call__(self, items) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """``items``: (stream id, tokens (1, n), conformer cnn cache or None, att cache or None, last).
-        Returns {stream id: (mu (80, T), new cnn cache, new att cache)} (caches untrimmed, each
-        stream's own tensors)."""
+    # ------------------------------------------------------------------ streams
+    def open(self, sid: Hashable, prompt_frames: int) -> None:
+        """A slot for ``sid``, empty until its prompt is encoded or :meth:`adopt` fills it."""
+        self.slots.open(sid)
+        self._prompt[sid] = int(prompt_frames)
+
+    def adopt(self, sid: Hashable, cnn: torch.Tensor, att: torch.Tensor) -> None:
+        """Copies of caches (another stream's, a cached voice's) into ``sid``'s slot."""
+        self.slots.write([sid], cnn, att)
+
+    def close(self, sid: Hashable) -> None:
+        self.slots.close(sid)
+        del self._prompt[sid]
+
+    def caches(self, sid: Hashable) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(cnn (1, C, k), att (depth, 1, H, L, 2·d_k)): views of ``sid``'s slot, trimmed (None, None
+        before its prompt is encoded)."""
+        return self.slots.caches(sid)
+
+    def trim(self, att: torch.Tensor, prompt: int) -> torch.Tensor:
+        """``Token2wav.stream``'s conformer-cache trim to the prompt and the last 100 frames, over a
+        batch (depth, B, H, L, 2·d_k): the stepaudio2-minicpmo rule over the packed cache, or
+        minicpmo-utils' (``causal``), which trims the token-rate layers at the token rate and repacks them."""
+        if att.shape[3] <= prompt + TRIM_KEEP_OLDEST:
+            return att
+        if not self.causal:
+            return trim_attention_cache(att, prompt)
+        depth = len(self.flow.encoder.encoders)
+        token = trim_attention_cache(att[:depth, :, :, :att.shape[3] // 2], prompt // 2, TRIM_KEEP_OLDEST // 2)
+        mel = trim_attention_cache(att[depth:], prompt)
+        return torch.cat([token.repeat(1, 1, 1, 2, 1), mel], dim=0)
+
+    def _store(self, sids: Sequence[Hashable], cnn: torch.Tensor, att: torch.Tensor) -> None:
+        """Rows b of a batch's new caches, trimmed, into the slots of ``sids[b]``: one trim and one
+        scatter per prompt length."""
+        by_prompt: dict[int, list[int]] = {}
+        for b, sid in enumerate(sids):
+            by_prompt.setdefault(self._prompt[sid], []).append(b)
+        for prompt, rows in by_prompt.items():
+            c, a = (cnn, att) if len(rows) == len(sids) else (cnn[rows], att[:, rows])
+            self.slots.write([sids[b] for b in rows], c, self.trim(a, prompt))
+
+    # ------------------------------------------------------------------ ticks
+    def __call__(self, items) -> dict[Hashable, torch.Tensor]:
+        """``items``: (stream id, tokens (1, n), last) of open streams. Encodes each, updates its
+        slot's caches (trimmed) and returns {stream id: mu (80, T)} (views of the batch output,
+        valid until the next call)."""
         groups: dict[tuple, list] = {}
-        for i, (sid, tokens, cnn, att, last) in enumerate(items):
-            ragged = self.batching == "ragged" and att is not None
-            key = (tokens.shape[1], None if att is None else ("ragged" if ragged else att.shape[3]), last)
+        for i, (sid, tokens, last) in enumerate(items):
+            length = self.slots.length(sid)
+            ragged = self.batching == "ragged" and length > 0
+            key = (tokens.shape[1], None if length == 0 else ("ragged" if ragged else length), last)
             if not self.batching:
                 key = key + (i,)
-            groups.setdefault(key, []).append((sid, tokens, cnn, att, last))
+            groups.setdefault(key, []).append((sid, tokens, last))
         out = {}
         for key, members in groups.items():
             self.stats["encoder_batches"] += 1
-            if key[1] == "ragged" and len({m[3].shape[3] for m in members}) > 1:
+            if key[1] == "ragged" and len({self.slots.length(m[0]) for m in members}) > 1:
                 self.stats["ragged_batches"] += 1
                 out.update(self._encode_ragged(members))
             else:
@@ -88,19 +148,15 @@ class EncoderStage:
         return out
 
     def _encode_equal(self, members) -> dict:
-        last = members[0][4]
-        rows = members + [members[0]] * (self.padded(len(members)) - len(members))
-        tokens = torch.cat([m[1] for m in rows], dim=0)
-        cnn = None if members[0][2] is None else torch.cat([m[2] for m in rows], dim=0)
-        att = None if members[0][3] is None else torch.cat([m[3] for m in rows], dim=1)
+        sids, last = [m[0] for m in members], members[0][2]
+        rows = sids + [sids[0]] * (self.padded(len(members)) - len(members))
+        tokens = torch.cat([m[1] for m in members] + [members[0][1]] * (len(rows) - len(members)), dim=0)
+        cnn, att = (None, None) if self.slots.length(sids[0]) == 0 else self.slots.gather(rows)
         with self.autocast():
             h, new_cnn, new_att = self.call(tokens, cnn, att, last)
-        whole = len(rows) == 1  # else each stream's caches are copied out of the batch tensors, so
-        out = {}
-        for b, (sid, *_rest) in enumerate(members):  # that a stream holds its own bytes only
-            cnn_b, att_b = new_cnn[b:b + 1], new_att[:, b:b + 1]
-            out[sid] = (h[b].transpose(0, 1), cnn_b if whole else cnn_b.clone(), att_b if whole else att_b.clone())
-        return out
+        n = len(members)
+        self._store(sids, new_cnn[:n], new_att[:, :n])
+        return {sid: h[b].transpose(0, 1) for b, sid in enumerate(sids)}
 
     def _encode_ragged(self, members) -> dict:
         """One batch of streams whose conformer caches differ in length: each layer's cache
@@ -108,21 +164,23 @@ class EncoderStage:
         attention (``mask`` = keys to attend), the new caches cut back to each stream's own frames
         in the upstream layout."""
         n1 = len(self.flow.encoder.encoders)
-        last = members[0][4]
-        lengths = [m[3].shape[3] for m in members]
+        last = members[0][2]
+        caches = [self.slots.caches(m[0]) for m in members]
+        lengths = [att.shape[3] for _, att in caches]
         lb = max(lengths)
         lb = -(-lb // CACHE_STEP) * CACHE_STEP if self.batch_buckets else lb
         lb += lb % 2
         pad = self.padded(len(members)) - len(members)
         rows = members + [members[0]] * pad
+        caches = caches + [caches[0]] * pad
         lengths = lengths + [lengths[0]] * pad
         first, up = [], []
-        for (_, _, _, att, _), length in zip(rows, lengths):
+        for (_, att), length in zip(caches, lengths):
             first.append(F.pad(att[:n1, :, :, :length // 2], (0, 0, lb // 2 - length // 2, 0)))
             up.append(F.pad(att[n1:], (0, 0, lb - length, 0)))
         att1, att2 = torch.cat(first, dim=1), torch.cat(up, dim=1)
         tokens = torch.cat([m[1] for m in rows], dim=0)
-        cnn = torch.cat([m[2] for m in rows], dim=0)
+        cnn = torch.cat([c for c, _ in caches], dim=0)
         t1 = tokens.shape[1] - (0 if last else self.lookahead)
         t2 = t1 * self.up_rate
         dev = tokens.device
@@ -138,7 +196,8 @@ class EncoderStage:
         for b, ((sid, *_), length) in enumerate(zip(members, lengths)):
             a1 = new1[:, b:b + 1, :, lb // 2 - length // 2:]
             a2 = new2[:, b:b + 1, :, lb - length:]
-            out[sid] = (h[b].transpose(0, 1), cnn_new[b:b + 1].clone(), torch.cat([a1.repeat(1, 1, 1, 2, 1), a2], dim=0))
+            self._store([sid], cnn_new[b:b + 1], torch.cat([a1.repeat(1, 1, 1, 2, 1), a2], dim=0))
+            out[sid] = h[b].transpose(0, 1)
         return out
 
     def _ragged_group(self, tokens, cnn, att1, att2, mask1, mask2, last: bool):
