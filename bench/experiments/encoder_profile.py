@@ -4,8 +4,8 @@
 ticks. Reports, per tick:
 
 * the server's own stage clocks (encoder / CFM, synchronised wall time);
-* the encoder stage split by part under ``torch.profiler``: the graph replay, the trimmed caches'
-  scatter into their slots (``enc.store``), the whole stage; CPU ms and GPU kernel ms each;
+* the encoder stage split by part under ``torch.profiler``: the graph replay (gather, encoder,
+  trimmed scatter into the slots), the slot index uploads, the whole stage; CPU ms and GPU kernel ms each;
 * the graph replay alone, timed with CUDA events (the floor of today's structure);
 * the top GPU kernels of the encoder stage.
 
@@ -100,19 +100,20 @@ def main() -> int:
     # the graph replay alone: the batch a steady tick builds, replayed under CUDA events
     rows = ids + [ids[0]] * (enc.padded(len(ids)) - len(ids))
     tokens = torch.cat([inputs.chunk(sid, 0) for sid in rows], 0)
-    cnn, att_b = enc.slots.gather(rows)
+    source, dest = enc.slots.index(rows), enc.slots.index(ids, len(rows))
+    length, prompt = enc.slots.length(0), wl.prompt_frames
     times = []
     with torch.no_grad(), enc.autocast():
         for _ in range(3):
-            enc.call(tokens, cnn, att_b, False)
+            enc.call(tokens, source, dest, length, prompt, False)
         for _ in range(10):
-            times.append(timed(lambda: enc.call(tokens, cnn, att_b, False), dev))
+            times.append(timed(lambda: enc.call(tokens, source, dest, length, prompt, False), dev))
     replay_ms = sorted(times)[len(times) // 2]
-    print(f"encoder call alone (batch {len(rows)}, gathered inputs, incl. GraphedCall's copies in/out): "
+    print(f"encoder call alone (batch {len(rows)}: gather, encoder, trimmed scatter; one in-place graph): "
           f"{replay_ms:.2f} ms", flush=True)
 
     labelled(enc, "call", "enc.graph")
-    labelled(enc, "_store", "enc.store")
+    labelled(enc.slots, "index", "enc.index")
     labelled(server, "encoder", "enc.stage")
     labelled(server.cfm_server, "solve_chunk", "cfm")
     from torch.profiler import ProfilerActivity, profile

@@ -10,7 +10,8 @@ upstream ``forward_chunk`` layout:
 * ``cnn``: (1, C, k), the pre-lookahead and up-sampling convolutions' tails.
 
 The slot tensors are allocated up front (``slots`` x ``max_frames``, the trim bound: the longest
-prompt + the frames the trim keeps), like the CFM's cache arenas.
+prompt + the frames the trim keeps), like the CFM's cache arenas, with one more slot that a
+padded batch's padding rows are written to (:attr:`ConformerSlots.dump`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class ConformerSlots:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.slots, self.max_frames = int(slots), int(max_frames)
         depth, heads, width = att_shape
-        self.att = torch.zeros(depth, self.slots, heads, self.max_frames, width, dtype=dtype, device=device)
-        self.cnn = torch.zeros(self.slots, *cnn_shape, dtype=dtype, device=device)
+        self.dump = self.slots  # the padding rows' slot
+        self.att = torch.zeros(depth, self.slots + 1, heads, self.max_frames, width, dtype=dtype, device=device)
+        self.cnn = torch.zeros(self.slots + 1, *cnn_shape, dtype=dtype, device=device)
         self._slot: dict[Hashable, int] = {}
         self._length: dict[Hashable, int] = {}
         self._free = list(range(self.slots - 1, -1, -1))
@@ -72,22 +74,31 @@ class ConformerSlots:
         s, n = self._slot[sid], self._length[sid]
         return self.cnn[s:s + 1], self.att[:, s:s + 1, :, :n]
 
-    def index(self, sids: Sequence[Hashable]) -> torch.Tensor:
-        """(len(sids),) int64 slot numbers of ``sids`` on the slots' device (copied from pinned memory)."""
-        cuda = self.att.device.type == "cuda"
-        slots = torch.tensor([self._slot[s] for s in sids], dtype=torch.int64, pin_memory=cuda)
-        return slots.to(self.att.device, non_blocking=True)
+    def set_length(self, sids: Sequence[Hashable], frames: int) -> None:
+        for sid in sids:
+            self._length[sid] = frames
 
-    def gather(self, sids: Sequence[Hashable]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One batch of caches of equal length: (cnn (B, C, k), att (depth, B, H, L, 2·d_k)), new
-        contiguous tensors (``sids`` may repeat: padding rows)."""
-        n = self._length[sids[0]]
-        idx = self.index(sids)
-        return self.cnn.index_select(0, idx), self.att[:, :, :, :n].index_select(1, idx)
+    def index(self, sids: Sequence[Hashable], rows: Optional[int] = None) -> torch.Tensor:
+        """(rows,) int64 slot numbers of ``sids`` on the slots' device (copied from pinned memory),
+        padded to ``rows`` with :attr:`dump`."""
+        slots = [self._slot[s] for s in sids] + [self.dump] * ((rows or len(sids)) - len(sids))
+        cuda = self.att.device.type == "cuda"
+        return torch.tensor(slots, dtype=torch.int64, pin_memory=cuda).to(self.att.device, non_blocking=True)
+
+    def gather(self, index: torch.Tensor, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The caches of slots ``index`` (B,), ``frames`` long: (cnn (B, C, k), att (depth, B, H,
+        frames, 2·d_k)), new contiguous tensors."""
+        return self.cnn.index_select(0, index), self.att[:, :, :, :frames].index_select(1, index)
+
+    def scatter(self, index: torch.Tensor, cnn: torch.Tensor, att: torch.Tensor) -> None:
+        """Rows b of ``cnn`` (B, C, k) and ``att`` (depth, B, H, L, 2·d_k) into slot ``index[b]``
+        (lengths unchanged: :meth:`set_length`)."""
+        self.att[:, :, :, :att.shape[3]].index_copy_(1, index, att)
+        self.cnn.index_copy_(0, index, cnn)
 
     def write(self, sids: Sequence[Hashable], cnn: torch.Tensor, att: torch.Tensor) -> None:
         """Rows b of ``cnn`` (B, C, k) and ``att`` (depth, B, H, L, 2·d_k) into the slots of
-        ``sids[b]`` (one scatter each); their length becomes L."""
+        ``sids[b]``, checked; their length becomes L."""
         want = (self.att.shape[0], len(sids), self.att.shape[2], att.shape[3], self.att.shape[4])
         if tuple(att.shape) != want or att.shape[3] > self.max_frames or att.dtype != self.att.dtype:
             fail("ConformerSlots.write", "att", f"have shape (depth, B, H, L <= {self.max_frames}, 2·d_k) = "
@@ -95,17 +106,13 @@ class ConformerSlots:
         if tuple(cnn.shape) != (len(sids), *self.cnn.shape[1:]) or cnn.dtype != self.cnn.dtype:
             fail("ConformerSlots.write", "cnn", f"have shape {(len(sids), *self.cnn.shape[1:])} and dtype "
                  f"{self.cnn.dtype}", f"{tuple(cnn.shape)} {cnn.dtype}")
-        n = att.shape[3]
         if len(sids) == 1:
             s = self._slot[sids[0]]
-            self.att[:, s:s + 1, :, :n].copy_(att)
+            self.att[:, s:s + 1, :, :att.shape[3]].copy_(att)
             self.cnn[s:s + 1].copy_(cnn)
         else:
-            idx = self.index(sids)
-            self.att[:, :, :, :n].index_copy_(1, idx, att)
-            self.cnn.index_copy_(0, idx, cnn)
-        for sid in sids:
-            self._length[sid] = n
+            self.scatter(self.index(sids), cnn, att)
+        self.set_length(sids, att.shape[3])
 
 
 __all__ = ["ConformerSlots"]

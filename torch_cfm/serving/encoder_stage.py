@@ -17,9 +17,11 @@ batches padded to the bucket sizes with copies of a row (rows never mix). The gr
 in and out share two buffers (``shared_io``): the largest batch's, not one copy per (batch, cache
 length) key.
 
-The stage holds every open stream's conformer caches in slots (:class:`ConformerSlots`): a batch's
-caches are gathered out of them in one launch, and the new caches, trimmed as ``Token2wav.stream``
-trims them, scattered back in one more per prompt length, whatever the batch size.
+The stage holds every open stream's conformer caches in slots (:class:`ConformerSlots`). An equal
+batch (same token count, cache length, prompt length and last flag) is one in-place graph: the
+caches gathered out of the slots, the chunk encoder, the new caches trimmed as ``Token2wav.stream``
+trims them and scattered back, mu written to one preallocated buffer (copied out). Padding rows read a real row's
+caches and write to the slots' spare row.
 """
 
 from __future__ import annotations
@@ -45,13 +47,14 @@ class EncoderStage:
         batch_buckets: sorted batch sizes a batch is padded to (None: no padding).
         graphs: replay each batch shape from a CUDA graph.
         stats: the server's counters (``encoder_batches``, ``ragged_batches`` are incremented).
-        max_streams, max_prompt_frames: the slots held and the longest prompt (mel frames).
+        max_streams, max_prompt_frames, max_chunk_tokens: the slots held, the longest prompt (mel
+            frames) and the longest chunk (tokens, lookahead included).
         causal: trim as minicpmo-utils' ``Token2wav.stream`` does (the token-rate layers at the token
             rate); else as stepaudio2-minicpmo's.
     """
 
     def __init__(self, flow, *, batching, batch_buckets: Optional[Sequence[int]], graphs: bool, stats: dict,
-                 max_streams: int, max_prompt_frames: int, causal: bool = False) -> None:
+                 max_streams: int, max_prompt_frames: int, max_chunk_tokens: int, causal: bool = False) -> None:
         self.flow, self.batching, self.batch_buckets, self.causal = flow, batching, batch_buckets, causal
         self._prompt: dict[Hashable, int] = {}
         self.lookahead, self.up_rate = int(flow.pre_lookahead_len), int(flow.up_rate)
@@ -63,12 +66,14 @@ class EncoderStage:
                                     (len(enc.encoders) + len(enc.up_encoders), attn.h, 2 * attn.d_k),
                                     (enc.output_size(), 2 + 2 * int(enc.up_layer.stride)), param.dtype, param.device)
         self._forward_chunk = encoder_forward_chunk(flow.encoder)  # the eager method, never Dynamo's wrapper
-        self.call, self.ragged_call = self._encode_group, self._ragged_group
+        frames = max(max_prompt_frames, max_chunk_tokens * self.up_rate)  # the in-place graphs' mu output
+        self._mu = torch.empty(self.padded(max_streams), frames, flow.output_size, dtype=param.dtype, device=param.device)
+        self.call, self.ragged_call = self._encode_slots, self._ragged_group
         if graphs:
             budget = 8 * max(len(batch_buckets or [1]), 1)
+            self.call = GraphedCall(self._encode_slots, name="Token2wavServer.encoder", max_graphs=budget,
+                                    in_place=True)
             # shared_io: the (batch, cache length) keys' conformer caches in and out share two buffers
-            self.call = GraphedCall(self._encode_group, name="Token2wavServer.encoder", max_graphs=budget,
-                                    shared_io=True)
             self.ragged_call = GraphedCall(self._ragged_group, name="Token2wavServer.encoder_ragged",
                                            max_graphs=budget, shared_io=True)
 
@@ -133,7 +138,8 @@ class EncoderStage:
         for i, (sid, tokens, last) in enumerate(items):
             length = self.slots.length(sid)
             ragged = self.batching == "ragged" and length > 0
-            key = (tokens.shape[1], None if length == 0 else ("ragged" if ragged else length), last)
+            key = (tokens.shape[1], None if length == 0 else ("ragged" if ragged else (length, self._prompt[sid])),
+                   last)
             if not self.batching:
                 key = key + (i,)
             groups.setdefault(key, []).append((sid, tokens, last))
@@ -148,15 +154,31 @@ class EncoderStage:
         return out
 
     def _encode_equal(self, members) -> dict:
+        """One batch of equal shapes and prompt lengths through the in-place graph of its key."""
         sids, last = [m[0] for m in members], members[0][2]
-        rows = sids + [sids[0]] * (self.padded(len(members)) - len(members))
-        tokens = torch.cat([m[1] for m in members] + [members[0][1]] * (len(rows) - len(members)), dim=0)
-        cnn, att = (None, None) if self.slots.length(sids[0]) == 0 else self.slots.gather(rows)
+        n, rows = len(sids), self.padded(len(sids))
+        tokens = torch.cat([m[1] for m in members] + [members[0][1]] * (rows - n), dim=0)
+        length, prompt = self.slots.length(sids[0]), self._prompt[sids[0]]
+        source, dest = self.slots.index(sids + [sids[0]] * (rows - n)), self.slots.index(sids, rows)
         with self.autocast():
-            h, new_cnn, new_att = self.call(tokens, cnn, att, last)
-        n = len(members)
-        self._store(sids, new_cnn[:n], new_att[:, :n])
-        return {sid: h[b].transpose(0, 1) for b, sid in enumerate(sids)}
+            self.call(tokens, source, dest, length, prompt, last)
+        frames = (tokens.shape[1] - (0 if last else self.lookahead)) * self.up_rate
+        new = length + frames
+        self.slots.set_length(sids, new if new <= prompt + TRIM_KEEP_OLDEST else prompt + TRIM_KEEP_OLDEST)
+        mu = self._mu[:n, :frames].clone()  # the buffer is every key's
+        return {sid: mu[b].transpose(0, 1) for b, sid in enumerate(sids)}
+
+    def _encode_slots(self, tokens, source, dest, length: int, prompt: int, last: bool) -> None:
+        """The in-place body of an equal batch: caches of slots ``source`` (``length`` frames; none
+        when 0) through the flow's chunk encoder; mu (B, T, 80) into the stage's buffer, the new
+        caches trimmed to ``prompt`` into slots ``dest``."""
+        flow = self.flow
+        cnn, att = (None, None) if length == 0 else self.slots.gather(source, length)
+        h, new_cnn, new_att = self._forward_chunk(flow.input_embedding(tokens), last_chunk=last, cnn_cache=cnn,
+                                                  att_cache=att)
+        mu = flow.encoder_proj(h)
+        self._mu[:mu.shape[0], :mu.shape[1]].copy_(mu)
+        self.slots.scatter(dest, new_cnn, self.trim(new_att, prompt))
 
     def _encode_ragged(self, members) -> dict:
         """One batch of streams whose conformer caches differ in length: each layer's cache
@@ -223,13 +245,6 @@ class EncoderStage:
         if enc.normalize_before:
             xs = enc.after_norm(xs)
         return flow.encoder_proj(xs), torch.cat([cnn1, cnn2], dim=2), torch.stack(new1), torch.stack(new2)
-
-    def _encode_group(self, tokens, cnn, att, last: bool):
-        """The flow's chunk encoder over one batch: embedding, conformer chunk, projection."""
-        flow = self.flow
-        h, new_cnn, new_att = self._forward_chunk(flow.input_embedding(tokens), last_chunk=last, cnn_cache=cnn,
-                                                  att_cache=att)
-        return flow.encoder_proj(h), new_cnn, new_att
 
     def graph_counts(self) -> dict[str, int]:
         return {"encoder": sum(getattr(c, "graph_count", 0) for c in (self.call, self.ragged_call))}

@@ -211,7 +211,8 @@ class Token2wavServer:
         self.causal = hift is not None and not bounded_vocoder_gaps(hift)
         self.encoder = EncoderStage(flow, batching=encoder_batching, batch_buckets=self.batch_buckets,
                                     graphs=self.stage_graphs, stats=self.stats, max_streams=max_streams,
-                                    max_prompt_frames=max_prompt_frames, causal=self.causal)
+                                    max_prompt_frames=max_prompt_frames, max_chunk_tokens=max_chunk_tokens,
+                                    causal=self.causal)
         self.encoder_batching = encoder_batching
         self.vocoder = self._vocoder_stage(hift, vocoder, vocoder_precision)
         self._streams: dict[Hashable, _Stream] = {}
