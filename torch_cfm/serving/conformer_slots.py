@@ -30,16 +30,17 @@ class ConformerSlots:
         slots: streams held at once.
         max_frames: the longest att cache a slot holds (frames).
         att_shape: (depth, H, 2·d_k) of one stream's att cache; cnn_shape: (C, k) of its cnn cache.
-        dtype, device: of the caches (the encoder's parameters').
+        dtypes: (cnn, att) dtypes of the caches (under autocast the conv caches stay float32).
+        device: of the caches.
     """
 
     def __init__(self, slots: int, max_frames: int, att_shape: tuple[int, int, int], cnn_shape: tuple[int, int],
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtypes: tuple[torch.dtype, torch.dtype], device: torch.device) -> None:
         self.slots, self.max_frames = int(slots), int(max_frames)
         depth, heads, width = att_shape
         self.dump = self.slots  # the padding rows' slot
-        self.att = torch.zeros(depth, self.slots + 1, heads, self.max_frames, width, dtype=dtype, device=device)
-        self.cnn = torch.zeros(self.slots + 1, *cnn_shape, dtype=dtype, device=device)
+        self.att = torch.zeros(depth, self.slots + 1, heads, self.max_frames, width, dtype=dtypes[1], device=device)
+        self.cnn = torch.zeros(self.slots + 1, *cnn_shape, dtype=dtypes[0], device=device)
         self._slot: dict[Hashable, int] = {}
         self._length: dict[Hashable, int] = {}
         self._free = list(range(self.slots - 1, -1, -1))

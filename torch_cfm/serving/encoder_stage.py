@@ -12,16 +12,17 @@ batched across streams:
   ``forward_chunk``'s order. A real key's distance to each query, hence its relative position
   encoding, does not change with left padding, so each stream gets its own result.
 
-On CUDA each batch shape is replayed from a checked CUDA graph (:class:`~torch_cfm.graphs.GraphedCall`),
-batches padded to the bucket sizes with copies of a row (rows never mix). The graphs' static caches
-in and out share two buffers (``shared_io``): the largest batch's, not one copy per (batch, cache
-length) key.
+The stage holds every open stream's conformer caches in slots (:class:`ConformerSlots`), trimmed
+as ``Token2wav.stream`` trims them. On CUDA each batch shape is replayed from a CUDA graph
+(:class:`~torch_cfm.graphs.GraphedCall`), batches padded to the bucket sizes (rows never mix):
 
-The stage holds every open stream's conformer caches in slots (:class:`ConformerSlots`). An equal
-batch (same token count, cache length, prompt length and last flag) is one in-place graph: the
-caches gathered out of the slots, the chunk encoder, the new caches trimmed as ``Token2wav.stream``
-trims them and scattered back, mu written to one preallocated buffer (copied out). Padding rows read a real row's
-caches and write to the slots' spare row.
+* an equal batch (same token count, cache length, prompt length and last flag) is one in-place
+  graph: its caches gathered out of the slots, the chunk encoder, the new caches trimmed and
+  scattered back, mu written to one preallocated buffer (then copied out). Padding rows read a
+  real row's caches and write to the slots' spare row;
+* a ragged batch is a checked graph over caches gathered and padded on the host, whose static
+  caches in and out share two buffers (``shared_io``); each stream's new caches are trimmed into
+  its slot after it.
 """
 
 from __future__ import annotations
@@ -62,10 +63,11 @@ class EncoderStage:
         self.dtype, self.device, self.stats = param.dtype, param.device, stats
         enc = flow.encoder
         attn = enc.encoders[0].self_attn
+        self._forward_chunk = encoder_forward_chunk(flow.encoder)  # the eager method, never Dynamo's wrapper
         self.slots = ConformerSlots(max_streams, max_prompt_frames + TRIM_KEEP_OLDEST,
                                     (len(enc.encoders) + len(enc.up_encoders), attn.h, 2 * attn.d_k),
-                                    (enc.output_size(), 2 + 2 * int(enc.up_layer.stride)), param.dtype, param.device)
-        self._forward_chunk = encoder_forward_chunk(flow.encoder)  # the eager method, never Dynamo's wrapper
+                                    (enc.output_size(), 2 + 2 * int(enc.up_layer.stride)), self._cache_dtypes(),
+                                    param.device)
         frames = max(max_prompt_frames, max_chunk_tokens * self.up_rate)  # the in-place graphs' mu output
         self._mu = torch.empty(self.padded(max_streams), frames, flow.output_size, dtype=param.dtype, device=param.device)
         self.call, self.ragged_call = self._encode_slots, self._ragged_group
@@ -82,6 +84,14 @@ class EncoderStage:
         autocast: a half-precision flow on CUDA runs the same way here."""
         half = self.dtype in (torch.float16, torch.bfloat16) and self.device.type == "cuda"
         return torch.autocast("cuda", dtype=self.dtype, enabled=half)
+
+    def _cache_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """(cnn, att) dtypes of the chunk encoder's caches as this stage runs it (one probe chunk:
+        under autocast the conv caches come out float32, the attention caches in 16 bits)."""
+        tokens = torch.zeros(1, self.lookahead + 2, dtype=torch.long, device=self.device)
+        with torch.inference_mode(False), torch.no_grad(), self.autocast():
+            _, cnn, att = self._forward_chunk(self.flow.input_embedding(tokens), last_chunk=False)
+        return cnn.dtype, att.dtype
 
     def padded(self, count: int) -> int:
         """The batch size ``count`` rows are padded to (:func:`~torch_cfm.buckets.padded_count`)."""
@@ -119,21 +129,10 @@ class EncoderStage:
         mel = trim_attention_cache(att[depth:], prompt)
         return torch.cat([token.repeat(1, 1, 1, 2, 1), mel], dim=0)
 
-    def _store(self, sids: Sequence[Hashable], cnn: torch.Tensor, att: torch.Tensor) -> None:
-        """Rows b of a batch's new caches, trimmed, into the slots of ``sids[b]``: one trim and one
-        scatter per prompt length."""
-        by_prompt: dict[int, list[int]] = {}
-        for b, sid in enumerate(sids):
-            by_prompt.setdefault(self._prompt[sid], []).append(b)
-        for prompt, rows in by_prompt.items():
-            c, a = (cnn, att) if len(rows) == len(sids) else (cnn[rows], att[:, rows])
-            self.slots.write([sids[b] for b in rows], c, self.trim(a, prompt))
-
     # ------------------------------------------------------------------ ticks
     def __call__(self, items) -> dict[Hashable, torch.Tensor]:
         """``items``: (stream id, tokens (1, n), last) of open streams. Encodes each, updates its
-        slot's caches (trimmed) and returns {stream id: mu (80, T)} (views of the batch output,
-        valid until the next call)."""
+        slot's caches (trimmed) and returns {stream id: mu (80, T)}."""
         groups: dict[tuple, list] = {}
         for i, (sid, tokens, last) in enumerate(items):
             length = self.slots.length(sid)
@@ -218,7 +217,8 @@ class EncoderStage:
         for b, ((sid, *_), length) in enumerate(zip(members, lengths)):
             a1 = new1[:, b:b + 1, :, lb // 2 - length // 2:]
             a2 = new2[:, b:b + 1, :, lb - length:]
-            self._store([sid], cnn_new[b:b + 1], torch.cat([a1.repeat(1, 1, 1, 2, 1), a2], dim=0))
+            att = torch.cat([a1.repeat(1, 1, 1, 2, 1), a2], dim=0)
+            self.slots.write([sid], cnn_new[b:b + 1], self.trim(att, self._prompt[sid]))
             out[sid] = h[b].transpose(0, 1)
         return out
 
