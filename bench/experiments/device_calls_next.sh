@@ -147,7 +147,7 @@ case $mode in
     done ;;
   enc_ab)  # issue 43 item 2: this tree against the previous one (carry .old), tokens -> mel / waveform, one call
     cp torch_cfm/_C*.so .old/torch_cfm/; [ -e .old/torch_cfm/compile_rules ] || ln -s ../compile_rules .old/torch_cfm/compile_rules
-    for side in old new; do
+    for side in ${ENC_AB_SIDES:-old new}; do
       dir=$PWD; [ $side = old ] && dir=$PWD/.old
       (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout ${ENC_AB_TIMEOUT:-200} python3 bench/serving.py \
         --stages ${ENC_AB_STAGES:-mel,wav} --providers torch_cfm --concurrency ${ENC_AB_C:-64} --quick --warmup \
