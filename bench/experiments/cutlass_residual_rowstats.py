@@ -1,16 +1,19 @@
 """Issue 41's producer epilogue (``cutlass_residual_rowstats.cu``) on the GPU: error against float64,
 and time against the unfused path (experiment; the kernel is compiled on a CPU box and not yet run).
 
-The kernel computes, per batch l (T rows each):
+The kernel computes, over M rows (the CFG rows x T frames of a solve step):
 
-    y  = x + g[l] * (a @ w.T + b)                        (B, T, N) fp16, rounded once
-    s1 = sum over each 128-column tile of (y - mu_prev)  (B, N / 128, round_up(T, 128)) fp32 partials
-    s2 = the same over (y - mu_prev)^2
+    y  = x + g * (a @ w.T + b)                     (M, N) fp16, rounded once
+    c  = y - m                                     m: (M,) the previous LayerNorm's row means
+    xc = c * (1 + s)                               (M, N) fp16: the next GEMM's input
+    s1 = sum over each 128-column tile of c        (N / 128, round_up(M, 128)) fp32 partials
+    s2 = the same over c^2
 
-Checked against a float64 evaluation of the same fp16 inputs: ``y`` within fp16 rounding, the row sums
-(partials added) within fp32 accumulation error; then timed (CUDA events, median of repeats, fresh
-inputs per shape) against what runs today: ``F.linear`` with the bias, the gated add, and the row
-sums as separate kernels, and ``F.linear`` alone (the floor the fusion aims at).
+Checked against a float64 evaluation of the same fp16 inputs: ``y`` and ``xc`` within fp16
+rounding, the row sums (partials added) within fp32 accumulation error; then timed (CUDA events,
+median of repeats, fresh inputs per shape) against the same work as separate kernels
+(``F.linear`` with the bias, the gated add, the centring and scaling, the row sums) and against
+``F.linear`` alone (the floor the fusion aims at).
 
     python3 bench/experiments/cutlass_residual_rowstats.py --out "$OUT"            # builds the .so with nvcc
     python3 bench/experiments/cutlass_residual_rowstats.py --check-reference       # CPU: the reference alone
@@ -52,32 +55,35 @@ def build(out: str) -> str:
     return out
 
 
-def reference(a, w, bias, gate, x, mu):
-    """(y float64 (B, T, N), s1 (B, T), s2 (B, T)) from the fp16 inputs in float64."""
-    a, w, bias, gate, x, mu = (t.double() for t in (a, w, bias, gate, x, mu))
-    y = x + gate[:, None, :] * (a @ w.T + bias)
-    c = y - mu[..., None]
-    return y, c.sum(-1), (c * c).sum(-1)
+def reference(a, w, bias, gate, x, mean, scale):
+    """(y, xc (M, N), s1, s2 (M,)) in float64 from the fp16 inputs."""
+    a, w, bias, gate, x, mean, scale = (t.double() for t in (a, w, bias, gate, x, mean, scale))
+    y = x + gate * (a @ w.T + bias)
+    c = y - mean[:, None]
+    return y, c * scale, c.sum(-1), (c * c).sum(-1)
 
 
-def unfused(a, w, bias, gate, x, mu):
-    """Today's path: the GEMM with its bias, the gated residual add, the centred row sums (fp32)."""
-    y = torch.addcmul(x, gate[:, None, :], F.linear(a, w, bias))
-    c = y.float() - mu[..., None]
-    return y, c.sum(-1), (c * c).sum(-1)
+def unfused(a, w, bias, gate, x, mean, scale):
+    """The same work as separate kernels: the GEMM with its bias, the gated residual add, the
+    centring and scaling (rounded to the operand dtype), the row sums in fp32."""
+    y = torch.addcmul(x, gate, F.linear(a, w, bias))
+    c = y.float() - mean[:, None]
+    return y, (c * scale).to(y.dtype), c.sum(-1), (c * c).sum(-1)
 
 
-def inputs(b: int, t: int, n: int, k: int, device, seed: int):
+def inputs(m: int, n: int, k: int, device, seed: int):
+    """fp16 a (M, K), w (N, K), bias, gate (N,), x (M, N); fp32 mean (M,), scale (N,)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     h = torch.float16
 
     def r(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(device, h)
 
-    a, w, bias = r(b, t, k), r(n, k, scale=k ** -0.5), r(n, scale=0.1)
-    gate, x = r(b, n, scale=0.5), r(b, t, n)
-    mu = x.float().mean(-1) + 0.01 * torch.randn(b, t, generator=g).to(device)  # the previous LayerNorm's mean, roughly
-    return a, w, bias, gate, x, mu
+    a, w, bias = r(m, k), r(n, k, scale=k ** -0.5), r(n, scale=0.1)
+    gate, x = r(n, scale=0.5), r(m, n)
+    mean = x.float().mean(-1) + 0.01 * torch.randn(m, generator=g).to(device)  # the previous LayerNorm's, roughly
+    scale = (1 + 0.2 * torch.randn(n, generator=g)).to(device)
+    return a, w, bias, gate, x, mean, scale
 
 
 def rel(got, ref) -> float:
@@ -86,11 +92,11 @@ def rel(got, ref) -> float:
 
 def check_reference() -> int:
     """CPU: the unfused path against the float64 reference (the bounds the kernel is held to)."""
-    a, w, bias, gate, x, mu = (t.float() for t in inputs(2, 50, 512, 512, "cpu", 0))
-    ref = reference(a, w, bias, gate, x, mu)
-    got = unfused(a, w, bias, gate, x, mu)
+    a, w, bias, gate, x, mean, scale = (t.float() for t in inputs(100, 512, 512, "cpu", 0))
+    ref = reference(a, w, bias, gate, x, mean, scale)
+    got = unfused(a, w, bias, gate, x, mean, scale)
     errs = [rel(g, r) for g, r in zip(got, ref)]
-    print(f"unfused fp32 on CPU vs float64: y {errs[0]:.2e}, s1 {errs[1]:.2e}, s2 {errs[2]:.2e}")
+    print("unfused fp32 on CPU vs float64: " + ", ".join(f"{k} {e:.2e}" for k, e in zip(("y", "xc", "s1", "s2"), errs)))
     return 0 if max(errs) < 1e-5 else 1
 
 
@@ -111,8 +117,7 @@ def timed(fn, repeats: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lib", help="a built .so (default: build one into a temporary folder)")
-    ap.add_argument("--batches", default="32,64,128", help="B (2 x streams: the CFG rows)")
-    ap.add_argument("--frames", type=int, default=50, help="T rows per batch")
+    ap.add_argument("--rows", default="1600,3200,6400", help="M: 2 x streams x 50 frames (16 / 32 / 64 streams)")
     ap.add_argument("--ks", default="512,2048", help="K: 512 (attention proj), 2048 (fc2)")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--out", default=".")
@@ -123,40 +128,39 @@ def main() -> int:
     lib = ctypes.CDLL(args.lib or build(os.path.join(tempfile.mkdtemp(), "librowstats.so")))
     fn = lib.tcfm_residual_rowstats_f16
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_void_p]
     ws = lib.tcfm_residual_rowstats_f16_workspace
-    ws.restype, ws.argtypes = ctypes.c_longlong, [ctypes.c_int] * 4
+    ws.restype, ws.argtypes = ctypes.c_longlong, [ctypes.c_int] * 3
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     rows = []
-    for b in (int(v) for v in args.batches.split(",")):
+    for m in (int(v) for v in args.rows.split(",")):
         for k in (int(v) for v in args.ks.split(",")):
-            t, n = args.frames, 512
-            a, w, bias, gate, x, mu = inputs(b, t, n, k, dev, seed=b * 7 + k)
-            d = torch.empty_like(x)
-            tr = -(-t // TILE_M) * TILE_M
-            s1 = torch.zeros(b, n // TILE_N, tr, device=dev)
+            n = 512
+            ins = inputs(m, n, k, dev, seed=m * 7 + k)
+            a, w, bias, gate, x, mean, scale = ins
+            d, xc = torch.empty_like(x), torch.empty_like(x)
+            s1 = torch.zeros(n // TILE_N, -(-m // TILE_M) * TILE_M, device=dev)
             s2 = torch.zeros_like(s1)
-            work = torch.empty(max(int(ws(t, b, n, k)), 1), dtype=torch.uint8, device=dev)
+            work = torch.empty(max(int(ws(m, n, k)), 1), dtype=torch.uint8, device=dev)
             stream = torch.cuda.current_stream().cuda_stream
 
             def fused():
-                status = fn(a.data_ptr(), w.data_ptr(), bias.data_ptr(), gate.data_ptr(), x.data_ptr(), mu.data_ptr(),
-                            d.data_ptr(), s1.data_ptr(), s2.data_ptr(), t, b, n, k, dev.index or 0,
-                            props.multi_processor_count, work.data_ptr(), stream)
+                status = fn(*(t.data_ptr() for t in (a, w, bias, gate, x, mean, scale, d, xc, s1, s2)), m, n, k,
+                            dev.index or 0, props.multi_processor_count, work.data_ptr(), stream)
                 if status != 0:
                     raise RuntimeError(f"tcfm_residual_rowstats_f16: status {status}")
 
             fused()
             torch.cuda.synchronize()
-            ref = reference(a, w, bias, gate, x, mu)
-            got = (d, s1.sum(1)[:, :t], s2.sum(1)[:, :t])
-            base = unfused(a, w, bias, gate, x, mu)
-            row = dict(batch=b, frames=t, n=n, k=k, gpu=props.name, torch=torch.__version__,
+            ref = reference(*ins)
+            got = (d, xc, s1.sum(0)[:m], s2.sum(0)[:m])
+            base = unfused(*ins)
+            row = dict(rows=m, n=n, k=k, gpu=props.name, torch=torch.__version__,
                        err_fused=[rel(g, r) for g, r in zip(got, ref)],
                        err_unfused=[rel(g, r) for g, r in zip(base, ref)],
                        ms_fused=timed(fused, args.repeats),
-                       ms_unfused=timed(lambda: unfused(a, w, bias, gate, x, mu), args.repeats),
+                       ms_unfused=timed(lambda: unfused(*ins), args.repeats),
                        ms_linear=timed(lambda: F.linear(a, w, bias), args.repeats))
             rows.append(row)
             print(json.dumps(row))
