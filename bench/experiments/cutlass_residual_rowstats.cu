@@ -141,6 +141,69 @@ struct Sm90ResidualRowStats {
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
+// The consumer's epilogue: the LayerNorm finished on the GEMM of the producer's xc,
+//   out = rstd * (acc - mu_c * u) + v,   mu_c = S1 / C,  rstd = rsqrt(S2 / C - mu_c^2 + eps)
+// with S1, S2 the producer's kPartials partial sums of c = y - m (so mu_c = mu - m), C = the
+// residual width, u = (1 + s) W^T and v = sh W^T + b (fp32, per column); then GELU (tanh form) for fc1.
+constexpr float kBlockLnEps = 1e-6f;  // BLOCK_LN_EPS (torch_cfm/config.py)
+
+template <bool kGelu, int kWidth>
+struct FinishLayerNorm {
+  template <class T>
+  struct Op;
+  template <int N>
+  struct Op<cutlass::Array<float, N>> {
+    using A = cutlass::Array<float, N>;
+    CUTLASS_DEVICE A operator()(A const& acc, A const& p0, A const& p1, A const& p2, A const& p3, A const& q0,
+                                A const& q1, A const& q2, A const& q3, A const& u, A const& v) const {
+      A out;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < N; ++i) {
+        const float mean = ((p0[i] + p1[i]) + (p2[i] + p3[i])) * (1.0f / kWidth);
+        const float var = fmaxf(((q0[i] + q1[i]) + (q2[i] + q3[i])) * (1.0f / kWidth) - mean * mean, 0.0f);
+        float o = fmaf(rsqrtf(var + kBlockLnEps), fmaf(-mean, u[i], acc[i]), v[i]);
+        if constexpr (kGelu) {
+          constexpr float kC1 = -2.302208198144325f;   // as AddGeluTanh in csrc/cutlass/sm90_gemm.cuh
+          constexpr float kC3 = -0.1029432395800235f;
+          o = __fdividef(o, 1.0f + exp2f(o * fmaf(o * o, kC3, kC1)));
+        }
+        out[i] = o;
+      }
+      return out;
+    }
+  };
+};
+
+template <class Element, class TileShape, class ClusterShape, bool kGelu>
+struct Sm90LayerNormConsumer {
+  static constexpr int kAlign = 16 / sizeof(Element);
+  static constexpr int kWidth = 512;  // the residual width C: 4 partials of 128 columns
+  using RC = cutlass::FloatRoundStyle;
+  using RowStride = cute::Stride<cute::_0, cute::_1, int64_t>;
+  using ColStride = cute::Stride<cute::_1, cute::_0, int64_t>;
+  using Part = Sm90ColBroadcast<0, TileShape, float, float, ColStride>;
+  using Vec = Sm90RowBroadcast<0, TileShape, float, float, RowStride, 4>;
+  template <class T>
+  using Finish = typename FinishLayerNorm<kGelu, kWidth>::template Op<T>;
+  using Fusion = Sm90EVT<Sm90Compute<Finish, Element, float, RC::round_to_nearest>, Sm90AccFetch, Part, Part, Part,
+                         Part, Part, Part, Part, Part, Vec, Vec>;
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor, kAlign,
+      Element, cutlass::layout::RowMajor, kAlign, cutlass::epilogue::TmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
+
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlign, Element,
+      cutlass::layout::ColumnMajor, kAlign, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
+                                                      cutlass::gemm::PersistentScheduler>;
+  using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+};
+
 }  // namespace tcfm_experiment
 
 namespace {
@@ -207,4 +270,69 @@ extern "C" int tcfm_residual_rowstats_f16(const void* a, const void* w, const vo
   st = gemm.run(stream);
   if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
   return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
+namespace {
+template <bool kGelu>
+using Consumer = tcfm_experiment::Sm90LayerNormConsumer<cutlass::half_t, cute::Shape<cute::_128, cute::_128, cute::_64>,
+                                                        cute::Shape<cute::_1, cute::_1, cute::_1>, kGelu>;
+
+template <bool kGelu>
+typename Consumer<kGelu>::Adapter::Arguments consumer_arguments(const void* xc, const void* w, const float* s1,
+                                                                const float* s2, const float* u, const float* v,
+                                                                void* d, int m, int n, int k, int device,
+                                                                int sm_count) {
+  using C = Consumer<kGelu>;
+  const auto sa = cute::make_stride(int64_t(k), cute::Int<1>{}, int64_t(0));
+  const auto sd = cute::make_stride(int64_t(n), cute::Int<1>{}, int64_t(0));
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = device;
+  hw.sm_count = sm_count;
+  typename C::Adapter::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                      {m, n, k, 1},
+                                      {static_cast<const E*>(xc), sa, static_cast<const E*>(w), sa},
+                                      {{}, nullptr, sd, static_cast<E*>(d), sd},
+                                      hw};
+  const int64_t mr = (m + 127) / 128 * 128;  // the producer's partials: (4, round_up(M, 128)) each
+  auto part = [&](const float* p, int j) {
+    return typename C::Part::Arguments{p == nullptr ? nullptr : p + j * mr, 0.f, typename C::ColStride{}};
+  };
+  args.epilogue.thread = {{}, part(s1, 0), part(s1, 1), part(s1, 2), part(s1, 3), part(s2, 0), part(s2, 1),
+                          part(s2, 2), part(s2, 3), {u, 0.f, typename C::RowStride{}},
+                          {v, 0.f, typename C::RowStride{}}, {}};
+  return args;
+}
+}  // namespace
+
+// The consumer GEMM: xc (M, K = 512) fp16 from the producer, w (N, K) fp16, s1 / s2 the producer's
+// partials, u, v (N,) fp32; d (M, N) fp16 = rstd * (xc w^T - mu_c u) + v, then GELU when gelu != 0.
+extern "C" long long tcfm_layernorm_consumer_f16_workspace(int m, int n, int k, int gelu) {
+  if (gelu) {
+    return static_cast<long long>(Consumer<true>::Adapter::get_workspace_size(
+        consumer_arguments<true>(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, 0, 1)));
+  }
+  return static_cast<long long>(Consumer<false>::Adapter::get_workspace_size(
+      consumer_arguments<false>(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, 0, 1)));
+}
+
+template <bool kGelu>
+static int run_consumer(const void* xc, const void* w, const float* s1, const float* s2, const float* u, const float* v,
+                        void* d, int m, int n, int k, int device, int sm_count, void* workspace, cudaStream_t stream) {
+  const auto args = consumer_arguments<kGelu>(xc, w, s1, s2, u, v, d, m, n, k, device, sm_count);
+  typename Consumer<kGelu>::Adapter gemm;
+  cutlass::Status st = gemm.can_implement(args);
+  if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
+  st = gemm.initialize(args, workspace, stream);
+  if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
+  st = gemm.run(stream);
+  if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
+  return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
+extern "C" int tcfm_layernorm_consumer_f16(const void* xc, const void* w, const float* s1, const float* s2,
+                                           const float* u, const float* v, void* d, int m, int n, int k, int gelu,
+                                           int device, int sm_count, void* workspace, cudaStream_t stream) {
+  if (k != 512) return static_cast<int>(cutlass::Status::kErrorInvalidProblem);  // the partials' width
+  return gelu ? run_consumer<true>(xc, w, s1, s2, u, v, d, m, n, k, device, sm_count, workspace, stream)
+              : run_consumer<false>(xc, w, s1, s2, u, v, d, m, n, k, device, sm_count, workspace, stream);
 }

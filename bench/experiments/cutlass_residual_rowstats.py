@@ -9,6 +9,14 @@ The kernel computes, over M rows (the CFG rows x T frames of a solve step):
     s1 = sum over each 128-column tile of c        (N / 128, round_up(M, 128)) fp32 partials
     s2 = the same over c^2
 
+Then the consumer (``tcfm_layernorm_consumer_f16``) on the producer's xc and partials finishes the
+LayerNorm of y inside the next GEMM (qkv: N = 1536; fc1: N = 2048, + GELU):
+
+    out = rstd * (xc @ w2.T - mu_c * u) + v,  u = (1 + s) @ w2.T,  v = sh @ w2.T + b2
+
+against a float64 ``modulate(LN(y), sh, s) @ w2.T + b2`` and against today's separate kernels
+(``F.layer_norm``, the modulation, ``F.linear``).
+
 Checked against a float64 evaluation of the same fp16 inputs: ``y`` and ``xc`` within fp16
 rounding, the row sums (partials added) within fp32 accumulation error; then timed (CUDA events,
 median of repeats, fresh inputs per shape) against the same work as separate kernels
@@ -86,6 +94,20 @@ def inputs(m: int, n: int, k: int, device, seed: int):
     return a, w, bias, gate, x, mean, scale
 
 
+def consumer_reference(y64, shift, scale, w2, b2, gelu: bool):
+    """float64 ``modulate(LN(y), shift, scale) @ w2.T + b2`` (tanh GELU for fc1)."""
+    z = F.layer_norm(y64, y64.shape[-1:], eps=1e-6) * scale.double() + shift.double()
+    out = z @ w2.double().T + b2.double()
+    return F.gelu(out, approximate="tanh") if gelu else out
+
+
+def consumer_unfused(y, shift, scale, w2, b2, gelu: bool):
+    """Today's kernels: the LayerNorm with its modulation rounded to fp16, then the GEMM."""
+    z = (F.layer_norm(y.float(), y.shape[-1:], eps=1e-6) * scale + shift).to(y.dtype)
+    out = F.linear(z, w2, b2)
+    return F.gelu(out, approximate="tanh") if gelu else out
+
+
 def rel(got, ref) -> float:
     return float((got.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
@@ -97,7 +119,18 @@ def check_reference() -> int:
     got = unfused(a, w, bias, gate, x, mean, scale)
     errs = [rel(g, r) for g, r in zip(got, ref)]
     print("unfused fp32 on CPU vs float64: " + ", ".join(f"{k} {e:.2e}" for k, e in zip(("y", "xc", "s1", "s2"), errs)))
-    return 0 if max(errs) < 1e-5 else 1
+    # the consumer's algebra in float64, from the producer's outputs as the kernels pass them
+    y64, xc64, s1, s2 = ref
+    g = torch.Generator().manual_seed(1)
+    shift, w2, b2 = 0.1 * torch.randn(512, generator=g), torch.randn(2048, 512, generator=g) / 512 ** 0.5, \
+        0.1 * torch.randn(2048, generator=g)
+    u, v = scale.double() @ w2.double().T, shift.double() @ w2.double().T + b2.double()
+    mean = s1 / 512
+    rstd = (s2 / 512 - mean * mean + 1e-6).rsqrt()
+    out = F.gelu(rstd[:, None] * (xc64 @ w2.double().T - mean[:, None] * u) + v, approximate="tanh")
+    algebra = rel(out, consumer_reference(y64, shift, scale, w2, b2, True))
+    print(f"consumer algebra (float64) vs modulate(LN(y)) @ w2.T + b2: {algebra:.2e}")
+    return 0 if max(errs) < 1e-5 and algebra < 1e-12 else 1
 
 
 def timed(fn, repeats: int) -> float:
@@ -112,6 +145,40 @@ def timed(fn, repeats: int) -> float:
         e.synchronize()
         times.append(s.elapsed_time(e))
     return sorted(times)[len(times) // 2]
+
+
+def consumers(cfn, cws, y, xc, s1, s2, ins, y64, m, dev, props, stream, work, repeats) -> list[dict]:
+    """The consumer at qkv (N = 1536) and fc1 (N = 2048, GELU) over the producer's outputs."""
+    scale = ins[6]
+    g = torch.Generator(device="cpu").manual_seed(m)
+    shift = (0.1 * torch.randn(512, generator=g)).to(dev)
+    out_rows = []
+    for role, n2, gelu in (("qkv", 1536, False), ("fc1", 2048, True)):
+        w2 = (torch.randn(n2, 512, generator=g) * 512 ** -0.5).to(dev, torch.float16)
+        b2 = (0.1 * torch.randn(n2, generator=g)).to(dev, torch.float16)
+        u = (scale[None, :] * w2.float()).sum(-1)           # (1 + s) @ w2.T
+        v = (shift[None, :] * w2.float()).sum(-1) + b2.float()  # sh @ w2.T + b2
+        d2 = torch.empty(m, n2, device=dev, dtype=torch.float16)
+        need = int(cws(m, n2, 512, int(gelu)))
+        buf = work if work.numel() >= need else torch.empty(need, dtype=torch.uint8, device=dev)
+
+        def fused():
+            status = cfn(*(t.data_ptr() for t in (xc, w2, s1, s2, u, v, d2)), m, n2, 512, int(gelu), dev.index or 0,
+                         props.multi_processor_count, buf.data_ptr(), stream)
+            if status != 0:
+                raise RuntimeError(f"tcfm_layernorm_consumer_f16: status {status}")
+
+        fused()
+        torch.cuda.synchronize()
+        ref = consumer_reference(y64, shift, scale, w2, b2, gelu)
+        row = dict(role=role, rows=m, n=n2, k=512, gelu=gelu, gpu=props.name, torch=torch.__version__,
+                   err_fused=rel(d2, ref), err_unfused=rel(consumer_unfused(y, shift, scale, w2, b2, gelu), ref),
+                   ms_fused=timed(fused, repeats),
+                   ms_unfused=timed(lambda: consumer_unfused(y, shift, scale, w2, b2, gelu), repeats),
+                   ms_linear=timed(lambda: F.linear(xc, w2, b2), repeats))
+        out_rows.append(row)
+        print(json.dumps(row))
+    return out_rows
 
 
 def main() -> int:
@@ -131,6 +198,11 @@ def main() -> int:
     fn.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_void_p]
     ws = lib.tcfm_residual_rowstats_f16_workspace
     ws.restype, ws.argtypes = ctypes.c_longlong, [ctypes.c_int] * 3
+    cfn = lib.tcfm_layernorm_consumer_f16
+    cfn.restype = ctypes.c_int
+    cfn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_void_p]
+    cws = lib.tcfm_layernorm_consumer_f16_workspace
+    cws.restype, cws.argtypes = ctypes.c_longlong, [ctypes.c_int] * 4
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
     rows = []
@@ -164,6 +236,8 @@ def main() -> int:
                        ms_linear=timed(lambda: F.linear(a, w, bias), args.repeats))
             rows.append(row)
             print(json.dumps(row))
+            if k == 512:
+                rows += consumers(cfn, cws, d, xc, s1, s2, ins, ref[0], m, dev, props, stream, work, args.repeats)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cutlass_residual_rowstats.json"), "w") as f:
         json.dump(rows, f, indent=1)
