@@ -300,7 +300,10 @@ class TorchCfmProvider:
         if self.stage == "cfm":
             cfm = self.server.cfm_server
             if self.prompt_steps is not None or self.voice_cache:  # per stream: a copy, or staged and queued
-                for sid in ids:
+                hits = {sid: inp.voice(sid) for sid in ids if self.voice_cache and self._cached(sid)}
+                if hits:  # the hits of one voice restored together
+                    cfm.open_voices(hits)
+                for sid in (s for s in ids if s not in hits):
                     mu = inp.mu_prompt(sid)
                     cfm.open_request(sid, inp.spk80(sid), prompt_mu=mu, prompt_mel=torch.zeros_like(mu),
                                      voice=inp.voice(sid) if self.voice_cache else None)

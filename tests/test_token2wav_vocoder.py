@@ -220,3 +220,39 @@ def test_streams_of_one_voice_in_one_call_share_its_prompt_solve(flow, hift, cac
         last = k == len(chunks) - 1
         got, want = server.step({"b": (tok, last)})["b"], alone.step({"b": (tok, last)})["b"]
         assert err_rel_fro(got.mel, want.mel) <= 1e-5 and err_rel_fro(got.wav, want.wav) <= 1e-5, k
+
+
+def test_open_voices_equals_one_hit_at_a_time_bitwise(flow):
+    """``CFMServer.open_voices`` (the hits of one voice restored together) leaves the arenas, the
+    returned mels, the hit counts and the next solve bitwise as ``open_request(voice=)`` one at a
+    time does; an unknown voice, an open id or too few slots are refused with nothing opened."""
+    prompts = {"A": U.make_prompt(U.TINY, 20, seed=80), "B": U.make_prompt(U.TINY, 13, seed=83)}
+    servers = []
+    for _ in range(2):
+        server = Token2wavServer(flow, None, max_streams=4, max_prompt_frames=80, n_timesteps=N_STEPS,
+                                 voice_cache_bytes=1 << 26)
+        for v, p in prompts.items():
+            server.open_stream(f"solve {v}", p.tokens, p.mel, p.spk, voice=v)
+            server.close_stream(f"solve {v}")
+        servers.append(server.cfm_server)
+    one, many = servers
+    plan = {"x": "A", "y": "B", "z": "A"}
+    mels_one = {rid: one.open_request(rid, voice=v) for rid, v in plan.items()}
+    mels_many = many.open_voices(plan)
+    assert list(mels_many) == list(plan) and all(torch.equal(mels_one[r], mels_many[r]) for r in plan)
+    assert (one.voices.hits, one.voices.misses) == (many.voices.hits, many.voices.misses) == (3, 2)
+    for a, b in zip(one.arenas, many.arenas):
+        for name, t in a.tensors().items():
+            assert torch.equal(t, b.tensors()[name]), name
+    chunk = {r: torch.randn(80, 12, generator=torch.Generator().manual_seed(5)) for r in plan}
+    got_one, got_many = one.solve_chunk(chunk), many.solve_chunk(chunk)
+    assert all(torch.equal(got_one[r], got_many[r]) for r in plan)
+    free = many.free_slots
+    with pytest.raises(ValueError, match=r"open_voices: requests\['w'\] must name a request not open yet and a "
+                                         r"cached voice, got voice 'C', not cached"):
+        many.open_voices({"v": "A", "w": "C"})
+    with pytest.raises(ValueError, match=r"requests\['x'\] .* got an open request"):
+        many.open_voices({"x": "A"})
+    with pytest.raises(many.AdmissionError, match=r"open_voices: 2 requests for 1 free slots"):
+        many.open_voices({"v": "A", "w": "B"})
+    assert many.open_requests == list(plan) and many.free_slots == free

@@ -369,13 +369,30 @@ class CacheArena:
         lengths = torch.full((2,), length, device=keys.device)
         return self.cnn[:, :, rows], keyed_to_newest_first(self.att[:, :, rows], keys, lengths, length)
 
-    def load_request_caches(self, slot: int, cnn: torch.Tensor, att: torch.Tensor) -> None:
+    def load_request_caches(self, slot: int, cnn: torch.Tensor, att: torch.Tensor,
+                            op: str = "CacheArena.load_request_caches") -> None:
         """Put caches in the upstream layout into one slot (the inverse of :meth:`request_caches`):
         cnn (n, depth, 2, 2C, 2) and att (n, depth, 2, H, L, 2D) newest first, row 0 = cond,
-        row 1 = uncond. The slot's frames become its keys in order (frame j = key j) and its
-        ``cache_lengths`` entry L. Shapes are checked by the caller (:meth:`CFMServer.load_request_caches`)."""
+        row 1 = uncond, L <= ``max_cache_frames``, the arena's dtype and device (ValueError naming
+        ``op`` otherwise, nothing written). The slot's frames become its keys in order (frame j =
+        key j) and its ``cache_lengths`` entry L."""
         if not 0 <= slot < self.rows:
-            fail("CacheArena.load_request_caches", "slot", f"be in [0, {self.rows})", str(slot))
+            fail(op, "slot", f"be in [0, {self.rows})", str(slot))
+        want_cnn = (*self.cnn.shape[:2], 2, *self.cnn.shape[3:])
+        if not isinstance(cnn, torch.Tensor) or tuple(cnn.shape) != want_cnn:
+            fail(op, "cnn", f"be a tensor of shape {want_cnn}", shape_str(cnn) if isinstance(cnn, torch.Tensor)
+                 else type(cnn).__name__)
+        n, depth, _, heads, _, width = self.att.shape
+        if not isinstance(att, torch.Tensor) or att.dim() != 6 or \
+                tuple(att.shape[:4]) + (att.shape[5],) != (n, depth, 2, heads, width):
+            fail(op, "att", f"be a tensor of shape ({n}, {depth}, 2, {heads}, L, {width})",
+                 shape_str(att) if isinstance(att, torch.Tensor) else type(att).__name__)
+        if att.shape[4] > self.max_cache_frames:
+            fail(op, "att", f"hold at most max_cache_frames={self.max_cache_frames} frames", str(att.shape[4]),
+                 "trim the cache first")
+        for name, t in (("cnn", cnn), ("att", att)):
+            if t.dtype != self.att.dtype or t.device != self.att.device:
+                fail(op, name, f"be {self.att.dtype} on {self.att.device}", f"{t.dtype} on {t.device}")
         length = att.shape[4]
         self.write_slot(slot, cnn, att)
         if self.frame_keys is not None:
@@ -390,6 +407,19 @@ class CacheArena:
         for row, src in ((slot, 0), (self.rows + slot, 1)):
             copy_wide_(self.att[:, :, row, :, :length], att[:, :, src])
             copy_wide_(self.cnn[:, :, row], cnn[:, :, src])
+
+    def write_slots(self, index: torch.Tensor, cnn: torch.Tensor, att: torch.Tensor) -> None:
+        """:meth:`write_slot` of the same caches into every slot of ``index`` ((k,) int64, on the
+        arena's device, distinct), in one scatter per tensor and row half (the source broadcast, not copied)."""
+        length = att.shape[4]
+        for offset, src in ((0, 0), (self.rows, 1)):
+            rows = index + offset if offset else index
+            for dst, one in ((self.att[:, :, :, :, :length], att[:, :, src:src + 1]), (self.cnn, cnn[:, :, src:src + 1])):
+                one = one.expand(*one.shape[:2], rows.numel(), *one.shape[3:])
+                ratio = 8 // dst.element_size()
+                if ratio > 1 and all(_word_aligned(t, ratio) for t in (dst, one)):
+                    dst, one = dst.view(torch.int64), one.view(torch.int64)
+                dst.index_copy_(2, rows, one)
 
     def describe(self) -> str:
         return (f"CacheArena(rows={self.rows}, att={shape_str(self.att)}, cnn={shape_str(self.cnn)}, "

@@ -31,7 +31,7 @@ from ..solve import GraphedArenaSolver, StreamingCFM
 from . import warmup as _warmup
 from .prompt_cohorts import PromptCohorts
 from .reports import AdmissionError, MemoryPlan, WarmupReport
-from .voice_cache import VoiceCache, VoiceState, content_key, state_mismatch
+from .voice_cache import VoiceCache, VoiceState, content_key, open_voices, state_mismatch
 
 
 @dataclass
@@ -358,6 +358,18 @@ class CFMServer:
         """The cached state of ``voice`` (None: not cached, or no voice cache); not counted as a lookup."""
         return None if self.voices is None else self.voices.peek(voice)
 
+    def open_voices(self, requests: Mapping[Hashable, Hashable]) -> dict[Hashable, torch.Tensor]:
+        """Open requests from cached voices ({request id: voice}), as :meth:`open_request` with
+        ``voice=`` and no prompt does for each (counted hits, ready at once), the requests of one
+        voice restored together in a fixed number of launches (:func:`~torch_cfm.serving.voice_cache.
+        open_voices`). Returns {request id: prompt mel (80, P)}.
+
+        Raises:
+            ValueError: an id already open, a voice not cached (nothing is opened).
+            AdmissionError: fewer free slots than requests (nothing is opened).
+        """
+        return open_voices(self, requests, _Request)
+
     def _restore_voice(self, req: _Request, state: VoiceState) -> torch.Tensor:
         """A prompt state into the request's slot (bitwise its solve's state); the prompt mel returned."""
         state.restore(self.arenas[req.bucket], req.slot)
@@ -381,23 +393,7 @@ class CFMServer:
         """
         op = "CFMServer.load_request_caches"
         req = self._get(request_id, op)
-        arena = self.arenas[req.bucket]
-        cfg, n = self.config, arena.att.shape[0]
-        want_cnn = (n, cfg.depth, 2, 2 * cfg.hidden, cfg.conv_cache_frames)
-        if not isinstance(cnn, torch.Tensor) or tuple(cnn.shape) != want_cnn:
-            fail(op, "cnn", f"be a tensor of shape {want_cnn}", shape_str(cnn) if isinstance(cnn, torch.Tensor)
-                 else type(cnn).__name__)
-        if not isinstance(att, torch.Tensor) or att.dim() != 6 or \
-                tuple(att.shape[:4]) + (att.shape[5],) != (n, cfg.depth, 2, cfg.heads, 2 * cfg.head_dim):
-            fail(op, "att", f"be a tensor of shape ({n}, {cfg.depth}, 2, {cfg.heads}, L, {2 * cfg.head_dim})",
-                 shape_str(att) if isinstance(att, torch.Tensor) else type(att).__name__)
-        if att.shape[4] > arena.max_cache_frames:
-            fail(op, "att", f"hold at most max_cache_frames={arena.max_cache_frames} frames", str(att.shape[4]),
-                 "trim the cache first")
-        for name, t in (("cnn", cnn), ("att", att)):
-            if t.dtype != arena.att.dtype or t.device != arena.att.device:
-                fail(op, name, f"be {arena.att.dtype} on {arena.att.device}", f"{t.dtype} on {t.device}")
-        arena.load_request_caches(req.slot, cnn, att)
+        self.arenas[req.bucket].load_request_caches(req.slot, cnn, att, op=op)  # checked before anything is written
         req.cache_len = att.shape[4]
 
     # ------------------------------------------------------------------ solving

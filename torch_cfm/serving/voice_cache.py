@@ -15,11 +15,12 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Optional
+from typing import Any, Callable, Hashable, Mapping, Optional
 
 import torch
 
 from ..errors import fail
+from .reports import AdmissionError
 
 
 def content_key(*parts: Any) -> str:
@@ -90,6 +91,16 @@ class VoiceState:
         arena.write_slot(slot, self.cnn, self.att)
         arena.frame_keys[slot, :length].copy_(self.frame_keys)
         arena.cache_lengths[slot] = length
+
+    def restore_many(self, arena: Any, index: torch.Tensor) -> None:
+        """:meth:`restore` into every slot of ``index`` ((k,) int64 on the arena's device, distinct),
+        with this state's speaker embedding and P, in a fixed number of launches whatever k."""
+        length, k = self.cache_len, index.numel()
+        arena.write_slots(index, self.cnn, self.att)
+        arena.frame_keys[:, :length].index_copy_(0, index, self.frame_keys[None].expand(k, length))
+        arena.spks.index_copy_(0, index, self.spks[None].expand(k, -1))
+        arena.cache_lengths.index_fill_(0, index, length)
+        arena.prompt_lengths.index_fill_(0, index, self.prompt_len)
 
     def mismatch(self, arena: Any, max_prompt_frames: int) -> Optional[str]:
         """Why this state cannot go into a slot of ``arena`` (a server's with ``max_prompt_frames``);
@@ -176,7 +187,6 @@ class VoiceCache:
                 "misses": self.misses, "evictions": self.evictions}
 
 
-__all__ = ["VoiceCache", "VoiceState", "content_key", "state_mismatch", "tensors_nbytes"]
 
 
 def state_mismatch(state: Any, arena: Any, max_prompt_frames: int) -> Optional[str]:
@@ -184,3 +194,32 @@ def state_mismatch(state: Any, arena: Any, max_prompt_frames: int) -> Optional[s
     if not isinstance(state, VoiceState):
         return f"a {type(state).__name__}"
     return state.mismatch(arena, max_prompt_frames)
+
+
+def open_voices(server: Any, requests: Mapping[Hashable, Hashable], new_request: Callable) -> dict[Hashable, torch.Tensor]:
+    """:meth:`CFMServer.open_voices <torch_cfm.serving.CFMServer.open_voices>`: every request checked
+    first, then slots taken (``new_request(bucket, slot, prompt_len)`` makes the server's record)
+    and each (bucket, voice) group restored by one :meth:`VoiceState.restore_many`."""
+    op = "CFMServer.open_voices"
+    for rid, voice in requests.items():
+        if rid in server.open_requests or server.voice_state(voice) is None:
+            fail(op, f"requests[{rid!r}]", "name a request not open yet and a cached voice",
+                 "an open request" if rid in server.open_requests else f"voice {voice!r}, not cached")
+    if len(requests) > server.free_slots:
+        raise AdmissionError(f"{op}: {len(requests)} requests for {server.free_slots} free slots; close requests "
+                             "first or build the server with more slots")
+    groups: dict[tuple, tuple] = {}
+    for rid, voice in requests.items():
+        state, bucket = server.voices.get(voice), server._free_bucket(op)  # noqa: SLF001 - the server's own helpers
+        req = new_request(bucket, server._free[bucket].pop(0), state.prompt_len)  # noqa: SLF001
+        req.cache_len, req.chunks = state.cache_len, 1
+        server._requests[rid] = req  # noqa: SLF001
+        groups.setdefault((bucket, voice), (state, []))[1].append((rid, req.slot))
+    mels = {}
+    for (bucket, _), (state, members) in groups.items():
+        state.restore_many(server.arenas[bucket], server.device_index([slot for _, slot in members]))
+        mels.update(zip([rid for rid, _ in members], state.mel.expand(len(members), *state.mel.shape).clone().unbind(0)))
+    return {rid: mels[rid] for rid in requests}
+
+
+__all__ = ["VoiceCache", "VoiceState", "content_key", "open_voices", "state_mismatch", "tensors_nbytes"]
