@@ -207,6 +207,17 @@ struct Sm90LayerNormConsumer {
 }  // namespace tcfm_experiment
 
 namespace {
+// can_implement, initialize, run: 0 on success, else the failing cutlass::Status (or -1 for a CUDA error)
+template <class Adapter>
+int run_gemm(typename Adapter::Arguments const& args, void* workspace, cudaStream_t stream) {
+  Adapter gemm;
+  cutlass::Status st = gemm.can_implement(args);
+  if (st == cutlass::Status::kSuccess) st = gemm.initialize(args, workspace, stream);
+  if (st == cutlass::Status::kSuccess) st = gemm.run(stream);
+  if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
+  return cudaGetLastError() == cudaSuccess ? 0 : -1;
+}
+
 using G = tcfm_experiment::Sm90ResidualRowStats<cutlass::half_t, cute::Shape<cute::_128, cute::_128, cute::_64>,
                                                 cute::Shape<cute::_1, cute::_1, cute::_1>>;
 using E = cutlass::half_t;
@@ -261,15 +272,8 @@ extern "C" int tcfm_residual_rowstats_f16(const void* a, const void* w, const vo
                                           const void* x, const float* mean, const float* scale, void* d, void* xc,
                                           float* s1, float* s2, int m, int n, int k, int device, int sm_count,
                                           void* workspace, cudaStream_t stream) {
-  const auto args = make_arguments(a, w, bias, gate, x, mean, scale, d, xc, s1, s2, m, n, k, device, sm_count);
-  G::Adapter gemm;
-  cutlass::Status st = gemm.can_implement(args);
-  if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
-  st = gemm.initialize(args, workspace, stream);
-  if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
-  st = gemm.run(stream);
-  if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
-  return cudaGetLastError() == cudaSuccess ? 0 : -1;
+  return run_gemm<G::Adapter>(
+      make_arguments(a, w, bias, gate, x, mean, scale, d, xc, s1, s2, m, n, k, device, sm_count), workspace, stream);
 }
 
 namespace {
@@ -318,15 +322,8 @@ extern "C" long long tcfm_layernorm_consumer_f16_workspace(int m, int n, int k, 
 template <bool kGelu>
 static int run_consumer(const void* xc, const void* w, const float* s1, const float* s2, const float* u, const float* v,
                         void* d, int m, int n, int k, int device, int sm_count, void* workspace, cudaStream_t stream) {
-  const auto args = consumer_arguments<kGelu>(xc, w, s1, s2, u, v, d, m, n, k, device, sm_count);
-  typename Consumer<kGelu>::Adapter gemm;
-  cutlass::Status st = gemm.can_implement(args);
-  if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
-  st = gemm.initialize(args, workspace, stream);
-  if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
-  st = gemm.run(stream);
-  if (st != cutlass::Status::kSuccess) return static_cast<int>(st);
-  return cudaGetLastError() == cudaSuccess ? 0 : -1;
+  return run_gemm<typename Consumer<kGelu>::Adapter>(
+      consumer_arguments<kGelu>(xc, w, s1, s2, u, v, d, m, n, k, device, sm_count), workspace, stream);
 }
 
 extern "C" int tcfm_layernorm_consumer_f16(const void* xc, const void* w, const float* s1, const float* s2,
