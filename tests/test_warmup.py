@@ -10,7 +10,7 @@ import torch
 
 from torch_cfm.graphs import GraphCache
 from torch_cfm.models import DiT, DiTConfig
-from torch_cfm.models.cache import _word_aligned, copy_wide_
+from torch_cfm.models.cache import CacheArena, _word_aligned, copy_wide_
 from torch_cfm.serving import AdmissionError, CFMServer
 from torch_cfm.solve import StreamingCFM
 
@@ -101,6 +101,25 @@ def test_copy_wide_is_a_bitwise_strided_copy(dtype):
         want = before.clone()
         want[:, 1:3, :, 2:9, start:start + width] = src
         assert torch.equal(buf.view(torch.int8), want.view(torch.int8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_write_slots_equals_write_slot_per_slot_bitwise(dtype):
+    """One state scattered into several slots at once (att as words, cnn as words or elements by
+    dtype) equals ``write_slot`` into each, bit for bit; the other slots are untouched."""
+    g = torch.Generator().manual_seed(6)
+    arenas = [CacheArena.allocate(TINY, 2, 5, 24, 8, torch.device("cpu"), dtype) for _ in range(2)]
+    for a in arenas:  # the same random bytes in both, so untouched slots can be compared
+        for t in (a.att, a.cnn):
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(7)).to(dtype))
+    one, many = arenas
+    att = torch.randn(*one.att.shape[:2], 2, one.att.shape[3], 17, one.att.shape[5], generator=g).to(dtype)
+    cnn = torch.randn(*one.cnn.shape[:2], 2, *one.cnn.shape[3:], generator=g).to(dtype)
+    slots = [3, 0, 4]
+    for s in slots:
+        one.write_slot(s, cnn, att)
+    many.write_slots(torch.tensor(slots), cnn, att)
+    assert torch.equal(one.att, many.att) and torch.equal(one.cnn, many.cnn)
 
 
 def test_warmup_covers_every_later_prompt_and_tick(cfm, capsys):

@@ -414,7 +414,8 @@ class CacheArena:
         length = att.shape[4]
         for offset, src in ((0, 0), (self.rows, 1)):
             rows = index + offset if offset else index
-            for dst, one in ((self.att[:, :, :, :, :length], att[:, :, src:src + 1]), (self.cnn, cnn[:, :, src:src + 1])):
+            for dst, one in ((self.att[:, :, :, :, :length], att[:, :, src:src + 1]),
+                             (self.cnn, cnn[:, :, src:src + 1])):
                 one = one.expand(*one.shape[:2], rows.numel(), *one.shape[3:])
                 ratio = 8 // dst.element_size()
                 if ratio > 1 and all(_word_aligned(t, ratio) for t in (dst, one)):

@@ -187,8 +187,6 @@ class VoiceCache:
                 "misses": self.misses, "evictions": self.evictions}
 
 
-
-
 def state_mismatch(state: Any, arena: Any, max_prompt_frames: int) -> Optional[str]:
     """:meth:`VoiceState.mismatch`, or why ``state`` is no VoiceState at all; None: it fits."""
     if not isinstance(state, VoiceState):
@@ -200,11 +198,11 @@ def open_voices(server: Any, requests: Mapping[Hashable, Hashable], new_request:
     """:meth:`CFMServer.open_voices <torch_cfm.serving.CFMServer.open_voices>`: every request checked
     first, then slots taken (``new_request(bucket, slot, prompt_len)`` makes the server's record)
     and each (bucket, voice) group restored by one :meth:`VoiceState.restore_many`."""
-    op = "CFMServer.open_voices"
+    op, open_ids = "CFMServer.open_voices", set(server.open_requests)
     for rid, voice in requests.items():
-        if rid in server.open_requests or server.voice_state(voice) is None:
+        if rid in open_ids or server.voice_state(voice) is None:
             fail(op, f"requests[{rid!r}]", "name a request not open yet and a cached voice",
-                 "an open request" if rid in server.open_requests else f"voice {voice!r}, not cached")
+                 "an open request" if rid in open_ids else f"voice {voice!r}, not cached")
     if len(requests) > server.free_slots:
         raise AdmissionError(f"{op}: {len(requests)} requests for {server.free_slots} free slots; close requests "
                              "first or build the server with more slots")
