@@ -105,15 +105,14 @@ def open_staged(server, staged: list) -> dict[Hashable, torch.Tensor]:
                 for sid, _, _, spk, *_ in solved}
     enc_out = server.encoder([(sid, tokens, None, None, False) for sid, tokens, *_ in solved])
     t1 = server._clock()
-    mels = {}
+    mels = cfm.open_voices({s[0]: keys[s[0]] for s in cached}) if cached else {}  # each voice's hits together
     for sid, tokens, mel, spk, seed, waveform, _ in staged:
         if sid in enc_out:
             _, cnn, att = enc_out[sid]
         elif sid in copies:  # its voice's first stream is solved: copies of its encoder state
             cnn, att = (t.clone() for t in enc_out[copies[sid]][1:])
-        else:  # a cached voice: its prompt's encoder state and CFM state are copies
+        else:  # a cached voice: its prompt's encoder state is a copy (its CFM state: open_voices above)
             cnn, att = (t.clone() for t in cfm.voice_state(keys[sid]).extra["conformer"])
-            mels[sid] = cfm.open_request(sid, voice=keys[sid])
         server._streams[sid] = _Stream(prompt_frames=mel.shape[1], conf_cnn=cnn, conf_att=att,
                                        waveform=waveform and server.vocoder is not None)
         if server._streams[sid].waveform:
