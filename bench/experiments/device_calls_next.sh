@@ -153,7 +153,7 @@ case $mode in
     rm -f .old/torch_cfm/compile_rules && ln -s ../compile_rules .old/torch_cfm/compile_rules
     git apply bench/experiments/encoder_slots.patch 2>/dev/null || patch -p1 -s < bench/experiments/encoder_slots.patch \
       || { echo "encoder_slots.patch does not apply"; exit 1; }
-    for f in ${ENC_TESTS:-test_stepaudio2_server test_warmup}; do
+    for f in ${ENC_TESTS:-test_stepaudio2_server test_warmup test_graphs}; do
       timeout -s INT ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE -m gpu "tests/$f.py" > "$OUT/$f.log" 2>&1
       echo "$f: $(grep -E 'passed|failed|error' "$OUT/$f.log" | tail -1)"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -5
     done
