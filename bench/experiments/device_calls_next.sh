@@ -23,6 +23,7 @@
 #   bash bench/experiments/device_calls_next.sh stream    # issue 40's one minicpmo-utils stream alone
 #                        (causal_serving: tokens -> waveform, minicpmo-utils' causal vocoder, 16 and 64 streams)
 #   bash bench/experiments/device_calls_next.sh voices    # issue 40's voice-cache bars (4 voices, arrivals)
+#                        (voices_ab: CFM alone at 64 streams with the cache, this tree against .old)
 #   bash bench/experiments/device_calls_next.sh v5a       # issue 41: the fused attention kernel's arena form
 #                        (GPU tests, then the arena step against the table's arena plan at 32-128 rows;
 #                        v5a_ab: the A/B alone)
@@ -51,7 +52,7 @@ if ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; then
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (encprof, enc_patch, enc_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass|restore|ncu|rowstats) ;; *) need_cuda ;; esac
@@ -171,6 +172,17 @@ case $mode in
   rowstats)  # issue 41: the producer epilogue (GEMM + gated residual + centred row sums) against float64 and the unfused path
     timeout 300 python3 bench/experiments/cutlass_residual_rowstats.py --out "$OUT" > "$OUT/rowstats.log" 2>&1
     tail -12 "$OUT/rowstats.log" ;;
+  voices_ab)  # issue 40: CFM alone, 4 voices, arrivals at 64 streams, with the voice cache: this tree against .old
+    # (a checkout of the commit before CFMServer.open_voices), one call; the bar is arrivals >= 0.9 x steady
+    cp torch_cfm/_C*.so .old/torch_cfm/; [ -e .old/torch_cfm/compile_rules ] || ln -s ../compile_rules .old/torch_cfm/compile_rules
+    for side in old new; do
+      dir=$PWD; [ $side = old ] && dir=$PWD/.old
+      (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout ${VOICES_TIMEOUT:-200} python3 bench/serving.py --stages cfm \
+        --concurrency ${VOICES_AT:-64} --quick --warmup --dtype fp16 --voices 4 --providers torch_cfm/voices \
+        --out /tmp/voices_ab_$side > "$OUT/voices_ab_$side.log" 2>&1)
+      cp /tmp/voices_ab_$side/serving.jsonl "$OUT/voices_ab_$side.jsonl"
+      echo "-- $side"; grep -E "^\| r[0-9]" /tmp/voices_ab_$side/serving.md | cut -d'|' -f6-9,14,16,21
+    done ;;
   restore)  # issue 40: a voice-cache hit's slot write, PyTorch's strided copy against copy_wide_ (one run)
     timeout 120 python3 bench/experiments/voice_restore_copy.py --out "$OUT" > "$OUT/restore.log" 2>&1
     tail -3 "$OUT/restore.log" ;;
