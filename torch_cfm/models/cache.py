@@ -416,10 +416,7 @@ class CacheArena:
             rows = index + offset if offset else index
             for dst, one in ((self.att[:, :, :, :, :length], att[:, :, src:src + 1]),
                              (self.cnn, cnn[:, :, src:src + 1])):
-                one = one.expand(*one.shape[:2], rows.numel(), *one.shape[3:])
-                ratio = 8 // dst.element_size()
-                if ratio > 1 and all(_word_aligned(t, ratio) for t in (dst, one)):
-                    dst, one = dst.view(torch.int64), one.view(torch.int64)
+                dst, one = as_words(dst, one.expand(*one.shape[:2], rows.numel(), *one.shape[3:]))
                 dst.index_copy_(2, rows, one)
 
     def describe(self) -> str:
@@ -434,10 +431,17 @@ def copy_wide_(dst: torch.Tensor, src: torch.Tensor) -> None:
     copy moves one element per thread: 2-byte elements run at a fraction of HBM rate. Viewing both
     sides as int64 (last dimension contiguous and every stride and offset a multiple of the words)
     makes the same bytes move in a quarter of the elements."""
+    dst, src = as_words(dst, src)
+    dst.copy_(src)
+
+
+def as_words(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dst`` and ``src`` viewed as int64 words when they share a dtype narrower than a word and
+    both layouts allow it (:func:`copy_wide_`); else as they are."""
     ratio = 8 // dst.element_size()  # 0 for elements wider than a word
     if ratio > 1 and dst.dtype == src.dtype and all(_word_aligned(t, ratio) for t in (dst, src)):
-        dst, src = dst.view(torch.int64), src.view(torch.int64)
-    dst.copy_(src)
+        return dst.view(torch.int64), src.view(torch.int64)
+    return dst, src
 
 
 def _word_aligned(t: torch.Tensor, ratio: int) -> bool:
