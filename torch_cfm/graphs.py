@@ -361,7 +361,8 @@ class GraphCache:
 
 
 class GraphedCall:
-    """``fn`` replayed from one checked CUDA graph per input signature (a :class:`GraphCache`).
+    """``fn`` replayed from one checked CUDA graph per input signature (a :class:`GraphCache`), or
+    with ``in_place=True`` from an in-place one.
 
     The signature is the tensors' shapes, dtypes and devices, the other arguments' values, the
     autocast state and the TF32 flags (baked into captured kernels). Calls with a CPU tensor, with
@@ -376,15 +377,18 @@ class GraphedCall:
         max_graphs: graphs kept (least recently used dropped).
         random: ``fn`` draws from the default CUDA generator (module docstring).
         shared_io: the signatures' static inputs and outputs in shared buffers (module docstring).
+        in_place: the in-place form: ``fn`` writes its results into tensors that outlive the call
+            (captured at their addresses: they must keep them) and returns None; no check, no output
+            copies (module docstring).
     Attributes:
         cache: the :class:`GraphCache` (``events``, ``entries()``, counters).
     """
 
     def __init__(self, fn: Callable, *, name: str, warmup: int = 1, max_graphs: int = 16,
-                 random: bool = False, shared_io: bool = False) -> None:
+                 random: bool = False, shared_io: bool = False, in_place: bool = False) -> None:
         self._fn = weakref.WeakMethod(fn) if inspect.ismethod(fn) else (lambda: fn)
         self.name = name
-        self.cache = GraphCache(name, max_graphs=max_graphs, warmup=warmup, check=True, random=random,
+        self.cache = GraphCache(name, max_graphs=max_graphs, warmup=warmup, check=not in_place, random=random,
                                 shared_io=shared_io)
 
     @property

@@ -15,7 +15,6 @@
 #   bash bench/experiments/device_calls_next.sh peers_close  # issue 42's owed rows: fp32 flow at 16 streams, 64 streams
 #   bash bench/experiments/device_calls_next.sh encprof   # issue 43: the encoder stage at 64 / 16 streams under torch.profiler
 #   bash bench/experiments/device_calls_next.sh enc_ab    # issue 43: tokens -> mel / waveform against the previous tree (.old)
-#                        (enc_patch: bench/experiments/encoder_slots.patch applied on the device, its GPU tests, then enc_ab)
 #   bash bench/experiments/device_calls_next.sh rowstats  # issue 41: the CUTLASS producer epilogue's first run
 #   bash bench/experiments/device_calls_next.sh restore   # issue 40: a voice hit's slot write, copy_ vs copy_wide_
 #   bash bench/experiments/device_calls_next.sh ncu       # issue 43: the fused convolutions under Nsight Compute
@@ -52,7 +51,7 @@ if ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; then
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (encprof, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass|restore|ncu|rowstats) ;; *) need_cuda ;; esac
@@ -148,17 +147,6 @@ case $mode in
       timeout 200 python3 bench/experiments/encoder_profile.py --streams $c --out "$OUT" > "$OUT/encprof_$c.log" 2>&1
       grep -vE "warmup \[" "$OUT/encprof_$c.log" | tail -60
     done ;;
-  enc_patch)  # issue 43 item 2: the parked encoder_slots.patch applied here (this tree copied to .old first),
-    # its GPU tests, then enc_ab (mel and waveform at 64 streams) against the unpatched copy, one call
-    rm -rf .old && mkdir .old && cp -r torch_cfm compile_rules bench tests csrc setup.py pyproject.toml .old/
-    rm -f .old/torch_cfm/compile_rules && ln -s ../compile_rules .old/torch_cfm/compile_rules
-    git apply bench/experiments/encoder_slots.patch 2>/dev/null || patch -p1 -s < bench/experiments/encoder_slots.patch \
-      || { echo "encoder_slots.patch does not apply"; exit 1; }
-    for f in ${ENC_TESTS:-test_stepaudio2_server test_warmup test_graphs}; do
-      timeout -s INT ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE -m gpu "tests/$f.py" > "$OUT/$f.log" 2>&1
-      echo "$f: $(grep -E 'passed|failed|error' "$OUT/$f.log" | tail -1)"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -5
-    done
-    ENC_AB_STAGES=${ENC_AB_STAGES:-mel,wav} bash "$0" enc_ab ;;
   enc_ab)  # issue 43 item 2: this tree against the previous one (carry .old), tokens -> mel / waveform, one call
     cp torch_cfm/_C*.so .old/torch_cfm/; [ -e .old/torch_cfm/compile_rules ] || ln -s ../compile_rules .old/torch_cfm/compile_rules
     for side in ${ENC_AB_SIDES:-old new}; do
@@ -170,7 +158,9 @@ case $mode in
       echo "-- $side"; grep -E "^\| r[0-9]" /tmp/enc_ab_$side/serving.md | cut -d'|' -f5,7-9,12,18,20
     done ;;
   rowstats)  # issue 41: the producer epilogue (GEMM + gated residual + centred row sums) against float64 and the unfused path
-    timeout 300 python3 bench/experiments/cutlass_residual_rowstats.py --out "$OUT" > "$OUT/rowstats.log" 2>&1
+    # carry build_rowstats (the .so built here: the device cannot fetch the CUTLASS headers)
+    lib=; [ -f build_rowstats/librowstats.so ] && lib="--lib build_rowstats/librowstats.so"
+    timeout 300 python3 bench/experiments/cutlass_residual_rowstats.py $lib --out "$OUT" > "$OUT/rowstats.log" 2>&1
     tail -12 "$OUT/rowstats.log" ;;
   voices_ab)  # issue 40: CFM alone, 4 voices, arrivals at 64 streams, with the voice cache: this tree against .old
     # (a checkout of the commit before CFMServer.open_voices), one call; the bar is arrivals >= 0.9 x steady

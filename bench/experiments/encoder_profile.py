@@ -4,9 +4,8 @@
 ticks. Reports, per tick:
 
 * the server's own stage clocks (encoder / CFM, synchronised wall time);
-* the encoder stage split by part under ``torch.profiler``: batching (token/cache ``cat``), the
-  graph replay, the per-stream cache copies out of the batch, the conformer-cache trims; CPU ms
-  and GPU kernel ms each;
+* the encoder stage split by part under ``torch.profiler``: the graph replay (gather, encoder,
+  trimmed scatter into the slots), the slot index uploads, the whole stage; CPU ms and GPU kernel ms each;
 * the graph replay alone, timed with CUDA events (the floor of today's structure);
 * the top GPU kernels of the encoder stage.
 
@@ -83,8 +82,8 @@ def main() -> int:
     for _ in range(6):  # caches grow to the trim bound
         prov.step(ids)
     enc = server.encoder
-    att = server._streams[0].conf_att
-    print(f"conformer att cache per stream: {tuple(att.shape)} {att.dtype}, cnn {tuple(server._streams[0].conf_cnn.shape)}")
+    cnn, att = enc.caches(0)
+    print(f"conformer att cache per stream: {tuple(att.shape)} {att.dtype}, cnn {tuple(cnn.shape)}")
 
     server.timing = True
     for k in ("encoder", "cfm", "ticks"):
@@ -99,24 +98,22 @@ def main() -> int:
     server.timing = False
 
     # the graph replay alone: the batch a steady tick builds, replayed under CUDA events
-    items = [(sid, inputs.chunk(sid, 0), server._streams[sid].conf_cnn, server._streams[sid].conf_att, False)
-             for sid in ids]
-    rows = items + [items[0]] * (enc.padded(len(items)) - len(items))
-    tokens = torch.cat([m[1] for m in rows], 0)
-    cnn = torch.cat([m[2] for m in rows], 0)
-    att_b = torch.cat([m[3] for m in rows], 1)
+    rows = ids + [ids[0]] * (enc.padded(len(ids)) - len(ids))
+    tokens = torch.cat([inputs.chunk(sid, 0) for sid in rows], 0)
+    source, dest = enc.slots.index(rows), enc.slots.index(ids, len(rows))
+    length, prompt = enc.slots.length(0), wl.prompt_frames
     times = []
     with torch.no_grad(), enc.autocast():
         for _ in range(3):
-            enc.call(tokens, cnn, att_b, False)
+            enc.call(tokens, source, dest, length, prompt, False)
         for _ in range(10):
-            times.append(timed(lambda: enc.call(tokens, cnn, att_b, False), dev))
+            times.append(timed(lambda: enc.call(tokens, source, dest, length, prompt, False), dev))
     replay_ms = sorted(times)[len(times) // 2]
-    print(f"encoder call alone (batch {len(rows)}, cat'd inputs, incl. GraphedCall's copies in/out): "
+    print(f"encoder call alone (batch {len(rows)}: gather, encoder, trimmed scatter; one in-place graph): "
           f"{replay_ms:.2f} ms", flush=True)
 
     labelled(enc, "call", "enc.graph")
-    labelled(server, "_trim_conformer", "enc.trim")
+    labelled(enc.slots, "index", "enc.index")
     labelled(server, "encoder", "enc.stage")
     labelled(server.cfm_server, "solve_chunk", "cfm")
     from torch.profiler import ProfilerActivity, profile

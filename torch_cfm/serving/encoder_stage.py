@@ -12,10 +12,17 @@ batched across streams:
   ``forward_chunk``'s order. A real key's distance to each query, hence its relative position
   encoding, does not change with left padding, so each stream gets its own result.
 
-On CUDA each batch shape is replayed from a checked CUDA graph (:class:`~torch_cfm.graphs.GraphedCall`),
-batches padded to the bucket sizes with copies of a row (rows never mix). The graphs' static caches
-in and out share two buffers (``shared_io``): the largest batch's, not one copy per (batch, cache
-length) key.
+The stage holds every open stream's conformer caches in slots (:class:`ConformerSlots`), trimmed
+as ``Token2wav.stream`` trims them. On CUDA each batch shape is replayed from a CUDA graph
+(:class:`~torch_cfm.graphs.GraphedCall`), batches padded to the bucket sizes (rows never mix):
+
+* an equal batch (same token count, cache length, prompt length and last flag) is one in-place
+  graph: its caches gathered out of the slots, the chunk encoder, the new caches trimmed and
+  scattered back, mu written to one preallocated buffer (then copied out). Padding rows read a
+  real row's caches and write to the slots' spare row;
+* a ragged batch is a checked graph over caches gathered and padded on the host, whose static
+  caches in and out share two buffers (``shared_io``); each stream's new caches are trimmed into
+  its slot after it.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ import torch.nn.functional as F
 
 from ..buckets import CACHE_STEP, padded_count
 from ..graphs import GraphedCall
+from ..models.cache import TRIM_KEEP_OLDEST, trim_attention_cache
 from ..models.upstream import encoder_forward_chunk
+from .conformer_slots import ConformerSlots
 
 
 class EncoderStage:
@@ -39,20 +48,34 @@ class EncoderStage:
         batch_buckets: sorted batch sizes a batch is padded to (None: no padding).
         graphs: replay each batch shape from a CUDA graph.
         stats: the server's counters (``encoder_batches``, ``ragged_batches`` are incremented).
+        max_streams, max_prompt_frames, max_chunk_tokens: the slots held, the longest prompt (mel
+            frames) and the longest chunk (tokens, lookahead included).
+        causal: trim as minicpmo-utils' ``Token2wav.stream`` does (the token-rate layers at the token
+            rate); else as stepaudio2-minicpmo's.
     """
 
-    def __init__(self, flow, *, batching, batch_buckets: Optional[Sequence[int]], graphs: bool, stats: dict) -> None:
-        self.flow, self.batching, self.batch_buckets = flow, batching, batch_buckets
+    def __init__(self, flow, *, batching, batch_buckets: Optional[Sequence[int]], graphs: bool, stats: dict,
+                 max_streams: int, max_prompt_frames: int, max_chunk_tokens: int, causal: bool = False) -> None:
+        self.flow, self.batching, self.batch_buckets, self.causal = flow, batching, batch_buckets, causal
+        self._prompt: dict[Hashable, int] = {}
         self.lookahead, self.up_rate = int(flow.pre_lookahead_len), int(flow.up_rate)
         param = next(flow.encoder.parameters())
         self.dtype, self.device, self.stats = param.dtype, param.device, stats
+        enc = flow.encoder
+        attn = enc.encoders[0].self_attn
         self._forward_chunk = encoder_forward_chunk(flow.encoder)  # the eager method, never Dynamo's wrapper
-        self.call, self.ragged_call = self._encode_group, self._ragged_group
+        self.slots = ConformerSlots(max_streams, max_prompt_frames + TRIM_KEEP_OLDEST,
+                                    (len(enc.encoders) + len(enc.up_encoders), attn.h, 2 * attn.d_k),
+                                    (enc.output_size(), 2 + 2 * int(enc.up_layer.stride)), self._cache_dtypes(),
+                                    param.device)
+        frames = max(max_prompt_frames, max_chunk_tokens * self.up_rate)  # the in-place graphs' mu output
+        self._mu = torch.empty(self.padded(max_streams), frames, flow.output_size, dtype=param.dtype, device=param.device)
+        self.call, self.ragged_call = self._encode_slots, self._ragged_group
         if graphs:
             budget = 8 * max(len(batch_buckets or [1]), 1)
+            self.call = GraphedCall(self._encode_slots, name="Token2wavServer.encoder", max_graphs=budget,
+                                    in_place=True)
             # shared_io: the (batch, cache length) keys' conformer caches in and out share two buffers
-            self.call = GraphedCall(self._encode_group, name="Token2wavServer.encoder", max_graphs=budget,
-                                    shared_io=True)
             self.ragged_call = GraphedCall(self._ragged_group, name="Token2wavServer.encoder_ragged",
                                            max_graphs=budget, shared_io=True)
 
@@ -62,25 +85,67 @@ class EncoderStage:
         half = self.dtype in (torch.float16, torch.bfloat16) and self.device.type == "cuda"
         return torch.autocast("cuda", dtype=self.dtype, enabled=half)
 
+    def _cache_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """(cnn, att) dtypes of the chunk encoder's caches as this stage runs it (one probe chunk:
+        under autocast the conv caches come out float32, the attention caches in 16 bits)."""
+        tokens = torch.zeros(1, self.lookahead + 2, dtype=torch.long, device=self.device)
+        with torch.inference_mode(False), torch.no_grad(), self.autocast():
+            _, cnn, att = self._forward_chunk(self.flow.input_embedding(tokens), last_chunk=False)
+        return cnn.dtype, att.dtype
+
     def padded(self, count: int) -> int:
         """The batch size ``count`` rows are padded to (:func:`~torch_cfm.buckets.padded_count`)."""
         return padded_count(count, self.batch_buckets)
 
-    def __call__(self, items) -> dict[Hashable, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """``items``: (stream id, tokens (1, n), conformer cnn cache or None, att cache or None, last).
-        Returns {stream id: (mu (80, T), new cnn cache, new att cache)} (caches untrimmed, each
-        stream's own tensors)."""
+    # ------------------------------------------------------------------ streams
+    def open(self, sid: Hashable, prompt_frames: int) -> None:
+        """A slot for ``sid``, empty until its prompt is encoded or :meth:`adopt` fills it."""
+        self.slots.open(sid)
+        self._prompt[sid] = int(prompt_frames)
+
+    def adopt(self, sid: Hashable, cnn: torch.Tensor, att: torch.Tensor) -> None:
+        """Copies of caches (another stream's, a cached voice's) into ``sid``'s slot."""
+        self.slots.write([sid], cnn, att)
+
+    def close(self, sid: Hashable) -> None:
+        self.slots.close(sid)
+        del self._prompt[sid]
+
+    def caches(self, sid: Hashable) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(cnn (1, C, k), att (depth, 1, H, L, 2·d_k)): views of ``sid``'s slot, trimmed (None, None
+        before its prompt is encoded)."""
+        return self.slots.caches(sid)
+
+    def trim(self, att: torch.Tensor, prompt: int) -> torch.Tensor:
+        """``Token2wav.stream``'s conformer-cache trim to the prompt and the last 100 frames, over a
+        batch (depth, B, H, L, 2·d_k): the stepaudio2-minicpmo rule over the packed cache, or
+        minicpmo-utils' (``causal``), which trims the token-rate layers at the token rate and repacks them."""
+        if att.shape[3] <= prompt + TRIM_KEEP_OLDEST:
+            return att
+        if not self.causal:
+            return trim_attention_cache(att, prompt)
+        depth = len(self.flow.encoder.encoders)
+        token = trim_attention_cache(att[:depth, :, :, :att.shape[3] // 2], prompt // 2, TRIM_KEEP_OLDEST // 2)
+        mel = trim_attention_cache(att[depth:], prompt)
+        return torch.cat([token.repeat(1, 1, 1, 2, 1), mel], dim=0)
+
+    # ------------------------------------------------------------------ ticks
+    def __call__(self, items) -> dict[Hashable, torch.Tensor]:
+        """``items``: (stream id, tokens (1, n), last) of open streams. Encodes each, updates its
+        slot's caches (trimmed) and returns {stream id: mu (80, T)}."""
         groups: dict[tuple, list] = {}
-        for i, (sid, tokens, cnn, att, last) in enumerate(items):
-            ragged = self.batching == "ragged" and att is not None
-            key = (tokens.shape[1], None if att is None else ("ragged" if ragged else att.shape[3]), last)
+        for i, (sid, tokens, last) in enumerate(items):
+            length = self.slots.length(sid)
+            ragged = self.batching == "ragged" and length > 0
+            key = (tokens.shape[1], None if length == 0 else ("ragged" if ragged else (length, self._prompt[sid])),
+                   last)
             if not self.batching:
                 key = key + (i,)
-            groups.setdefault(key, []).append((sid, tokens, cnn, att, last))
+            groups.setdefault(key, []).append((sid, tokens, last))
         out = {}
         for key, members in groups.items():
             self.stats["encoder_batches"] += 1
-            if key[1] == "ragged" and len({m[3].shape[3] for m in members}) > 1:
+            if key[1] == "ragged" and len({self.slots.length(m[0]) for m in members}) > 1:
                 self.stats["ragged_batches"] += 1
                 out.update(self._encode_ragged(members))
             else:
@@ -88,19 +153,31 @@ class EncoderStage:
         return out
 
     def _encode_equal(self, members) -> dict:
-        last = members[0][4]
-        rows = members + [members[0]] * (self.padded(len(members)) - len(members))
-        tokens = torch.cat([m[1] for m in rows], dim=0)
-        cnn = None if members[0][2] is None else torch.cat([m[2] for m in rows], dim=0)
-        att = None if members[0][3] is None else torch.cat([m[3] for m in rows], dim=1)
+        """One batch of equal shapes and prompt lengths through the in-place graph of its key."""
+        sids, last = [m[0] for m in members], members[0][2]
+        n, rows = len(sids), self.padded(len(sids))
+        tokens = torch.cat([m[1] for m in members] + [members[0][1]] * (rows - n), dim=0)
+        length, prompt = self.slots.length(sids[0]), self._prompt[sids[0]]
+        source, dest = self.slots.index(sids + [sids[0]] * (rows - n)), self.slots.index(sids, rows)
         with self.autocast():
-            h, new_cnn, new_att = self.call(tokens, cnn, att, last)
-        whole = len(rows) == 1  # else each stream's caches are copied out of the batch tensors, so
-        out = {}
-        for b, (sid, *_rest) in enumerate(members):  # that a stream holds its own bytes only
-            cnn_b, att_b = new_cnn[b:b + 1], new_att[:, b:b + 1]
-            out[sid] = (h[b].transpose(0, 1), cnn_b if whole else cnn_b.clone(), att_b if whole else att_b.clone())
-        return out
+            self.call(tokens, source, dest, length, prompt, last)
+        frames = (tokens.shape[1] - (0 if last else self.lookahead)) * self.up_rate
+        new = length + frames
+        self.slots.set_length(sids, new if new <= prompt + TRIM_KEEP_OLDEST else prompt + TRIM_KEEP_OLDEST)
+        mu = self._mu[:n, :frames].clone()  # the buffer is every key's
+        return {sid: mu[b].transpose(0, 1) for b, sid in enumerate(sids)}
+
+    def _encode_slots(self, tokens, source, dest, length: int, prompt: int, last: bool) -> None:
+        """The in-place body of an equal batch: caches of slots ``source`` (``length`` frames; none
+        when 0) through the flow's chunk encoder; mu (B, T, 80) into the stage's buffer, the new
+        caches trimmed to ``prompt`` into slots ``dest``."""
+        flow = self.flow
+        cnn, att = (None, None) if length == 0 else self.slots.gather(source, length)
+        h, new_cnn, new_att = self._forward_chunk(flow.input_embedding(tokens), last_chunk=last, cnn_cache=cnn,
+                                                  att_cache=att)
+        mu = flow.encoder_proj(h)
+        self._mu[:mu.shape[0], :mu.shape[1]].copy_(mu)
+        self.slots.scatter(dest, new_cnn, self.trim(new_att, prompt))
 
     def _encode_ragged(self, members) -> dict:
         """One batch of streams whose conformer caches differ in length: each layer's cache
@@ -108,21 +185,23 @@ class EncoderStage:
         attention (``mask`` = keys to attend), the new caches cut back to each stream's own frames
         in the upstream layout."""
         n1 = len(self.flow.encoder.encoders)
-        last = members[0][4]
-        lengths = [m[3].shape[3] for m in members]
+        last = members[0][2]
+        caches = [self.slots.caches(m[0]) for m in members]
+        lengths = [att.shape[3] for _, att in caches]
         lb = max(lengths)
         lb = -(-lb // CACHE_STEP) * CACHE_STEP if self.batch_buckets else lb
         lb += lb % 2
         pad = self.padded(len(members)) - len(members)
         rows = members + [members[0]] * pad
+        caches = caches + [caches[0]] * pad
         lengths = lengths + [lengths[0]] * pad
         first, up = [], []
-        for (_, _, _, att, _), length in zip(rows, lengths):
+        for (_, att), length in zip(caches, lengths):
             first.append(F.pad(att[:n1, :, :, :length // 2], (0, 0, lb // 2 - length // 2, 0)))
             up.append(F.pad(att[n1:], (0, 0, lb - length, 0)))
         att1, att2 = torch.cat(first, dim=1), torch.cat(up, dim=1)
         tokens = torch.cat([m[1] for m in rows], dim=0)
-        cnn = torch.cat([m[2] for m in rows], dim=0)
+        cnn = torch.cat([c for c, _ in caches], dim=0)
         t1 = tokens.shape[1] - (0 if last else self.lookahead)
         t2 = t1 * self.up_rate
         dev = tokens.device
@@ -138,7 +217,9 @@ class EncoderStage:
         for b, ((sid, *_), length) in enumerate(zip(members, lengths)):
             a1 = new1[:, b:b + 1, :, lb // 2 - length // 2:]
             a2 = new2[:, b:b + 1, :, lb - length:]
-            out[sid] = (h[b].transpose(0, 1), cnn_new[b:b + 1].clone(), torch.cat([a1.repeat(1, 1, 1, 2, 1), a2], dim=0))
+            att = torch.cat([a1.repeat(1, 1, 1, 2, 1), a2], dim=0)
+            self.slots.write([sid], cnn_new[b:b + 1], self.trim(att, self._prompt[sid]))
+            out[sid] = h[b].transpose(0, 1)
         return out
 
     def _ragged_group(self, tokens, cnn, att1, att2, mask1, mask2, last: bool):
@@ -164,13 +245,6 @@ class EncoderStage:
         if enc.normalize_before:
             xs = enc.after_norm(xs)
         return flow.encoder_proj(xs), torch.cat([cnn1, cnn2], dim=2), torch.stack(new1), torch.stack(new2)
-
-    def _encode_group(self, tokens, cnn, att, last: bool):
-        """The flow's chunk encoder over one batch: embedding, conformer chunk, projection."""
-        flow = self.flow
-        h, new_cnn, new_att = self._forward_chunk(flow.input_embedding(tokens), last_chunk=last, cnn_cache=cnn,
-                                                  att_cache=att)
-        return flow.encoder_proj(h), new_cnn, new_att
 
     def graph_counts(self) -> dict[str, int]:
         return {"encoder": sum(getattr(c, "graph_count", 0) for c in (self.call, self.ragged_call))}

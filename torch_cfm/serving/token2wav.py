@@ -12,8 +12,8 @@ all of them together, through the upstream ``Token2wav.stream`` path's three sta
 
 * **encoder** (:class:`~torch_cfm.serving.encoder_stage.EncoderStage`): the flow's own embedding,
   conformer chunk encoder and projection, batched across streams (a half-precision flow on CUDA
-  under autocast, as ``Token2wav`` runs it); the conformer attention cache trimmed to its first P
-  and last 100 frames like ``Token2wav.stream`` (P = the prompt's mel frames);
+  under autocast, as ``Token2wav`` runs it); every stream's conformer caches in a slot, the attention
+  cache trimmed to its first P and last 100 frames like ``Token2wav.stream`` (P = the prompt's mel frames);
 * **CFM**: one :class:`~torch_cfm.serving.CFMServer` over every stream (a torch_cfm DiT holding the
   upstream estimator's weights, the decoder's ``rand_noise`` and ``inference_cfg_rate``): the
   prompt solves of the streams opened together in one ragged solve, then each tick's chunks in one
@@ -27,7 +27,7 @@ all of them together, through the upstream ``Token2wav.stream`` path's three sta
 Admission: ``max_streams`` slots; with ``max_memory_bytes`` also a byte budget over the per-stream
 state of every stage (:meth:`Token2wavServer.memory_plan`); a stream that does not fit raises
 :class:`~torch_cfm.serving.AdmissionError` naming the limit. ``close_stream`` drops every tensor of
-the stream (its CFM slot is reused). Rows never mix across streams, so a stream whose prompt holds
+the stream (its CFM and conformer slots are reused). Rows never mix across streams, so a stream whose prompt holds
 NaN/Inf yields NaN for itself only (``check_finite=True`` rejects it at ``open_stream`` instead).
 Importing this module never imports ``stepaudio2``: the flow and vocoder are the caller's objects.
 """
@@ -45,7 +45,7 @@ from torch import nn
 
 from ..buckets import Buckets, padded_count, shared_solve_shapes
 from ..errors import fail
-from ..models.cache import TRIM_KEEP_OLDEST, trim_attention_cache
+from ..models.cache import TRIM_KEEP_OLDEST
 from ..models.hift_capturable import MEL_CACHE_FRAMES
 from ..models.upstream import dit_from_decoder, flow_gaps, hift_gaps, placement, type_name
 from ..models.vocoder.causal import bounded_vocoder_gaps
@@ -105,8 +105,6 @@ class StreamMemory:
 @dataclass
 class _Stream:
     prompt_frames: int
-    conf_cnn: torch.Tensor
-    conf_att: torch.Tensor
     waveform: bool = True
     chunks: int = 0
     done: bool = False
@@ -210,10 +208,12 @@ class Token2wavServer:
             batch_buckets = self.cfm_server.slot_buckets or [max_streams]
         self.batch_buckets = sorted(int(b) for b in batch_buckets) if batch_buckets else None
         self.stage_graphs = self.graphs if stage_graphs is None else bool(stage_graphs)
-        self.encoder = EncoderStage(flow, batching=encoder_batching, batch_buckets=self.batch_buckets,
-                                    graphs=self.stage_graphs, stats=self.stats)
-        self.encoder_batching = encoder_batching
         self.causal = hift is not None and not bounded_vocoder_gaps(hift)
+        self.encoder = EncoderStage(flow, batching=encoder_batching, batch_buckets=self.batch_buckets,
+                                    graphs=self.stage_graphs, stats=self.stats, max_streams=max_streams,
+                                    max_prompt_frames=max_prompt_frames, max_chunk_tokens=max_chunk_tokens,
+                                    causal=self.causal)
+        self.encoder_batching = encoder_batching
         self.vocoder = self._vocoder_stage(hift, vocoder, vocoder_precision)
         self._streams: dict[Hashable, _Stream] = {}
 
@@ -270,9 +270,8 @@ class Token2wavServer:
         return StreamMemory(cfm=cfm, encoder=encoder, vocoder=vocoder)
 
     def state_bytes(self) -> int:
-        """Bytes held now: the CFM arenas plus every open stream's encoder/vocoder tensors."""
-        total = sum(a.nbytes() for a in self.cfm_server.arenas)
-        total += sum(t.numel() * t.element_size() for st in self._streams.values() for t in (st.conf_cnn, st.conf_att))
+        """Bytes held now: the CFM arenas, the conformer cache slots and every open stream's vocoder tensors."""
+        total = sum(a.nbytes() for a in self.cfm_server.arenas) + self.encoder.slots.nbytes()
         return total + (0 if self.vocoder is None else self.vocoder.state_bytes())
 
     def open_stream(self, stream_id: Hashable, prompt_tokens: torch.Tensor, prompt_mel: torch.Tensor,
@@ -327,12 +326,13 @@ class Token2wavServer:
                                      f"{count} streams x {per} bytes per stream = {count * per}")
 
     def close_stream(self, stream_id: Hashable) -> None:
-        """Drop the stream: its CFM slot is freed, every encoder/vocoder tensor of it released."""
+        """Drop the stream: its CFM and conformer slots are freed, its vocoder tensors released."""
         if stream_id not in self._streams:
             fail("Token2wavServer.close_stream", "stream_id", "name an open stream", repr(stream_id),
                  f"open streams: {list(self._streams)[:8]}")
         self.cfm_server.close_request(stream_id)
         del self._streams[stream_id]
+        self.encoder.close(stream_id)
         if self.vocoder is not None:
             self.vocoder.close(stream_id)
 
@@ -340,11 +340,11 @@ class Token2wavServer:
         """Copies of a stream's flow caches in the upstream ``inference_chunk`` layout (after the
         trims): ``conformer_cnn_cache``, ``conformer_att_cache``, ``estimator_cnn_cache`` (n, depth,
         2, 2C, 2) and ``estimator_att_cache`` (n, depth, 2, H, L, 2D)."""
-        st = self._streams.get(stream_id)
-        if st is None:
+        if stream_id not in self._streams:
             fail("Token2wavServer.stream_caches", "stream_id", "name an open stream", repr(stream_id))
         cnn, att = self.cfm_server.request_caches(stream_id)
-        return {"conformer_cnn_cache": st.conf_cnn.clone(), "conformer_att_cache": st.conf_att.clone(),
+        conf_cnn, conf_att = self.encoder.caches(stream_id)
+        return {"conformer_cnn_cache": conf_cnn.clone(), "conformer_att_cache": conf_att.clone(),
                 "estimator_cnn_cache": cnn, "estimator_att_cache": att}
 
     # ------------------------------------------------------------------ ticks
@@ -380,41 +380,25 @@ class Token2wavServer:
     def _tick(self, staged) -> dict[Hashable, ChunkOutput]:
         t0 = self._clock()
         run = [s for s in staged if s[1] is not None]  # tokens None: an empty last chunk, a vocoder flush
-        enc_out = self.encoder(run) if run else {}
-        for sid, tokens, _, _, last in staged:
+        mus = self.encoder(run) if run else {}  # the conformer caches updated (trimmed) in their slots
+        for sid, tokens, last in staged:
             st = self._streams[sid]
             st.done = last
-            if tokens is not None:
-                _, st.conf_cnn, att = enc_out[sid]
-                st.conf_att = self._trim_conformer(att, st.prompt_frames)
-                st.chunks += 1
+            st.chunks += tokens is not None
         t1 = self._clock()
-        mels = self.cfm_server.solve_chunk({sid: enc_out[sid][0] for sid, *_ in run}) if run else {}
-        for sid, tokens, *_ in staged:
+        mels = self.cfm_server.solve_chunk({sid: mus[sid] for sid, *_ in run}) if run else {}
+        for sid, tokens, _ in staged:
             if tokens is None:
                 mels[sid] = torch.zeros(self.flow.output_size, 0, dtype=self.dtype, device=self.device)
         t2 = self._clock()
-        out = {sid: ChunkOutput(mels[sid], None, last) for sid, _, _, _, last in staged}
-        voc = [(sid, mels[sid], last) for sid, _, _, _, last in staged if self._streams[sid].waveform]
+        out = {sid: ChunkOutput(mels[sid], None, last) for sid, _, last in staged}
+        voc = [(sid, mels[sid], last) for sid, _, last in staged if self._streams[sid].waveform]
         if voc:
             for sid, wav in self.vocoder(voc).items():
                 out[sid].wav = wav
         t3 = self._clock()
         self._account(t1 - t0, t2 - t1, t3 - t2, ticks=1, chunks=len(run))
         return out
-
-    def _trim_conformer(self, att: torch.Tensor, prompt: int) -> torch.Tensor:
-        """``Token2wav.stream``'s conformer-cache trim to the prompt and the last 100 frames: the
-        stepaudio2-minicpmo rule over the packed cache, or minicpmo-utils' (with its causal
-        vocoder), which trims the token-rate layers at the token rate and repacks them."""
-        if att.shape[3] <= prompt + TRIM_KEEP_OLDEST:
-            return att
-        if not self.causal:
-            return trim_attention_cache(att, prompt)
-        depth = len(self.flow.encoder.encoders)
-        token = trim_attention_cache(att[:depth, :, :, :att.shape[3] // 2], prompt // 2, TRIM_KEEP_OLDEST // 2)
-        mel = trim_attention_cache(att[depth:], prompt)
-        return torch.cat([token.repeat(1, 1, 1, 2, 1), mel], dim=0)
 
     # ------------------------------------------------------------------ start-up
     def warmup(self, prompt_frames: Sequence[int] = (300,), chunk_tokens: Sequence[int] = (28,),

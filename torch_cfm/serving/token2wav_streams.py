@@ -103,28 +103,33 @@ def open_staged(server, staged: list) -> dict[Hashable, torch.Tensor]:
     with server.encoder.autocast():
         spks = {sid: server.flow.spk_embed_affine_layer(F.normalize(spk.to(server.enc_dtype), dim=1))
                 for sid, _, _, spk, *_ in solved}
-    enc_out = server.encoder([(sid, tokens, None, None, False) for sid, tokens, *_ in solved])
+    encoder = server.encoder
+    for sid, _, mel, *_ in staged:
+        encoder.open(sid, mel.shape[1])
+    try:
+        mus = encoder([(sid, tokens, False) for sid, tokens, *_ in solved])
+        for sid, first in copies.items():  # its voice's first stream is solved: copies of its encoder state
+            encoder.adopt(sid, *encoder.caches(first))
+        for sid in (s[0] for s in cached):  # a cached voice: copies of its prompt's encoder state
+            encoder.adopt(sid, *cfm.voice_state(keys[sid]).extra["conformer"])
+    except BaseException:
+        for sid, *_ in staged:
+            encoder.close(sid)
+        raise
     t1 = server._clock()
     mels = cfm.open_voices({s[0]: keys[s[0]] for s in cached}) if cached else {}  # each voice's hits together
-    for sid, tokens, mel, spk, seed, waveform, _ in staged:
-        if sid in enc_out:
-            _, cnn, att = enc_out[sid]
-        elif sid in copies:  # its voice's first stream is solved: copies of its encoder state
-            cnn, att = (t.clone() for t in enc_out[copies[sid]][1:])
-        else:  # a cached voice: its prompt's encoder state is a copy (its CFM state: open_voices above)
-            cnn, att = (t.clone() for t in cfm.voice_state(keys[sid]).extra["conformer"])
-        server._streams[sid] = _Stream(prompt_frames=mel.shape[1], conf_cnn=cnn, conf_att=att,
-                                       waveform=waveform and server.vocoder is not None)
+    for sid, _, mel, _, seed, waveform, _ in staged:
+        server._streams[sid] = _Stream(prompt_frames=mel.shape[1], waveform=waveform and server.vocoder is not None)
         if server._streams[sid].waveform:
             server.vocoder.open(sid, seed)
-    extra = {sid: {"conformer": (enc_out[sid][1].clone(), enc_out[sid][2].clone())} for sid in enc_out if sid in keys}
+    extra = {sid: {"conformer": tuple(t.clone() for t in encoder.caches(sid))} for sid in mus if sid in keys}
     if server.prompt_steps_per_tick is None:
         for sid, _, mel, *_ in solved:
             cfm.open_request(sid, spks[sid][0], prompt_len=mel.shape[1])
             if sid in keys:
                 voices.get(keys[sid])  # a counted miss (the CFM server counts its own lookups)
         if solved:
-            fresh = cfm.solve_chunk({sid: (enc_out[sid][0], mel[0].transpose(0, 1)) for sid, _, mel, *_ in solved})
+            fresh = cfm.solve_chunk({sid: (mus[sid], mel[0].transpose(0, 1)) for sid, _, mel, *_ in solved})
             kept = {sid for sid in fresh if sid in keys and cfm.keep_voice(sid, keys[sid], fresh[sid], extra[sid])}
             mels.update(fresh)
             states = {first: cfm.prompt_state(first, fresh[first]) for first in set(copies.values()) - kept}
@@ -133,7 +138,7 @@ def open_staged(server, staged: list) -> dict[Hashable, torch.Tensor]:
                              else cfm.open_copy(sid, states[first]))
     else:  # staged now, solved by the next ticks' advance_prompts
         for sid, _, mel, *_ in solved:
-            cfm.open_request(sid, spks[sid][0], prompt_mu=enc_out[sid][0], prompt_mel=mel[0].transpose(0, 1),
+            cfm.open_request(sid, spks[sid][0], prompt_mu=mus[sid], prompt_mel=mel[0].transpose(0, 1),
                              prompt_len=mel.shape[1], voice=keys.get(sid, False), voice_extra=extra.get(sid))
     server._account(t1 - t0, server._clock() - t1, 0.0)
     return {sid: mels[sid] for sid, *_ in staged if sid in mels}
@@ -157,7 +162,7 @@ def _same_voice(staged: list, keys: Mapping[Hashable, Any]) -> dict[Hashable, Ha
 
 
 def check_chunks(server, op: str, chunks: Mapping[Hashable, Any]) -> list:
-    """Every chunk checked: [(stream id, tokens, conformer cnn cache, att cache, last)]."""
+    """Every chunk checked: [(stream id, tokens (None: an empty last chunk), last)]."""
     staged = []
     for sid, item in chunks.items():
         st = server._streams.get(sid)
@@ -172,7 +177,7 @@ def check_chunks(server, op: str, chunks: Mapping[Hashable, Any]) -> list:
         if last and isinstance(tokens, torch.Tensor) and tokens.numel() == 0 and (server.causal or not st.waveform):
             # minicpmo-utils' Token2wav.stream([], last_chunk=True): the vocoder's held-back frames
             # flushed, the flow not run
-            staged.append((sid, None, st.conf_cnn, st.conf_att, True))
+            staged.append((sid, None, True))
             continue
         tokens = as_tokens(server, op, f"chunks[{sid!r}] tokens", tokens)
         # The conformer's conv caches need 2 new tokens a chunk (its lookahead conv keeps 2 frames);
@@ -184,7 +189,7 @@ def check_chunks(server, op: str, chunks: Mapping[Hashable, Any]) -> list:
                  f"(last_chunk={bool(last)}; {server.lookahead} lookahead tokens unless last"
                  + ("; the first chunk of a waveform stream covers the vocoder's 8-frame overlap)"
                     if new_tokens > 2 else ")"), str(tokens.shape[1]))
-        staged.append((sid, tokens, st.conf_cnn, st.conf_att, bool(last)))
+        staged.append((sid, tokens, bool(last)))
     return staged
 
 

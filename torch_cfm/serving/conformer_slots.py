@@ -1,0 +1,119 @@
+"""Every open stream's conformer caches in two preallocated tensors, one slot per stream.
+
+The encoder stage of :class:`~torch_cfm.serving.Token2wavServer` reads a tick's caches out of the
+slots in one gather and writes the trimmed new caches back in one scatter, instead of a
+concatenation, a copy and a trim per stream. A stream's caches are views of its slot in the
+upstream ``forward_chunk`` layout:
+
+* ``att``: (depth, 1, H, L, 2·d_k), L = the stream's cached frames (packed: the token-rate layers'
+  frames repeated to the mel rate, as ``UpsampleConformerEncoderV2.forward_chunk`` returns them);
+* ``cnn``: (1, C, k), the pre-lookahead and up-sampling convolutions' tails.
+
+The slot tensors are allocated up front (``slots`` x ``max_frames``, the trim bound: the longest
+prompt + the frames the trim keeps), like the CFM's cache arenas, with one more slot that a
+padded batch's padding rows are written to (:attr:`ConformerSlots.dump`).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Optional, Sequence
+
+import torch
+
+from ..errors import fail
+
+
+class ConformerSlots:
+    """Slot storage for ``slots`` streams' conformer caches (module docstring).
+
+    Args:
+        slots: streams held at once.
+        max_frames: the longest att cache a slot holds (frames).
+        att_shape: (depth, H, 2·d_k) of one stream's att cache; cnn_shape: (C, k) of its cnn cache.
+        dtypes: (cnn, att) dtypes of the caches (under autocast the conv caches stay float32).
+        device: of the caches.
+    """
+
+    def __init__(self, slots: int, max_frames: int, att_shape: tuple[int, int, int], cnn_shape: tuple[int, int],
+                 dtypes: tuple[torch.dtype, torch.dtype], device: torch.device) -> None:
+        self.slots, self.max_frames = int(slots), int(max_frames)
+        depth, heads, width = att_shape
+        self.dump = self.slots  # the padding rows' slot
+        self.att = torch.zeros(depth, self.slots + 1, heads, self.max_frames, width, dtype=dtypes[1], device=device)
+        self.cnn = torch.zeros(self.slots + 1, *cnn_shape, dtype=dtypes[0], device=device)
+        self._slot: dict[Hashable, int] = {}
+        self._length: dict[Hashable, int] = {}
+        self._free = list(range(self.slots - 1, -1, -1))
+
+    def __contains__(self, sid: Hashable) -> bool:
+        return sid in self._slot
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.att, self.cnn))
+
+    def length(self, sid: Hashable) -> int:
+        """Frames of ``sid``'s att cache (0 before its prompt is encoded)."""
+        return self._length[sid]
+
+    def open(self, sid: Hashable) -> None:
+        """A free slot for ``sid``, empty until :meth:`write`."""
+        if sid in self._slot:
+            fail("ConformerSlots.open", "sid", "name a stream not open here", repr(sid))
+        if not self._free:
+            fail("ConformerSlots.open", "sid", f"find a free slot of {self.slots}", "all taken")
+        self._slot[sid], self._length[sid] = self._free.pop(), 0
+
+    def close(self, sid: Hashable) -> None:
+        self._free.append(self._slot.pop(sid))
+        del self._length[sid]
+
+    def caches(self, sid: Hashable) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(cnn (1, C, k), att (depth, 1, H, L, 2·d_k)) views of ``sid``'s slot; (None, None) before
+        its first write."""
+        if self._length[sid] == 0:
+            return None, None
+        s, n = self._slot[sid], self._length[sid]
+        return self.cnn[s:s + 1], self.att[:, s:s + 1, :, :n]
+
+    def set_length(self, sids: Sequence[Hashable], frames: int) -> None:
+        for sid in sids:
+            self._length[sid] = frames
+
+    def index(self, sids: Sequence[Hashable], rows: Optional[int] = None) -> torch.Tensor:
+        """(rows,) int64 slot numbers of ``sids`` on the slots' device (copied from pinned memory),
+        padded to ``rows`` with :attr:`dump`."""
+        slots = [self._slot[s] for s in sids] + [self.dump] * ((rows or len(sids)) - len(sids))
+        cuda = self.att.device.type == "cuda"
+        return torch.tensor(slots, dtype=torch.int64, pin_memory=cuda).to(self.att.device, non_blocking=True)
+
+    def gather(self, index: torch.Tensor, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The caches of slots ``index`` (B,), ``frames`` long: (cnn (B, C, k), att (depth, B, H,
+        frames, 2·d_k)), new contiguous tensors."""
+        return self.cnn.index_select(0, index), self.att[:, :, :, :frames].index_select(1, index)
+
+    def scatter(self, index: torch.Tensor, cnn: torch.Tensor, att: torch.Tensor) -> None:
+        """Rows b of ``cnn`` (B, C, k) and ``att`` (depth, B, H, L, 2·d_k) into slot ``index[b]``
+        (lengths unchanged: :meth:`set_length`)."""
+        self.att[:, :, :, :att.shape[3]].index_copy_(1, index, att)
+        self.cnn.index_copy_(0, index, cnn)
+
+    def write(self, sids: Sequence[Hashable], cnn: torch.Tensor, att: torch.Tensor) -> None:
+        """Rows b of ``cnn`` (B, C, k) and ``att`` (depth, B, H, L, 2·d_k) into the slots of
+        ``sids[b]``, checked; their length becomes L."""
+        want = (self.att.shape[0], len(sids), self.att.shape[2], att.shape[3], self.att.shape[4])
+        if tuple(att.shape) != want or att.shape[3] > self.max_frames or att.dtype != self.att.dtype:
+            fail("ConformerSlots.write", "att", f"have shape (depth, B, H, L <= {self.max_frames}, 2·d_k) = "
+                 f"{want[:3]} + (L, {want[4]}) and dtype {self.att.dtype}", f"{tuple(att.shape)} {att.dtype}")
+        if tuple(cnn.shape) != (len(sids), *self.cnn.shape[1:]) or cnn.dtype != self.cnn.dtype:
+            fail("ConformerSlots.write", "cnn", f"have shape {(len(sids), *self.cnn.shape[1:])} and dtype "
+                 f"{self.cnn.dtype}", f"{tuple(cnn.shape)} {cnn.dtype}")
+        if len(sids) == 1:
+            s = self._slot[sids[0]]
+            self.att[:, s:s + 1, :, :att.shape[3]].copy_(att)
+            self.cnn[s:s + 1].copy_(cnn)
+        else:
+            self.scatter(self.index(sids), cnn, att)
+        self.set_length(sids, att.shape[3])
+
+
+__all__ = ["ConformerSlots"]
