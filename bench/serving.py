@@ -437,6 +437,23 @@ class VocoderProvider:
         return contextlib.nullcontext() if self.tf32 is None else torch.backends.cudnn.flags(
             enabled=True, allow_tf32=self.tf32)
 
+    def warm(self, c: int) -> int:
+        """The server's warm-up for this stage alone: at each batch bucket up to ``c`` (and ``c``), twice,
+        that many streams open, 3 ticks (a first chunk and cached ones), close; returns the graphs."""
+        counts = sorted({b for b in (self.server.batch_buckets or []) if b <= c} | {c})
+        with self._flags(), torch.no_grad():
+            for _ in range(2):  # a new shape runs eagerly once, then is captured
+                for n in counts:
+                    ids = [("__warm__", i) for i in range(n)]
+                    for i, sid in enumerate(ids):
+                        self.stage.open(sid, seed=i)
+                    for t in range(3):
+                        self.stage([(sid, self.mels[(i + t) % 4], False) for i, sid in enumerate(ids)])
+                    for sid in ids:
+                        self.stage.close(sid)
+        _sync(self.device)
+        return self.captures()
+
     def open(self, ids):
         for sid in ids:
             self.stage.open(sid, seed=sid)
@@ -955,6 +972,8 @@ def main(argv=None) -> list[dict]:
                         mem0 = torch.cuda.memory_allocated()
                     cls = VocoderProvider if stage == "voc" and prov_name == "torch_cfm" else PROVIDERS[prov_name]
                     prov = cls(flow, hift, stage, c, wl, inputs, device, dtype)
+                    if args.warmup and stage == "voc" and hasattr(prov, "warm"):
+                        print(f"warmup: {prov.warm(c)} vocoder graphs", flush=True)
                     if args.warmup and prov_name.startswith("torch_cfm") and stage != "voc":
                         warm = prov.server.warmup(prompt_frames=(wl.prompt_frames,), chunk_tokens=(wl.chunk_tokens,))
                         print(f"warmup: {warm}", flush=True)

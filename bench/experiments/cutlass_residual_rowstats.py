@@ -205,6 +205,9 @@ def main() -> int:
     cws.restype, cws.argtypes = ctypes.c_longlong, [ctypes.c_int] * 4
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
+    from _harness import env_info  # bench/: provenance (gpu, versions, BENCH_COMMIT, run id) on every row
+
+    env = env_info()
     rows = []
     for m in (int(v) for v in args.rows.split(",")):
         for k in (int(v) for v in args.ks.split(",")):
@@ -238,6 +241,7 @@ def main() -> int:
             print(json.dumps(row))
             if k == 512:
                 rows += consumers(cfn, cws, d, xc, s1, s2, ins, ref[0], m, dev, props, stream, work, args.repeats)
+    rows = [dict(env, **row) for row in rows]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cutlass_residual_rowstats.json"), "w") as f:
         json.dump(rows, f, indent=1)
