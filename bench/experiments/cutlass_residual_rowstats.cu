@@ -1,4 +1,4 @@
-// Issue 41's producer epilogue (experiment, compiled on a CPU box; not built into the library, never run yet).
+// Issue 41's producer epilogue (experiment, compiled on a CPU box; not built into the library).
 //
 // The DiT block's residual GEMMs (attention proj, fc2) end a residual branch and feed the next
 // LayerNorm. Today that boundary is separate passes: the GEMM (+ bias), the gated residual add
@@ -88,12 +88,21 @@ struct First<cutlass::Array<float, N>> {
   }
 };
 
-template <class Element, class TileShape, class ClusterShape>
+// kTma = false: x read and xc written by the epilogue threads straight from and to global memory
+// (the register-direct Sm90AuxLoad / Sm90AuxStore forms, Stages = 0). kTma = true: x is the
+// epilogue's source C, loaded by TMA into shared memory ahead of the epilogue (Sm90SrcFetch), and xc
+// leaves through shared memory by a TMA store, pipelined like D (Sm90AuxStore with D's stages).
+template <class Element, class TileShape, class ClusterShape, bool kTma>
 struct Sm90ResidualRowStats {
   static constexpr int kAlign = 16 / sizeof(Element);
   using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
   using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
   using RC = cutlass::FloatRoundStyle;
+  using EpiTile = cute::Shape<cute::_128, cute::_32>;  // what EpilogueTileAuto picks for a cooperative 128 x 128 tile
+  using EpiTileType = cute::conditional_t<kTma, EpiTile, cutlass::epilogue::collective::EpilogueTileAuto>;
+  using ElementC = cute::conditional_t<kTma, Element, void>;
+  using Policy = decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
+                          TileShape, EpiTile, Element, Element, EpilogueSchedule>());
 
   using RowStride = cute::Stride<cute::_0, cute::_1, int64_t>;   // (N,) vectors: b, g, 1 + s
   using ColStride = cute::Stride<cute::_1, cute::_0, int64_t>;   // (M,) vectors: m
@@ -103,13 +112,21 @@ struct Sm90ResidualRowStats {
   using Acc = Sm90AccFetch;
   using Bias = Sm90RowBroadcast<0, TileShape, Element, float, RowStride, kAlign>;
   using Gate = Sm90RowBroadcast<0, TileShape, Element, float, RowStride, kAlign>;
-  using X = Sm90AuxLoad<0, decltype(cute::take<0, 2>(TileShape{})), Element, AuxStride, void, void, kAlign>;
+  using X = cute::conditional_t<
+      kTma, Sm90SrcFetch<Element>,
+      Sm90AuxLoad<0, decltype(cute::take<0, 2>(TileShape{})), Element, AuxStride, void, void, kAlign>>;
   using Mean = Sm90ColBroadcast<0, TileShape, float, float, ColStride>;
   using Scale = Sm90RowBroadcast<0, TileShape, float, float, RowStride, 4>;
   using Y = Sm90Compute<GatedResidual, float, float, RC::round_to_nearest>;
   using Centre = Sm90Compute<cutlass::minus, float, float, RC::round_to_nearest>;
   using Modulate = Sm90Compute<cutlass::multiplies, float, float, RC::round_to_nearest>;
-  using StoreXc = Sm90AuxStore<0, void, Element, RC::round_to_nearest, AuxStride, void, void, kAlign>;
+  using SmemAtomXc = decltype(cutlass::epilogue::collective::detail::sm90_get_epilogue_smem_swizzle_layout_atom<
+                              AuxStride, Element, EpiTile>());
+  using R2SXc = decltype(cutlass::epilogue::collective::detail::sm90_get_smem_store_op_for_accumulator<
+                         AuxStride, Element, EpiTile>());
+  using StoreXc = cute::conditional_t<
+      kTma, Sm90AuxStore<Policy::StagesD, EpiTile, Element, RC::round_to_nearest, AuxStride, SmemAtomXc, R2SXc, kAlign>,
+      Sm90AuxStore<0, void, Element, RC::round_to_nearest, AuxStride, void, void, kAlign>>;
   using Sum = Sm90ColReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape, float, float,
                                RC::round_to_nearest, PartialStride, 4, true, /*FinalReduction=*/false>;
   using Sq = Sm90Compute<Square, float, float, RC::round_to_nearest>;
@@ -126,9 +143,9 @@ struct Sm90ResidualRowStats {
                                         Sum, Sq, SumSq, Out>;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor, kAlign,
-      Element, cutlass::layout::RowMajor, kAlign, EpilogueSchedule, Fusion>::CollectiveOp;
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpiTileType, float, float,
+      ElementC, cutlass::layout::RowMajor, kAlign, Element, cutlass::layout::RowMajor, kAlign, EpilogueSchedule,
+      Fusion>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlign, Element,
@@ -218,11 +235,13 @@ int run_gemm(typename Adapter::Arguments const& args, void* workspace, cudaStrea
   return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
-using G = tcfm_experiment::Sm90ResidualRowStats<cutlass::half_t, cute::Shape<cute::_128, cute::_128, cute::_64>,
-                                                cute::Shape<cute::_1, cute::_1, cute::_1>>;
+template <bool kTma>
+using Producer = tcfm_experiment::Sm90ResidualRowStats<cutlass::half_t, cute::Shape<cute::_128, cute::_128, cute::_64>,
+                                                       cute::Shape<cute::_1, cute::_1, cute::_1>, kTma>;
 using E = cutlass::half_t;
 
-G::Adapter::Arguments make_arguments(const void* a, const void* w, const void* bias, const void* gate, const void* x,
+template <bool kTma, class G = Producer<kTma>>
+typename G::Adapter::Arguments make_arguments(const void* a, const void* w, const void* bias, const void* gate, const void* x,
                                      const float* mean, const float* scale, void* d, void* xc, float* s1, float* s2,
                                      int m, int n, int k, int device, int sm_count) {
   const auto sa = cute::make_stride(int64_t(k), cute::Int<1>{}, int64_t(0));
@@ -231,22 +250,28 @@ G::Adapter::Arguments make_arguments(const void* a, const void* w, const void* b
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
   hw.sm_count = sm_count;
-  G::Adapter::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
-                             {m, n, k, 1},
-                             {static_cast<const E*>(a), sa, static_cast<const E*>(w), sb},
-                             {{}, nullptr, sd, static_cast<E*>(d), sd},
-                             hw};
-  const G::AuxStride aux{n, cute::_1{}, 0};
+  typename G::Adapter::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
+                                      {m, n, k, 1},
+                                      {static_cast<const E*>(a), sa, static_cast<const E*>(w), sb},
+                                      {{}, nullptr, sd, static_cast<E*>(d), sd},
+                                      hw};
+  const typename G::AuxStride aux{n, cute::_1{}, 0};
   // the partial sums: (round_up(M, CTA_M), N / CTA_N), m-major (Sm90ColReduction without its final pass)
-  const G::PartialStride partial{cute::_1{}, cute::_0{}, 0};
+  const typename G::PartialStride partial{cute::_1{}, cute::_0{}, 0};
+  typename G::X::Arguments x_args{};
+  if constexpr (kTma) {
+    args.epilogue.ptr_C = static_cast<const E*>(x);  // x is the source C (TMA-loaded)
+  } else {
+    x_args = {static_cast<const E*>(x), E(0), aux};
+  }
   // DAG arguments: one per node, in topological order
   args.epilogue.thread = {
       {},                                                                            // acc
-      {static_cast<const E*>(bias), E(0), G::RowStride{}},                           // b
-      {static_cast<const E*>(gate), E(0), G::RowStride{}},                           // g
-      {static_cast<const E*>(x), E(0), aux},                                         // x
-      {mean, 0.f, G::ColStride{}},                                                   // m
-      {scale, 1.f, G::RowStride{}},                                                  // 1 + s
+      {static_cast<const E*>(bias), E(0), typename G::RowStride{}},                  // b
+      {static_cast<const E*>(gate), E(0), typename G::RowStride{}},                  // g
+      x_args,                                                                        // x
+      {mean, 0.f, typename G::ColStride{}},                                          // m
+      {scale, 1.f, typename G::RowStride{}},                                         // 1 + s
       {},                                                                            // y
       {},                                                                            // c
       {},                                                                            // xc
@@ -262,18 +287,28 @@ G::Adapter::Arguments make_arguments(const void* a, const void* w, const void* b
 // One call, fp16 operands, all row-major: a (M, K), w (N, K), bias, gate (N,), x, d, xc (M, N),
 // mean (M,) fp32, scale (N,) fp32 (= 1 + s); s1, s2: (N / 128, round_up(M, 128)) fp32 partial row sums.
 // Returns 0 on success, else a cutlass::Status (or -1 for a CUDA error).
-extern "C" long long tcfm_residual_rowstats_f16_workspace(int m, int n, int k) {
-  const auto args = make_arguments(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                   nullptr, nullptr, m, n, k, 0, 1);
-  return static_cast<long long>(G::Adapter::get_workspace_size(args));
+// tma != 0: the TMA form (Sm90ResidualRowStats' kTma), else the register-direct one.
+extern "C" long long tcfm_residual_rowstats_f16_workspace(int m, int n, int k, int tma) {
+  if (tma) {
+    return static_cast<long long>(Producer<true>::Adapter::get_workspace_size(make_arguments<true>(
+        nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, 0, 1)));
+  }
+  return static_cast<long long>(Producer<false>::Adapter::get_workspace_size(make_arguments<false>(
+      nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, 0, 1)));
 }
 
 extern "C" int tcfm_residual_rowstats_f16(const void* a, const void* w, const void* bias, const void* gate,
                                           const void* x, const float* mean, const float* scale, void* d, void* xc,
-                                          float* s1, float* s2, int m, int n, int k, int device, int sm_count,
-                                          void* workspace, cudaStream_t stream) {
-  return run_gemm<G::Adapter>(
-      make_arguments(a, w, bias, gate, x, mean, scale, d, xc, s1, s2, m, n, k, device, sm_count), workspace, stream);
+                                          float* s1, float* s2, int m, int n, int k, int tma, int device,
+                                          int sm_count, void* workspace, cudaStream_t stream) {
+  if (tma) {
+    return run_gemm<typename Producer<true>::Adapter>(
+        make_arguments<true>(a, w, bias, gate, x, mean, scale, d, xc, s1, s2, m, n, k, device, sm_count), workspace,
+        stream);
+  }
+  return run_gemm<typename Producer<false>::Adapter>(
+      make_arguments<false>(a, w, bias, gate, x, mean, scale, d, xc, s1, s2, m, n, k, device, sm_count), workspace,
+      stream);
 }
 
 namespace {

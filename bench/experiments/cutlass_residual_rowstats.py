@@ -133,21 +133,56 @@ def check_reference() -> int:
     return 0 if max(errs) < 1e-5 and algebra < 1e-12 else 1
 
 
-def timed(fn, repeats: int) -> float:
+def timed(fn, repeats: int, calls: int = 10) -> float:
+    """ms per call of ``fn``: ``calls`` calls captured in one CUDA graph (no launch gaps: the Triton
+    launcher's host time would otherwise count), replayed ``repeats`` times between CUDA events, the
+    median; eager between events where the capture fails."""
     for _ in range(3):
         fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        run, per = graph.replay, calls
+    except Exception:  # noqa: BLE001
+        torch.cuda.synchronize()
+        run, per = fn, 1
     times = []
     for _ in range(repeats):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        run()
         e.record()
         e.synchronize()
-        times.append(s.elapsed_time(e))
+        times.append(s.elapsed_time(e) / per)
     return sorted(times)[len(times) // 2]
 
 
-def consumers(cfn, cws, y, xc, s1, s2, ins, y64, m, dev, props, stream, work, repeats) -> list[dict]:
+def shipped_boundary(a, w, bias, x, m: int, n: int, dev, repeats: int) -> dict:
+    """What ships at this boundary, timed at the same shapes: the GEMM without bias (cuBLAS), then
+    torch_cfm's row-norm kernel (bias, gated update of the float32 residual stream, LayerNorm,
+    modulation, the next GEMM's fp16 input), rows as 50-frame chunks. ms_shipped is both, ms_rownorm
+    the kernel alone."""
+    try:
+        from torch_cfm.kernels.rownorm import rownorm
+    except Exception as exc:  # noqa: BLE001
+        return {"shipped_error": repr(exc)[:200]}
+    n_rows, t_len = m // 50, 50
+    h, out = x.float().clone(), torch.empty_like(x)
+    valid = torch.full((n_rows,), t_len, dtype=torch.int32, device=dev)
+    g = torch.Generator(device="cpu").manual_seed(m + n)
+    table = (0.1 * torch.randn(1, 2, 9, n, generator=g)).to(dev)
+    b32, y0 = bias.float(), F.linear(a, w)
+
+    def norm(y):
+        rownorm(y, h, out, valid, n_rows=n_rows, t_len=t_len, bias=b32, table=table, gate=0, shift=n, scale=2 * n)
+
+    return {"ms_shipped": timed(lambda: norm(F.linear(a, w)), repeats), "ms_rownorm": timed(lambda: norm(y0), repeats)}
+
+
+def consumers(cfn, cws, y, xc, s1, s2, ins, y64, m, dev, props, work, repeats) -> list[dict]:
     """The consumer at qkv (N = 1536) and fc1 (N = 2048, GELU) over the producer's outputs."""
     scale = ins[6]
     g = torch.Generator(device="cpu").manual_seed(m)
@@ -164,7 +199,7 @@ def consumers(cfn, cws, y, xc, s1, s2, ins, y64, m, dev, props, stream, work, re
 
         def fused():
             status = cfn(*(t.data_ptr() for t in (xc, w2, s1, s2, u, v, d2)), m, n2, 512, int(gelu), dev.index or 0,
-                         props.multi_processor_count, buf.data_ptr(), stream)
+                         props.multi_processor_count, buf.data_ptr(), torch.cuda.current_stream().cuda_stream)
             if status != 0:
                 raise RuntimeError(f"tcfm_layernorm_consumer_f16: status {status}")
 
@@ -195,9 +230,9 @@ def main() -> int:
     lib = ctypes.CDLL(args.lib or build(os.path.join(tempfile.mkdtemp(), "librowstats.so")))
     fn = lib.tcfm_residual_rowstats_f16
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int] * 5 + [ctypes.c_void_p, ctypes.c_void_p]
+    fn.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_void_p]
     ws = lib.tcfm_residual_rowstats_f16_workspace
-    ws.restype, ws.argtypes = ctypes.c_longlong, [ctypes.c_int] * 3
+    ws.restype, ws.argtypes = ctypes.c_longlong, [ctypes.c_int] * 4
     cfn = lib.tcfm_layernorm_consumer_f16
     cfn.restype = ctypes.c_int
     cfn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_void_p]
@@ -217,30 +252,37 @@ def main() -> int:
             d, xc = torch.empty_like(x), torch.empty_like(x)
             s1 = torch.zeros(n // TILE_N, -(-m // TILE_M) * TILE_M, device=dev)
             s2 = torch.zeros_like(s1)
-            work = torch.empty(max(int(ws(m, n, k)), 1), dtype=torch.uint8, device=dev)
-            stream = torch.cuda.current_stream().cuda_stream
-
-            def fused():
-                status = fn(*(t.data_ptr() for t in (a, w, bias, gate, x, mean, scale, d, xc, s1, s2)), m, n, k,
-                            dev.index or 0, props.multi_processor_count, work.data_ptr(), stream)
-                if status != 0:
-                    raise RuntimeError(f"tcfm_residual_rowstats_f16: status {status}")
-
-            fused()
-            torch.cuda.synchronize()
+            work = torch.empty(max(int(ws(m, n, k, 0)), int(ws(m, n, k, 1)), 1), dtype=torch.uint8, device=dev)
             ref = reference(*ins)
-            got = (d, xc, s1.sum(0)[:m], s2.sum(0)[:m])
+            timing = {}
+            # the register-direct form (x and xc through the epilogue threads), then the TMA form (x as the
+            # source C, xc through shared memory): each checked against float64, then timed
+            for tma, suffix in ((0, ""), (1, "_tma")):
+                def fused(tma=tma):
+                    status = fn(*(t.data_ptr() for t in (a, w, bias, gate, x, mean, scale, d, xc, s1, s2)), m, n,
+                                k, tma, dev.index or 0, props.multi_processor_count, work.data_ptr(),
+                                torch.cuda.current_stream().cuda_stream)
+                    if status != 0:
+                        raise RuntimeError(f"tcfm_residual_rowstats_f16 (tma={tma}): status {status}")
+
+                for t in (d, xc, s1, s2):
+                    t.fill_(float("nan"))  # nothing left over from the other form
+                s1.zero_(), s2.zero_()
+                fused()
+                torch.cuda.synchronize()
+                got = (d, xc, s1.sum(0)[:m], s2.sum(0)[:m])
+                timing["err_fused" + suffix] = [rel(g, r) for g, r in zip(got, ref)]
+                timing["ms_fused" + suffix] = timed(fused, args.repeats)
+            timing.update(shipped_boundary(a, w, bias, x, m, n, dev, args.repeats))
             base = unfused(*ins)
-            row = dict(rows=m, n=n, k=k, gpu=props.name, torch=torch.__version__,
-                       err_fused=[rel(g, r) for g, r in zip(got, ref)],
+            row = dict(rows=m, n=n, k=k, gpu=props.name, torch=torch.__version__, **timing,
                        err_unfused=[rel(g, r) for g, r in zip(base, ref)],
-                       ms_fused=timed(fused, args.repeats),
                        ms_unfused=timed(lambda: unfused(*ins), args.repeats),
                        ms_linear=timed(lambda: F.linear(a, w, bias), args.repeats))
             rows.append(row)
             print(json.dumps(row))
             if k == 512:
-                rows += consumers(cfn, cws, d, xc, s1, s2, ins, ref[0], m, dev, props, stream, work, args.repeats)
+                rows += consumers(cfn, cws, d, xc, s1, s2, ins, ref[0], m, dev, props, work, args.repeats)
     rows = [dict(env, **row) for row in rows]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "cutlass_residual_rowstats.json"), "w") as f:

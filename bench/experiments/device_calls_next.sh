@@ -13,6 +13,7 @@
 #   bash bench/experiments/device_calls_next.sh encoder   # issue 43's encoder A/B
 #   bash bench/experiments/device_calls_next.sh voc       # issue 43 item 3: vocoder-only rows with the upstream HiFT as peers
 #   bash bench/experiments/device_calls_next.sh peers_close  # issue 42's owed rows: fp32 flow at 16 streams, 64 streams
+#   bash bench/experiments/device_calls_next.sh standing  # issue 43's bars as they stand (CFM alone, waveform; 16, 64)
 #   bash bench/experiments/device_calls_next.sh encprof   # issue 43: the encoder stage at 64 / 16 streams under torch.profiler
 #   bash bench/experiments/device_calls_next.sh enc_ab    # issue 43: tokens -> mel / waveform against the previous tree (.old)
 #   bash bench/experiments/device_calls_next.sh rowstats  # issue 41: the CUTLASS producer epilogue's first run
@@ -44,14 +45,15 @@ if ! ls torch_cfm/_C.*so > /dev/null 2>&1; then
   TORCH_CFM_BUILD_CUDA=0 CXX=g++ CC=gcc MAX_JOBS=16 timeout 150 python3 setup.py build_ext --inplace > "$OUT/build_cpu.log" 2>&1
   echo "build _C rc=$?"
 fi
-if ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; then
+# NO_CUDA_EXT=1: no CUDA extension (the Triton paths everywhere; saves the ~65 s build on a short budget)
+if [ -z "${NO_CUDA_EXT:-}" ] && ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; then
   (CXX=g++ CC=gcc MAX_JOBS=16 timeout 200 python3 setup.py build_ext --build-lib /tmp/cudabuild > "$OUT/build.log" 2>&1
    cp /tmp/cudabuild/torch_cfm/_C_cuda*.so torch_cfm/ && echo "build _C_cuda done at ${SECONDS}s") &
   CUDA_BUILD=$!
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (encprof, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (standing, encprof, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass|restore|ncu|rowstats) ;; *) need_cuda ;; esac
@@ -136,6 +138,11 @@ case $mode in
     timeout ${VOC_TIMEOUT:-300} python3 bench/serving.py --stages voc --concurrency 16,64 --quick --warmup \
       --providers torch_cfm,upstream_tf32,upstream_ieee --out "$OUT" > "$OUT/voc.log" 2>&1
     grep -v "warmup \[" "$OUT/voc.log" | grep -E "^\| r|C= " | tail -8 ;;
+  standing)  # issue 43's bars as they stand: CFM alone and tokens -> waveform at 16 and 64 streams, one run
+    timeout ${STANDING_TIMEOUT:-330} python3 bench/serving.py --stages ${STANDING_STAGES:-cfm,wav} \
+      --concurrency ${STANDING_C:-16,64} --quick --warmup \
+      --dtype fp16 --providers torch_cfm --out "$OUT" > "$OUT/standing.log" 2>&1
+    grep -E "^\| r[0-9]" "$OUT/serving.md" | grep -E "\| (cfm|wav) \|" | cut -d'|' -f5,7-9,12,18,20 ;;
   peers_close)  # issue 42's last rows: the shipped fp32 flow at 16 streams (all three), then 64 streams (fp16, plugin and front)
     timeout 200 python3 bench/serving_vllm_omni.py --quick --dtypes fp32 --concurrency 16 --out "$OUT" \
       > "$OUT/vllm_omni_fp32.log" 2>&1; grep -E "C= 16|bar" "$OUT/vllm_omni_fp32.log" | tail -4
