@@ -16,6 +16,7 @@
 #   bash bench/experiments/device_calls_next.sh standing  # issue 43's bars as they stand (CFM alone, waveform; 16, 64)
 #   bash bench/experiments/device_calls_next.sh encprof   # issue 43: the encoder stage at 64 / 16 streams under torch.profiler
 #   bash bench/experiments/device_calls_next.sh enc_ab    # issue 43: tokens -> mel / waveform against the previous tree (.old)
+#                        (enc_patch: bench/experiments/encoder_one_copy.patch applied on the device, its tests, then enc_ab)
 #   bash bench/experiments/device_calls_next.sh rowstats  # issue 41: the CUTLASS producer epilogue's first run
 #   bash bench/experiments/device_calls_next.sh restore   # issue 40: a voice hit's slot write, copy_ vs copy_wide_
 #   bash bench/experiments/device_calls_next.sh ncu       # issue 43: the fused convolutions under Nsight Compute
@@ -53,10 +54,10 @@ if [ -z "${NO_CUDA_EXT:-}" ] && ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; the
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (standing, encprof, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
-case $mode in tests|cutlass|restore|ncu|rowstats) ;; *) need_cuda ;; esac
+case $mode in tests|cutlass|restore|ncu|rowstats|enc_patch) ;; *) need_cuda ;; esac
 case $mode in
   peers)  # issue 42: BatchedToken2Wav vs the plugin vs the front (one voice, then four)
     timeout 290 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --out "$OUT" > "$OUT/vllm_omni.log" 2>&1
@@ -154,6 +155,17 @@ case $mode in
       timeout 200 python3 bench/experiments/encoder_profile.py --streams $c --out "$OUT" > "$OUT/encprof_$c.log" 2>&1
       grep -vE "warmup \[" "$OUT/encprof_$c.log" | tail -60
     done ;;
+  enc_patch)  # issue 43 item 2: a parked encoder patch (ENC_PATCH, default encoder_one_copy.patch) applied here,
+    # this tree copied to .old first; its GPU tests (ENC_TESTS), then enc_ab (waveform at 64 streams) against .old
+    rm -rf .old && mkdir .old && cp -r torch_cfm compile_rules bench tests csrc setup.py pyproject.toml .old/
+    rm -f .old/torch_cfm/compile_rules && ln -s ../compile_rules .old/torch_cfm/compile_rules
+    git apply "${ENC_PATCH:-bench/experiments/encoder_one_copy.patch}" 2>/dev/null \
+      || patch -p1 -s < "${ENC_PATCH:-bench/experiments/encoder_one_copy.patch}" || { echo "the patch does not apply"; exit 1; }
+    for f in ${ENC_TESTS:-test_stepaudio2_server test_minicpmo_server test_conformer_attention}; do
+      timeout -s INT ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE "tests/$f.py" > "$OUT/$f.log" 2>&1
+      echo "$f: $(grep -E 'passed|failed|error' "$OUT/$f.log" | tail -1)"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -5
+    done
+    need_cuda; ENC_AB_STAGES=${ENC_AB_STAGES:-wav} bash "$0" enc_ab ;;
   enc_ab)  # issue 43 item 2: this tree against the previous one (carry .old), tokens -> mel / waveform, one call
     cp torch_cfm/_C*.so .old/torch_cfm/; [ -e .old/torch_cfm/compile_rules ] || ln -s ../compile_rules .old/torch_cfm/compile_rules
     for side in ${ENC_AB_SIDES:-old new}; do
