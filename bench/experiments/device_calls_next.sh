@@ -178,7 +178,7 @@ case $mode in
       echo "-- $side"; grep -E "^\| r[0-9]" /tmp/enc_ab_$side/serving.md | cut -d'|' -f5,7-9,12,18,20
     done ;;
   halo)  # issue 43: the halo-window convolution against the per-tap one at the HiFT's shapes (vocoder_conv_halo.md)
-    timeout ${HALO_TIMEOUT:-400} python3 bench/experiments/vocoder_conv_halo.py --out "$OUT" > "$OUT/halo.log" 2>&1
+    timeout ${HALO_TIMEOUT:-400} python3 bench/experiments/vocoder_conv_halo.py ${HALO_ARGS:---quick} --out "$OUT" > "$OUT/halo.log" 2>&1
     grep -E "ratio|Error" "$OUT/halo.log" | tail -40 ;;
   rowstats)  # issue 41: the producer epilogue (GEMM + gated residual + centred row sums) against float64 and the unfused path
     # carry build_rowstats (the .so built here: the device cannot fetch the CUTLASS headers)
