@@ -40,6 +40,22 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
+def _weights(w_ptr, m, n, ci, C_in, C_out):
+    """Tap m's (BLOCK_K, BLOCK_N) weight tile, K-major rows loaded (weights packed (taps, C_out, C_in))."""
+    return tl.trans(tl.load(w_ptr + (m * C_out + n)[:, None] * C_in + ci[None, :],
+                            mask=(n < C_out)[:, None] & (ci < C_in)[None, :], other=0.0))
+
+
+@triton.jit
+def _store(acc, b_ptr, y_ptr, b, o, n, L, C_out):
+    """acc + bias into rows o, channels n of batch row b of y (B, L, C_out)."""
+    acc += tl.load(b_ptr + n, mask=n < C_out, other=0.0)[None, :]
+    ok = (o < L)[:, None] & (n < C_out)[None, :]
+    tl.store(y_ptr + b.to(tl.int64) * L * C_out + o[:, None] * C_out + n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=ok)
+
+
+@triton.jit
 def _conv_per_tap(x_ptr, w_ptr, b_ptr, y_ptr, L, C_in, C_out, PAD, DIL,
                   TAPS: tl.constexpr, DOT: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -57,13 +73,9 @@ def _conv_per_tap(x_ptr, w_ptr, b_ptr, y_ptr, L, C_in, C_out, PAD, DIL,
         idx = o - PAD + m * DIL
         a = tl.load(x_row + idx[:, None] * C_in + ci[None, :],
                     mask=((idx >= 0) & (idx < L))[:, None] & (ci < C_in)[None, :], other=0.0)
-        w = tl.trans(tl.load(w_ptr + (m * C_out + n)[:, None] * C_in + ci[None, :],
-                             mask=(n < C_out)[:, None] & (ci < C_in)[None, :], other=0.0))
+        w = _weights(w_ptr, m, n, ci, C_in, C_out)
         acc = tl.dot(a, w, acc, input_precision=DOT)
-    acc += tl.load(b_ptr + n, mask=n < C_out, other=0.0)[None, :]
-    ok = (o < L)[:, None] & (n < C_out)[None, :]
-    tl.store(y_ptr + b.to(tl.int64) * L * C_out + o[:, None] * C_out + n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=ok)
+    _store(acc, b_ptr, y_ptr, b, o, n, L, C_out)
 
 
 @triton.jit
@@ -85,13 +97,9 @@ def _conv_halo(x_ptr, w_ptr, b_ptr, y_ptr, L, C_in, C_out, PAD, DIL,
                          mask=((h >= 0) & (h < L))[:, None] & (ci < C_in)[None, :], other=0.0)
         for m in range(TAPS):  # a loop, not unrolled: one tap's weight tile in flight at a time
             a = tl.gather(window, rows + m * DIL, 0)
-            w = tl.trans(tl.load(w_ptr + (m * C_out + n)[:, None] * C_in + ci[None, :],
-                                 mask=(n < C_out)[:, None] & (ci < C_in)[None, :], other=0.0))
+            w = _weights(w_ptr, m, n, ci, C_in, C_out)
             acc = tl.dot(a, w, acc, input_precision=DOT)
-    acc += tl.load(b_ptr + n, mask=n < C_out, other=0.0)[None, :]
-    ok = (o < L)[:, None] & (n < C_out)[None, :]
-    tl.store(y_ptr + b.to(tl.int64) * L * C_out + o[:, None] * C_out + n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=ok)
+    _store(acc, b_ptr, y_ptr, b, o, n, L, C_out)
 
 
 def round_tf32(t: torch.Tensor) -> torch.Tensor:
