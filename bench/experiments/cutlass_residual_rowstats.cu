@@ -240,21 +240,29 @@ using Producer = tcfm_experiment::Sm90ResidualRowStats<cutlass::half_t, cute::Sh
                                                        cute::Shape<cute::_1, cute::_1, cute::_1>, kTma>;
 using E = cutlass::half_t;
 
-template <bool kTma, class G = Producer<kTma>>
-typename G::Adapter::Arguments make_arguments(const void* a, const void* w, const void* bias, const void* gate, const void* x,
-                                     const float* mean, const float* scale, void* d, void* xc, float* s1, float* s2,
-                                     int m, int n, int k, int device, int sm_count) {
-  const auto sa = cute::make_stride(int64_t(k), cute::Int<1>{}, int64_t(0));
-  const auto sb = cute::make_stride(int64_t(k), cute::Int<1>{}, int64_t(0));
+// The arguments both GEMMs share: a (M, K) and w (N, K) K-major fp16, d (M, N) row-major, no source
+// (the producer's TMA form sets ptr_C), a persistent grid over sm_count SMs; the epilogue's thread
+// arguments are the caller's.
+template <class Adapter>
+typename Adapter::Arguments gemm_arguments(const void* a, const void* w, void* d, int m, int n, int k, int device,
+                                           int sm_count) {
+  const auto sk = cute::make_stride(int64_t(k), cute::Int<1>{}, int64_t(0));
   const auto sd = cute::make_stride(int64_t(n), cute::Int<1>{}, int64_t(0));
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
   hw.sm_count = sm_count;
-  typename G::Adapter::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
-                                      {m, n, k, 1},
-                                      {static_cast<const E*>(a), sa, static_cast<const E*>(w), sb},
-                                      {{}, nullptr, sd, static_cast<E*>(d), sd},
-                                      hw};
+  return typename Adapter::Arguments{cutlass::gemm::GemmUniversalMode::kGemm,
+                                     {m, n, k, 1},
+                                     {static_cast<const E*>(a), sk, static_cast<const E*>(w), sk},
+                                     {{}, nullptr, sd, static_cast<E*>(d), sd},
+                                     hw};
+}
+
+template <bool kTma, class G = Producer<kTma>>
+typename G::Adapter::Arguments make_arguments(const void* a, const void* w, const void* bias, const void* gate, const void* x,
+                                     const float* mean, const float* scale, void* d, void* xc, float* s1, float* s2,
+                                     int m, int n, int k, int device, int sm_count) {
+  auto args = gemm_arguments<typename G::Adapter>(a, w, d, m, n, k, device, sm_count);
   const typename G::AuxStride aux{n, cute::_1{}, 0};
   // the partial sums: (round_up(M, CTA_M), N / CTA_N), m-major (Sm90ColReduction without its final pass)
   const typename G::PartialStride partial{cute::_1{}, cute::_0{}, 0};
@@ -322,16 +330,7 @@ typename Consumer<kGelu>::Adapter::Arguments consumer_arguments(const void* xc, 
                                                                 void* d, int m, int n, int k, int device,
                                                                 int sm_count) {
   using C = Consumer<kGelu>;
-  const auto sa = cute::make_stride(int64_t(k), cute::Int<1>{}, int64_t(0));
-  const auto sd = cute::make_stride(int64_t(n), cute::Int<1>{}, int64_t(0));
-  cutlass::KernelHardwareInfo hw;
-  hw.device_id = device;
-  hw.sm_count = sm_count;
-  typename C::Adapter::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
-                                      {m, n, k, 1},
-                                      {static_cast<const E*>(xc), sa, static_cast<const E*>(w), sa},
-                                      {{}, nullptr, sd, static_cast<E*>(d), sd},
-                                      hw};
+  auto args = gemm_arguments<typename C::Adapter>(xc, w, d, m, n, k, device, sm_count);
   const int64_t mr = (m + 127) / 128 * 128;  // the producer's partials: (4, round_up(M, 128)) each
   auto part = [&](const float* p, int j) {
     return typename C::Part::Arguments{p == nullptr ? nullptr : p + j * mr, 0.f, typename C::ColStride{}};
