@@ -20,6 +20,7 @@
 #   bash bench/experiments/device_calls_next.sh rowstats  # issue 41: the CUTLASS producer epilogue's first run
 #   bash bench/experiments/device_calls_next.sh halo      # issue 43: the halo-window convolution experiment's timings
 #   bash bench/experiments/device_calls_next.sh overlap   # issue 43: the vocoder under the CFM on two CUDA streams
+#                        (pipeline: tokens -> waveform with the vocoder one tick behind, against the front)
 #   bash bench/experiments/device_calls_next.sh restore   # issue 40: a voice hit's slot write, copy_ vs copy_wide_
 #   bash bench/experiments/device_calls_next.sh ncu       # issue 43: the fused convolutions under Nsight Compute
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
@@ -56,7 +57,7 @@ if [ -z "${NO_CUDA_EXT:-}" ] && ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; the
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (overlap, halo, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (overlap, pipeline, halo, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass|restore|ncu|rowstats|enc_patch) ;; *) need_cuda ;; esac
@@ -181,6 +182,13 @@ case $mode in
   overlap)  # issue 43: the vocoder's tick issued on a second CUDA stream under the CFM's (stage_overlap.py)
     timeout ${OVERLAP_TIMEOUT:-300} python3 bench/experiments/stage_overlap.py --streams ${OVERLAP_C:-16,64} --out "$OUT" \
       > "$OUT/overlap.log" 2>&1; grep -E "hidden|Error" "$OUT/overlap.log" | tail -4 ;;
+  pipeline)  # issue 43: tokens -> waveform with the vocoder one tick behind on a second CUDA stream, against the
+    # sequential front, one process (bench/experiments/pipelined_vocoder.py)
+    need_cuda
+    timeout ${PIPE_TIMEOUT:-300} python3 bench/experiments/pipelined_vocoder.py --stages wav --concurrency ${PIPE_C:-64} \
+      --quick --warmup --dtype fp16 --providers torch_cfm,torch_cfm/pipelined --out /tmp/pipe > "$OUT/pipeline.log" 2>&1
+    cp /tmp/pipe/serving.jsonl "$OUT/pipeline.jsonl"; grep -E "Error|audio-s/s" "$OUT/pipeline.log" | grep -v warmup | tail -6
+    grep -E "^\| r[0-9]" /tmp/pipe/serving.md | cut -d'|' -f5,7-9,12,18,20 ;;
   halo)  # issue 43: the halo-window convolution against the per-tap one at the HiFT's shapes (vocoder_conv_halo.md)
     timeout ${HALO_TIMEOUT:-400} python3 bench/experiments/vocoder_conv_halo.py ${HALO_ARGS:---quick} --out "$OUT" > "$OUT/halo.log" 2>&1
     grep -E "ratio|Error" "$OUT/halo.log" | tail -40 ;;
