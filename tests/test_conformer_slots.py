@@ -5,16 +5,27 @@ open stream, reused after a close; a stream's caches are views of its slot, ``le
 ``write`` and ``scatter`` move exactly the rows they are given (the other slots and the frames past
 the written length untouched, bitwise); padding rows go to the spare slot; bad calls raise a
 ValueError naming the argument before anything is written.
+
+The encoder stage's trims as copies (``EncoderStage.trim_pieces``), written into the slots without an
+intermediate tensor (``ConformerSlots.scatter``), are checked bitwise against the two trim rules
+written directly with ``torch_cfm.models.cache.trim_attention_cache``: stepaudio2-minicpmo's
+``Token2wav.stream`` (the packed cache cut to the prompt and the last 100 frames) and minicpmo-utils'
+(``causal``: the token-rate layers' own frames cut at the token rate, packed twice over).
 """
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
+from torch_cfm.models.cache import TRIM_KEEP_OLDEST, trim_attention_cache
 from torch_cfm.serving.conformer_slots import ConformerSlots
+from torch_cfm.serving.encoder_stage import EncoderStage
 
 DEPTH, HEADS, WIDTH, CHANNELS, TAPS = 3, 2, 4, 5, 6
+TRIM_N1, TRIM_DEPTH = 3, 5  # the trim tests' token-rate layers and depth
 
 
 def _slots(count: int = 3, frames: int = 20) -> ConformerSlots:
@@ -98,3 +109,79 @@ def test_a_full_store_refuses_another_stream():
     slots.open(2)
     with pytest.raises(ValueError, match="sid"):
         slots.open(3)
+
+
+def _reference(att: torch.Tensor, prompt: int, causal: bool) -> torch.Tensor:
+    if att.shape[3] <= prompt + TRIM_KEEP_OLDEST:
+        return att
+    if not causal:
+        return trim_attention_cache(att, prompt)
+    token = trim_attention_cache(att[:TRIM_N1, :, :, :att.shape[3] // 2], prompt // 2, TRIM_KEEP_OLDEST // 2)
+    return torch.cat([token.repeat(1, 1, 1, 2, 1), trim_attention_cache(att[TRIM_N1:], prompt)], dim=0)
+
+
+def _stage(causal: bool):
+    stage = types.SimpleNamespace(causal=causal, _n1=TRIM_N1)
+    stage.trim_pieces = lambda frames, prompt: EncoderStage.trim_pieces(stage, frames, prompt)
+    return stage
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("prompt,frames", [(0, 60), (40, 120), (40, 140), (40, 200), (0, 150), (64, 300), (300, 450)])
+def test_trim_pieces_equal_the_trim_rules(causal, prompt, frames):
+    g = torch.Generator().manual_seed(prompt * 1000 + frames)
+    att = torch.randn(TRIM_DEPTH, 3, HEADS, frames, WIDTH, generator=g)
+    want = _reference(att, prompt, causal)
+    stage = _stage(causal)
+    assert torch.equal(EncoderStage.trim(stage, att, prompt), want)
+    slots = ConformerSlots(6, prompt + TRIM_KEEP_OLDEST + 8, (TRIM_DEPTH, HEADS, WIDTH), (7, 6),
+                           (torch.float32, torch.float32), torch.device("cpu"))
+    before = slots.att.clone()
+    dest = torch.tensor([4, 0, 2])
+    cnn = torch.randn(3, 7, 6, generator=g)
+    slots.scatter(dest, cnn, att, stage.trim_pieces(frames, prompt))
+    kept = want.shape[3]
+    assert torch.equal(slots.att[:, dest, :, :kept], want)
+    assert torch.equal(slots.att[:, :, :, kept:], before[:, :, :, kept:])  # nothing past the trimmed length
+    others = [s for s in range(7) if s not in dest.tolist()]
+    assert torch.equal(slots.att[:, others], before[:, others])
+    assert torch.equal(slots.cnn[dest], cnn)
+
+
+def test_an_odd_prompt_under_the_causal_rule_is_refused():
+    with pytest.raises(ValueError, match="prompt"):
+        EncoderStage.trim_pieces(_stage(True), 200, 41)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_gather_packed_writes_its_strided_halves_eagerly_and_under_capture():
+    """``gather_packed`` writes through ``index_select(out=)`` into strided views of the packed
+    tensor: on CUDA, eagerly and replayed from a CUDA graph, bitwise the slots' frames."""
+    g = torch.Generator().manual_seed(4)
+    slots = ConformerSlots(6, 120, (TRIM_DEPTH, HEADS, WIDTH), (7, 6), (torch.float32, torch.float16),
+                           torch.device("cuda"))
+    slots.att.copy_(torch.randn(slots.att.shape, generator=g).half())
+    slots.cnn.copy_(torch.randn(slots.cnn.shape, generator=g))
+    index = torch.tensor([5, 1, 3], device="cuda")
+    frames, total = 80, 96
+
+    def check(att, cnn):
+        assert att.shape == (TRIM_DEPTH, 3, HEADS, total, WIDTH)
+        assert torch.equal(att[:TRIM_N1, :, :, :frames // 2], slots.att[:TRIM_N1, :, :, :frames // 2].index_select(1, index))
+        assert torch.equal(att[TRIM_N1:, :, :, :frames], slots.att[TRIM_N1:, :, :, :frames].index_select(1, index))
+        assert torch.equal(cnn, slots.cnn.index_select(0, index))
+
+    check(*slots.gather_packed(index, frames, total, TRIM_N1))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        slots.gather_packed(index, frames, total, TRIM_N1)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = slots.gather_packed(index, frames, total, TRIM_N1)
+    slots.att.copy_(torch.randn(slots.att.shape, generator=g).half())  # new contents, same addresses
+    graph.replay()
+    torch.cuda.synchronize()
+    check(*out)

@@ -16,7 +16,7 @@
 #   bash bench/experiments/device_calls_next.sh standing  # issue 43's bars as they stand (CFM alone, waveform; 16, 64)
 #   bash bench/experiments/device_calls_next.sh encprof   # issue 43: the encoder stage at 64 / 16 streams under torch.profiler
 #   bash bench/experiments/device_calls_next.sh enc_ab    # issue 43: tokens -> mel / waveform against the previous tree (.old)
-#                        (enc_patch: bench/experiments/encoder_one_copy.patch applied on the device, its tests, then enc_ab)
+#                        (enc_patch: the patch ENC_PATCH applied on the device, its tests, then enc_ab)
 #   bash bench/experiments/device_calls_next.sh rowstats  # issue 41: the CUTLASS producer epilogue's first run
 #   bash bench/experiments/device_calls_next.sh halo      # issue 43: the halo-window convolution experiment's timings
 #   bash bench/experiments/device_calls_next.sh overlap   # issue 43: the vocoder under the CFM on two CUDA streams
@@ -158,12 +158,12 @@ case $mode in
       timeout 200 python3 bench/experiments/encoder_profile.py --streams $c --out "$OUT" > "$OUT/encprof_$c.log" 2>&1
       grep -vE "warmup \[" "$OUT/encprof_$c.log" | tail -60
     done ;;
-  enc_patch)  # issue 43 item 2: a parked encoder patch (ENC_PATCH, default encoder_one_copy.patch) applied here,
+  enc_patch)  # issue 43 item 2: a parked encoder patch (ENC_PATCH, a path in this tree) applied here,
     # this tree copied to .old first; its GPU tests (ENC_TESTS), then enc_ab (waveform at 64 streams) against .old
     rm -rf .old && mkdir .old && cp -r torch_cfm compile_rules bench tests csrc setup.py pyproject.toml .old/
     rm -f .old/torch_cfm/compile_rules && ln -s ../compile_rules .old/torch_cfm/compile_rules
-    git apply "${ENC_PATCH:-bench/experiments/encoder_one_copy.patch}" 2>/dev/null \
-      || patch -p1 -s < "${ENC_PATCH:-bench/experiments/encoder_one_copy.patch}" || { echo "the patch does not apply"; exit 1; }
+    [ -n "${ENC_PATCH:-}" ] || { echo "enc_patch: set ENC_PATCH to the patch to apply"; exit 2; }
+    git apply "$ENC_PATCH" 2>/dev/null || patch -p1 -s < "$ENC_PATCH" || { echo "the patch does not apply"; exit 1; }
     for f in ${ENC_TESTS:-test_stepaudio2_server test_minicpmo_server test_conformer_attention}; do
       timeout -s INT ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE "tests/$f.py" > "$OUT/$f.log" 2>&1
       echo "$f: $(grep -E 'passed|failed|error' "$OUT/$f.log" | tail -1)"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -5

@@ -5,10 +5,10 @@ weights, fp32 on the CPU, eager: ``--streams`` streams open with 300-frame promp
 conformer caches reach the trim bound, then one more chunk under a ``TorchDispatchMode`` that adds
 up the bytes every op writes (its output; for in-place and ``out=`` ops the tensor written; views
 and allocations not counted), by op. A copy's traffic, not its time: compare trees with it, e.g.
-main against ``encoder_one_copy.patch`` applied in a copy:
+this one against an earlier commit unpacked into a folder (``git archive <commit> | tar -x -C DIR``):
 
     python3 bench/experiments/encoder_bytes.py --streams 8
-    python3 bench/experiments/encoder_bytes.py --streams 8 --tree /tmp/patched_tree
+    python3 bench/experiments/encoder_bytes.py --streams 8 --tree /tmp/earlier_tree
 """
 
 from __future__ import annotations

@@ -86,15 +86,26 @@ class ConformerSlots:
         cuda = self.att.device.type == "cuda"
         return torch.tensor(slots, dtype=torch.int64, pin_memory=cuda).to(self.att.device, non_blocking=True)
 
-    def gather(self, index: torch.Tensor, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The caches of slots ``index`` (B,), ``frames`` long: (cnn (B, C, k), att (depth, B, H,
-        frames, 2·d_k)), new contiguous tensors."""
-        return self.cnn.index_select(0, index), self.att[:, :, :, :frames].index_select(1, index)
+    def gather_packed(self, index: torch.Tensor, frames: int, total: int, n1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The caches of slots ``index`` (B,) for a chunk that grows them from ``frames`` to ``total``
+        frames: (att, a new (depth, B, H, total, 2·d_k) tensor whose first ``frames`` frames hold the
+        caches as ``forward_chunk`` reads them: the token-rate layers (the first ``n1``) their own
+        frames / 2, not the packed copy of them, the others all ``frames``; cnn (B, C, k)). The rest
+        is left for the chunk to write."""
+        depth, _, heads, _, width = self.att.shape
+        att = torch.empty(depth, index.numel(), heads, total, width, dtype=self.att.dtype, device=self.att.device)
+        torch.index_select(self.att[:n1, :, :, :frames // 2], 1, index, out=att[:n1, :, :, :frames // 2])
+        torch.index_select(self.att[n1:, :, :, :frames], 1, index, out=att[n1:, :, :, :frames])
+        return att, self.cnn.index_select(0, index)
 
-    def scatter(self, index: torch.Tensor, cnn: torch.Tensor, att: torch.Tensor) -> None:
+    def scatter(self, index: torch.Tensor, cnn: torch.Tensor, att: torch.Tensor,
+                pieces: Optional[Sequence[tuple[slice, int, int, int]]] = None) -> None:
         """Rows b of ``cnn`` (B, C, k) and ``att`` (depth, B, H, L, 2·d_k) into slot ``index[b]``
-        (lengths unchanged: :meth:`set_length`)."""
-        self.att[:, :, :, :att.shape[3]].index_copy_(1, index, att)
+        (lengths unchanged: :meth:`set_length`). ``pieces``: (layers, to frame, from frame, frames)
+        copies of att's frames (a trim, written without an intermediate tensor); default all of them."""
+        for layers, to, src, n in pieces if pieces is not None else [(slice(None), 0, 0, att.shape[3])]:
+            if n:
+                self.att[layers, :, :, to:to + n].index_copy_(1, index, att[layers, :, :, src:src + n])
         self.cnn.index_copy_(0, index, cnn)
 
     def write(self, sids: Sequence[Hashable], cnn: torch.Tensor, att: torch.Tensor) -> None:

@@ -23,6 +23,9 @@ as ``Token2wav.stream`` trims them. On CUDA each batch shape is replayed from a 
 * a ragged batch is a checked graph over caches gathered and padded on the host, whose static
   caches in and out share two buffers (``shared_io``); each stream's new caches are trimmed into
   its slot after it.
+
+Inside both, the conformer's attention runs as :func:`~torch_cfm.models.conformer_attention.rel_pos_attention`
+(the same function with each layer's new cache written in one copy, not three concatenations).
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ import torch.nn.functional as F
 
 from ..buckets import CACHE_STEP, padded_count
 from ..graphs import GraphedCall
-from ..models.cache import TRIM_KEEP_OLDEST, trim_attention_cache
+from ..errors import fail
+from ..models.cache import TRIM_KEEP_OLDEST
+from ..models.conformer_attention import encoder_attention, one_copy_attention
 from ..models.upstream import encoder_forward_chunk
 from .conformer_slots import ConformerSlots
 
@@ -64,6 +69,8 @@ class EncoderStage:
         enc = flow.encoder
         attn = enc.encoders[0].self_attn
         self._forward_chunk = encoder_forward_chunk(flow.encoder)  # the eager method, never Dynamo's wrapper
+        self._attention = encoder_attention(flow.encoder)  # run as rel_pos_attention inside the stage's calls
+        self._n1 = len(enc.encoders)  # the token-rate layers (their packed caches hold their frames twice)
         self.slots = ConformerSlots(max_streams, max_prompt_frames + TRIM_KEEP_OLDEST,
                                     (len(enc.encoders) + len(enc.up_encoders), attn.h, 2 * attn.d_k),
                                     (enc.output_size(), 2 + 2 * int(enc.up_layer.stride)), self._cache_dtypes(),
@@ -116,18 +123,38 @@ class EncoderStage:
         before its prompt is encoded)."""
         return self.slots.caches(sid)
 
-    def trim(self, att: torch.Tensor, prompt: int) -> torch.Tensor:
-        """``Token2wav.stream``'s conformer-cache trim to the prompt and the last 100 frames, over a
-        batch (depth, B, H, L, 2·d_k): the stepaudio2-minicpmo rule over the packed cache, or
-        minicpmo-utils' (``causal``), which trims the token-rate layers at the token rate and repacks them."""
-        if att.shape[3] <= prompt + TRIM_KEEP_OLDEST:
-            return att
+    def trim_pieces(self, frames: int, prompt: int) -> list[tuple[slice, int, int, int]]:
+        """``Token2wav.stream``'s conformer-cache trim of a packed (depth, B, H, ``frames``, 2·d_k)
+        cache to the prompt and the last 100 frames, as copies (layers, to frame, from frame,
+        frames): the stepaudio2-minicpmo rule over the packed cache, or minicpmo-utils' (``causal``),
+        which trims the token-rate layers at the token rate and repacks them (twice over)."""
+        every = slice(None)
+        if frames <= prompt + TRIM_KEEP_OLDEST:
+            return [(every, 0, 0, frames)]
         if not self.causal:
-            return trim_attention_cache(att, prompt)
-        depth = len(self.flow.encoder.encoders)
-        token = trim_attention_cache(att[:depth, :, :, :att.shape[3] // 2], prompt // 2, TRIM_KEEP_OLDEST // 2)
-        mel = trim_attention_cache(att[depth:], prompt)
-        return torch.cat([token.repeat(1, 1, 1, 2, 1), mel], dim=0)
+            return [(every, 0, 0, prompt), (every, prompt, frames - TRIM_KEEP_OLDEST, TRIM_KEEP_OLDEST)]
+        tokens, p2, k2 = frames // 2, prompt // 2, TRIM_KEEP_OLDEST // 2
+        kept = [(0, tokens)] if tokens <= p2 + k2 else [(0, p2), (tokens - k2, k2)]
+        size, token_layers = sum(n for _, n in kept), slice(0, self._n1)
+        out, at = [], 0
+        for src, n in kept * 2:  # the token-rate frames, then the packed copy of them
+            out.append((token_layers, at, src, n))
+            at += n
+        rest = slice(self._n1, None)
+        if 2 * size != prompt + TRIM_KEEP_OLDEST:
+            fail("EncoderStage.trim", "prompt", "be even (the packed token-rate cache holds it halved)", str(prompt))
+        return out + [(rest, 0, 0, prompt), (rest, prompt, frames - TRIM_KEEP_OLDEST, TRIM_KEEP_OLDEST)]
+
+    def trim(self, att: torch.Tensor, prompt: int) -> torch.Tensor:
+        """A batch's packed cache (depth, B, H, L, 2·d_k) trimmed (:meth:`trim_pieces`): ``att``
+        itself when nothing is cut, else a new tensor."""
+        pieces = self.trim_pieces(att.shape[3], prompt)
+        if len(pieces) == 1:
+            return att
+        out = att.new_empty(*att.shape[:3], prompt + TRIM_KEEP_OLDEST, att.shape[4])
+        for layers, to, src, n in pieces:
+            out[layers, :, :, to:to + n] = att[layers, :, :, src:src + n]
+        return out
 
     # ------------------------------------------------------------------ ticks
     def __call__(self, items) -> dict[Hashable, torch.Tensor]:
@@ -172,12 +199,14 @@ class EncoderStage:
         when 0) through the flow's chunk encoder; mu (B, T, 80) into the stage's buffer, the new
         caches trimmed to ``prompt`` into slots ``dest``."""
         flow = self.flow
-        cnn, att = (None, None) if length == 0 else self.slots.gather(source, length)
-        h, new_cnn, new_att = self._forward_chunk(flow.input_embedding(tokens), last_chunk=last, cnn_cache=cnn,
-                                                  att_cache=att)
-        mu = flow.encoder_proj(h)
+        if length == 0:
+            with one_copy_attention(self._attention):
+                h, new_cnn, new_att = self._forward_chunk(flow.input_embedding(tokens), last_chunk=last)
+            mu = flow.encoder_proj(h)
+        else:
+            mu, new_cnn, new_att = self._packed_chunk(tokens, source, length, last)
         self._mu[:mu.shape[0], :mu.shape[1]].copy_(mu)
-        self.slots.scatter(dest, new_cnn, self.trim(new_att, prompt))
+        self.slots.scatter(dest, new_cnn, new_att, self.trim_pieces(new_att.shape[3], prompt))
 
     def _encode_ragged(self, members) -> dict:
         """One batch of streams whose conformer caches differ in length: each layer's cache
@@ -222,9 +251,39 @@ class EncoderStage:
             out[sid] = h[b].transpose(0, 1)
         return out
 
+    def _packed_chunk(self, tokens, source, length: int, last: bool):
+        """An equal batch's chunk through the upstream layers (:meth:`_layers`) over one packed
+        (depth, B, H, L, 2·d_k) tensor in ``forward_chunk``'s layout (the token-rate layers' frames,
+        then a copy of them): the slots' caches gathered into its first ``length`` frames, each
+        layer's new frames written after them in place (so no cache is copied again), then the
+        token-rate layers' copy. Replaces a gather, three concatenations per layer and the stack,
+        repeat and concatenation of the new caches. Returns (mu (B, T, 80), cnn cache, packed)."""
+        n1 = self._n1
+        frames = (tokens.shape[1] - (0 if last else self.lookahead)) * self.up_rate
+        packed, cnn = self.slots.gather_packed(source, length, length + frames, n1)
+
+        def into(i, shape, dtype, device):
+            if dtype != packed.dtype:
+                fail("EncoderStage", "the encoder's attention caches", f"be {packed.dtype}", str(dtype))
+            return packed[i, :, :, :shape[2]]
+
+        none = torch.zeros((0, 0, 0))  # forward_chunk's "no mask"
+        att1, att2 = packed[:n1, :, :, :length // 2], packed[n1:, :, :, :length]
+        with one_copy_attention(self._attention, into):
+            mu, cnn_new, _, _ = self._layers(tokens, cnn, att1, att2, none, none, last, stack=False)
+        half = packed.shape[3] // 2
+        packed[:n1, :, :, half:].copy_(packed[:n1, :, :, :half])
+        return mu, cnn_new, packed
+
     def _ragged_group(self, tokens, cnn, att1, att2, mask1, mask2, last: bool):
-        """The flow's chunk encoder over left-padded caches with key masks (the upstream
-        modules, driven in ``UpsampleConformerEncoderV2.forward_chunk``'s order)."""
+        """The flow's chunk encoder over left-padded caches with key masks (:meth:`_layers`)."""
+        with one_copy_attention(self._attention):
+            return self._layers(tokens, cnn, att1, att2, mask1, mask2, last)
+
+    def _layers(self, tokens, cnn, att1, att2, mask1, mask2, last: bool, stack: bool = True):
+        """The upstream modules driven in ``UpsampleConformerEncoderV2.forward_chunk``'s order over
+        caches att1 (token-rate layers) and att2 (mel-rate layers), with key masks (or (0, 0, 0)).
+        Returns (mu, cnn cache, the layers' stacked new att caches or, with ``stack=False``, None)."""
         flow, enc = self.flow, self.flow.encoder
         xs, _, _ = enc.embed(flow.input_embedding(tokens), None)
         if last:
@@ -244,7 +303,10 @@ class EncoderStage:
             new2.append(cache)
         if enc.normalize_before:
             xs = enc.after_norm(xs)
-        return flow.encoder_proj(xs), torch.cat([cnn1, cnn2], dim=2), torch.stack(new1), torch.stack(new2)
+        cnn_new = torch.cat([cnn1, cnn2], dim=2)
+        if not stack:
+            return flow.encoder_proj(xs), cnn_new, None, None
+        return flow.encoder_proj(xs), cnn_new, torch.stack(new1), torch.stack(new2)
 
     def graph_counts(self) -> dict[str, int]:
         return {"encoder": sum(getattr(c, "graph_count", 0) for c in (self.call, self.ragged_call))}
