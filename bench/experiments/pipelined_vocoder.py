@@ -17,6 +17,8 @@ same order, with the same per-stream random streams.
     python3 bench/experiments/pipelined_vocoder.py --stages wav --concurrency 16,64 --quick --warmup \
         --dtype fp16 --providers torch_cfm,torch_cfm/pipelined --out "$OUT"
     python3 bench/experiments/pipelined_vocoder.py --check     # CPU: waveforms equal the sequential server's
+
+Measured (H100, 64 streams): +1.2 % steady audio-s/s, not worth a tick of latency; ``stage_overlap.md``.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ vocoder's time that concurrency removes (0: none; 1: all of it). Fresh random ch
 
     python3 bench/experiments/stage_overlap.py --streams 16,64 --out "$OUT"
     python3 bench/experiments/stage_overlap.py --dry-run        # CPU: tiny sizes, sequential only
+
+Measured (H100, 64 streams): 0.13 hidden; ``stage_overlap.md``.
 """
 
 from __future__ import annotations
