@@ -92,13 +92,18 @@ struct First<cutlass::Array<float, N>> {
 // (the register-direct Sm90AuxLoad / Sm90AuxStore forms, Stages = 0). kTma = true: x is the
 // epilogue's source C, loaded by TMA into shared memory ahead of the epilogue (Sm90SrcFetch), and xc
 // leaves through shared memory by a TMA store, pipelined like D (Sm90AuxStore with D's stages).
-template <class Element, class TileShape, class ClusterShape, bool kTma>
+// kPingpong: the ping-pong schedule (two consumer warp groups on alternate tiles, one's epilogue under
+// the other's mainloop) instead of the cooperative one (both on one tile).
+template <class Element, class TileShape, class ClusterShape, bool kTma, bool kPingpong = false>
 struct Sm90ResidualRowStats {
   static constexpr int kAlign = 16 / sizeof(Element);
-  using MainloopSchedule = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  using MainloopSchedule = cute::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                                               cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule = cute::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
+                                               cutlass::epilogue::TmaWarpSpecializedCooperative>;
   using RC = cutlass::FloatRoundStyle;
-  using EpiTile = cute::Shape<cute::_128, cute::_32>;  // what EpilogueTileAuto picks for a cooperative 128 x 128 tile
+  // what EpilogueTileAuto picks for a 128 x 128 tile: 128 x 32 cooperative, 64 x 32 ping-pong
+  using EpiTile = cute::Shape<cute::conditional_t<kPingpong, cute::_64, cute::_128>, cute::_32>;
   using EpiTileType = cute::conditional_t<kTma, EpiTile, cutlass::epilogue::collective::EpilogueTileAuto>;
   using ElementC = cute::conditional_t<kTma, Element, void>;
   using Policy = decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
@@ -191,7 +196,7 @@ struct FinishLayerNorm {
   };
 };
 
-template <class Element, class TileShape, class ClusterShape, bool kGelu>
+template <class Element, class TileShape, class ClusterShape, bool kGelu, bool kPingpong = false>
 struct Sm90LayerNormConsumer {
   static constexpr int kAlign = 16 / sizeof(Element);
   static constexpr int kWidth = 512;  // the residual width C: 4 partials of 128 columns
@@ -208,13 +213,16 @@ struct Sm90LayerNormConsumer {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, cutlass::layout::RowMajor, kAlign,
-      Element, cutlass::layout::RowMajor, kAlign, cutlass::epilogue::TmaWarpSpecializedCooperative, Fusion>::CollectiveOp;
+      Element, cutlass::layout::RowMajor, kAlign,
+      cute::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized, cutlass::epilogue::TmaWarpSpecializedCooperative>,
+      Fusion>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlign, Element,
       cutlass::layout::ColumnMajor, kAlign, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      cute::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                          cutlass::gemm::KernelTmaWarpSpecializedCooperative>>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop, Epilogue,
                                                       cutlass::gemm::PersistentScheduler>;
@@ -235,9 +243,9 @@ int run_gemm(typename Adapter::Arguments const& args, void* workspace, cudaStrea
   return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
-template <bool kTma>
+template <bool kTma, bool kPingpong = false>
 using Producer = tcfm_experiment::Sm90ResidualRowStats<cutlass::half_t, cute::Shape<cute::_128, cute::_128, cute::_64>,
-                                                       cute::Shape<cute::_1, cute::_1, cute::_1>, kTma>;
+                                                       cute::Shape<cute::_1, cute::_1, cute::_1>, kTma, kPingpong>;
 using E = cutlass::half_t;
 
 // The arguments both GEMMs share: a (M, K) and w (N, K) K-major fp16, d (M, N) row-major, no source
@@ -258,7 +266,7 @@ typename Adapter::Arguments gemm_arguments(const void* a, const void* w, void* d
                                      hw};
 }
 
-template <bool kTma, class G = Producer<kTma>>
+template <bool kTma, bool kPingpong = false, class G = Producer<kTma, kPingpong>>
 typename G::Adapter::Arguments make_arguments(const void* a, const void* w, const void* bias, const void* gate, const void* x,
                                      const float* mean, const float* scale, void* d, void* xc, float* s1, float* s2,
                                      int m, int n, int k, int device, int sm_count) {
@@ -295,21 +303,31 @@ typename G::Adapter::Arguments make_arguments(const void* a, const void* w, cons
 // One call, fp16 operands, all row-major: a (M, K), w (N, K), bias, gate (N,), x, d, xc (M, N),
 // mean (M,) fp32, scale (N,) fp32 (= 1 + s); s1, s2: (N / 128, round_up(M, 128)) fp32 partial row sums.
 // Returns 0 on success, else a cutlass::Status (or -1 for a CUDA error).
-// tma != 0: the TMA form (Sm90ResidualRowStats' kTma), else the register-direct one.
-extern "C" long long tcfm_residual_rowstats_f16_workspace(int m, int n, int k, int tma) {
-  if (tma) {
-    return static_cast<long long>(Producer<true>::Adapter::get_workspace_size(make_arguments<true>(
-        nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, 0, 1)));
-  }
-  return static_cast<long long>(Producer<false>::Adapter::get_workspace_size(make_arguments<false>(
+// form: 0 the register-direct form, 1 the TMA form (Sm90ResidualRowStats' kTma), 3 the TMA form on
+// the ping-pong schedule.
+namespace {
+template <bool kTma, bool kPingpong>
+long long producer_workspace(int m, int n, int k) {
+  return static_cast<long long>(Producer<kTma, kPingpong>::Adapter::get_workspace_size(make_arguments<kTma, kPingpong>(
       nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, 0, 1)));
+}
+}  // namespace
+
+extern "C" long long tcfm_residual_rowstats_f16_workspace(int m, int n, int k, int form) {
+  return form == 3 ? producer_workspace<true, true>(m, n, k)
+                   : form == 1 ? producer_workspace<true, false>(m, n, k) : producer_workspace<false, false>(m, n, k);
 }
 
 extern "C" int tcfm_residual_rowstats_f16(const void* a, const void* w, const void* bias, const void* gate,
                                           const void* x, const float* mean, const float* scale, void* d, void* xc,
-                                          float* s1, float* s2, int m, int n, int k, int tma, int device,
+                                          float* s1, float* s2, int m, int n, int k, int form, int device,
                                           int sm_count, void* workspace, cudaStream_t stream) {
-  if (tma) {
+  if (form == 3) {
+    return run_gemm<typename Producer<true, true>::Adapter>(
+        make_arguments<true, true>(a, w, bias, gate, x, mean, scale, d, xc, s1, s2, m, n, k, device, sm_count),
+        workspace, stream);
+  }
+  if (form == 1) {
     return run_gemm<typename Producer<true>::Adapter>(
         make_arguments<true>(a, w, bias, gate, x, mean, scale, d, xc, s1, s2, m, n, k, device, sm_count), workspace,
         stream);
@@ -320,16 +338,17 @@ extern "C" int tcfm_residual_rowstats_f16(const void* a, const void* w, const vo
 }
 
 namespace {
-template <bool kGelu>
+template <bool kGelu, bool kPingpong>
 using Consumer = tcfm_experiment::Sm90LayerNormConsumer<cutlass::half_t, cute::Shape<cute::_128, cute::_128, cute::_64>,
-                                                        cute::Shape<cute::_1, cute::_1, cute::_1>, kGelu>;
+                                                        cute::Shape<cute::_1, cute::_1, cute::_1>, kGelu, kPingpong>;
 
-template <bool kGelu>
-typename Consumer<kGelu>::Adapter::Arguments consumer_arguments(const void* xc, const void* w, const float* s1,
-                                                                const float* s2, const float* u, const float* v,
-                                                                void* d, int m, int n, int k, int device,
-                                                                int sm_count) {
-  using C = Consumer<kGelu>;
+template <bool kGelu, bool kPingpong>
+typename Consumer<kGelu, kPingpong>::Adapter::Arguments consumer_arguments(const void* xc, const void* w,
+                                                                           const float* s1, const float* s2,
+                                                                           const float* u, const float* v, void* d,
+                                                                           int m, int n, int k, int device,
+                                                                           int sm_count) {
+  using C = Consumer<kGelu, kPingpong>;
   auto args = gemm_arguments<typename C::Adapter>(xc, w, d, m, n, k, device, sm_count);
   const int64_t mr = (m + 127) / 128 * 128;  // the producer's partials: (4, round_up(M, 128)) each
   auto part = [&](const float* p, int j) {
@@ -340,30 +359,42 @@ typename Consumer<kGelu>::Adapter::Arguments consumer_arguments(const void* xc, 
                           {v, 0.f, typename C::RowStride{}}, {}};
   return args;
 }
+
+template <bool kGelu, bool kPingpong>
+long long consumer_workspace(int m, int n, int k) {
+  return static_cast<long long>(Consumer<kGelu, kPingpong>::Adapter::get_workspace_size(
+      consumer_arguments<kGelu, kPingpong>(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, 0,
+                                           1)));
+}
+
+template <bool kGelu, bool kPingpong>
+int run_consumer(const void* xc, const void* w, const float* s1, const float* s2, const float* u, const float* v,
+                 void* d, int m, int n, int k, int device, int sm_count, void* workspace, cudaStream_t stream) {
+  return run_gemm<typename Consumer<kGelu, kPingpong>::Adapter>(
+      consumer_arguments<kGelu, kPingpong>(xc, w, s1, s2, u, v, d, m, n, k, device, sm_count), workspace, stream);
+}
 }  // namespace
 
 // The consumer GEMM: xc (M, K = 512) fp16 from the producer, w (N, K) fp16, s1 / s2 the producer's
-// partials, u, v (N,) fp32; d (M, N) fp16 = rstd * (xc w^T - mu_c u) + v, then GELU when gelu != 0.
-extern "C" long long tcfm_layernorm_consumer_f16_workspace(int m, int n, int k, int gelu) {
-  if (gelu) {
-    return static_cast<long long>(Consumer<true>::Adapter::get_workspace_size(
-        consumer_arguments<true>(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, 0, 1)));
+// partials, u, v (N,) fp32; d (M, N) fp16 = rstd * (xc w^T - mu_c u) + v, then GELU when flags' bit 0
+// is set; bit 1: the ping-pong schedule (else the cooperative one).
+extern "C" long long tcfm_layernorm_consumer_f16_workspace(int m, int n, int k, int flags) {
+  switch (flags & 3) {
+    case 0: return consumer_workspace<false, false>(m, n, k);
+    case 1: return consumer_workspace<true, false>(m, n, k);
+    case 2: return consumer_workspace<false, true>(m, n, k);
+    default: return consumer_workspace<true, true>(m, n, k);
   }
-  return static_cast<long long>(Consumer<false>::Adapter::get_workspace_size(
-      consumer_arguments<false>(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, 0, 1)));
-}
-
-template <bool kGelu>
-static int run_consumer(const void* xc, const void* w, const float* s1, const float* s2, const float* u, const float* v,
-                        void* d, int m, int n, int k, int device, int sm_count, void* workspace, cudaStream_t stream) {
-  return run_gemm<typename Consumer<kGelu>::Adapter>(
-      consumer_arguments<kGelu>(xc, w, s1, s2, u, v, d, m, n, k, device, sm_count), workspace, stream);
 }
 
 extern "C" int tcfm_layernorm_consumer_f16(const void* xc, const void* w, const float* s1, const float* s2,
-                                           const float* u, const float* v, void* d, int m, int n, int k, int gelu,
+                                           const float* u, const float* v, void* d, int m, int n, int k, int flags,
                                            int device, int sm_count, void* workspace, cudaStream_t stream) {
   if (k != 512) return static_cast<int>(cutlass::Status::kErrorInvalidProblem);  // the partials' width
-  return gelu ? run_consumer<true>(xc, w, s1, s2, u, v, d, m, n, k, device, sm_count, workspace, stream)
-              : run_consumer<false>(xc, w, s1, s2, u, v, d, m, n, k, device, sm_count, workspace, stream);
+  switch (flags & 3) {
+    case 0: return run_consumer<false, false>(xc, w, s1, s2, u, v, d, m, n, k, device, sm_count, workspace, stream);
+    case 1: return run_consumer<true, false>(xc, w, s1, s2, u, v, d, m, n, k, device, sm_count, workspace, stream);
+    case 2: return run_consumer<false, true>(xc, w, s1, s2, u, v, d, m, n, k, device, sm_count, workspace, stream);
+    default: return run_consumer<true, true>(xc, w, s1, s2, u, v, d, m, n, k, device, sm_count, workspace, stream);
+  }
 }

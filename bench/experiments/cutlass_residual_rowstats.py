@@ -1,5 +1,5 @@
 """Issue 41's producer epilogue (``cutlass_residual_rowstats.cu``) on the GPU: error against float64,
-and time against the unfused path (experiment; the kernel is compiled on a CPU box and not yet run).
+and time against the unfused path and what ships (experiment; results in ``cutlass_residual_rowstats.md``).
 
 The kernel computes, over M rows (the CFG rows x T frames of a solve step):
 
@@ -21,7 +21,9 @@ Checked against a float64 evaluation of the same fp16 inputs: ``y`` and ``xc`` w
 rounding, the row sums (partials added) within fp32 accumulation error; then timed (CUDA events,
 median of repeats, fresh inputs per shape) against the same work as separate kernels
 (``F.linear`` with the bias, the gated add, the centring and scaling, the row sums) and against
-``F.linear`` alone (the floor the fusion aims at).
+``F.linear`` alone (the floor the fusion aims at). The producer runs in three forms (register-direct
+aux load and store; TMA; TMA on the ping-pong schedule), the consumer on the cooperative and the
+ping-pong schedule.
 
     python3 bench/experiments/cutlass_residual_rowstats.py --out "$OUT"            # builds the .so with nvcc
     python3 bench/experiments/cutlass_residual_rowstats.py --check-reference       # CPU: the reference alone
@@ -194,23 +196,27 @@ def consumers(cfn, cws, y, xc, s1, s2, ins, y64, m, dev, props, work, repeats) -
         u = (scale[None, :] * w2.float()).sum(-1)           # (1 + s) @ w2.T
         v = (shift[None, :] * w2.float()).sum(-1) + b2.float()  # sh @ w2.T + b2
         d2 = torch.empty(m, n2, device=dev, dtype=torch.float16)
-        need = int(cws(m, n2, 512, int(gelu)))
-        buf = work if work.numel() >= need else torch.empty(need, dtype=torch.uint8, device=dev)
-
-        def fused():
-            status = cfn(*(t.data_ptr() for t in (xc, w2, s1, s2, u, v, d2)), m, n2, 512, int(gelu), dev.index or 0,
-                         props.multi_processor_count, buf.data_ptr(), torch.cuda.current_stream().cuda_stream)
-            if status != 0:
-                raise RuntimeError(f"tcfm_layernorm_consumer_f16: status {status}")
-
-        fused()
-        torch.cuda.synchronize()
         ref = consumer_reference(y64, shift, scale, w2, b2, gelu)
         row = dict(role=role, rows=m, n=n2, k=512, gelu=gelu, gpu=props.name, torch=torch.__version__,
-                   err_fused=rel(d2, ref), err_unfused=rel(consumer_unfused(y, shift, scale, w2, b2, gelu), ref),
-                   ms_fused=timed(fused, repeats),
+                   err_unfused=rel(consumer_unfused(y, shift, scale, w2, b2, gelu), ref),
                    ms_unfused=timed(lambda: consumer_unfused(y, shift, scale, w2, b2, gelu), repeats),
                    ms_linear=timed(lambda: F.linear(xc, w2, b2), repeats))
+        # the cooperative schedule, then the ping-pong one (flags bit 1), each checked, then timed
+        for flags, suffix in ((int(gelu), ""), (int(gelu) | 2, "_pingpong")):
+            need = int(cws(m, n2, 512, flags))
+            buf = work if work.numel() >= need else torch.empty(need, dtype=torch.uint8, device=dev)
+
+            def fused(flags=flags, buf=buf):
+                status = cfn(*(t.data_ptr() for t in (xc, w2, s1, s2, u, v, d2)), m, n2, 512, flags, dev.index or 0,
+                             props.multi_processor_count, buf.data_ptr(), torch.cuda.current_stream().cuda_stream)
+                if status != 0:
+                    raise RuntimeError(f"tcfm_layernorm_consumer_f16 (flags={flags}): status {status}")
+
+            d2.fill_(float("nan"))
+            fused()
+            torch.cuda.synchronize()
+            row["err_fused" + suffix] = rel(d2, ref)
+            row["ms_fused" + suffix] = timed(fused, repeats)
         out_rows.append(row)
         print(json.dumps(row))
     return out_rows
@@ -252,18 +258,19 @@ def main() -> int:
             d, xc = torch.empty_like(x), torch.empty_like(x)
             s1 = torch.zeros(n // TILE_N, -(-m // TILE_M) * TILE_M, device=dev)
             s2 = torch.zeros_like(s1)
-            work = torch.empty(max(int(ws(m, n, k, 0)), int(ws(m, n, k, 1)), 1), dtype=torch.uint8, device=dev)
+            work = torch.empty(max(max(int(ws(m, n, k, f)) for f in (0, 1, 3)), 1), dtype=torch.uint8, device=dev)
             ref = reference(*ins)
             timing = {}
-            # the register-direct form (x and xc through the epilogue threads), then the TMA form (x as the
-            # source C, xc through shared memory): each checked against float64, then timed
-            for tma, suffix in ((0, ""), (1, "_tma")):
-                def fused(tma=tma):
+            # the register-direct form (x and xc through the epilogue threads), the TMA form (x as the
+            # source C, xc through shared memory), the TMA form on the ping-pong schedule: each checked
+            # against float64, then timed
+            for form, suffix in ((0, ""), (1, "_tma"), (3, "_tma_pingpong")):
+                def fused(form=form):
                     status = fn(*(t.data_ptr() for t in (a, w, bias, gate, x, mean, scale, d, xc, s1, s2)), m, n,
-                                k, tma, dev.index or 0, props.multi_processor_count, work.data_ptr(),
+                                k, form, dev.index or 0, props.multi_processor_count, work.data_ptr(),
                                 torch.cuda.current_stream().cuda_stream)
                     if status != 0:
-                        raise RuntimeError(f"tcfm_residual_rowstats_f16 (tma={tma}): status {status}")
+                        raise RuntimeError(f"tcfm_residual_rowstats_f16 (form={form}): status {status}")
 
                 for t in (d, xc, s1, s2):
                     t.fill_(float("nan"))  # nothing left over from the other form
