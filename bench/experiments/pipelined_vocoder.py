@@ -42,7 +42,8 @@ class PipelinedSteps:
     ``step(chunks)`` returns {stream: ChunkOutput} for this tick's chunks, each with its mel, and
     ``wav`` set on the outputs of the previous tick (returned then, filled now: the caller keeps
     them). ``close(sid)`` waits for the stream's pending waveform; ``flush()`` vocodes what is
-    pending.
+    pending. The waveforms are allocated on the side stream and safe to read on the main stream
+    after ``step`` returns; kept across later ticks unsynchronised they would need ``record_stream``.
     """
 
     def __init__(self, server) -> None:
