@@ -163,7 +163,7 @@ case $mode in
     rm -f .old/torch_cfm/compile_rules && ln -s ../compile_rules .old/torch_cfm/compile_rules
     [ -n "${ENC_PATCH:-}" ] || { echo "enc_patch: set ENC_PATCH to the patch to apply"; exit 2; }
     git apply "$ENC_PATCH" 2>/dev/null || patch -p1 -s < "$ENC_PATCH" || { echo "the patch does not apply"; exit 1; }
-    for f in ${ENC_TESTS:-test_stepaudio2_server test_minicpmo_server test_conformer_attention}; do
+    for f in ${ENC_TESTS:-test_stepaudio2_server test_minicpmo_server test_conformer_attention test_vllm_omni}; do
       timeout -s INT ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE "tests/$f.py" > "$OUT/$f.log" 2>&1
       echo "$f: $(grep -E 'passed|failed|error' "$OUT/$f.log" | tail -1)"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -5
     done
