@@ -94,16 +94,10 @@ def voc_replay(streams: int, dry: bool, seed: int = 0):
 
     if dry:
         return run
+    import _harness as H
+
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
+        graph, _ = H.capture_cuda_graph(run)
     return graph.replay
 
 
