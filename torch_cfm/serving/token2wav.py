@@ -104,7 +104,6 @@ class StreamMemory:
 
 @dataclass
 class _Stream:
-    prompt_frames: int
     waveform: bool = True
     chunks: int = 0
     done: bool = False

@@ -118,8 +118,8 @@ def open_staged(server, staged: list) -> dict[Hashable, torch.Tensor]:
         raise
     t1 = server._clock()
     mels = cfm.open_voices({s[0]: keys[s[0]] for s in cached}) if cached else {}  # each voice's hits together
-    for sid, _, mel, _, seed, waveform, _ in staged:
-        server._streams[sid] = _Stream(prompt_frames=mel.shape[1], waveform=waveform and server.vocoder is not None)
+    for sid, _, _, _, seed, waveform, _ in staged:
+        server._streams[sid] = _Stream(waveform=waveform and server.vocoder is not None)
         if server._streams[sid].waveform:
             server.vocoder.open(sid, seed)
     extra = {sid: {"conformer": tuple(t.clone() for t in encoder.caches(sid))} for sid in mus if sid in keys}
