@@ -34,15 +34,19 @@ sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 _TRITON_TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
-def compile_like_launch(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int, arch: int):
+def compile_like_launch(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int, arch: int,
+                        gluon: bool = False):
     """Compile ``kernel`` for sm_``arch`` as a launch with these argument values would.
 
     ``args``: every runtime argument by name: a pointer as its Triton type string ("*fp16", assumed
     16-byte aligned), an int as its value, a float as its value. ``constexprs``: the constexpr
-    parameters by name."""
+    parameters by name. ``gluon``: a ``gluon.jit`` kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 
     signature, consts, attrs = {}, dict(constexprs), {}
     for i, param in enumerate(kernel.params):

@@ -17,6 +17,7 @@
 #   bash bench/experiments/device_calls_next.sh encprof   # issue 43: the encoder stage at 64 / 16 streams under torch.profiler
 #   bash bench/experiments/device_calls_next.sh enc_ab    # issue 43: tokens -> mel / waveform against the previous tree (.old)
 #                        (enc_patch: the patch ENC_PATCH applied on the device, its tests, then enc_ab)
+#   bash bench/experiments/device_calls_next.sh smem      # issue 43: the convolution's window in shared memory or L1
 #   bash bench/experiments/device_calls_next.sh rowstats  # issue 41: the CUTLASS producer epilogue's first run
 #   bash bench/experiments/device_calls_next.sh overlap   # issue 43: the vocoder under the CFM on two CUDA streams
 #                        (pipeline: tokens -> waveform with the vocoder one tick behind, against the front)
@@ -56,10 +57,10 @@ if [ -z "${NO_CUDA_EXT:-}" ] && ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; the
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (smem, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
-case $mode in tests|cutlass|restore|ncu|rowstats|enc_patch) ;; *) need_cuda ;; esac
+case $mode in tests|cutlass|restore|ncu|rowstats|enc_patch|smem) ;; *) need_cuda ;; esac
 case $mode in
   peers)  # issue 42: BatchedToken2Wav vs the plugin vs the front (one voice, then four)
     timeout 290 python3 bench/serving_vllm_omni.py --quick --dtypes fp16 --out "$OUT" > "$OUT/vllm_omni.log" 2>&1
@@ -188,6 +189,9 @@ case $mode in
       --quick --warmup --dtype fp16 --providers torch_cfm,torch_cfm/pipelined --out /tmp/pipe > "$OUT/pipeline.log" 2>&1
     cp /tmp/pipe/serving.jsonl "$OUT/pipeline.jsonl"; grep -E "Error|audio-s/s" "$OUT/pipeline.log" | grep -v warmup | tail -6
     grep -E "^\| r[0-9]" /tmp/pipe/serving.md | cut -d'|' -f5,7-9,12,18,20 ;;
+  smem)  # issue 43: the convolution with its input window in shared memory (Gluon) or L1 (vocoder_conv_smem.py)
+    timeout ${SMEM_TIMEOUT:-300} python3 bench/experiments/vocoder_conv_smem.py ${SMEM_ARGS:---quick} --out "$OUT" \
+      > "$OUT/smem.log" 2>&1; echo "rc=$?"; grep -E "^C=|Error" "$OUT/smem.log" | tail -40 ;;
   rowstats)  # issue 41: the producer epilogue (GEMM + gated residual + centred row sums) against float64 and the unfused path
     # carry build_rowstats (the .so built here: the device cannot fetch the CUTLASS headers)
     lib=; [ -f build_rowstats/librowstats.so ] && lib="--lib build_rowstats/librowstats.so"
