@@ -190,7 +190,9 @@ case $mode in
     cp /tmp/pipe/serving.jsonl "$OUT/pipeline.jsonl"; grep -E "Error|audio-s/s" "$OUT/pipeline.log" | grep -v warmup | tail -6
     grep -E "^\| r[0-9]" /tmp/pipe/serving.md | cut -d'|' -f5,7-9,12,18,20 ;;
   smem)  # issue 43: the convolution with its input window in shared memory (Gluon) or L1 (vocoder_conv_smem.py)
-    timeout ${SMEM_TIMEOUT:-300} python3 bench/experiments/vocoder_conv_smem.py ${SMEM_ARGS:---quick} --out "$OUT" \
+    # carry build_convw (libconvw.so built here, else nvcc builds it there)
+    lib=; [ -f build_convw/libconvw.so ] && lib="--lib build_convw/libconvw.so"
+    timeout ${SMEM_TIMEOUT:-300} python3 bench/experiments/vocoder_conv_smem.py ${SMEM_ARGS:---quick} $lib --out "$OUT" \
       > "$OUT/smem.log" 2>&1; echo "rc=$?"; grep -E "^C=|Error" "$OUT/smem.log" | tail -40 ;;
   rowstats)  # issue 41: the producer epilogue (GEMM + gated residual + centred row sums) against float64 and the unfused path
     # carry build_rowstats (the .so built here: the device cannot fetch the CUTLASS headers)

@@ -11,15 +11,21 @@ operands float32 rounded to TF32 (products exact, float32 sums) or float16:
 - ``taps_inner``: Triton, channel blocks outer and taps inner, one stage: each tap's tile is an
   ``ld.global`` through L1 that the previous tap's mostly loaded (Triton's pipelined copies of 16
   bytes are always ``.cg``, so L1 reuse needs the unpipelined form).
-- ``window``: Gluon. Per channel block, one (WIN, BLOCK_K) window of input frames goes to shared
-  memory with ``cp.async`` (double-buffered, a padded layout: rows 16 bytes apart in bank phase); each
-  tap's A operand is a row slice of it at ``m·DIL`` loaded into wgmma's register layout, B the tap's
-  weight tile in an NVMMA-swizzled ring of STAGES slots; wgmma runs asynchronously, one in flight.
-  The input leaves L2 WIN / (TAPS·BLOCK_M) as often as with ``per_tap``.
+- ``wgmma``: CUDA (``vocoder_conv_wgmma.cu``): the window in shared memory with a per-row XOR swizzle,
+  each tap's A operand ldmatrix-loaded from rows shifted by ``m·DIL`` (one address per lane, so any
+  shift stays conflict-free), wgmma with A in registers and the weights through a descriptor.
+- ``window``: Gluon, the same plan in Triton's layouts. Per channel block, one (WIN, BLOCK_K) window
+  goes to shared memory with ``cp.async`` (double-buffered); each tap's A operand is a view of it
+  shifted by ``m·DIL`` rows loaded into wgmma's register layout, B the tap's weight tile in an
+  NVMMA-swizzled ring of STAGES slots; wgmma asynchronous, one in flight. Triton 3.6 allows no
+  subslice at an offset that is not a multiple of its size (the view is an index reinterpreted) and
+  lowers no padded shared layout on NVIDIA, and a swizzle's phase cannot follow a shift that is not a
+  multiple of 8 rows: the window is unswizzled, and its ldmatrix reads conflict 8 ways.
+  Both shared-memory kernels read the input from L2 WIN / (TAPS·BLOCK_M) as often as ``per_tap``.
 
     PYTHONPATH=/tmp/tri36 python3 bench/experiments/vocoder_conv_smem.py --compile   # CPU: sm_90 resources
     TRITON_INTERPRET=1 python3 bench/experiments/vocoder_conv_smem.py --check        # CPU: Triton kernels
-    python3 bench/experiments/vocoder_conv_smem.py --out "$OUT" [--quick]            # GPU: the HiFT's shapes
+    python3 bench/experiments/vocoder_conv_smem.py --out "$OUT" [--quick] [--lib libconvw.so]  # GPU: the HiFT's shapes
 
 The GPU run checks every kernel against float64 at every shape (relative Frobenius error; a kernel
 over 1e-5 (TF32) / 2e-3 (fp16) is not timed), then times each (CUDA graph of 10 launches, median of
@@ -133,7 +139,7 @@ if gluon is not None:
     @gluon.jit
     def _conv_window(x_ptr, w_ptr, b_ptr, y_ptr, L, C_in, C_out, PAD,
                      TAPS: gl.constexpr, DIL: gl.constexpr, STAGES: gl.constexpr, WIN: gl.constexpr,
-                     PAD_ELEMS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                      num_warps: gl.constexpr):
         """The window kernel (module docstring). Step s = cb·TAPS + m; group s carries step s's weight tile
         (and block cb's window when m = 0); STAGES - 1 groups run ahead of the step being computed."""
@@ -187,12 +193,32 @@ if gluon is not None:
 
 # ------------------------------------------------------------------------------------------- launching
 
-KINDS = ("per_tap", "taps_inner", "window")
+KINDS = ("per_tap", "taps_inner", "window", "wgmma")
+_LIB = {}
+
+
+def wgmma_lib(path=None):
+    """``vocoder_conv_wgmma.cu`` as a ctypes library: ``path`` (a build carried here) or built with nvcc."""
+    if "lib" not in _LIB:
+        import ctypes
+        import subprocess
+        import tempfile
+
+        if path is None:
+            path = os.path.join(tempfile.mkdtemp(), "libconvw.so")
+            subprocess.run([os.environ.get("NVCC", "nvcc"), "-std=c++17", "-O3", "-gencode", "arch=compute_90a,code=sm_90a",
+                            "-shared", "-Xcompiler", "-fPIC", "-o", path, os.path.join(HERE, "vocoder_conv_wgmma.cu")],
+                           check=True)
+        lib = ctypes.CDLL(path)
+        lib.conv_window.restype = ctypes.c_int
+        lib.conv_window.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+        _LIB["lib"] = lib
+    return _LIB["lib"]
 
 
 def window_params(bm: int, taps: int, dil: int, dtype: torch.dtype) -> dict:
     win = triton.next_power_of_2(bm + (taps - 1) * dil)
-    return dict(WIN=win, PAD_ELEMS=16 // torch.tensor([], dtype=dtype).element_size())
+    return dict(WIN=win)
 
 
 def conv(kind: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, dil: int, tiles: tuple) -> torch.Tensor:
@@ -204,6 +230,12 @@ def conv(kind: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, dil: i
     pad = dil * (taps - 1) // 2
     y = torch.empty(batch, frames, c_out, device=x.device, dtype=x.dtype)
     grid = (batch * triton.cdiv(frames, bm), triton.cdiv(c_out, bn))
+    if kind == "wgmma":
+        rc = wgmma_lib().conv_window(x.data_ptr(), w.data_ptr(), bias.data_ptr(), y.data_ptr(), batch, frames, c_in,
+                                     c_out, taps, dil, int(x.dtype == torch.float16), torch.cuda.current_stream().cuda_stream)
+        if rc:
+            raise RuntimeError(f"conv_window: rc {rc}")
+        return y
     if kind == "window":
         _conv_window[grid](x, w, bias, y, frames, c_in, c_out, pad, TAPS=taps, DIL=dil, STAGES=stages,
                            **window_params(bm, taps, dil, x.dtype), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
@@ -306,10 +338,12 @@ def candidates(kind: str, dtype: torch.dtype, quick: bool) -> list[tuple]:
         return [(64, 64, 32, 4, 3), (128, 64, 32, 4, 3), (128, 128, 32, 8, 3)] + extra + ([] if quick else [(64, 64, 64, 4, 3)])
     if kind == "taps_inner":
         return [(64, 64, 32, 4, 1), (128, 64, 32, 4, 1)] + ([] if quick else [(64, 64, 32, 4, 3)])
+    if kind == "wgmma":
+        return [(64, 64, 128 // torch.tensor([], dtype=dtype).element_size(), 4, 3)]  # fixed in the .cu
     return [(64, 64, bk, 4, 3), (64, 128, bk, 4, 3), (128, 64, bk, 8, 3)] + ([] if quick else [(64, 64, bk, 4, 2)])
 
 
-def gpu(out: str, streams: int, quick: bool) -> int:
+def gpu(out: str, streams: int, quick: bool, kinds: list) -> int:
     import _harness as H
 
     env = H.env_info()
@@ -323,7 +357,9 @@ def gpu(out: str, streams: int, quick: bool) -> int:
                 x, w, bias = operands(streams, frames, c, taps, dtype, "cuda", seed=c + taps + dil)
                 ref = reference(x[:2], w, bias, dil)
                 best = {}
-                for kind in KINDS if gluon is not None else KINDS[:2]:
+                for kind in kinds:
+                    if kind == "window" and gluon is None:
+                        continue
                     for tiles in candidates(kind, dtype, quick):
                         tiles = (tiles[0], min(tiles[1], c), min(tiles[2], c), tiles[3], tiles[4])
                         try:
@@ -357,12 +393,16 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="k = 3, 7, 11 at d = 1 and k = 11 at d = 5; fewer tiles")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--lib", help="a build of vocoder_conv_wgmma.cu (default: nvcc it here)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="the kernels to run, comma-separated")
     args = ap.parse_args()
+    if args.lib:
+        wgmma_lib(args.lib)
     if args.check:
         return check()
     if args.compile:
         return compile_only()
-    return gpu(args.out, args.streams, args.quick)
+    return gpu(args.out, args.streams, args.quick, args.kinds.split(","))
 
 
 if __name__ == "__main__":
