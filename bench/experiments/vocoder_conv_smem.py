@@ -211,7 +211,7 @@ def wgmma_lib(path=None):
                            check=True)
         lib = ctypes.CDLL(path)
         lib.conv_window.restype = ctypes.c_int
-        lib.conv_window.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 7 + [ctypes.c_void_p]
+        lib.conv_window.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 8 + [ctypes.c_void_p]
         _LIB["lib"] = lib
     return _LIB["lib"]
 
@@ -232,7 +232,8 @@ def conv(kind: str, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, dil: i
     grid = (batch * triton.cdiv(frames, bm), triton.cdiv(c_out, bn))
     if kind == "wgmma":
         rc = wgmma_lib().conv_window(x.data_ptr(), w.data_ptr(), bias.data_ptr(), y.data_ptr(), batch, frames, c_in,
-                                     c_out, taps, dil, int(x.dtype == torch.float16), torch.cuda.current_stream().cuda_stream)
+                                     c_out, taps, dil, int(x.dtype == torch.float16), bn,
+                                     torch.cuda.current_stream().cuda_stream)
         if rc:
             raise RuntimeError(f"conv_window: rc {rc}")
         return y
@@ -339,7 +340,8 @@ def candidates(kind: str, dtype: torch.dtype, quick: bool) -> list[tuple]:
     if kind == "taps_inner":
         return [(64, 64, 32, 4, 1), (128, 64, 32, 4, 1)] + ([] if quick else [(64, 64, 32, 4, 3)])
     if kind == "wgmma":
-        return [(64, 64, 128 // torch.tensor([], dtype=dtype).element_size(), 4, 3)]  # fixed in the .cu
+        bk = 128 // torch.tensor([], dtype=dtype).element_size()  # fixed in the .cu, as are M, warps, stages
+        return [(64, 64, bk, 4, 3), (64, 128, bk, 4, 3)]
     return [(64, 64, bk, 4, 3), (64, 128, bk, 4, 3), (128, 64, bk, 8, 3)] + ([] if quick else [(64, 64, bk, 4, 2)])
 
 
