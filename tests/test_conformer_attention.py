@@ -125,3 +125,54 @@ def test_a_cache_already_in_place_is_not_copied(flow):
             assert err_rel_fro(a, b) <= 1e-12
     finally:
         attn.float()
+
+
+@pytest.mark.parametrize("t0,t1", [(0, 1), (0, 7), (5, 3), (37, 28), (400, 50)])
+def test_the_shift_view_is_the_upstream_rel_shift_bitwise(flow, t0, t1):
+    """The upstream ``rel_shift`` (zero column, concatenation, views) against the strided view that
+    replaces it, on both score layouts ``rel_pos_attention`` produces: equal, element for element."""
+    from torch_cfm.models.conformer_attention import _shift_view, shift_is_a_view
+
+    attn = flow.encoder.encoders[0].self_attn
+    assert shift_is_a_view(type(attn))
+    p = 2 * (t0 + t1) - 1
+    g = torch.Generator().manual_seed(t0 * 100 + t1)
+    for x in (torch.randn(3, 2, t1, p, generator=g),                   # one GEMM per row: (B, H, T1, P)
+              torch.randn(2, 3, t1, p, generator=g).transpose(0, 1)):  # one GEMM per head, batch-transposed
+        want, got = attn.rel_shift(x), _shift_view(x)
+        assert got.shape == want.shape == (x.shape[0], x.shape[1], t1, t0 + t1)
+        assert torch.equal(got, want)
+        assert got.data_ptr() >= x.data_ptr() and got.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert _shift_view(torch.randn(1, 2, 9, 3).transpose(2, 3)) is None  # rows not P apart: no view
+
+
+def test_a_different_rel_shift_keeps_its_own(flow):
+    """A module class whose ``rel_shift`` is not Transformer-XL's shift (or needs its module) is
+    not replaced: rel_pos_attention calls it."""
+    from torch_cfm.models.conformer_attention import shift_is_a_view
+
+    base = type(flow.encoder.encoders[0].self_attn)
+
+    class Flipped(base):
+        def rel_shift(self, x):
+            return base.rel_shift(self, x).flip(-1)
+
+    class NeedsSelf(base):
+        def rel_shift(self, x):
+            return base.rel_shift(self, x) * self.d_k / self.d_k
+
+    assert not shift_is_a_view(Flipped) and not shift_is_a_view(NeedsSelf)
+    attn = _attention(flow, torch.float64)
+    try:
+        attn.__class__ = Flipped
+        g = torch.Generator().manual_seed(3)
+        width = attn.h * attn.d_k
+        x = torch.randn(2, 4, width, generator=g, dtype=torch.float64)
+        cache = torch.randn(2, attn.h, 6, 2 * attn.d_k, generator=g, dtype=torch.float64)
+        pos = torch.randn(1, 19, width, generator=g, dtype=torch.float64)
+        want = attn.forward(x, x, x, torch.ones((0, 0, 0), dtype=torch.bool), pos, cache)
+        got = rel_pos_attention(attn, x, x, x, pos_emb=pos, cache=cache)
+        assert err_rel_fro(got[0], want[0]) <= 1e-12
+    finally:
+        attn.__class__ = base
+        attn.float()

@@ -11,9 +11,11 @@ of the encoder stage's memory traffic (about 8 times the 0.5 GB of attention cac
 into the tensor it returns (the old frames, then the new keys and values into their halves), the
 keys and values read back as views of it, and the positional scores as one GEMM per head over
 all rows. The arithmetic is the upstream's operation for operation (the same products, bias adds
-and promotions, the upstream ``rel_shift`` and ``forward_attention``); only the layout of the
-GEMM operands differs, so results agree within the GEMMs' rounding. :func:`one_copy_attention`
-installs it on an encoder's attention modules for the duration of a call.
+and promotions, the upstream ``forward_attention``); only the layout of the GEMM operands differs,
+so results agree within the GEMMs' rounding. The upstream ``rel_shift`` (a zero column
+concatenated, then views: a copy of the scores per layer) is taken as the strided view it amounts
+to, where a probe per class finds the same indexing. :func:`one_copy_attention` installs it on an
+encoder's attention modules for the duration of a call.
 """
 
 from __future__ import annotations
@@ -37,6 +39,28 @@ def is_rel_pos_attention(module: nn.Module) -> bool:
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
             and a.dtype == b.dtype and a.device == b.device)
+
+
+def _shift_view(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """Transformer-XL's relative shift of scores x (B, H, T1, P = 2·T2 − 1) as a view,
+    out[..., i, j] = x[..., i, j + T1 − 1 − i] for j < T2; None when x's last two dims are not
+    row-major (the view needs rows P apart)."""
+    b, h, t1, p = x.shape
+    if x.stride(3) != 1 or x.stride(2) != p:
+        return None
+    return x.as_strided((b, h, t1, p // 2 + 1), (x.stride(0), x.stride(1), p - 1, 1), x.storage_offset() + t1 - 1)
+
+
+@functools.lru_cache(maxsize=None)
+def shift_is_a_view(cls: type) -> bool:
+    """Whether ``cls.rel_shift`` computes :func:`_shift_view`'s indexing (probed once per class on
+    a small tensor; a ``rel_shift`` that reads its module or raises is not replaced)."""
+    x = torch.arange(2 * 3 * 9, dtype=torch.float64).view(1, 2, 3, 9)  # T1 = 3, T2 = 5
+    try:
+        got = cls.rel_shift(None, x)
+    except Exception:  # noqa: BLE001 - any failure: keep the module's own
+        return False
+    return isinstance(got, torch.Tensor) and torch.equal(got, _shift_view(x))
 
 
 def rel_pos_attention(attn: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -78,8 +102,9 @@ def rel_pos_attention(attn: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         matrix_bd = bd.view(heads, batch, t1, -1).transpose(0, 1)
     else:
         matrix_bd = torch.matmul(q_v, p.permute(0, 2, 3, 1))
-    if matrix_ac.shape != matrix_bd.shape:
-        matrix_bd = attn.rel_shift(matrix_bd)
+    if matrix_ac.shape != matrix_bd.shape:  # the upstream's shift, without its padded copy where it is one
+        shifted = _shift_view(matrix_bd) if shift_is_a_view(type(attn)) else None
+        matrix_bd = attn.rel_shift(matrix_bd) if shifted is None else shifted
     scores = (matrix_ac + matrix_bd) / math.sqrt(attn.d_k)
     return attn.forward_attention(values, scores, mask), new_cache
 
