@@ -229,7 +229,7 @@ case $mode in
     # TEST_TIMEOUT per file, default 150 s: test_vocoder_hift's torch.compile test alone takes ~60 s)
     for f in ${TESTS:-test_vocoder_conv test_vocoder_hift test_hift_graphs test_server test_graphs test_warmup \
              test_vllm_omni test_minicpmo_server test_minicpmo_utils test_prompt_pacing}; do
-      case $f in test_vocoder_hift|test_vocoder_conv|test_dit_attention_arena) ;; *) need_cuda ;; esac
+      case $f in test_vocoder_hift|test_vocoder_conv|test_vocoder_elementwise|test_dit_attention_arena) ;; *) need_cuda ;; esac
       timeout -s INT ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE -m gpu "tests/$f.py" > "$OUT/$f.log" 2>&1
       echo "$f: $(grep -E 'passed|failed|error' "$OUT/$f.log" | tail -1)"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -5
     done ;;
