@@ -4,12 +4,12 @@ shipped kernel is ``torch_cfm.kernels.vocoder_conv``).
 The shipped implicit GEMM runs taps outer and reloads its shifted (BLOCK_M, BLOCK_K) input tile from
 L2 for every tap; Nsight Compute puts it at 77-80 % of L2 throughput and 47-54 % of SM throughput
 (``vocoder_conv_ncu.md``). Holding the window in registers lost 2-5 x (``vocoder_conv_halo.md``).
-Three kernels here, all the plain stride-1 "same" convolution with bias, frame-major (B, L, C),
+Four kernels here (results: ``vocoder_conv_smem.md``), all the plain stride-1 "same" convolution with bias, frame-major (B, L, C),
 operands float32 rounded to TF32 (products exact, float32 sums) or float16:
 
 - ``per_tap``: the shipped structure (Triton; taps outer, pipelined ``cp.async.cg`` loads that bypass L1).
 - ``taps_inner``: Triton, channel blocks outer and taps inner, one stage: each tap's tile is an
-  ``ld.global`` through L1 that the previous tap's mostly loaded (Triton's pipelined copies of 16
+  ``ld.global`` through L1 that the previous tap mostly loaded (Triton's pipelined copies of 16
   bytes are always ``.cg``, so L1 reuse needs the unpipelined form).
 - ``wgmma``: CUDA (``vocoder_conv_wgmma.cu``): the window in shared memory with a per-row XOR swizzle,
   each tap's A operand ldmatrix-loaded from rows shifted by ``m·DIL`` (one address per lane, so any
