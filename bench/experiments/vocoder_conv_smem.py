@@ -28,8 +28,8 @@ operands float32 rounded to TF32 (products exact, float32 sums) or float16:
     python3 bench/experiments/vocoder_conv_smem.py --out "$OUT" [--quick] [--lib libconvw.so]  # GPU: the HiFT's shapes
 
 The GPU run checks every kernel against float64 at every shape (relative Frobenius error; a kernel
-over 1e-5 (TF32) / 2e-3 (fp16) is not timed), then times each (CUDA graph of 10 launches, median of
-replays) at 64 streams x 58 frames: the HiFT's ResBlock convolutions (C = 256 / 128 / 64 at 464 /
+over 1e-5 (TF32) / 2e-3 (fp16) is not timed), then times each (``_harness.time_cuda_graph``: a CUDA
+graph of 10 launches, median of replays) at 64 streams x 58 frames: the HiFT's ResBlock convolutions (C = 256 / 128 / 64 at 464 /
 2,320 / 6,960 frames, k = 3 / 7 / 11, d = 1 / 3 / 5), tiles swept over a few candidates, and
 writes ``vocoder_conv_smem.json`` (rows with provenance).
 """
@@ -312,26 +312,6 @@ def compile_only() -> int:
     return 0
 
 
-def timed(fn, repeats: int = 30, calls: int = 10) -> float:
-    """µs per call: ``calls`` launches in one CUDA graph, median of ``repeats`` replays."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def candidates(kind: str, dtype: torch.dtype, quick: bool) -> list[tuple]:
     bk = 32 if dtype == torch.float32 else 64
     if kind == "per_tap":
@@ -366,7 +346,8 @@ def gpu(out: str, streams: int, quick: bool, kinds: list) -> int:
                         tiles = (tiles[0], min(tiles[1], c), min(tiles[2], c), tiles[3], tiles[4])
                         try:
                             err = rel(conv(kind, x[:2], w, bias, dil, tiles), ref)
-                            us = timed(lambda: conv(kind, x, w, bias, dil, tiles)) if err <= BOUND[dtype] else None
+                            us = (H.time_cuda_graph(lambda: conv(kind, x, w, bias, dil, tiles), calls=10)["us_p50"]
+                                  if err <= BOUND[dtype] else None)
                         except Exception as exc:  # noqa: BLE001 (out of shared memory, a compile error, ...)
                             print(f"{kind} {tiles}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                             continue
