@@ -94,9 +94,13 @@ struct First<cutlass::Array<float, N>> {
 // leaves through shared memory by a TMA store, pipelined like D (Sm90AuxStore with D's stages).
 // kPingpong: the ping-pong schedule (two consumer warp groups on alternate tiles, one's epilogue under
 // the other's mainloop) instead of the cooperative one (both on one tile).
-template <class Element, class TileShape, class ClusterShape, bool kTma, bool kPingpong = false>
+// ElementRes: the residual stream's type, x read and y written (float: the body keeps h in float32);
+// the GEMM operands and xc stay Element.
+template <class Element, class TileShape, class ClusterShape, bool kTma, bool kPingpong = false,
+          class ElementRes = Element>
 struct Sm90ResidualRowStats {
   static constexpr int kAlign = 16 / sizeof(Element);
+  static constexpr int kAlignRes = 16 / sizeof(ElementRes);
   using MainloopSchedule = cute::conditional_t<kPingpong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                                                cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
   using EpilogueSchedule = cute::conditional_t<kPingpong, cutlass::epilogue::TmaWarpSpecialized,
@@ -105,9 +109,9 @@ struct Sm90ResidualRowStats {
   // what EpilogueTileAuto picks for a 128 x 128 tile: 128 x 32 cooperative, 64 x 32 ping-pong
   using EpiTile = cute::Shape<cute::conditional_t<kPingpong, cute::_64, cute::_128>, cute::_32>;
   using EpiTileType = cute::conditional_t<kTma, EpiTile, cutlass::epilogue::collective::EpilogueTileAuto>;
-  using ElementC = cute::conditional_t<kTma, Element, void>;
+  using ElementC = cute::conditional_t<kTma, ElementRes, void>;
   using Policy = decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
-                          TileShape, EpiTile, Element, Element, EpilogueSchedule>());
+                          TileShape, EpiTile, ElementC, ElementRes, EpilogueSchedule>());
 
   using RowStride = cute::Stride<cute::_0, cute::_1, int64_t>;   // (N,) vectors: b, g, 1 + s
   using ColStride = cute::Stride<cute::_1, cute::_0, int64_t>;   // (M,) vectors: m
@@ -118,8 +122,8 @@ struct Sm90ResidualRowStats {
   using Bias = Sm90RowBroadcast<0, TileShape, Element, float, RowStride, kAlign>;
   using Gate = Sm90RowBroadcast<0, TileShape, Element, float, RowStride, kAlign>;
   using X = cute::conditional_t<
-      kTma, Sm90SrcFetch<Element>,
-      Sm90AuxLoad<0, decltype(cute::take<0, 2>(TileShape{})), Element, AuxStride, void, void, kAlign>>;
+      kTma, Sm90SrcFetch<ElementRes>,
+      Sm90AuxLoad<0, decltype(cute::take<0, 2>(TileShape{})), ElementRes, AuxStride, void, void, kAlignRes>>;
   using Mean = Sm90ColBroadcast<0, TileShape, float, float, ColStride>;
   using Scale = Sm90RowBroadcast<0, TileShape, float, float, RowStride, 4>;
   using Y = Sm90Compute<GatedResidual, float, float, RC::round_to_nearest>;
@@ -137,7 +141,7 @@ struct Sm90ResidualRowStats {
   using Sq = Sm90Compute<Square, float, float, RC::round_to_nearest>;
   using SumSq = Sm90ColReduction<cutlass::plus, cutlass::plus, cutlass::plus, 0, TileShape, float, float,
                                  RC::round_to_nearest, PartialStride, 4, true, /*FinalReduction=*/false>;
-  using Out = Sm90Compute<First, Element, float, RC::round_to_nearest>;
+  using Out = Sm90Compute<First, ElementRes, float, RC::round_to_nearest>;
 
   // nodes in topological order: 0 acc, 1 b, 2 g, 3 x, 4 m, 5 1+s, 6 y, 7 c, 8 xc, 9 store xc, 10 sum c,
   // 11 c^2, 12 sum c^2, 13 out = y
@@ -149,8 +153,8 @@ struct Sm90ResidualRowStats {
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpiTileType, float, float,
-      ElementC, cutlass::layout::RowMajor, kAlign, Element, cutlass::layout::RowMajor, kAlign, EpilogueSchedule,
-      Fusion>::CollectiveOp;
+      ElementC, cutlass::layout::RowMajor, kAlignRes, ElementRes, cutlass::layout::RowMajor, kAlignRes,
+      EpilogueSchedule, Fusion>::CollectiveOp;
 
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, cutlass::layout::RowMajor, kAlign, Element,
@@ -243,9 +247,10 @@ int run_gemm(typename Adapter::Arguments const& args, void* workspace, cudaStrea
   return cudaGetLastError() == cudaSuccess ? 0 : -1;
 }
 
-template <bool kTma, bool kPingpong = false>
+template <bool kTma, bool kPingpong = false, class ElementRes = cutlass::half_t>
 using Producer = tcfm_experiment::Sm90ResidualRowStats<cutlass::half_t, cute::Shape<cute::_128, cute::_128, cute::_64>,
-                                                       cute::Shape<cute::_1, cute::_1, cute::_1>, kTma, kPingpong>;
+                                                       cute::Shape<cute::_1, cute::_1, cute::_1>, kTma, kPingpong,
+                                                       ElementRes>;
 using E = cutlass::half_t;
 
 // The arguments both GEMMs share: a (M, K) and w (N, K) K-major fp16, d (M, N) row-major, no source
@@ -259,14 +264,15 @@ typename Adapter::Arguments gemm_arguments(const void* a, const void* w, void* d
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
   hw.sm_count = sm_count;
+  using ED = typename Adapter::ElementD;
   return typename Adapter::Arguments{cutlass::gemm::GemmUniversalMode::kGemm,
                                      {m, n, k, 1},
                                      {static_cast<const E*>(a), sk, static_cast<const E*>(w), sk},
-                                     {{}, nullptr, sd, static_cast<E*>(d), sd},
+                                     {{}, nullptr, sd, static_cast<ED*>(d), sd},
                                      hw};
 }
 
-template <bool kTma, bool kPingpong = false, class G = Producer<kTma, kPingpong>>
+template <bool kTma, bool kPingpong = false, class ElementRes = E, class G = Producer<kTma, kPingpong, ElementRes>>
 typename G::Adapter::Arguments make_arguments(const void* a, const void* w, const void* bias, const void* gate, const void* x,
                                      const float* mean, const float* scale, void* d, void* xc, float* s1, float* s2,
                                      int m, int n, int k, int device, int sm_count) {
@@ -276,9 +282,9 @@ typename G::Adapter::Arguments make_arguments(const void* a, const void* w, cons
   const typename G::PartialStride partial{cute::_1{}, cute::_0{}, 0};
   typename G::X::Arguments x_args{};
   if constexpr (kTma) {
-    args.epilogue.ptr_C = static_cast<const E*>(x);  // x is the source C (TMA-loaded)
+    args.epilogue.ptr_C = static_cast<const ElementRes*>(x);  // x is the source C (TMA-loaded)
   } else {
-    x_args = {static_cast<const E*>(x), E(0), aux};
+    x_args = {static_cast<const ElementRes*>(x), ElementRes(0), aux};
   }
   // DAG arguments: one per node, in topological order
   args.epilogue.thread = {
@@ -300,28 +306,44 @@ typename G::Adapter::Arguments make_arguments(const void* a, const void* w, cons
 }
 }  // namespace
 
-// One call, fp16 operands, all row-major: a (M, K), w (N, K), bias, gate (N,), x, d, xc (M, N),
+// One call, fp16 operands, all row-major: a (M, K), w (N, K), bias, gate (N,), x, d, xc (M, N) (x, d float32 in forms 5, 7),
 // mean (M,) fp32, scale (N,) fp32 (= 1 + s); s1, s2: (N / 128, round_up(M, 128)) fp32 partial row sums.
 // Returns 0 on success, else a cutlass::Status (or -1 for a CUDA error).
 // form: 0 the register-direct form, 1 the TMA form (Sm90ResidualRowStats' kTma), 3 the TMA form on
-// the ping-pong schedule.
+// the ping-pong schedule; 5 and 7: forms 1 and 3 with a float32 residual stream (x and d float32).
 namespace {
-template <bool kTma, bool kPingpong>
+template <bool kTma, bool kPingpong, class ElementRes = E>
 long long producer_workspace(int m, int n, int k) {
-  return static_cast<long long>(Producer<kTma, kPingpong>::Adapter::get_workspace_size(make_arguments<kTma, kPingpong>(
-      nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, m, n, k, 0, 1)));
+  return static_cast<long long>(Producer<kTma, kPingpong, ElementRes>::Adapter::get_workspace_size(
+      make_arguments<kTma, kPingpong, ElementRes>(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                                  nullptr, nullptr, nullptr, nullptr, m, n, k, 0, 1)));
 }
 }  // namespace
 
 extern "C" long long tcfm_residual_rowstats_f16_workspace(int m, int n, int k, int form) {
-  return form == 3 ? producer_workspace<true, true>(m, n, k)
-                   : form == 1 ? producer_workspace<true, false>(m, n, k) : producer_workspace<false, false>(m, n, k);
+  switch (form) {
+    case 1: return producer_workspace<true, false>(m, n, k);
+    case 3: return producer_workspace<true, true>(m, n, k);
+    case 5: return producer_workspace<true, false, float>(m, n, k);
+    case 7: return producer_workspace<true, true, float>(m, n, k);
+    default: return producer_workspace<false, false>(m, n, k);
+  }
 }
 
 extern "C" int tcfm_residual_rowstats_f16(const void* a, const void* w, const void* bias, const void* gate,
                                           const void* x, const float* mean, const float* scale, void* d, void* xc,
                                           float* s1, float* s2, int m, int n, int k, int form, int device,
                                           int sm_count, void* workspace, cudaStream_t stream) {
+  if (form == 5) {
+    return run_gemm<typename Producer<true, false, float>::Adapter>(
+        make_arguments<true, false, float>(a, w, bias, gate, x, mean, scale, d, xc, s1, s2, m, n, k, device, sm_count),
+        workspace, stream);
+  }
+  if (form == 7) {
+    return run_gemm<typename Producer<true, true, float>::Adapter>(
+        make_arguments<true, true, float>(a, w, bias, gate, x, mean, scale, d, xc, s1, s2, m, n, k, device, sm_count),
+        workspace, stream);
+  }
   if (form == 3) {
     return run_gemm<typename Producer<true, true>::Adapter>(
         make_arguments<true, true>(a, w, bias, gate, x, mean, scale, d, xc, s1, s2, m, n, k, device, sm_count),

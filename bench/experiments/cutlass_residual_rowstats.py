@@ -21,9 +21,9 @@ Checked against a float64 evaluation of the same fp16 inputs: ``y`` and ``xc`` w
 rounding, the row sums (partials added) within fp32 accumulation error; then timed (CUDA events,
 median of repeats, fresh inputs per shape) against the same work as separate kernels
 (``F.linear`` with the bias, the gated add, the centring and scaling, the row sums) and against
-``F.linear`` alone (the floor the fusion aims at). The producer runs in three forms (register-direct
-aux load and store; TMA; TMA on the ping-pong schedule), the consumer on the cooperative and the
-ping-pong schedule.
+``F.linear`` alone (the floor the fusion aims at). The producer runs in five forms (register-direct
+aux load and store; TMA; TMA on the ping-pong schedule; the two TMA forms with the body's float32
+residual stream, x and y float32), the consumer on the cooperative and the ping-pong schedule.
 
     python3 bench/experiments/cutlass_residual_rowstats.py --out "$OUT"            # builds the .so with nvcc
     python3 bench/experiments/cutlass_residual_rowstats.py --check-reference       # CPU: the reference alone
@@ -256,28 +256,33 @@ def main() -> int:
             ins = inputs(m, n, k, dev, seed=m * 7 + k)
             a, w, bias, gate, x, mean, scale = ins
             d, xc = torch.empty_like(x), torch.empty_like(x)
+            x32, d32 = x.float(), torch.empty(m, n, device=dev)  # forms 5, 7: the body's float32 residual
             s1 = torch.zeros(n // TILE_N, -(-m // TILE_M) * TILE_M, device=dev)
             s2 = torch.zeros_like(s1)
-            work = torch.empty(max(max(int(ws(m, n, k, f)) for f in (0, 1, 3)), 1), dtype=torch.uint8, device=dev)
+            work = torch.empty(max(max(int(ws(m, n, k, f)) for f in (0, 1, 3, 5, 7)), 1), dtype=torch.uint8, device=dev)
             ref = reference(*ins)
             timing = {}
             # the register-direct form (x and xc through the epilogue threads), the TMA form (x as the
-            # source C, xc through shared memory), the TMA form on the ping-pong schedule: each checked
+            # source C, xc through shared memory), the TMA form on the ping-pong schedule, and the two TMA
+            # forms on a float32 residual (x read and y written in float32, as the body's h): each checked
             # against float64, then timed
-            for form, suffix in ((0, ""), (1, "_tma"), (3, "_tma_pingpong")):
-                def fused(form=form):
-                    status = fn(*(t.data_ptr() for t in (a, w, bias, gate, x, mean, scale, d, xc, s1, s2)), m, n,
+            for form, suffix in ((0, ""), (1, "_tma"), (3, "_tma_pingpong"), (5, "_tma_f32res"),
+                                 (7, "_tma_pingpong_f32res")):
+                xf, df = (x32, d32) if form & 4 else (x, d)
+
+                def fused(form=form, xf=xf, df=df):
+                    status = fn(*(t.data_ptr() for t in (a, w, bias, gate, xf, mean, scale, df, xc, s1, s2)), m, n,
                                 k, form, dev.index or 0, props.multi_processor_count, work.data_ptr(),
                                 torch.cuda.current_stream().cuda_stream)
                     if status != 0:
                         raise RuntimeError(f"tcfm_residual_rowstats_f16 (form={form}): status {status}")
 
-                for t in (d, xc, s1, s2):
+                for t in (df, xc, s1, s2):
                     t.fill_(float("nan"))  # nothing left over from the other form
                 s1.zero_(), s2.zero_()
                 fused()
                 torch.cuda.synchronize()
-                got = (d, xc, s1.sum(0)[:m], s2.sum(0)[:m])
+                got = (df, xc, s1.sum(0)[:m], s2.sum(0)[:m])
                 timing["err_fused" + suffix] = [rel(g, r) for g, r in zip(got, ref)]
                 timing["ms_fused" + suffix] = timed(fused, args.repeats)
             timing.update(shipped_boundary(a, w, bias, x, m, n, dev, args.repeats))
