@@ -86,9 +86,11 @@ case $mode in
     fi
     timeout 380 python3 bench/vocoder_tiles.py --quick --families tf32,fp16 --out "$OUT/vocoder_tiles" \
       > "$OUT/vocoder_tiles.log" 2>&1; grep -vE "^compile " "$OUT/vocoder_tiles.log" | tail -45 ;;
-  tiles_ab)  # issue 43: the tile table against the rule over whole decodes, one process
-    timeout ${AB_TIMEOUT:-200} python3 bench/experiments/vocoder_table_ab.py --streams 16,64 --out "$OUT" \
-      > "$OUT/vocoder_table_ab.log" 2>&1; tail -6 "$OUT/vocoder_table_ab.log" ;;
+  tiles_ab)  # issue 43: the tile table against the rule over whole decodes, one process; after `tiles` in the
+    # same call, also the table its sweep makes (vocoder_table_ab.py --candidate)
+    cand=; [ -f "$OUT/vocoder_tiles/vocoder_tiles.json" ] && cand="--candidate $OUT/vocoder_tiles/vocoder_tiles.json"
+    timeout ${AB_TIMEOUT:-200} python3 bench/experiments/vocoder_table_ab.py --streams ${AB_STREAMS:-16,64} $cand \
+      --out "$OUT" > "$OUT/vocoder_table_ab.log" 2>&1; tail -6 "$OUT/vocoder_table_ab.log" ;;
   causal)  # issue 40: the causal vocoder's steady chunk (batch 1 / 16 / 64, kernels), on the previous
     # landing's tree too when .old holds it (`git archive 6212185 | tar -x -C .old`: one decoder pass per block)
     if [ -d .old/torch_cfm ]; then

@@ -3,9 +3,13 @@
 ``HiFTVocoder.decode`` of B streams x 58 frames replayed from a CUDA graph, alternately with
 ``vocoder_tiles.TABLE`` as shipped and emptied (every key on ``rule_tiles``), ``--rounds`` times each
 so drift hits both sides; per side the p50 over all pooled repeats, the ratio table/rule and the
-waveform difference between the sides. Writes ``vocoder_table_ab.json`` under --out.
+waveform difference between the sides. With ``--candidate``, a third side: the table a fresh
+``bench/vocoder_tiles.py`` run would write (its ``vocoder_tiles.json``: per key the fastest tiles where
+they beat the rule's by more than ``--margin``), so a re-sweep is checked over whole decodes against
+the shipped table in the same process. Writes ``vocoder_table_ab.json`` under --out.
 
     python3 bench/experiments/vocoder_table_ab.py --streams 16,64 --out "$OUT"
+    python3 bench/experiments/vocoder_table_ab.py --candidate "$OUT/vocoder_tiles/vocoder_tiles.json" --out "$OUT"
 """
 
 from __future__ import annotations
@@ -25,6 +29,31 @@ import _harness as H  # noqa: E402
 import vocoder as V  # noqa: E402
 
 
+def candidate_table(path: str, margin: float) -> dict:
+    """The tile table a sweep's rows make: the newest run's, per (family, key) its fastest timed tiles
+    where the rule's time is more than (1 + margin) x theirs (as ``bench/vocoder_tiles.py`` prints)."""
+    from torch_cfm.kernels.vocoder_tiles import ConvTiles
+
+    with open(path) as f:
+        rows = [r for r in json.load(f) if r.get("op") == "vocoder_tiles" and r.get("us_p50")]
+    if not rows:
+        raise SystemExit(f"--candidate: no timed vocoder_tiles rows in {path}")
+    run = max(r["run_id"] for r in rows)
+    groups: dict = {}
+    for r in (r for r in rows if r["run_id"] == run):
+        sh = r["shape"]
+        key = (r["dtype"], sh["c_in"], sh["c_out"], sh["taps"], sh["phases"], sh["length"])
+        groups.setdefault(key, []).append(r)
+    table = {}
+    for key, group in groups.items():
+        rule = [r for r in group if r.get("rule")]
+        best = min(group, key=lambda r: r["us_p50"])
+        if rule and not best.get("rule") and rule[0]["us_p50"] > (1 + margin) * best["us_p50"]:
+            table[key] = ConvTiles.parse(best["variant"])
+    print(f"candidate table: {len(table)} keys from run {run}", flush=True)
+    return table
+
+
 def main() -> int:
     import torch_cfm.kernels.vocoder_tiles as VT
     from torch_cfm.models.vocoder import HiFTVocoder
@@ -34,24 +63,28 @@ def main() -> int:
     ap.add_argument("--frames", type=int, default=58)
     ap.add_argument("--precisions", default="tf32,fp16")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--candidate", help="a vocoder_tiles.json: time the table it makes as a third side")
+    ap.add_argument("--margin", type=float, default=0.03)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev = torch.device("cuda")
     hift = V.build_hift(0, dev)
     shipped = dict(VT.TABLE)
+    tables = {"table": shipped, "rule": {}}
+    if args.candidate:
+        tables["candidate"] = candidate_table(args.candidate, args.margin)
     rows = []
     for b in [int(s) for s in args.streams.split(",")]:
         mel, source = V.make_inputs(hift, b, args.frames, 1, dev)
         V.scale_output(hift, mel, source)
         for prec in args.precisions.split(","):
             voc = HiFTVocoder(hift, precision=prec)
-            samples = {"table": [], "rule": []}
+            samples = {side: [] for side in tables}
             outs = {}
             for _ in range(args.rounds):
-                for side in ("table", "rule"):
+                for side, table in tables.items():
                     VT.TABLE.clear()
-                    if side == "table":
-                        VT.TABLE.update(shipped)
+                    VT.TABLE.update(table)
                     H.time_cuda_graph(lambda: voc.decode(mel, source), calls=2, repeats=9, warmup=2,
                                       samples=samples[side])
                     if side not in outs:  # one decode per side: the samples do not change between rounds
@@ -63,8 +96,14 @@ def main() -> int:
             row = dict(H.env_info(), op="vocoder_table_ab", B=b, frames=args.frames, precision=prec,
                        table_ms=round(ms["table"], 3), rule_ms=round(ms["rule"], 3),
                        ratio=round(ms["table"] / ms["rule"], 4), rel_diff=diff, table_keys=len(shipped))
+            if "candidate" in tables:
+                row.update(candidate_ms=round(ms["candidate"], 3),
+                           candidate_ratio=round(ms["candidate"] / ms["table"], 4),
+                           candidate_rel_diff=float((outs["candidate"] - outs["table"]).norm() / outs["table"].norm()),
+                           candidate_keys=len(tables["candidate"]))
             rows.append(row)
-            print({k: row[k] for k in ("B", "precision", "table_ms", "rule_ms", "ratio", "rel_diff")}, flush=True)
+            print({k: v for k, v in row.items() if k in ("B", "precision", "rel_diff") or k.endswith(("_ms", "ratio"))},
+                  flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "vocoder_table_ab.json"), "w") as f:
         json.dump(rows, f, indent=1)
