@@ -84,7 +84,7 @@ case $mode in
       timeout 150 python3 bench/experiments/vocoder_profile.py --streams 64 --layers --out "$OUT" > "$OUT/layers.log" 2>&1
       grep -E "ms|layer" "$OUT/layers.log" | head -40
     fi
-    timeout 380 python3 bench/vocoder_tiles.py --quick --families tf32,fp16 --out "$OUT/vocoder_tiles" \
+    timeout ${TILES_TIMEOUT:-380} python3 bench/vocoder_tiles.py --quick --families ${TILES_FAMILIES:-tf32,fp16} --out "$OUT/vocoder_tiles" \
       > "$OUT/vocoder_tiles.log" 2>&1; grep -vE "^compile " "$OUT/vocoder_tiles.log" | tail -45 ;;
   tiles_ab)  # issue 43: the tile table against the rule over whole decodes, one process; after `tiles` in the
     # same call, also the table its sweep makes (vocoder_table_ab.py --candidate)
