@@ -29,9 +29,10 @@ import _harness as H  # noqa: E402
 import vocoder as V  # noqa: E402
 
 
-def candidate_table(path: str, margin: float) -> dict:
+def candidate_table(path: str, margin: float, shipped: dict) -> dict:
     """The tile table a sweep's rows make: the newest run's, per (family, key) its fastest timed tiles
-    where the rule's time is more than (1 + margin) x theirs (as ``bench/vocoder_tiles.py`` prints)."""
+    where the rule's time is more than (1 + margin) x theirs (as ``bench/vocoder_tiles.py`` prints);
+    the shipped entries of the families the run did not sweep."""
     from torch_cfm.kernels.vocoder_tiles import ConvTiles
 
     with open(path) as f:
@@ -44,13 +45,14 @@ def candidate_table(path: str, margin: float) -> dict:
         sh = r["shape"]
         key = (r["dtype"], sh["c_in"], sh["c_out"], sh["taps"], sh["phases"], sh["length"])
         groups.setdefault(key, []).append(r)
-    table = {}
+    swept = {key[0] for key in groups}
+    table = {key: tiles for key, tiles in shipped.items() if key[0] not in swept}
     for key, group in groups.items():
         rule = [r for r in group if r.get("rule")]
         best = min(group, key=lambda r: r["us_p50"])
         if rule and not best.get("rule") and rule[0]["us_p50"] > (1 + margin) * best["us_p50"]:
             table[key] = ConvTiles.parse(best["variant"])
-    print(f"candidate table: {len(table)} keys from run {run}", flush=True)
+    print(f"candidate table: {len(table)} keys, {sorted(swept)} from run {run}", flush=True)
     return table
 
 
@@ -72,7 +74,7 @@ def main() -> int:
     shipped = dict(VT.TABLE)
     tables = {"table": shipped, "rule": {}}
     if args.candidate:
-        tables["candidate"] = candidate_table(args.candidate, args.margin)
+        tables["candidate"] = candidate_table(args.candidate, args.margin, shipped)
     rows = []
     for b in [int(s) for s in args.streams.split(",")]:
         mel, source = V.make_inputs(hift, b, args.frames, 1, dev)
