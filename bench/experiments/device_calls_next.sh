@@ -18,6 +18,7 @@
 #   bash bench/experiments/device_calls_next.sh enc_ab    # issue 43: tokens -> mel / waveform against the previous tree (.old)
 #                        (enc_patch: the patch ENC_PATCH applied on the device, its tests, then enc_ab)
 #   bash bench/experiments/device_calls_next.sh smem      # issue 43: the convolution's window in shared memory or L1
+#                        (l1: its operand copies through L1, vocoder_conv_l1.py)
 #   bash bench/experiments/device_calls_next.sh rowstats  # issue 41: the CUTLASS producer epilogue's first run
 #   bash bench/experiments/device_calls_next.sh overlap   # issue 43: the vocoder under the CFM on two CUDA streams
 #                        (pipeline: tokens -> waveform with the vocoder one tick behind, against the front)
@@ -57,7 +58,7 @@ if [ -z "${NO_CUDA_EXT:-}" ] && ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; the
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (smem, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (smem, l1, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass|restore|ncu|rowstats|enc_patch|smem) ;; *) need_cuda ;; esac
@@ -192,6 +193,9 @@ case $mode in
       --quick --warmup --dtype fp16 --providers torch_cfm,torch_cfm/pipelined --out /tmp/pipe > "$OUT/pipeline.log" 2>&1
     cp /tmp/pipe/serving.jsonl "$OUT/pipeline.jsonl"; grep -E "Error|audio-s/s" "$OUT/pipeline.log" | grep -v warmup | tail -6
     grep -E "^\| r[0-9]" /tmp/pipe/serving.md | cut -d'|' -f5,7-9,12,18,20 ;;
+  l1)  # issue 43: the convolution's operand copies through L1 (8-byte cp.async.ca), per key and whole decode
+    timeout ${L1_TIMEOUT:-300} python3 bench/experiments/vocoder_conv_l1.py --families ${L1_FAMILIES:-tf32} \
+      --out "$OUT" > "$OUT/l1.log" 2>&1; echo "rc=$?"; grep -E "decode|x(6|12) " "$OUT/l1.log" | tail -40 ;;
   smem)  # issue 43: the convolution with its input window in shared memory (Gluon) or L1 (vocoder_conv_smem.py)
     # carry build_convw (libconvw.so built here, else nvcc builds it there)
     lib=; [ -f build_convw/libconvw.so ] && lib="--lib build_convw/libconvw.so"
