@@ -120,9 +120,10 @@ def _measured(fam: str, layer: str, chosen: str, rule: str, run: str) -> tuple[t
 
 
 # Keys where bench/vocoder_tiles.py measured tiles beating the rule by more than 3 % (H100, 64 streams x
-# 58 frames; rows in EVIDENCE_DATA): (family, layer, chosen tiles, the rule's tiles). The short-reduction
-# long phases (3-7 taps at 64-128 channels) gain from 64-frame tiles (more programs per SM); C = 256
-# and the 11-tap C = 128 key from 64-channel reduction steps. Other keys measured the rule fastest.
+# 58 frames; rows in EVIDENCE_DATA): (family, layer, chosen tiles, the rule's tiles). Long phases with
+# short reductions (3-7 taps at 64 channels, 3 at 128) gain from 64 x 64 tiles (more programs per SM);
+# TF32 at C = 256 and the 11-tap C = 128 key from 64-channel reduction steps. Other keys measured the
+# rule fastest.
 TABLE: dict[tuple, ConvTiles] = dict(_measured(*entry, run="20261207T193744Z-7d15f0") for entry in (
     ("tf32", "18x64x1x1xlong", "m128n64k32w8s3", "m128n64k32w4s3"),
     ("tf32", "18x128x6x1xlong", "m64n64k32w4s3", "m128n128k32w8s3"),
