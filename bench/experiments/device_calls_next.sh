@@ -85,8 +85,8 @@ case $mode in
       timeout 150 python3 bench/experiments/vocoder_profile.py --streams 64 --layers --out "$OUT" > "$OUT/layers.log" 2>&1
       grep -E "ms|layer" "$OUT/layers.log" | head -40
     fi
-    timeout ${TILES_TIMEOUT:-380} python3 bench/vocoder_tiles.py --quick --families ${TILES_FAMILIES:-tf32,fp16} --out "$OUT/vocoder_tiles" \
-      > "$OUT/vocoder_tiles.log" 2>&1; grep -vE "^compile " "$OUT/vocoder_tiles.log" | tail -45 ;;
+    timeout ${TILES_TIMEOUT:-380} python3 bench/vocoder_tiles.py --quick --families ${TILES_FAMILIES:-tf32,fp16} \
+      --out "$OUT/vocoder_tiles" > "$OUT/vocoder_tiles.log" 2>&1; grep -vE "^compile " "$OUT/vocoder_tiles.log" | tail -45 ;;
   tiles_ab)  # issue 43: the tile table against the rule over whole decodes, one process; after `tiles` in the
     # same call, also the table its sweep makes (vocoder_table_ab.py --candidate)
     cand=; [ -f "$OUT/vocoder_tiles/vocoder_tiles.json" ] && cand="--candidate $OUT/vocoder_tiles/vocoder_tiles.json"
@@ -162,14 +162,15 @@ case $mode in
       grep -vE "warmup \[" "$OUT/encprof_$c.log" | tail -60
     done ;;
   enc_patch)  # issue 43 item 2: a parked encoder patch (ENC_PATCH, a path in this tree) applied here,
-    # this tree copied to .old first; its tests (ENC_TESTS, whole files; ENC_PYTEST_ARGS="-m gpu" for the GPU ones), then enc_ab (waveform at 64 streams) against .old
+    # this tree copied to .old first; its tests (ENC_TESTS, whole files; ENC_PYTEST_ARGS="-m gpu" for the GPU
+    # ones), then enc_ab (waveform at 64 streams) against .old
     rm -rf .old && mkdir .old && cp -r torch_cfm compile_rules bench tests csrc setup.py pyproject.toml .old/
     rm -f .old/torch_cfm/compile_rules && ln -s ../compile_rules .old/torch_cfm/compile_rules
     [ -n "${ENC_PATCH:-}" ] || { echo "enc_patch: set ENC_PATCH to the patch to apply"; exit 2; }
     git apply "$ENC_PATCH" 2>/dev/null || patch -p1 -s < "$ENC_PATCH" || { echo "the patch does not apply"; exit 1; }
     for f in ${ENC_TESTS:-test_stepaudio2_server test_minicpmo_server test_conformer_attention test_vllm_omni}; do
-      timeout -s INT ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE ${ENC_PYTEST_ARGS:-} "tests/$f.py" \
-        > "$OUT/$f.log" 2>&1
+      timeout -s INT ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE ${ENC_PYTEST_ARGS:-} \
+        "tests/$f.py" > "$OUT/$f.log" 2>&1
       echo "$f: $(grep -E 'passed|failed|error' "$OUT/$f.log" | tail -1)"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -5
     done
     need_cuda; ENC_AB_STAGES=${ENC_AB_STAGES:-wav} bash "$0" enc_ab ;;
