@@ -307,7 +307,8 @@ typename G::Adapter::Arguments make_arguments(const void* a, const void* w, cons
 }  // namespace
 
 // One call, fp16 operands, all row-major: a (M, K), w (N, K), bias, gate (N,), x, d, xc (M, N) (x and d
-// float32 in forms 5 and 7), mean (M,) fp32, scale (N,) fp32 (= 1 + s); s1, s2: (N / 128, round_up(M, 128)) fp32 partial row sums.
+// float32 in forms 5 and 7), mean (M,) fp32, scale (N,) fp32 (= 1 + s); s1, s2: (N / 128,
+// round_up(M, 128)) fp32 partial row sums.
 // Returns 0 on success, else a cutlass::Status (or -1 for a CUDA error).
 // form: 0 the register-direct form, 1 the TMA form (Sm90ResidualRowStats' kTma), 3 the TMA form on
 // the ping-pong schedule; 5 and 7: forms 1 and 3 with a float32 residual stream (x and d float32).
