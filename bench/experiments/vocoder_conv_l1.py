@@ -5,8 +5,8 @@ Triton turns the fused convolution's operand loads (``kernels/vocoder_conv.py``)
 again, and every program reads the layer's weights from L2 again. The ResBlock convolutions run at
 the SMs' L2 ingest rate (``vocoder_conv_ncu.md``: 77-80 % L2 throughput). Triton picks
 ``cp.async.ca`` (cached in L1) only for copies narrower than 16 bytes; the variants here get it by
-hiding the channel offsets' contiguity beyond pairs (``(lane // 2) * 2 + lane % 2``: the same
-offsets, 8-byte copies):
+hiding the channel offsets' contiguity beyond 8 bytes (``(lane // VEC) * VEC + lane % VEC``: the
+same offsets, 8-byte copies):
 
 * ``shipped``: the kernel as it ships;
 * ``ca_a``: the input rows through L1 (8-byte ``cp.async.ca``), the weights as shipped;
@@ -17,6 +17,10 @@ follows the shipped kernel), swapped in for the shipped one while it is measured
 key of one 64-stream decode (``bench/vocoder_tiles.py``'s recording, the table's tiles): outputs
 against the shipped kernel's (the same products in the same order: bitwise equal expected), then
 µs per decode's worth of the key's calls in a CUDA graph; then the whole decode per variant.
+
+``vocoder_conv_l1_input.patch`` is ``ca_a`` as a change to the shipped kernel (and to the test of its
+sm_90 copies), ready for ``device_calls_next.sh enc_patch`` (its GPU tests, then tokens -> waveform
+against the tree without it).
 
     python3 bench/experiments/vocoder_conv_l1.py --out "$OUT"              # GPU
     python3 bench/experiments/vocoder_conv_l1.py --dry-run --out /tmp/l1   # CPU: interpreter, tiny HiFT
@@ -56,8 +60,9 @@ def variant_source(name: str) -> str:
             raise ValueError(f"vocoder_conv_l1: the shipped kernel changed ({anchor.strip()!r} not found)")
     src = src.replace("from ._launch", "from torch_cfm.kernels._launch").replace(
         "from .vocoder_", "from torch_cfm.kernels.vocoder_")
-    pairs = ("        lane = tl.arange(0, BLOCK_K)\n"
-             "        ci_pairs = (it % kb) * BLOCK_K + (lane // 2) * 2 + lane % 2  # the same offsets\n")
+    pairs = ("        lane = tl.arange(0, BLOCK_K)\n"  # the same offsets, contiguous in 8-byte runs
+             "        VEC: tl.constexpr = 64 // x_ptr.dtype.element_ty.primitive_bitwidth\n"
+             "        ci_pairs = (it % kb) * BLOCK_K + (lane // VEC) * VEC + lane % VEC\n")
     if name == "ca_a":  # the input rows' addresses through ci_pairs, the weights' through ci
         src = src.replace(_CI, _CI + pairs)
         src = src.replace("a = tl.load(x_row + idx[:, None] * C_in + ci[None, :]",
