@@ -150,6 +150,24 @@ def rel_to(outs: list, refs: list) -> float:
     return (num / den) ** 0.5 if den > 0 else float(num > 0)
 
 
+def table_entries(rows: list[dict], margin: float) -> list[tuple[str, str, str, str]]:
+    """The ``TABLE`` entries one run's rows make: (family, layer, chosen tiles, the rule's tiles) per key
+    whose fastest timed tiles beat the rule's by more than ``margin`` (rule µs / best µs > 1 + margin)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if r.get("op") == "vocoder_tiles" and not r.get("error") and r.get("us_p50") is not None:
+            sh = r["shape"]
+            layer = "x".join(str(sh[k]) for k in ("c_in", "c_out", "taps", "phases", "length"))
+            groups.setdefault((r["dtype"], layer), []).append(r)
+    entries = []
+    for (fam, layer), group in groups.items():
+        rule = next((r for r in group if r.get("rule")), None)
+        best = min(group, key=lambda r: r["us_p50"])
+        if rule is not None and best is not rule and rule["us_p50"] > (1 + margin) * best["us_p50"]:
+            entries.append((fam, layer, best["variant"], rule["variant"]))
+    return entries
+
+
 def compile_child(family: str, index: int, frames: int) -> int:
     """Compile every key's launch with candidate ``index`` (-1: the rule's tiles) into Triton's disk cache."""
     voc, mel, source = build(family, CHILD_STREAMS, frames, False, torch.device("cuda"))
@@ -210,7 +228,7 @@ def main(argv=None) -> int:
         compile_all(families, picks, frames, args.jobs)
     repeats = 5 if args.quick else args.repeats
     env = H.env_info()
-    rows, entries = [], []
+    rows = []
     for fam in families:
         voc, mel, source = build(fam, streams, frames, args.dry_run, device)
         groups = record(voc, mel, source)
@@ -250,11 +268,11 @@ def main(argv=None) -> int:
             line = (f"{fam:5s} {layer_text(key):22s} x{len(calls):<2d} rule {timed[0][0].name} {rule_us:8.1f} us, "
                     f"best {best_tiles.name} {best['us_p50']:8.1f} us")
             print(line, flush=True)
-            if best is not timed[0][1] and rule_us > (1 + args.margin) * best["us_p50"]:
-                entries.append(f'    ("{fam}", "{layer_text(key)}", "{best_tiles.name}", "{timed[0][0].name}"),')
     path = os.path.join(args.out, "vocoder_tiles.json")
     H.upsert_rows(path, rows)
     print(f"{len(rows)} rows -> {path}")
+    entries = [f'    ("{fam}", "{layer}", "{chosen}", "{rule}"),'
+               for fam, layer, chosen, rule in table_entries(rows, args.margin)]
     if entries:
         print(f"TABLE entries (kernels/vocoder_tiles.py, run=\"{env['run_id']}\"):\n" + "\n".join(entries))
     return 0

@@ -30,9 +30,10 @@ import vocoder as V  # noqa: E402
 
 
 def candidate_table(path: str, margin: float, shipped: dict) -> dict:
-    """The tile table a sweep's rows make: the newest run's, per (family, key) its fastest timed tiles
-    where the rule's time is more than (1 + margin) x theirs (as ``bench/vocoder_tiles.py`` prints);
+    """The tile table a sweep's rows make: the newest run's ``bench/vocoder_tiles.table_entries``;
     the shipped entries of the families the run did not sweep."""
+    from vocoder_tiles import table_entries
+
     from torch_cfm.kernels.vocoder_tiles import ConvTiles
 
     with open(path) as f:
@@ -40,18 +41,12 @@ def candidate_table(path: str, margin: float, shipped: dict) -> dict:
     if not rows:
         raise SystemExit(f"--candidate: no timed vocoder_tiles rows in {path}")
     run = max(r["run_id"] for r in rows)
-    groups: dict = {}
-    for r in (r for r in rows if r["run_id"] == run):
-        sh = r["shape"]
-        key = (r["dtype"], sh["c_in"], sh["c_out"], sh["taps"], sh["phases"], sh["length"])
-        groups.setdefault(key, []).append(r)
-    swept = {key[0] for key in groups}
+    rows = [r for r in rows if r["run_id"] == run]
+    swept = {r["dtype"] for r in rows}
     table = {key: tiles for key, tiles in shipped.items() if key[0] not in swept}
-    for key, group in groups.items():
-        rule = [r for r in group if r.get("rule")]
-        best = min(group, key=lambda r: r["us_p50"])
-        if rule and not best.get("rule") and rule[0]["us_p50"] > (1 + margin) * best["us_p50"]:
-            table[key] = ConvTiles.parse(best["variant"])
+    for fam, layer, chosen, _ in table_entries(rows, margin):
+        c_in, c_out, taps, phases, length = layer.split("x")
+        table[(fam, int(c_in), int(c_out), int(taps), int(phases), length)] = ConvTiles.parse(chosen)
     print(f"candidate table: {len(table)} keys, {sorted(swept)} from run {run}", flush=True)
     return table
 
