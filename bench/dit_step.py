@@ -462,7 +462,7 @@ def run_solve(cfg, b, t, l_len, dnames, args, env, base, n_steps=10) -> list[dic
         if "torch_cfm" in args.provider_set:
             rows.append(_row(env, **solve_fused_row(model, dtype, precision, b, t, l_len, n_steps,
                                                     (mu2, spks2, cond2, noised, cnnd, attd), mel64, common, args)))
-        def ref():
+        def ref(model=model):  # bound now: the loop deletes ``model`` at its end
             return reference_solve(model, mu2, spks2, cond2, x0d, cnnd, attd, n_steps)
 
         for prov, timing in (("reference_eager", "eager"), ("reference_graph", "cuda_graph")):
