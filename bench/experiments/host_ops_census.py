@@ -5,9 +5,11 @@ per-stream concatenations, state copies, slicing. Each eager ATen op that touche
 kernel launch plus the dispatcher's host time (several µs each on CUDA). Where a stage's eager ops
 run before its graph (or after a sync) the GPU waits for them.
 
-This counts them on the CPU: the server runs the tiny modules eagerly, an ATen dispatch mode counts
-every op per stage, and the functions that are CUDA graphs on a GPU (the CFM's whole solve, the
-encoder's slot call, the vocoder's chunk call) count as one replay each, their insides not counted.
+This counts them on the CPU (``tests/launch_census.py``): the server runs the tiny modules eagerly,
+an ATen dispatch mode counts every op per stage ("tick": the step's own work around the stages),
+and the functions that are CUDA graphs on a GPU (the CFM's whole solve, the encoder's slot call,
+the vocoder's chunk call) count as one replay each, their insides not counted. The chunks' tokens
+are int32, as the serving bench feeds them.
 
     python3 bench/experiments/host_ops_census.py --streams 16,64 [--out DIR]
 """
@@ -26,50 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [os.path.dirname(HERE), ROOT, os.path.join(ROOT, "tests")]
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-_VIEWS = {"view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "transpose", "t", "permute",
-          "expand", "as_strided", "narrow", "alias", "detach", "split", "unbind", "lift_fresh"}
-
-
-class Census(TorchDispatchMode):
-    """ATen ops per (stage, op), views apart (no kernel), while ``self.stage`` is set and no graph body runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stage, self.depth = None, 0
-        self.ops: collections.Counter = collections.Counter()
-        self.views: collections.Counter = collections.Counter()
-        self.replays: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.stage is not None and self.depth == 0:
-            name = func.overloadpacket.__name__
-            (self.views if name in _VIEWS else self.ops)[(self.stage, name)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def graph_body(census: Census, fn):
-    """``fn`` as a CUDA graph would run it: one replay, its ops not counted."""
-    def wrapped(*args, **kwargs):
-        if census.stage is not None and census.depth == 0:
-            census.replays[census.stage] += 1
-        census.depth += 1
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            census.depth -= 1
-    return wrapped
-
-
-def staged(census: Census, stage: str, fn):
-    def wrapped(*args, **kwargs):
-        saved, census.stage = census.stage, stage
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            census.stage = saved
-    return wrapped
+from launch_census import OpCensus, instrument  # noqa: E402
 
 
 def census_at(streams: int, ticks: int) -> dict:
@@ -89,18 +49,8 @@ def census_at(streams: int, ticks: int) -> dict:
     inputs = S.Inputs(U.TINY, wl, "cpu", torch.float32, voices=4)
     server = Token2wavServer(flow, hift, max_streams=streams, max_prompt_frames=wl.prompt_frames,
                              max_chunk_tokens=wl.chunk_tokens, n_timesteps=wl.n_steps, dtype=torch.float32)
-    census = Census()
-    enc = server.encoder
-    enc.call, enc.ragged_call = graph_body(census, enc.call), graph_body(census, enc.ragged_call)
-    voc = server.vocoder
-    if hasattr(voc, "call"):
-        voc.call = graph_body(census, voc.call)
-    solver = server.cfm_server.solver
-    solver_call = type(solver).__call__
-    type(solver).__call__ = lambda self, *a, **k: graph_body(census, solver_call)(self, *a, **k)
-    server.encoder = _StageProxy(enc, staged(census, "encoder", enc.__call__))
-    server.cfm_server.solve_chunk = staged(census, "cfm", server.cfm_server.solve_chunk)
-    server.vocoder = _StageProxy(voc, staged(census, "vocoder", voc.__call__))
+    census = OpCensus()
+    instrument(server, census)
     ids = list(range(streams))
     from torch_cfm.serving import StreamPrompt
 
@@ -110,7 +60,6 @@ def census_at(streams: int, ticks: int) -> dict:
         with census:
             for k in range(ticks):
                 server.step({sid: inputs.chunk(sid, k + 1) for sid in ids})
-    type(solver).__call__ = solver_call
     per_stage = collections.defaultdict(lambda: {"ops": 0, "views": 0, "replays": 0, "top": {}})
     for (stage, name), n in census.ops.items():
         per_stage[stage]["ops"] += n
@@ -125,19 +74,6 @@ def census_at(streams: int, ticks: int) -> dict:
         out[stage] = {"ops_per_tick": round(d["ops"] / ticks, 1), "views_per_tick": round(d["views"] / ticks, 1),
                       "replays_per_tick": round(d["replays"] / ticks, 1), "top_ops_per_tick": top}
     return out
-
-
-class _StageProxy:
-    """The stage with its ``__call__`` counted (the server calls ``self.vocoder(items)``)."""
-
-    def __init__(self, stage, call) -> None:
-        self._stage, self._call = stage, call
-
-    def __call__(self, items):
-        return self._call(items)
-
-    def __getattr__(self, name):
-        return getattr(self._stage, name)
 
 
 def main() -> int:
