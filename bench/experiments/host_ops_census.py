@@ -36,8 +36,8 @@ def census_at(streams: int, ticks: int) -> dict:
     import serving as S
     import upstream_flow as U
     import token2wav_reference as R
-    from torch_cfm.serving import Token2wavServer
     from torch_cfm.models.cache import TRIM_KEEP_OLDEST
+    from torch_cfm.serving import StreamPrompt, Token2wavServer
 
     torch.manual_seed(0)
     wl = S.Workload(prompt_tokens=10, chunk_tokens=28, prompt_mix=(), chunks=ticks + 2, n_steps=2, ticks=ticks,
@@ -52,8 +52,6 @@ def census_at(streams: int, ticks: int) -> dict:
     census = OpCensus()
     instrument(server, census)
     ids = list(range(streams))
-    from torch_cfm.serving import StreamPrompt
-
     server.open_many({sid: StreamPrompt(p.tokens, p.mel, p.spk, sid) for sid in ids for p in [inputs.prompt(sid)]})
     with torch.no_grad():
         server.step({sid: inputs.chunk(sid, 0) for sid in ids})  # the first chunk (no vocoder history)
