@@ -338,6 +338,35 @@ def test_errors(flow):
         server.close_stream("a")
 
 
+def test_a_tick_launches_the_same_few_ops_whatever_its_streams_or_their_token_dtypes(flow, hift):
+    """Outside its graphs (the encoder's slot call, the CFM's whole solve and the vocoder's call, one
+    replay each) a tick runs a fixed handful of ATen ops per stage (tests/launch_census.py): the
+    same at 2 and 6 streams, with token chunks in int64, int32 and int16 mixed in one tick
+    (converted once per group; the vocoder's stream state gathered and written inside its call).
+    The mels equal those of the same streams fed int64 only."""
+    from launch_census import OpCensus, instrument
+
+    def tick(streams, dtypes):
+        server = Token2wavServer(flow, hift, max_streams=streams, max_prompt_frames=40, n_timesteps=N_STEPS)
+        census = OpCensus()
+        instrument(server, census)
+        prompts = {s: U.make_prompt(U.TINY, 10, seed=s) for s in range(streams)}
+        server.open_many({s: StreamPrompt(p.tokens, p.mel, p.spk) for s, p in prompts.items()})
+        chunks = {s: U.make_chunks(U.TINY, 3, seed=40 + s) for s in range(streams)}
+        server.step({s: chunks[s][0] for s in range(streams)})
+        batch = {s: chunks[s][1].to(dtypes[s % len(dtypes)]) for s in range(streams)}
+        with census:
+            out = server.step(batch)
+        return census.per_stage(), {s: o.mel for s, o in out.items()}
+
+    mixed = (torch.int64, torch.int32, torch.int16)
+    (few, _), (many, mels) = tick(2, mixed), tick(6, mixed)
+    stages = {"encoder", "cfm"} | ({"vocoder"} if hift is not None else set())
+    assert few == many and set(many) == stages and max(many.values()) <= 6, (few, many)
+    _, want = tick(6, (torch.int64,))
+    assert all(torch.equal(mels[s], want[s]) for s in want)
+
+
 @pytest.mark.skipif(R.hift_missing_reason() is not None, reason=str(R.hift_missing_reason()))
 def test_waveform_first_chunk_covers_the_overlap(flow, hift):
     """The vocoder's cross-fade needs 8 mel frames from the first chunk (the upstream fails on a

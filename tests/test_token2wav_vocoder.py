@@ -112,6 +112,72 @@ def test_nan_in_one_stream_stays_in_that_stream(flow, hift):
             assert torch.isfinite(m[s]).all() and torch.equal(c[s], m[s]), s
 
 
+def _stage(flow, hift, streams=3):
+    return Token2wavServer(flow, hift, max_streams=streams, max_prompt_frames=80, n_timesteps=N_STEPS).vocoder
+
+
+def test_a_reused_slot_starts_clean_and_bad_mels_are_refused_before_anything_runs(flow, hift):
+    g = torch.Generator().manual_seed(8)
+    mels = [torch.randn(80, 10, generator=g) for _ in range(3)]
+    fresh = _stage(flow, hift)
+    fresh.open("d", seed=4)
+    want = [fresh([("d", m, False)])["d"] for m in mels]
+
+    stage = _stage(flow, hift)
+    stage.open("a", seed=1)
+    stage([("a", torch.randn(80, 10, generator=g), False)])
+    stage.close("a")  # its slot, holding a's frames and tails, goes to "d"
+    stage.open("d", seed=4)
+    stage.open("e", seed=5)
+    state = [t.clone() for t in (stage._mel, stage._source, stage._speech, stage._rng)]
+    for bad, match in ((torch.randn(81, 10), "mel must be \\(80, T"), (torch.randn(80, 10**4), "mel must be")):
+        with pytest.raises(ValueError, match=match):
+            stage([("e", mels[0], False), ("d", bad, False)])
+    assert all(torch.equal(a, b) for a, b in zip(state, (stage._mel, stage._source, stage._speech, stage._rng)))
+    got = [stage([("d", m, False)])["d"] for m in mels]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    stage([("e", torch.randn(80, 5, generator=g), False)])  # a first chunk shorter than the overlap
+    with pytest.raises(ValueError, match="at least 8 frames"):
+        stage([("e", mels[0], False)])
+
+
+@pytest.mark.gpu
+def test_gpu_graphed_stage_equals_the_eager_stage_bitwise(flow, hift):
+    """CUDA: the default vocoder stage replayed from its in-place graphs (a stream opened two ticks
+    late, padded batches, a tick of another chunk length) gives every stream the waveform of the
+    same stage run eagerly, bitwise; the graphs were captured and replayed."""
+    import copy
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(9)
+    opens = {"a": 0, "b": 0, "c": 2}
+    mels = {s: [torch.randn(80, 9 if k == 3 else 12, generator=g) for k in range(5)] for s in opens}
+
+    def drive(graphs: bool):
+        server = Token2wavServer(copy.deepcopy(flow).cuda(), copy.deepcopy(hift).cuda(), max_streams=4,
+                                 max_prompt_frames=80, n_timesteps=N_STEPS, stage_graphs=graphs)
+        stage, outs = server.vocoder, {s: [] for s in opens}
+        for tick in range(7):
+            for s, at in opens.items():
+                if at == tick:
+                    stage.open(s, seed=ord(s))
+            items = [(s, mels[s][tick - at].cuda(), tick - at == 4) for s, at in opens.items() if 0 <= tick - at < 5]
+            with torch.no_grad():  # as the server calls it (a call with grad enabled runs eagerly)
+                got = stage(items)
+            for s, wav in got.items():
+                outs[s].append(wav.cpu())
+        return outs, stage
+
+    (eager, _), (graphed, stage) = drive(False), drive(True)
+    for s in opens:
+        assert len(graphed[s]) == 5 and all(torch.equal(a, b) for a, b in zip(graphed[s], eager[s])), s
+    # two keys captured (2 and 1 rows at 12 frames, each on its second call), each replayed once
+    # more; a capturing call is not counted as a replay
+    entries = stage.call.cache.entries()
+    assert stage.call.graph_count >= 2 and sum(e.replays for e in entries) >= 2, stage.call.events
+
+
 def test_paced_streams_kept_out_of_the_voice_cache_leave_it_alone(flow, hift):
     """Under pacing, a stream opened with voice=False is neither looked up nor kept, and once the
     prompts are solved no request still holds a copy of its prompt's encoder state."""

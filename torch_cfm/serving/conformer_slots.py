@@ -21,6 +21,7 @@ from typing import Hashable, Optional, Sequence
 import torch
 
 from ..errors import fail
+from .slot_table import SlotTable
 
 
 class ConformerSlots:
@@ -38,15 +39,14 @@ class ConformerSlots:
                  dtypes: tuple[torch.dtype, torch.dtype], device: torch.device) -> None:
         self.slots, self.max_frames = int(slots), int(max_frames)
         depth, heads, width = att_shape
-        self.dump = self.slots  # the padding rows' slot
+        self.table = SlotTable(self.slots, "ConformerSlots")
+        self.dump = self.table.dump  # the padding rows' slot
         self.att = torch.zeros(depth, self.slots + 1, heads, self.max_frames, width, dtype=dtypes[1], device=device)
         self.cnn = torch.zeros(self.slots + 1, *cnn_shape, dtype=dtypes[0], device=device)
-        self._slot: dict[Hashable, int] = {}
         self._length: dict[Hashable, int] = {}
-        self._free = list(range(self.slots - 1, -1, -1))
 
     def __contains__(self, sid: Hashable) -> bool:
-        return sid in self._slot
+        return sid in self.table
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.att, self.cnn))
@@ -57,14 +57,11 @@ class ConformerSlots:
 
     def open(self, sid: Hashable) -> None:
         """A free slot for ``sid``, empty until :meth:`write`."""
-        if sid in self._slot:
-            fail("ConformerSlots.open", "sid", "name a stream not open here", repr(sid))
-        if not self._free:
-            fail("ConformerSlots.open", "sid", f"find a free slot of {self.slots}", "all taken")
-        self._slot[sid], self._length[sid] = self._free.pop(), 0
+        self.table.open(sid)
+        self._length[sid] = 0
 
     def close(self, sid: Hashable) -> None:
-        self._free.append(self._slot.pop(sid))
+        self.table.close(sid)
         del self._length[sid]
 
     def caches(self, sid: Hashable) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -72,7 +69,7 @@ class ConformerSlots:
         its first write."""
         if self._length[sid] == 0:
             return None, None
-        s, n = self._slot[sid], self._length[sid]
+        s, n = self.table.slot(sid), self._length[sid]
         return self.cnn[s:s + 1], self.att[:, s:s + 1, :, :n]
 
     def set_length(self, sids: Sequence[Hashable], frames: int) -> None:
@@ -82,9 +79,7 @@ class ConformerSlots:
     def index(self, sids: Sequence[Hashable], rows: Optional[int] = None) -> torch.Tensor:
         """(rows,) int64 slot numbers of ``sids`` on the slots' device (copied from pinned memory),
         padded to ``rows`` with :attr:`dump`."""
-        slots = [self._slot[s] for s in sids] + [self.dump] * ((rows or len(sids)) - len(sids))
-        cuda = self.att.device.type == "cuda"
-        return torch.tensor(slots, dtype=torch.int64, pin_memory=cuda).to(self.att.device, non_blocking=True)
+        return self.table.index(sids, rows, self.att.device)
 
     def gather_packed(self, index: torch.Tensor, frames: int, total: int, n1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The caches of slots ``index`` (B,) for a chunk that grows them from ``frames`` to ``total``
@@ -119,7 +114,7 @@ class ConformerSlots:
             fail("ConformerSlots.write", "cnn", f"have shape {(len(sids), *self.cnn.shape[1:])} and dtype "
                  f"{self.cnn.dtype}", f"{tuple(cnn.shape)} {cnn.dtype}")
         if len(sids) == 1:
-            s = self._slot[sids[0]]
+            s = self.table.slot(sids[0])
             self.att[:, s:s + 1, :, :att.shape[3]].copy_(att)
             self.cnn[s:s + 1].copy_(cnn)
         else:

@@ -179,11 +179,19 @@ class EncoderStage:
                 out.update(self._encode_equal(members))
         return out
 
+    def _tokens(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """A group's token rows (each (1, n), any integer dtype, any device) as one (rows, n) int64
+        tensor on the stage's device: one concatenation and one conversion a group, not one per
+        stream, and one dtype for the graph key whatever callers pass."""
+        if len({t.device for t in parts}) > 1:
+            parts = [t.to(self.device) for t in parts]
+        return torch.cat(parts, dim=0).to(device=self.device, dtype=torch.int64)
+
     def _encode_equal(self, members) -> dict:
         """One batch of equal shapes and prompt lengths through the in-place graph of its key."""
         sids, last = [m[0] for m in members], members[0][2]
         n, rows = len(sids), self.padded(len(sids))
-        tokens = torch.cat([m[1] for m in members] + [members[0][1]] * (rows - n), dim=0)
+        tokens = self._tokens([m[1] for m in members] + [members[0][1]] * (rows - n))
         length, prompt = self.slots.length(sids[0]), self._prompt[sids[0]]
         source, dest = self.slots.index(sids + [sids[0]] * (rows - n)), self.slots.index(sids, rows)
         with self.autocast():
@@ -229,7 +237,7 @@ class EncoderStage:
             first.append(F.pad(att[:n1, :, :, :length // 2], (0, 0, lb // 2 - length // 2, 0)))
             up.append(F.pad(att[n1:], (0, 0, lb - length, 0)))
         att1, att2 = torch.cat(first, dim=1), torch.cat(up, dim=1)
-        tokens = torch.cat([m[1] for m in rows], dim=0)
+        tokens = self._tokens([m[1] for m in rows])
         cnn = torch.cat([c for c, _ in caches], dim=0)
         t1 = tokens.shape[1] - (0 if last else self.lookahead)
         t2 = t1 * self.up_rate

@@ -228,7 +228,8 @@ class Token2wavServer:
                       stats=self.stats, budget=budget)
         if kind == "upstream":
             return HiFTStage(hift, **common)
-        return HiFTVocoderStage(hift, precision=precision, **common)
+        return HiFTVocoderStage(hift, precision=precision, max_streams=self.max_streams,
+                                max_chunk_frames=self.max_chunk_frames, **common)
 
     @staticmethod
     def _modules(op: str, flow: Any, hift: Any) -> tuple[Any, Any]:

@@ -20,16 +20,17 @@ from ..models.hift_capturable import MEL_CACHE_FRAMES
 from .voice_cache import content_key
 
 
-def as_tokens(server, op: str, arg: str, t: Any) -> torch.Tensor:
+def as_tokens(server, op: str, arg: str, t: Any, convert: bool = True) -> torch.Tensor:
     """Tokens (1, n) int64 on the encoder's device: one dtype whatever the caller passes, so a
-    graph key never depends on it."""
+    graph key never depends on it. ``convert=False``: checked and shaped only (a tick's chunks:
+    the encoder stage converts each group's tokens at once)."""
     if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.is_complex() or t.dtype == torch.bool:
         fail(op, arg, "be an integer torch.Tensor", type(t).__name__ if not isinstance(t, torch.Tensor) else str(t.dtype))
     if t.dim() == 1:
         t = t[None]
     if t.dim() != 2 or t.shape[0] != 1 or t.shape[1] == 0:
         fail(op, arg, "have shape (1, n) or (n,), n >= 1", shape_str(t))
-    return t.to(device=server.enc_device, dtype=torch.int64)
+    return t.to(device=server.enc_device, dtype=torch.int64) if convert else t
 
 
 def as_float(server, op: str, arg: str, t: Any, dims: int) -> torch.Tensor:
@@ -179,7 +180,7 @@ def check_chunks(server, op: str, chunks: Mapping[Hashable, Any]) -> list:
             # flushed, the flow not run
             staged.append((sid, None, True))
             continue
-        tokens = as_tokens(server, op, f"chunks[{sid!r}] tokens", tokens)
+        tokens = as_tokens(server, op, f"chunks[{sid!r}] tokens", tokens, convert=False)
         # The conformer's conv caches need 2 new tokens a chunk (its lookahead conv keeps 2 frames);
         # a waveform stream's first chunk needs the vocoder's 8 overlap frames (4 tokens).
         new_tokens = MEL_CACHE_FRAMES // server.up_rate if st.waveform and st.chunks == 0 else 2
