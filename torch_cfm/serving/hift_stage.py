@@ -55,8 +55,8 @@ class RngSlot:
 
 @dataclass
 class VocoderStreamState:
-    """One stream's vocoder state between chunks: its random state (a generator state, or a
-    counter-based (1, 2) int64 stream), the last mel frames, the source and speech overlap tails."""
+    """One stream's vocoder state between chunks (:class:`HiFTStage`): its generator state, the last
+    mel frames, the source and speech overlap tails."""
 
     rng: torch.Tensor
     mel: Optional[torch.Tensor] = None
