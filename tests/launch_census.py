@@ -57,10 +57,22 @@ class OpCensus(TorchDispatchMode):
         return wrapped
 
     def per_stage(self) -> dict[str, int]:
+        """{stage: ops counted} (views apart)."""
         out: collections.Counter = collections.Counter()
         for (stage, _), n in self.ops.items():
             out[stage] += n
         return dict(out)
+
+    def report(self, ticks: int) -> dict[str, dict]:
+        """Per stage and tick: ops, views, replays and the most frequent ops."""
+        out: dict[str, dict] = {}
+        for stage, ops in self.per_stage().items():
+            top = sorted(((name, n) for (st, name), n in self.ops.items() if st == stage), key=lambda kv: -kv[1])
+            views = sum(n for (st, _), n in self.views.items() if st == stage)
+            out[stage] = {"ops_per_tick": round(ops / ticks, 1), "views_per_tick": round(views / ticks, 1),
+                          "replays_per_tick": round(self.replays[stage] / ticks, 1),
+                          "top_ops_per_tick": {name: round(n / ticks, 1) for name, n in top[:8]}}
+        return out
 
 
 class _Stage:

@@ -17,7 +17,6 @@ are int32, as the serving bench feeds them.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import json
 import os
@@ -58,20 +57,7 @@ def census_at(streams: int, ticks: int) -> dict:
         with census:
             for k in range(ticks):
                 server.step({sid: inputs.chunk(sid, k + 1) for sid in ids})
-    per_stage = collections.defaultdict(lambda: {"ops": 0, "views": 0, "replays": 0, "top": {}})
-    for (stage, name), n in census.ops.items():
-        per_stage[stage]["ops"] += n
-        per_stage[stage]["top"][name] = round(n / ticks, 1)
-    for (stage, _), n in census.views.items():
-        per_stage[stage]["views"] += n
-    for stage, n in census.replays.items():
-        per_stage[stage]["replays"] += n
-    out = {}
-    for stage, d in per_stage.items():
-        top = dict(sorted(d["top"].items(), key=lambda kv: -kv[1])[:8])
-        out[stage] = {"ops_per_tick": round(d["ops"] / ticks, 1), "views_per_tick": round(d["views"] / ticks, 1),
-                      "replays_per_tick": round(d["replays"] / ticks, 1), "top_ops_per_tick": top}
-    return out
+    return census.report(ticks)
 
 
 def main() -> int:
