@@ -25,6 +25,8 @@
 #   bash bench/experiments/device_calls_next.sh restore   # issue 40: a voice hit's slot write, copy_ vs copy_wide_
 #   bash bench/experiments/device_calls_next.sh ncu       # issue 43: the fused convolutions under Nsight Compute
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
+#   bash bench/experiments/device_calls_next.sh attn_rows # issue 41: cfm_attention's tiles at 32-128 rows, sweep
+#                        then the steady CFM tick, rule against the sweep's best (attention_large_rows.py)
 #   bash bench/experiments/device_calls_next.sh stream    # issue 40's one minicpmo-utils stream alone
 #                        (causal_serving: tokens -> waveform, minicpmo-utils' causal vocoder, 16 and 64 streams)
 #   bash bench/experiments/device_calls_next.sh voices    # issue 40's voice-cache bars (4 voices, arrivals)
@@ -58,7 +60,7 @@ if [ -z "${NO_CUDA_EXT:-}" ] && ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; the
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (smem, l1, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (attn_rows, smem, l1, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass|restore|ncu|rowstats|enc_patch|smem) ;; *) need_cuda ;; esac
@@ -194,6 +196,9 @@ case $mode in
       --quick --warmup --dtype fp16 --providers torch_cfm,torch_cfm/pipelined --out /tmp/pipe > "$OUT/pipeline.log" 2>&1
     cp /tmp/pipe/serving.jsonl "$OUT/pipeline.jsonl"; grep -E "Error|audio-s/s" "$OUT/pipeline.log" | grep -v warmup | tail -6
     grep -E "^\| r[0-9]" /tmp/pipe/serving.md | cut -d'|' -f5,7-9,12,18,20 ;;
+  attn_rows)  # issue 41: the attention sweep at the server's large batches, then the whole tick A/B
+    timeout ${ATTN_TIMEOUT:-330} python3 bench/experiments/attention_large_rows.py --streams ${ATTN_STREAMS:-16,32,64} \
+      --out "$OUT" > "$OUT/attn_rows.log" 2>&1; echo "rc=$?"; grep -vE "warmup|^  " "$OUT/attn_rows.log" | tail -20 ;;
   l1)  # issue 43: the convolution's operand copies through L1 (8-byte cp.async.ca), per key and whole decode
     timeout ${L1_TIMEOUT:-300} python3 bench/experiments/vocoder_conv_l1.py --families ${L1_FAMILIES:-tf32} \
       --out "$OUT" > "$OUT/l1.log" 2>&1; echo "rc=$?"; grep -E "decode|x(6|12) " "$OUT/l1.log" | tail -40 ;;
