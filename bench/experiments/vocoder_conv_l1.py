@@ -18,9 +18,8 @@ key of one 64-stream decode (``bench/vocoder_tiles.py``'s recording, the table's
 against the shipped kernel's (the same products in the same order: bitwise equal expected), then
 µs per decode's worth of the key's calls in a CUDA graph; then the whole decode per variant.
 
-``vocoder_conv_l1_input.patch`` is ``ca_a`` as a change to the shipped kernel (and to the test of its
-sm_90 copies), ready for ``device_calls_next.sh enc_patch`` (its GPU tests, then tokens -> waveform
-against the tree without it).
+Measured on an H100 and dropped: ``vocoder_conv_l1.md`` (both variants 5-24 % slower per key, the decode
+17.0 -> 19.1 / 20.4 ms).
 
     python3 bench/experiments/vocoder_conv_l1.py --out "$OUT"              # GPU
     python3 bench/experiments/vocoder_conv_l1.py --dry-run --out /tmp/l1   # CPU: interpreter, tiny HiFT
