@@ -297,5 +297,44 @@ def cutlass_linear(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def not_supported_reasons(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+                          config: Union[str, int], path: Optional[str] = None) -> list[str]:
+    """Why :func:`linear_into` would leave this call to its caller (empty: it runs it): the library
+    absent or unusable, operands :func:`cutlass_linear` refuses (not on a CUDA device included), a GPU
+    other than SM90 (the kernels are sm_90a), or ``config`` not in the library."""
+    reasons = []
+    why = unavailable_reason(path)
+    if why is not None:
+        reasons.append(why)
+    try:
+        _check_operands(a, w, bias, out)
+    except ValueError as exc:
+        reasons.append(str(exc))
+    else:
+        major, minor = _capability(a.device)
+        if (major, minor) != (9, 0):
+            reasons.append(f"the library's kernels are sm_90a, {a.device} is sm_{major}{minor}")
+    if why is None and not any(config in (c.name, c.index) for c in configs(path)):
+        reasons.append(f"config {config!r} is not one of the library's {[c.name for c in configs(path)]}")
+    return reasons
+
+
+def linear_into(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+                config: Union[str, int], *, path: Optional[str] = None) -> bool:
+    """``out = a @ w.T (+ bias)`` on ``config`` (:func:`cutlass_linear`, no GELU); False, nothing
+    launched, where :func:`not_supported_reasons` is not empty, for the caller's cuBLAS fallback.
+    Shapes and dtypes: :func:`cutlass_linear`'s, with ``out`` given."""
+    if not_supported_reasons(a, w, bias, out, config, path):
+        return False
+    cutlass_linear(a, w, bias, config=config, out=out, path=path)
+    return True
+
+
 __all__ = ["CutlassConfig", "DEFAULT_PATH", "ENV_VAR", "Role", "body_roles", "configs", "cutlass_linear",
-           "library_path", "load_library", "unavailable_reason", "workspace_bytes"]
+           "library_path", "linear_into", "load_library", "not_supported_reasons", "unavailable_reason",
+           "workspace_bytes"]
