@@ -7,10 +7,9 @@ of a 41 ms tick). Floor: K and V once through HBM, 0.92 MB a row a call (118 MB 
 
 1. The sweep (``bench/attention.py``'s candidates, a few more for many programs, and every CUDA config built):
    µs per call in a CUDA graph and error against float64, at N = 32 / 64 / 128, Q = 50, K = 450, fp16.
-2. The whole steady tick (``CFMServer(graphs=True)``, ``bench/dit_step.settled_server``) at 16 / 32 / 64 streams,
-   fp16: the shipped rule against the sweep's best config at that N, both servers built and captured in this
-   process (the candidate patched into the rule only for calls of at least ``--min-rows-heads`` row-heads), timed
-   alternately over rounds; the two servers' mels compared.
+2. The whole steady tick (``tick_ab.py``) at 16 / 32 / 64 streams, fp16: the shipped rule against the sweep's best
+   config at that N (patched into the rule for calls of the tick's row-heads), both servers built and captured in
+   this process, timed alternately over rounds; the two servers' mels compared.
 
     python3 bench/experiments/attention_large_rows.py --out "$OUT"        # GPU (~4 min)
 """
@@ -30,8 +29,8 @@ sys.path[:0] = [os.path.dirname(HERE), ROOT]
 import torch  # noqa: E402
 
 import attention as A  # noqa: E402
-import dit_step as D  # noqa: E402
 from _harness import env_info  # noqa: E402
+from tick_ab import tick_ab  # noqa: E402
 
 
 def extra_triton_configs():
@@ -105,41 +104,6 @@ def patched_rules(candidate, min_rows_heads: int):
     return ctx
 
 
-def whole_tick(streams: int, candidate, min_rows_heads: int, rounds: int, repeats: int, base) -> dict:
-    import copy
-
-    dtype = torch.float16
-    args = argparse.Namespace(repeats=repeats)
-    sides = {}
-    for side in ("rule", "candidate"):
-        model = copy.deepcopy(base).to(device="cuda", dtype=dtype)
-        g = torch.Generator().manual_seed(2)
-        ctx = patched_rules(candidate, min_rows_heads) if side == "candidate" else None
-        with torch.no_grad():
-            if ctx is None:
-                server, chunks = D.settled_server(model, dtype, streams, 50, 450, 10, g)
-            else:
-                with ctx():
-                    server, chunks = D.settled_server(model, dtype, streams, 50, 450, 10, g)
-        sides[side] = (server, chunks)
-    ms = {s: [] for s in sides}
-    with torch.no_grad():
-        for _ in range(rounds):
-            for side, (server, chunks) in sides.items():
-                ms[side].append(D.time_replay(lambda: server.solve_chunk(chunks), args)["us_p50"] / 1000)
-        outs = {side: server.solve_chunk(chunks) for side, (server, chunks) in sides.items()}
-    diffs = []
-    for r in outs["rule"]:
-        a, b = outs["rule"][r].float(), outs["candidate"][r].float()
-        diffs.append(((a - b).norm() / a.norm()).item())
-    med = {s: sorted(v)[len(v) // 2] for s, v in ms.items()}
-    del sides
-    torch.cuda.empty_cache()
-    return {"streams": streams, "rows": 2 * streams, "candidate": candidate.name, "rule_ms": round(med["rule"], 3),
-            "candidate_ms": round(med["candidate"], 3), "ratio": round(med["candidate"] / med["rule"], 4),
-            "rounds_ms": {s: [round(x, 3) for x in v] for s, v in ms.items()}, "max_rel_diff": max(diffs)}
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--streams", default="16,32,64")
@@ -186,10 +150,11 @@ def main() -> int:
             if best[c].name == result["sweep"][2 * c]["rule"]:
                 print(f"{c} streams: the rule's config is the sweep's best; no tick A/B", flush=True)
                 continue
-            row = whole_tick(c, best[c], min_rows_heads=2 * c * 8, rounds=args.rounds, repeats=args.repeats,
-                             base=base)
-            print(f"tick {c} streams: rule {row['rule_ms']} ms, {row['candidate']} {row['candidate_ms']} ms "
-                  f"(x{row['ratio']}), rel diff {row['max_rel_diff']:.1e} {row['rounds_ms']}", flush=True)
+            row = tick_ab(c, {"rule": None, "candidate": patched_rules(best[c], 2 * c * 8)}, base,
+                          rounds=args.rounds, repeats=args.repeats)
+            row.update(candidate_config=best[c].name, ratio=round(row["candidate"] / row["rule"], 4))
+            print(f"tick {c} streams: rule {row['rule']} ms, {best[c].name} {row['candidate']} ms "
+                  f"(x{row['ratio']}), rel diff {row['max_rel_diff']} {row['rounds_ms']}", flush=True)
             result["tick"].append(row)
             json.dump(result, open(os.path.join(args.out, "attention_large_rows.json"), "w"), indent=1)
     print(f"done in {time.time() - t0:.0f} s", flush=True)
