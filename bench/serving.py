@@ -265,6 +265,7 @@ class TorchCfmProvider:
 
     prompt_steps = None  # Token2wavServer(prompt_steps_per_tick=...)
     voice_cache = False  # Token2wavServer(voice_cache_bytes=...): streams open with their voice key
+    vocoder_precision = "auto"  # Token2wavServer(vocoder_precision=...)
 
     def __init__(self, flow, hift, stage: str, c: int, wl: Workload, inputs: Inputs, device: str, dtype) -> None:
         if stage == "cfm" and self.encoder_batching is not True:
@@ -275,7 +276,8 @@ class TorchCfmProvider:
                                       n_timesteps=wl.n_steps, dtype=dtype, stage_graphs=STAGE_GRAPHS[0],
                                       encoder_batching=self.encoder_batching,
                                       prompt_steps_per_tick=self.prompt_steps,
-                                      voice_cache_bytes=VOICE_CACHE_BYTES if self.voice_cache else None)
+                                      voice_cache_bytes=VOICE_CACHE_BYTES if self.voice_cache else None,
+                                      vocoder_precision=self.vocoder_precision)
         self.open_gpu_ms: list[float] = []
         self.done: dict[int, int] = {}
         # ticks before the first streams' first chunks (their prompts spread over n/k ticks)
@@ -412,6 +414,14 @@ class TorchCfmEncRaggedProvider(TorchCfmProvider):
 
     name = "torch_cfm/enc_ragged"
     encoder_batching = "ragged"
+
+
+class TorchCfmVocFp16Provider(TorchCfmProvider):
+    """The front with its HiFT vocoder's convolutions on 16-bit operands (``vocoder_precision="fp16"``,
+    the explicit option; the default is TF32): tokens -> waveform only."""
+
+    name = "torch_cfm/voc_fp16"
+    vocoder_precision = "fp16"
 
 
 class VocoderProvider:
@@ -665,7 +675,7 @@ PROVIDERS = {"torch_cfm": TorchCfmProvider, "torch_cfm/paced": TorchCfmPacedProv
              "torch_cfm/voices": TorchCfmVoicesProvider, "upstream_ieee": UpstreamVocoderIeee,
              "upstream_tf32": UpstreamVocoderTf32,
              "torch_cfm/enc_per_stream": TorchCfmEncPerStreamProvider,
-             "torch_cfm/enc_ragged": TorchCfmEncRaggedProvider,
+             "torch_cfm/enc_ragged": TorchCfmEncRaggedProvider, "torch_cfm/voc_fp16": TorchCfmVocFp16Provider,
              "upstream": UpstreamProvider, "upstream_graph": UpstreamGraphProvider}
 
 
@@ -945,7 +955,8 @@ def main(argv=None) -> list[dict]:
                 if prov_name not in ("torch_cfm", "upstream_ieee", "upstream_tf32"):
                     continue
             elif prov_name in ("upstream_ieee", "upstream_tf32") or (prov_name == "upstream_graph" and stage != "cfm") \
-                    or (prov_name in ("torch_cfm/enc_per_stream", "torch_cfm/enc_ragged") and stage != "mel"):
+                    or (prov_name in ("torch_cfm/enc_per_stream", "torch_cfm/enc_ragged") and stage != "mel") \
+                    or (prov_name == "torch_cfm/voc_fp16" and stage != "wav"):
                 continue
             for c in cs:
                 if prov_name == "upstream" and c > up_max:

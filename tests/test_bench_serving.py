@@ -61,6 +61,19 @@ def test_smoke_rows_table_plot(tmp_path, capsys):
     assert (tmp_path / "serving.png").exists() or "matplotlib is not installed" in out
 
 
+def test_fp16_vocoder_provider_serves_waveforms(tmp_path):
+    """torch_cfm/voc_fp16: the front with vocoder_precision="fp16" (tokens -> waveform rows only)."""
+    rows = serving.main(["--device", "cpu", "--tiny", "--quick", "--concurrency", "2", "--ticks", "1", "--chunks", "2",
+                         "--warm-ticks", "0", "--stages", "cfm,wav", "--providers", "torch_cfm/voc_fp16",
+                         "--out", str(tmp_path)])
+    assert [(r["stage"], r["provider"]) for r in rows] == [("wav", "torch_cfm/voc_fp16")]
+    r = rows[0]
+    if not r.get("error", "").startswith("no HiFT"):
+        assert not r.get("error") and r["audio_s_per_s"] > 0
+    prov = serving.TorchCfmVocFp16Provider
+    assert prov.vocoder_precision == "fp16" and serving.PROVIDERS[prov.name] is prov
+
+
 def test_upstream_graph_peer_solves_like_the_upstream():
     """The peer's batched loop over the upstream estimator, each row vs the upstream's own
     ``solve_euler_chunk`` of that row alone (its batch-1 solver), fp32."""

@@ -27,6 +27,8 @@
 #   bash bench/experiments/device_calls_next.sh tests     # GPU tests of the vocoder and serving files
 #   bash bench/experiments/device_calls_next.sh attn_rows # issue 41: cfm_attention's tiles at 32-128 rows, sweep
 #                        then the steady CFM tick, rule against the sweep's best (attention_large_rows.py)
+#   bash bench/experiments/device_calls_next.sh wav_fp16  # issue 43: tokens -> waveform with the vocoder's fp16 option
+#                        beside the TF32 default, 16 and 64 streams, one run
 #   bash bench/experiments/device_calls_next.sh plan_ab   # issue 41: the cutlass_warp_rownorm body plan's GPU tests,
 #                        then the steady CFM tick against the table's plan (plan_tick_ab.py; carry build_cutlass)
 #   bash bench/experiments/device_calls_next.sh stream    # issue 40's one minicpmo-utils stream alone
@@ -62,7 +64,7 @@ if [ -z "${NO_CUDA_EXT:-}" ] && ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; the
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (plan_ab, attn_rows, smem, l1, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (wav_fp16, plan_ab, attn_rows, smem, l1, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass|restore|ncu|rowstats|enc_patch|smem) ;; *) need_cuda ;; esac
@@ -198,6 +200,10 @@ case $mode in
       --quick --warmup --dtype fp16 --providers torch_cfm,torch_cfm/pipelined --out /tmp/pipe > "$OUT/pipeline.log" 2>&1
     cp /tmp/pipe/serving.jsonl "$OUT/pipeline.jsonl"; grep -E "Error|audio-s/s" "$OUT/pipeline.log" | grep -v warmup | tail -6
     grep -E "^\| r[0-9]" /tmp/pipe/serving.md | cut -d'|' -f5,7-9,12,18,20 ;;
+  wav_fp16)  # issue 43: the front with vocoder_precision="fp16" beside the default (TF32 vocoder), one run
+    timeout ${WAV_TIMEOUT:-400} python3 bench/serving.py --stages wav --concurrency ${WAV_C:-16,64} --quick --warmup \
+      --dtype fp16 --providers torch_cfm,torch_cfm/voc_fp16 --out "$OUT" > "$OUT/wav_fp16.log" 2>&1
+    grep -E "^\| r[0-9]" "$OUT/serving.md" | cut -d'|' -f5-9,12,18,20 ;;
   plan_ab)  # issue 41: the CUTLASS body plan's GPU tests, then the steady tick at 16 / 32 / 64 streams against the table
     export TORCH_CFM_CUTLASS_SO=${TORCH_CFM_CUTLASS_SO:-$PWD/build_cutlass/libtcfm_cutlass.so}
     timeout -s INT ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_cutlass_gemm.py \
