@@ -1,7 +1,8 @@
 """The DiT body's GEMMs on CUTLASS (``torch_cfm.kernels.cutlass_gemm``, ``libtcfm_cutlass.so``).
 
 CPU: the loader's reasons for an absent or broken library, the body's role shapes, the operand
-checks (ValueError naming the argument) and ``linear_into`` leaving what it cannot run to its caller. GPU (gpu-marked; skipped where the library is not built or
+checks (ValueError naming the argument) and ``linear_into`` leaving what it cannot run to its caller.
+GPU (gpu-marked; skipped where the library is not built or
 the GPU is not SM90): every config x role x dtype against a float64 product, within the oracle of
 cuBLAS called as the body calls it, at 32 and 128 rows and at tile edges (M = 1, 77), with NaN-poisoned
 outputs fully written and nothing written past them; strided operands; PDL launches bitwise equal to

@@ -451,11 +451,10 @@ def test_fused_attention_arena_form_writes_the_shipped_arena(case, interp_result
 def test_cutlass_plan_falls_back_to_the_shipped_arena_bits(case, interp_results):
     """cutlass_warp_rownorm where its library cannot run (CPU operands): every output and the arena
     bitwise the shipped arena plan's (cublas_warp_rownorm, which it is but for the GEMMs' kernel)."""
-    for suffix in ("", "/arena"):
-        shipped = interp_results[f"{case['name']}_cublas_warp_rownorm{suffix}"]
-        cut = interp_results[f"{case['name']}_cutlass_warp_rownorm{suffix}"]
-        for a, b in zip(*((shipped, cut) if suffix == "" else ((shipped,), (cut,)))):
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), suffix
+    shipped, cut = ((*interp_results[f"{case['name']}_{p}"], interp_results[f"{case['name']}_{p}/arena"])
+                    for p in ("cublas_warp_rownorm", "cutlass_warp_rownorm"))
+    for name, a, b in zip(("velocity", "cnn_cache", "att_cache", "arena"), shipped, cut):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
 
 
 @pytest.mark.gpu
