@@ -467,8 +467,8 @@ def test_gpu_cutlass_plan_within_oracle(dtype, monkeypatch):
 
     if cg.unavailable_reason() is not None:
         pytest.skip(cg.unavailable_reason())
-    calls, real = [], cg.cutlass_linear
-    monkeypatch.setattr(cg, "cutlass_linear", lambda *a, **k: calls.append(k["config"]) or real(*a, **k))
+    calls, real = [], cg._launch
+    monkeypatch.setattr(cg, "_launch", lambda lib, cfg, *a: calls.append(cfg.name) or real(lib, cfg, *a))
     with use_plan("cutlass_warp_rownorm"):
         _assert_fused_within_oracle(dtype, None)
     assert calls == ["pingpong_128x128"] * (5 * GPU_CFG.depth)

@@ -271,7 +271,13 @@ def cutlass_linear(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor
     lib = load_library(path)
     if lib is None:
         return None
-    cfg = _resolve_config(config, gelu, path)
+    return _launch(lib, _resolve_config(config, gelu, path), a, w, bias, gelu, out, workspace, pdl, path)
+
+
+def _launch(lib: ctypes.CDLL, cfg: CutlassConfig, a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+            gelu: bool, out: Optional[torch.Tensor], workspace: Optional[torch.Tensor], pdl: bool,
+            path: Optional[str]) -> torch.Tensor:
+    """:func:`cutlass_linear` after its operand checks: the workspace, the output and the launch."""
     m, k = a.shape
     n = w.shape[0]
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
@@ -331,7 +337,8 @@ def linear_into(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], 
     Shapes and dtypes: :func:`cutlass_linear`'s, with ``out`` given."""
     if not_supported_reasons(a, w, bias, out, config, path):
         return False
-    cutlass_linear(a, w, bias, config=config, out=out, path=path)
+    cfg = next(c for c in configs(path) if config in (c.name, c.index))
+    _launch(load_library(path), cfg, a, w, bias, False, out, None, False, path)
     return True
 
 

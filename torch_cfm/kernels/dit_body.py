@@ -281,7 +281,7 @@ class _BodyCall:
                                                              config=self.fc2_config, tf32=self.tf32):
             y_fc2, b_fc2 = self.fc2_parts, blk.fc2_b  # the row-norm adds the partials and the bias
         else:
-            self.gemm("cutlass" if self.p.fc2 == "cutlass" else "cublas", fbuf, blk.fc2_w, blk.fc2_b, self.y)
+            self.gemm(self.p.fc2, fbuf, blk.fc2_w, blk.fc2_b, self.y)  # wgmma_splitk that could not run: cuBLAS
             y_fc2, b_fc2 = self.y, None
         rownorm(y_fc2, self.h, a, self.valid, bias=b_fc2, table=self.table, gate=_mod_off(i, GATE_M, c),
                 shift=_mod_off(nxt[0], nxt[1], c), scale=_mod_off(nxt[0], nxt[2], c), **self.rn, **self.common)
