@@ -184,30 +184,6 @@ def test_fused_attention_arena_plan_is_named_only():
         dataclasses.replace(plan, arena_qkv="wgmma_qk_cache")
 
 
-def test_cutlass_plan_is_named_only():
-    """cutlass_warp_rownorm: cublas_warp_rownorm with qkv, proj, the conv taps and fc2 on the CUTLASS
-    library's pingpong_128x128 config; chosen by name only (16-bit families), never by the table."""
-    plan = bp.CUTLASS_WARP_ROWNORM_16BIT
-    for dtype in (torch.float16, torch.bfloat16):
-        assert bp.named_plan("cutlass_warp_rownorm", dtype, None) is plan
-    assert plan.uses_cutlass and plan.cutlass == "pingpong_128x128" and plan.arena_plan is None
-    assert plan.roles() == "qkv=cutlass, proj=cutlass, conv=cutlass, fc2=cutlass"
-    assert dataclasses.replace(plan, name="cublas_warp_rownorm", qkv="cublas", proj="cublas", conv="cublas",
-                               fc2="cublas", cutlass=None,
-                               evidence=bp.CUBLAS_WARP_ROWNORM_16BIT.evidence) == bp.CUBLAS_WARP_ROWNORM_16BIT
-    assert not any(p.uses_cutlass for p in _plans_in_use())
-    for family in ("tf32", "ieee"):
-        with pytest.raises(ValueError, match="plan"):
-            bp.named_plan("cutlass_warp_rownorm", *FAMILIES[family])
-    # the config is named exactly when a role runs on the library
-    with pytest.raises(ValueError, match="cutlass"):
-        dataclasses.replace(plan, cutlass=None)
-    with pytest.raises(ValueError, match="cutlass"):
-        bp.BodyPlan("x", cutlass="pingpong_128x128")
-    with pytest.raises(ValueError, match="fc1"):
-        bp.BodyPlan("x", fc1="cutlass", cutlass="pingpong_128x128")
-
-
 def test_pdl_of_a_plan():
     pytest.importorskip("triton")
     from torch_cfm.kernels._launch import plan_pdl

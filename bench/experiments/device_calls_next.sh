@@ -29,7 +29,7 @@
 #                        then the steady CFM tick, rule against the sweep's best (attention_large_rows.py)
 #   bash bench/experiments/device_calls_next.sh wav_fp16  # issue 43: tokens -> waveform with the vocoder's fp16 option
 #                        beside the TF32 default, 16 and 64 streams, one run
-#   bash bench/experiments/device_calls_next.sh plan_ab   # issue 41: the cutlass_warp_rownorm body plan's GPU tests,
+#   bash bench/experiments/device_calls_next.sh plan_ab   # issue 41: cutlass_body_plan.patch applied, its GPU tests,
 #                        then the steady CFM tick against the table's plan (plan_tick_ab.py; carry build_cutlass)
 #   bash bench/experiments/device_calls_next.sh stream    # issue 40's one minicpmo-utils stream alone
 #                        (causal_serving: tokens -> waveform, minicpmo-utils' causal vocoder, 16 and 64 streams)
@@ -206,6 +206,8 @@ case $mode in
     grep -E "^\| r[0-9]" "$OUT/serving.md" | cut -d'|' -f5-9,12,18,20 ;;
   plan_ab)  # issue 41: the CUTLASS body plan's GPU tests, then the steady tick at 16 / 32 / 64 streams against the table
     export TORCH_CFM_CUTLASS_SO=${TORCH_CFM_CUTLASS_SO:-$PWD/build_cutlass/libtcfm_cutlass.so}
+    git apply bench/experiments/cutlass_body_plan.patch 2>/dev/null || patch -p1 -s -N < bench/experiments/cutlass_body_plan.patch \
+      || echo "cutlass_body_plan.patch does not apply (already applied?)"
     timeout -s INT ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_cutlass_gemm.py \
       tests/test_dit_body.py -k "cutlass or arena_plans" > "$OUT/test_plan_ab.log" 2>&1
     echo "plan tests: $(grep -E 'passed|failed|error' "$OUT/test_plan_ab.log" | tail -1)"

@@ -7,8 +7,7 @@ Plans are named after what they run: "cublas" (cuBLAS GEMMs, Triton row-norm, q/
 attention kernels), "cublas_warp_rownorm" (the same with one-warp row-norm programs),
 "fused_attention" (the q/k norm and cache write fused into the attention kernel; no arena form),
 "fused_attention_warp_rownorm" (the same with one-warp row-norm programs, and an arena form: the
-attention kernel appends to the arena itself), "cutlass_warp_rownorm" (cublas_warp_rownorm with four of the
-GEMMs on the CUTLASS library) and "wgmma" (the GEMMs on the SM90a wgmma kernel).
+attention kernel appends to the arena itself) and "wgmma" (the GEMMs on the SM90a wgmma kernel).
 :data:`TABLE` maps (dtype family, row bucket) to the plan measured fastest there; each plan cites the
 bench rows that chose it (``evidence``, resolved by :func:`evidence_rows`).
 :func:`torch_cfm.kernels.dit_body.dit_body_triton` reads one plan and nothing else; benches and tests
@@ -38,12 +37,12 @@ ANY_ROWS = 1 << 62  # the upper end of the last row bucket
 # and q/k-cache work of attention "qk_cache+cfm_attention" on the arena; attention "attention_cache"
 # does that work in its own kernel (its APPEND mode), so its plans keep arena_qkv at "qk_cache".
 ROLE_KERNELS = {
-    "qkv": ("cublas", "wgmma", "cutlass"),
+    "qkv": ("cublas", "wgmma"),
     "attention": ("qk_cache+cfm_attention", "attention_cache"),  # attention_cache: q/k norm, cache, attention
-    "proj": ("cublas", "wgmma", "cutlass"),
-    "conv": ("cublas", "wgmma", "cutlass"),
+    "proj": ("cublas", "wgmma"),
+    "conv": ("cublas", "wgmma"),
     "fc1": ("cublas_gelu", "wgmma_gelu"),
-    "fc2": ("cublas", "wgmma_splitk", "cutlass"),  # wgmma_splitk: fp32 partials, summed by the row-norm behind it
+    "fc2": ("cublas", "wgmma_splitk"),  # wgmma_splitk: fp32 partials, summed by the row-norm behind it
     "rownorm": ("triton",),
     "arena_qkv": ("qk_cache", "wgmma_qk_cache"),  # wgmma_qk_cache: the q/k-cache work in the QKV epilogue
 }
@@ -71,9 +70,7 @@ class BodyPlan:
     (name, value) pairs in place of ``dit_attention.attention_tiles``' launch parameters (the
     attention_cache kernel); ``fallback``: the plan run where the wgmma kernel cannot (not SM90a, or PDL
     off); ``arena_plan``: the plan run on the in-place arena when this one has no arena form (None: it
-    has one); ``cutlass``: the CUTLASS library's config (``kernels.cutlass_gemm``) of the roles on
-    "cutlass" (each falls back to cuBLAS call by call where the library cannot run it), None when no
-    role is; ``evidence``: the measurement behind it, as (this plan's row, the alternative's row)
+    has one); ``evidence``: the measurement behind it, as (this plan's row, the alternative's row)
     pairs of bench row ids (:func:`row_id`), each pair measured in one run.
     """
 
@@ -92,7 +89,6 @@ class BodyPlan:
     attention_launch: tuple = ()
     fallback: Optional["BodyPlan"] = None
     arena_plan: Optional["BodyPlan"] = None
-    cutlass: Optional[str] = None
     evidence: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -103,9 +99,6 @@ class BodyPlan:
         if self.attention == "attention_cache" and self.arena_qkv != "qk_cache":
             raise ValueError(f"BodyPlan {self.name!r}: attention 'attention_cache' appends to the arena itself, "
                              f"so arena_qkv must be 'qk_cache', got {self.arena_qkv!r}")
-        if self.uses_cutlass != (self.cutlass is not None):
-            raise ValueError(f"BodyPlan {self.name!r}: cutlass names the config of the roles on 'cutlass', so it "
-                             f"must be set exactly when one is, got {self.cutlass!r}")
         if not self.pdl <= PDL_CAPABLE_KERNELS:
             raise ValueError(f"BodyPlan {self.name!r}: pdl must be a subset of {sorted(PDL_CAPABLE_KERNELS)}, "
                              f"got {sorted(self.pdl)}")
@@ -116,11 +109,6 @@ class BodyPlan:
         """Whether any role runs on the SM90a wgmma kernel (:mod:`torch_cfm.kernels.dit_linear_cuda`)."""
         return "wgmma" in (self.qkv, self.proj, self.conv) or self.fc1 == "wgmma_gelu" \
             or self.fc2 == "wgmma_splitk" or self.arena_qkv == "wgmma_qk_cache"
-
-    @property
-    def uses_cutlass(self) -> bool:
-        """Whether any role runs on the CUTLASS library (:mod:`torch_cfm.kernels.cutlass_gemm`)."""
-        return "cutlass" in (self.qkv, self.proj, self.conv, self.fc2)
 
     def roles(self) -> str:
         """The roles off cuBLAS, for explain()."""
@@ -167,13 +155,6 @@ FUSED_ATTENTION_16BIT = BodyPlan(
 # cublas_warp_rownorm on the arena: no bucket picks it (not measured yet)
 FUSED_ATTENTION_WARP_ROWNORM_16BIT = dataclasses.replace(
     FUSED_ATTENTION_16BIT, name="fused_attention_warp_rownorm", rownorm_launch=(1, 1), arena_plan=None, evidence=())
-# cublas_warp_rownorm with qkv, proj, the conv taps and fc2 on the CUTLASS library's persistent ping-pong
-# 128 x 128 kernel, which beat cuBLAS at each of these roles at 128 rows in its GEMM bench (fp16, H100,
-# bench/results/cutlass_gemm.json run 20261207T083942Z-9c4840; fc1 + GELU stays on cuBLASLt, faster there). For
-# A/B runs on the arena: no bucket picks it before the whole step is measured
-CUTLASS_WARP_ROWNORM_16BIT = dataclasses.replace(
-    CUBLAS_WARP_ROWNORM_16BIT, name="cutlass_warp_rownorm", qkv="cutlass", proj="cutlass", conv="cutlass",
-    fc2="cutlass", cutlass="pingpong_128x128", evidence=())
 # fp32 form for A/B runs only: no bucket picks it (CUBLAS_FP32's evidence has it slower)
 FUSED_ATTENTION_FP32 = dataclasses.replace(FUSED_ATTENTION_16BIT, pdl=CUBLAS_FP32.pdl, arena_plan=CUBLAS_FP32,
                                            evidence=())
@@ -211,11 +192,9 @@ UNKNOWN_ROWS = {"fp16": CUBLAS_16BIT, "bf16": CUBLAS_16BIT, "tf32": CUBLAS_FP32,
 # Plans by name per family, for benches and tests comparing plans the table does not pick there
 NAMED = {
     "fp16": {"cublas": CUBLAS_16BIT, "fused_attention": FUSED_ATTENTION_16BIT, "wgmma": WGMMA_16BIT,
-             "fused_attention_warp_rownorm": FUSED_ATTENTION_WARP_ROWNORM_16BIT,
-             "cutlass_warp_rownorm": CUTLASS_WARP_ROWNORM_16BIT},
+             "fused_attention_warp_rownorm": FUSED_ATTENTION_WARP_ROWNORM_16BIT},
     "bf16": {"cublas": CUBLAS_16BIT, "fused_attention": FUSED_ATTENTION_16BIT, "wgmma": WGMMA_16BIT,
-             "fused_attention_warp_rownorm": FUSED_ATTENTION_WARP_ROWNORM_16BIT,
-             "cutlass_warp_rownorm": CUTLASS_WARP_ROWNORM_16BIT},
+             "fused_attention_warp_rownorm": FUSED_ATTENTION_WARP_ROWNORM_16BIT},
     "tf32": {"cublas": CUBLAS_FP32, "fused_attention": FUSED_ATTENTION_FP32, "wgmma": WGMMA_TF32},
     "ieee": {"cublas": CUBLAS_FP32, "fused_attention": FUSED_ATTENTION_FP32},
 }
