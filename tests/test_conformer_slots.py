@@ -15,6 +15,8 @@ written directly with ``torch_cfm.models.cache.trim_attention_cache``: stepaudio
 
 from __future__ import annotations
 
+import copy
+
 import types
 
 import pytest
@@ -146,6 +148,36 @@ def test_trim_pieces_equal_the_trim_rules(causal, prompt, frames):
     others = [s for s in range(7) if s not in dest.tolist()]
     assert torch.equal(slots.att[:, others], before[:, others])
     assert torch.equal(slots.cnn[dest], cnn)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("prompt,length,frames", [(0, 0, 60), (40, 40, 90), (40, 140, 240), (64, 164, 264),
+                                                  (300, 300, 400), (300, 400, 450), (40, 100, 200)])
+def test_changed_pieces_write_the_slots_the_trim_writes(causal, prompt, length, frames):
+    """A tick's packed cache gathered from ``length`` frames of the slots (the token-rate layers' first
+    length // 2, as the encoder stage gathers them) and grown to ``frames``: the changed pieces leave
+    the slots bitwise as the full trim's pieces do, writing no more frames than they."""
+    g = torch.Generator().manual_seed(prompt * 1000 + length + frames)
+    stage = _stage(causal)
+    stage.changed_pieces = lambda pieces, n, depth: EncoderStage.changed_pieces(stage, pieces, n, depth)
+    slots = ConformerSlots(6, max(length, prompt + TRIM_KEEP_OLDEST) + 8, (TRIM_DEPTH, HEADS, WIDTH), (7, 6),
+                           (torch.float32, torch.float32), torch.device("cpu"))
+    slots.att.normal_(generator=g)
+    rows = torch.tensor([4, 0, 2])
+    att = torch.randn(TRIM_DEPTH, 3, HEADS, frames, WIDTH, generator=g)  # the packed cache after the layers
+    att[:TRIM_N1, :, :, :length // 2] = slots.att[:TRIM_N1, rows, :, :length // 2]
+    att[TRIM_N1:, :, :, :length] = slots.att[TRIM_N1:, rows, :, :length]
+    cnn = torch.randn(3, 7, 6, generator=g)
+    full, changed = copy.deepcopy(slots), copy.deepcopy(slots)
+    pieces = stage.trim_pieces(frames, prompt)
+    full.scatter(rows, cnn, att, pieces)
+    fewer = stage.changed_pieces(pieces, length, TRIM_DEPTH)
+    changed.scatter(rows, cnn, att, fewer)
+    assert torch.equal(changed.att, full.att) and torch.equal(changed.cnn, full.cnn)
+    frames_of = lambda ps: sum(n * len(range(*ls.indices(TRIM_DEPTH))) for ls, _, _, n in ps)  # noqa: E731
+    assert frames_of(fewer) <= frames_of(pieces)
+    if length == 0:
+        assert frames_of(fewer) == frames_of(pieces)
 
 
 def test_an_odd_prompt_under_the_causal_rule_is_refused():

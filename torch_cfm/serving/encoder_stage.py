@@ -145,6 +145,26 @@ class EncoderStage:
             fail("EncoderStage.trim", "prompt", "be even (the packed token-rate cache holds it halved)", str(prompt))
         return out + [(rest, 0, 0, prompt), (rest, prompt, frames - TRIM_KEEP_OLDEST, TRIM_KEEP_OLDEST)]
 
+    def changed_pieces(self, pieces: list[tuple[slice, int, int, int]], length: int,
+                       depth: int) -> list[tuple[slice, int, int, int]]:
+        """``pieces`` (:meth:`trim_pieces` of a packed cache grown from ``length`` gathered frames) less
+        the frames they would write back unchanged into the slot they were gathered from: a copy to
+        frame ``to`` from packed frame ``src == to`` below the gathered frames (the token-rate layers'
+        first ``length // 2``, the others' first ``length``: :meth:`_packed_chunk`). In a steady tick
+        that is the prompt's frames: every layer rewrote them before. Valid only where each row's
+        destination slot is its source (the dump slot of padding rows may keep stale frames)."""
+        out = []
+        for layers, to, src, n in pieces:
+            lo, hi, _ = layers.indices(depth)
+            for g_lo, g_hi, gathered in ((0, self._n1, length // 2), (self._n1, depth, length)):
+                a, b = max(lo, g_lo), min(hi, g_hi)
+                if a >= b:
+                    continue
+                skip = min(n, gathered - src) if to == src and src < gathered else 0
+                if n > skip:
+                    out.append((slice(a, b), to + skip, src + skip, n - skip))
+        return out
+
     def trim(self, att: torch.Tensor, prompt: int) -> torch.Tensor:
         """A batch's packed cache (depth, B, H, L, 2·d_k) trimmed (:meth:`trim_pieces`): ``att``
         itself when nothing is cut, else a new tensor."""
@@ -214,7 +234,8 @@ class EncoderStage:
         else:
             mu, new_cnn, new_att = self._packed_chunk(tokens, source, length, last)
         self._mu[:mu.shape[0], :mu.shape[1]].copy_(mu)
-        self.slots.scatter(dest, new_cnn, new_att, self.trim_pieces(new_att.shape[3], prompt))
+        pieces = self.trim_pieces(new_att.shape[3], prompt)
+        self.slots.scatter(dest, new_cnn, new_att, self.changed_pieces(pieces, length, new_att.shape[0]))
 
     def _encode_ragged(self, members) -> dict:
         """One batch of streams whose conformer caches differ in length: each layer's cache
