@@ -263,12 +263,12 @@ SWEEP_FUSED_ATTENTION = ({}, {"num_warps": 8}, {"num_stages": 2}, {"block_k": 32
                          {"copy_f": 32}, {"copy_f": 128}, {"block_k": 64}, {"block_c": 64, "copy_f": 128})
 
 
-def _plan(name: str, **changes):
+def _plan(plan_name: str, **changes):
     """Sweep plan factory: the dtype family's plan ``name`` ("table": the table's for the rows) with
     ``changes`` (BodyPlan fields), for :func:`torch_cfm.kernels.body_plans.use_plan`."""
     def make(dtype, precision, n_rows, arena):
-        base = body_plan(dtype, precision, n_rows, arena=arena) if name == "table" else \
-            named_plan(name, dtype, precision)
+        base = body_plan(dtype, precision, n_rows, arena=arena) if plan_name == "table" else \
+            named_plan(plan_name, dtype, precision)
         return dataclasses.replace(base, **changes)
     return make
 
@@ -322,6 +322,11 @@ def sweep_plans(swept: set) -> list:
         # arena form (16-bit; at >= 32 rows the two differ in the attention role only)
         plans += [("arena", "sweep_arena_attention_table", _plan("table")),
                   ("arena", "sweep_arena_attention_fused_warp_rownorm", _plan("fused_attention_warp_rownorm"))]
+    if "cutlass" in swept:  # the arena step: cutlass_warp_rownorm against its GEMMs on cuBLAS (cublas_warp_rownorm)
+        plans += [("arena", "sweep_arena_cublas_warp_rownorm",
+                   _plan("cutlass_warp_rownorm", name="cublas_warp_rownorm", qkv="cublas", proj="cublas",
+                         conv="cublas", fc2="cublas", cutlass=None)),
+                  ("arena", "sweep_arena_cutlass_warp_rownorm", _plan("cutlass_warp_rownorm"))]
     if "qkv" in swept:  # the step on the in-place arena: wgmma's QKV GEMM with the q/k-cache epilogue or not; cublas
         plans += [("arena", "sweep_arena_wgmma_qkv_cache_on", _plan("wgmma", arena_qkv="wgmma_qk_cache")),
                   ("arena", "sweep_arena_wgmma_qkv_cache_off", _plan("wgmma", arena_qkv="qk_cache")),
@@ -712,7 +717,8 @@ def main(argv=None) -> int:
                          "per program and warps on the table's plan; qkv: the arena step with and without the "
                          "wgmma QKV + cache epilogue; tf32: the wgmma plan's TF32 GEMMs against cublas for "
                          "fp32-tf32 bodies; arena_attention: the arena step on the table's plan and on "
-                         "fused_attention_warp_rownorm, the fused attention kernel's arena form)")
+                         "fused_attention_warp_rownorm, the fused attention kernel's arena form; cutlass: "
+                         "the arena step on the table's plan and on cutlass_warp_rownorm)")
     ap.add_argument("--sweep-kernels", action="store_true",
                     help="also write each sweep plan's per-kernel table (eager, torch.profiler) under --out")
     ap.add_argument("--variants", default=",".join(PLAN_NAMES + ("arena",)),

@@ -11,14 +11,15 @@ import torch
 
 from torch_cfm.kernels import body_plans as bp
 
-ROWS = (2, 8, 16, 31, 32, 64, 128, bp.WGMMA_MAX_ROWS, bp.WGMMA_MAX_ROWS + 1)
+ROWS = (2, 8, 16, 31, 32, 64, 127, 128, 256, bp.WGMMA_MAX_ROWS, bp.WGMMA_MAX_ROWS + 1)
 FAMILIES = {"fp16": (torch.float16, None), "bf16": (torch.bfloat16, None), "tf32": (torch.float32, "tf32"),
             "ieee": (torch.float32, "ieee")}
 
 
 def _expected(family: str, rows: int, wgmma: bool, arena: bool) -> str:
     """The dispatch of the body before the table: 16-bit bodies fused_attention at >= 32 rows (on the
-    arena cublas_warp_rownorm: cublas with a one-warp row-norm launch), wgmma at <= 8 rows, else
+    arena cublas_warp_rownorm: cublas with a one-warp row-norm launch; from 128 rows cutlass_warp_rownorm,
+    its GEMMs but fc1 on the CUTLASS library), wgmma at <= 8 rows, else
     cublas; TF32 bodies wgmma at <= 8 rows, else cublas; IEEE bodies cublas; wgmma is cublas call for
     call where the wgmma kernel cannot run."""
     if family in ("fp16", "bf16"):
@@ -28,7 +29,7 @@ def _expected(family: str, rows: int, wgmma: bool, arena: bool) -> str:
     else:
         name = "cublas"
     if arena and name == "fused_attention":
-        name = "cublas_warp_rownorm"
+        name = "cutlass_warp_rownorm" if rows >= 128 else "cublas_warp_rownorm"
     if name == "wgmma" and not wgmma:
         name = "cublas"
     return name
@@ -184,6 +185,38 @@ def test_fused_attention_arena_plan_is_named_only():
         dataclasses.replace(plan, arena_qkv="wgmma_qk_cache")
 
 
+def test_cutlass_plan_is_the_16bit_arena_plan_from_128_rows():
+    """cutlass_warp_rownorm: cublas_warp_rownorm with qkv, proj, the conv taps and fc2 on the CUTLASS
+    library's pingpong_128x128 config; the 16-bit arena plan from CUTLASS_MIN_ROWS rows, by name
+    elsewhere; the functional (non-arena) plan is fused_attention at every row count from 32."""
+    plan = bp.CUTLASS_WARP_ROWNORM_16BIT
+    assert bp.CUTLASS_MIN_ROWS == 128
+    for dtype in (torch.float16, torch.bfloat16):
+        assert bp.named_plan("cutlass_warp_rownorm", dtype, None) is plan
+        assert bp.body_plan(dtype, None, 128, arena=True) is plan
+        assert bp.body_plan(dtype, None, 127, arena=True) is bp.CUBLAS_WARP_ROWNORM_16BIT
+        functional = bp.body_plan(dtype, None, 128)
+        assert functional.name == "fused_attention" and functional.arena_plan is plan
+        assert dataclasses.replace(functional, name="fused_attention",
+                                   arena_plan=bp.CUBLAS_WARP_ROWNORM_16BIT) == bp.FUSED_ATTENTION_16BIT
+    assert plan.uses_cutlass and plan.cutlass == "pingpong_128x128" and plan.arena_plan is None
+    assert plan.roles() == "qkv=cutlass, proj=cutlass, conv=cutlass, fc2=cutlass"
+    assert dataclasses.replace(plan, name="cublas_warp_rownorm", qkv="cublas", proj="cublas", conv="cublas",
+                               fc2="cublas", cutlass=None,
+                               evidence=bp.CUBLAS_WARP_ROWNORM_16BIT.evidence) == bp.CUBLAS_WARP_ROWNORM_16BIT
+    assert [p for p in _plans_in_use() if p.uses_cutlass] == [plan]
+    for family in ("tf32", "ieee"):
+        with pytest.raises(ValueError, match="plan"):
+            bp.named_plan("cutlass_warp_rownorm", *FAMILIES[family])
+    # the config is named exactly when a role runs on the library
+    with pytest.raises(ValueError, match="cutlass"):
+        dataclasses.replace(plan, cutlass=None)
+    with pytest.raises(ValueError, match="cutlass"):
+        bp.BodyPlan("x", cutlass="pingpong_128x128")
+    with pytest.raises(ValueError, match="fc1"):
+        bp.BodyPlan("x", fc1="cutlass", cutlass="pingpong_128x128")
+
+
 def test_pdl_of_a_plan():
     pytest.importorskip("triton")
     from torch_cfm.kernels._launch import plan_pdl
@@ -233,5 +266,6 @@ def test_plan_for_explicit_scoped_and_arena():
 
 def test_describe_table_names_each_bucket_and_arena_plan():
     text = bp.describe_table()
-    assert "fp16: 0-8 wgmma, 9-31 cublas, 32+ fused_attention (arena cublas_warp_rownorm)" in text
+    assert ("fp16: 0-8 wgmma, 9-31 cublas, 32-127 fused_attention (arena cublas_warp_rownorm), "
+            "128+ fused_attention (arena cutlass_warp_rownorm)") in text
     assert "tf32: 0-8 wgmma, 9+ cublas" in text and "ieee: 0+ cublas" in text

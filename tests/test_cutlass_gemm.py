@@ -1,7 +1,8 @@
 """The DiT body's GEMMs on CUTLASS (``torch_cfm.kernels.cutlass_gemm``, ``libtcfm_cutlass.so``).
 
-CPU: the loader's reasons for an absent or broken library, the body's role shapes, and the operand
-checks (ValueError naming the argument). GPU (gpu-marked; skipped where the library is not built or
+CPU: the loader's reasons for an absent or broken library, the body's role shapes, the operand
+checks (ValueError naming the argument) and ``linear_into`` leaving what it cannot run to its caller.
+GPU (gpu-marked; skipped where the library is not built or
 the GPU is not SM90): every config x role x dtype against a float64 product, within the oracle of
 cuBLAS called as the body calls it, at 32 and 128 rows and at tile edges (M = 1, 77), with NaN-poisoned
 outputs fully written and nothing written past them; strided operands; PDL launches bitwise equal to
@@ -51,6 +52,22 @@ def test_body_roles_at_32_rows():
         (1600, 1536, 512, True, False), (1600, 512, 512, True, False), (1664, 1536, 512, False, False),
         (1600, 2048, 512, True, True), (1600, 512, 2048, True, False)]
     assert roles["fc2"].flop == 2.0 * 1600 * 512 * 2048
+
+
+def test_linear_into_leaves_what_it_cannot_run_to_its_caller(tmp_path):
+    """linear_into (the body's CUTLASS roles) returns False and writes nothing where
+    not_supported_reasons names a reason: here an absent library and CPU operands."""
+    h = torch.float16
+    a, w, b = torch.randn(4, 64).to(h), torch.randn(32, 64).to(h), torch.randn(32).to(h)
+    out = torch.full((4, 32), 7.0, dtype=h)
+    absent = str(tmp_path / "libtcfm_cutlass.so")
+    reasons = cg.not_supported_reasons(a, w, b, out, "pingpong_128x128", path=absent)
+    assert any("not built" in r for r in reasons) and any("a must be on a CUDA device" in r for r in reasons)
+    assert cg.linear_into(a, w, b, out, "pingpong_128x128", path=absent) is False
+    assert (out == 7.0).all()
+    # CPU operands are refused whether or not the default library loads
+    assert any("CUDA device" in r for r in cg.not_supported_reasons(a, w, b, out, "pingpong_128x128"))
+    assert cg.linear_into(a, w, None, out, "pingpong_128x128") is False and (out == 7.0).all()
 
 
 @pytest.mark.parametrize("case,arg", [
@@ -155,6 +172,24 @@ def test_gpu_strided_operands_and_pdl(dname):
         assert torch.equal(wide_out[:, :n], want), cfg.name
         assert (wide_out[:, n:] == 7.0).all(), cfg.name
         assert torch.equal(pdl, want), cfg.name
+
+
+@pytest.mark.gpu
+def test_gpu_linear_into_runs_a_config_or_names_why_not():
+    """linear_into runs a library config bitwise like cutlass_linear; an unknown config is a reason
+    (False, nothing written), not an error."""
+    cfgs = _configs_or_skip()
+    h = torch.float16
+    a, w, b = _operands(1600, 512, 512, True, h, seed=8)
+    out = torch.empty(1600, 512, device="cuda", dtype=h)
+    assert cg.not_supported_reasons(a, w, b, out, cfgs[0].name) == []
+    assert cg.linear_into(a, w, b, out, cfgs[0].name) is True
+    assert torch.equal(out, cg.cutlass_linear(a, w, b, config=cfgs[0]))
+    untouched = torch.full_like(out, 7.0)
+    assert any("not one of the library's" in r for r in cg.not_supported_reasons(a, w, b, untouched, "no_such"))
+    assert cg.linear_into(a, w, b, untouched, "no_such") is False
+    torch.cuda.synchronize()
+    assert (untouched == 7.0).all()
 
 
 @pytest.mark.gpu

@@ -333,6 +333,12 @@ INTERP_CASES += [dict(name="wide_f16_arena_fused_attention_warp_rownorm", dtype=
                       valid=[5, 1], cached=[70, 33], variant=ARENA_PLANS[1], wide=True, arena=True,
                       plan=ARENA_PLANS[1])]
 
+# the CUTLASS plan on the arena: no library kernel runs on the CPU, so its GEMMs fall back to cuBLAS's calls and
+# it writes the shipped arena plan's bits (test_cutlass_plan_falls_back_to_the_shipped_arena_bits); on the GPU,
+# test_gpu_cutlass_plan_within_oracle
+INTERP_CASES += [dict(c, name=f"{c['name']}_cutlass_warp_rownorm", variant="cutlass_warp_rownorm", arena=True,
+                      plan="cutlass_warp_rownorm") for c in _ARENA_BASE if c["dtype"] != torch.bfloat16]
+
 
 def _interp_args(case):
     config = WIDE if case.get("wide") else TINY
@@ -439,6 +445,33 @@ def test_fused_attention_arena_form_writes_the_shipped_arena(case, interp_result
         outside[ln:ln + tn] = False
         assert torch.equal(fused[:, i, :, outside].view(torch.int16), bits[:, i, :, outside])
         assert torch.isnan(fused[:, i, :, ln + tn:]).all() and not torch.isnan(fused[:, i, :, :ln + tn]).any()
+
+
+@pytest.mark.parametrize("case", _ARENA_INTERP, ids=[c["name"] for c in _ARENA_INTERP])
+def test_cutlass_plan_falls_back_to_the_shipped_arena_bits(case, interp_results):
+    """cutlass_warp_rownorm where its library cannot run (CPU operands): every output and the arena
+    bitwise the shipped arena plan's (cublas_warp_rownorm, which it is but for the GEMMs' kernel)."""
+    shipped, cut = ((*interp_results[f"{case['name']}_{p}"], interp_results[f"{case['name']}_{p}/arena"])
+                    for p in ("cublas_warp_rownorm", "cutlass_warp_rownorm"))
+    for name, a, b in zip(("velocity", "cnn_cache", "att_cache", "arena"), shipped, cut):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_gpu_cutlass_plan_within_oracle(dtype, monkeypatch):
+    """cutlass_warp_rownorm at the shipped widths (4 blocks): within the oracle, with qkv, proj, both
+    conv taps and fc2 of every block run on the CUTLASS library (skipped where it is not built)."""
+    from torch_cfm.kernels import cutlass_gemm as cg
+    from torch_cfm.kernels.body_plans import use_plan
+
+    if cg.unavailable_reason() is not None:
+        pytest.skip(cg.unavailable_reason())
+    calls, real = [], cg._launch
+    monkeypatch.setattr(cg, "_launch", lambda lib, cfg, *a: calls.append(cfg.name) or real(lib, cfg, *a))
+    with use_plan("cutlass_warp_rownorm"):
+        _assert_fused_within_oracle(dtype, None)
+    assert calls == ["pingpong_128x128"] * (5 * GPU_CFG.depth)
 
 
 @pytest.mark.gpu

@@ -104,6 +104,9 @@ def test_explain_prints_each_decision_with_reasons(capsys):
     text = torch_cfm.explain(device=CPU)
     assert "cfm_attention [float16]: kernel=reference" in text
     assert "needs a CUDA device, found cpu" in text
+    from torch_cfm.kernels import cutlass_gemm
+    why = cutlass_gemm.unavailable_reason()
+    assert ("  CUTLASS:    " + (f"not available: {why}" if why else cutlass_gemm.library_path())) in text
     assert text in capsys.readouterr().out
 
 

@@ -49,8 +49,8 @@ def machine_report(device: Optional[torch.device] = None) -> str:
     lines.append(f"  pdl:        {'allowed' if policy.pdl_allowed(device) else 'off'} (SM90+, "
                  f"{policy.ENV_PDL}={os.environ.get(policy.ENV_PDL, '<unset>')}; attention grids of one wave, "
                  "fp32 body row-norm kernels, the body's wgmma GEMMs and the kernels around them)")
-    from .kernels import cfm_attention_cuda, dit_linear_cuda
-    from .kernels.body_plans import WGMMA_MAX_ROWS, describe_table, wgmma_roles
+    from .kernels import cfm_attention_cuda, cutlass_gemm, dit_linear_cuda
+    from .kernels.body_plans import CUTLASS_MIN_ROWS, WGMMA_MAX_ROWS, describe_table, wgmma_roles
 
     lines.append(f"  attention:  {policy.ENV_ATTENTION_KERNEL}={os.environ.get(policy.ENV_ATTENTION_KERNEL, '<unset>')}; "
                  f"CUDA kernel {cfm_attention_cuda.build_status()}")
@@ -60,6 +60,11 @@ def machine_report(device: Optional[torch.device] = None) -> str:
                                       f"{WGMMA_MAX_ROWS} rows: {wgmma_roles()}; else cuBLAS)"
                                       if why_not is None else f"cuBLAS ({why_not})"))
     lines.append(f"  body plans: rows -> plan ({describe_table()}; torch_cfm/kernels/body_plans.py)")
+    cutlass_why = cutlass_gemm.unavailable_reason()
+    lines.append("  CUTLASS:    " + (f"{cutlass_gemm.library_path()} ({len(cutlass_gemm.configs())} configs)"
+                                     if cutlass_why is None else f"not available: {cutlass_why}")
+                 + f"; the 16-bit arena plan from {CUTLASS_MIN_ROWS} rows, cutlass_warp_rownorm, runs qkv, proj, "
+                   "conv and fc2 on it (else cuBLAS)")
     lines.append("ops:")
     for dtype in _DTYPES:
         d = policy.decide(device, dtype)

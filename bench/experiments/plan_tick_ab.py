@@ -1,11 +1,8 @@
 """The steady CFM tick on the table's body plan against named plans (experiment; issue 41).
 
-``cutlass_warp_rownorm`` (``cutlass_body_plan.patch``, applied first: a named plan in ``kernels/body_plans.py``) moves
-qkv, proj, the conv taps and fc2 of the large-batch arena body onto the CUTLASS library's ping-pong 128 x 128
-kernel, which beat cuBLAS at each of those roles at 128 rows in the GEMM bench (``bench/results/cutlass_gemm.md``,
-H100: 5.7 µs a block-step together, 0.9 ms of a 64-stream tick predicted). Each side's server is built and
-captured inside ``use_plan`` (``tick_ab.py``); needs the library (``bash csrc/cutlass/build.sh``, or
-``$TORCH_CFM_CUTLASS_SO``).
+Each side's server is built and captured inside ``use_plan`` (``tick_ab.py``); a named plan on the CUTLASS
+library (``cutlass_warp_rownorm``, the table's arena plan from 128 rows) needs it built (``bash csrc/cutlass/build.sh``,
+or ``$TORCH_CFM_CUTLASS_SO``). Its first run: ``cutlass_body_plan.md``.
 
     python3 bench/experiments/plan_tick_ab.py --plans cutlass_warp_rownorm --streams 16,32,64 --out "$OUT"
 """

@@ -7,7 +7,8 @@ Plans are named after what they run: "cublas" (cuBLAS GEMMs, Triton row-norm, q/
 attention kernels), "cublas_warp_rownorm" (the same with one-warp row-norm programs),
 "fused_attention" (the q/k norm and cache write fused into the attention kernel; no arena form),
 "fused_attention_warp_rownorm" (the same with one-warp row-norm programs, and an arena form: the
-attention kernel appends to the arena itself) and "wgmma" (the GEMMs on the SM90a wgmma kernel).
+attention kernel appends to the arena itself), "cutlass_warp_rownorm" (cublas_warp_rownorm with four of the
+GEMMs on the CUTLASS library) and "wgmma" (the GEMMs on the SM90a wgmma kernel).
 :data:`TABLE` maps (dtype family, row bucket) to the plan measured fastest there; each plan cites the
 bench rows that chose it (``evidence``, resolved by :func:`evidence_rows`).
 :func:`torch_cfm.kernels.dit_body.dit_body_triton` reads one plan and nothing else; benches and tests
@@ -31,18 +32,19 @@ import torch
 from ._evidence import check_pairs, data_rows, one_row
 
 WGMMA_MAX_ROWS = 8  # the wgmma GEMM plans cover bodies of at most this many rows
+CUTLASS_MIN_ROWS = 128  # 16-bit arena bodies from this many rows run their GEMMs on the CUTLASS library
 ANY_ROWS = 1 << 62  # the upper end of the last row bucket
 
 # The kernels each role can run on (the body driver implements exactly these). arena_qkv: the QKV GEMM
 # and q/k-cache work of attention "qk_cache+cfm_attention" on the arena; attention "attention_cache"
 # does that work in its own kernel (its APPEND mode), so its plans keep arena_qkv at "qk_cache".
 ROLE_KERNELS = {
-    "qkv": ("cublas", "wgmma"),
+    "qkv": ("cublas", "wgmma", "cutlass"),
     "attention": ("qk_cache+cfm_attention", "attention_cache"),  # attention_cache: q/k norm, cache, attention
-    "proj": ("cublas", "wgmma"),
-    "conv": ("cublas", "wgmma"),
+    "proj": ("cublas", "wgmma", "cutlass"),
+    "conv": ("cublas", "wgmma", "cutlass"),
     "fc1": ("cublas_gelu", "wgmma_gelu"),
-    "fc2": ("cublas", "wgmma_splitk"),  # wgmma_splitk: fp32 partials, summed by the row-norm behind it
+    "fc2": ("cublas", "wgmma_splitk", "cutlass"),  # wgmma_splitk: fp32 partials, summed by the row-norm behind it
     "rownorm": ("triton",),
     "arena_qkv": ("qk_cache", "wgmma_qk_cache"),  # wgmma_qk_cache: the q/k-cache work in the QKV epilogue
 }
@@ -70,7 +72,9 @@ class BodyPlan:
     (name, value) pairs in place of ``dit_attention.attention_tiles``' launch parameters (the
     attention_cache kernel); ``fallback``: the plan run where the wgmma kernel cannot (not SM90a, or PDL
     off); ``arena_plan``: the plan run on the in-place arena when this one has no arena form (None: it
-    has one); ``evidence``: the measurement behind it, as (this plan's row, the alternative's row)
+    has one); ``cutlass``: the CUTLASS library's config (``kernels.cutlass_gemm``) of the roles on
+    "cutlass" (each falls back to cuBLAS call by call where the library cannot run it), None when no
+    role is; ``evidence``: the measurement behind it, as (this plan's row, the alternative's row)
     pairs of bench row ids (:func:`row_id`), each pair measured in one run.
     """
 
@@ -89,6 +93,7 @@ class BodyPlan:
     attention_launch: tuple = ()
     fallback: Optional["BodyPlan"] = None
     arena_plan: Optional["BodyPlan"] = None
+    cutlass: Optional[str] = None
     evidence: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -99,6 +104,9 @@ class BodyPlan:
         if self.attention == "attention_cache" and self.arena_qkv != "qk_cache":
             raise ValueError(f"BodyPlan {self.name!r}: attention 'attention_cache' appends to the arena itself, "
                              f"so arena_qkv must be 'qk_cache', got {self.arena_qkv!r}")
+        if self.uses_cutlass != (self.cutlass is not None):
+            raise ValueError(f"BodyPlan {self.name!r}: cutlass names the config of the roles on 'cutlass', so it "
+                             f"must be set exactly when one is, got {self.cutlass!r}")
         if not self.pdl <= PDL_CAPABLE_KERNELS:
             raise ValueError(f"BodyPlan {self.name!r}: pdl must be a subset of {sorted(PDL_CAPABLE_KERNELS)}, "
                              f"got {sorted(self.pdl)}")
@@ -109,6 +117,11 @@ class BodyPlan:
         """Whether any role runs on the SM90a wgmma kernel (:mod:`torch_cfm.kernels.dit_linear_cuda`)."""
         return "wgmma" in (self.qkv, self.proj, self.conv) or self.fc1 == "wgmma_gelu" \
             or self.fc2 == "wgmma_splitk" or self.arena_qkv == "wgmma_qk_cache"
+
+    @property
+    def uses_cutlass(self) -> bool:
+        """Whether any role runs on the CUTLASS library (:mod:`torch_cfm.kernels.cutlass_gemm`)."""
+        return "cutlass" in (self.qkv, self.proj, self.conv, self.fc2)
 
     def roles(self) -> str:
         """The roles off cuBLAS, for explain()."""
@@ -155,6 +168,18 @@ FUSED_ATTENTION_16BIT = BodyPlan(
 # cublas_warp_rownorm on the arena: no bucket picks it (not measured yet)
 FUSED_ATTENTION_WARP_ROWNORM_16BIT = dataclasses.replace(
     FUSED_ATTENTION_16BIT, name="fused_attention_warp_rownorm", rownorm_launch=(1, 1), arena_plan=None, evidence=())
+# cublas_warp_rownorm with qkv, proj, the conv taps and fc2 on the CUTLASS library's persistent ping-pong
+# 128 x 128 kernel (fc1 + GELU stays on cuBLASLt, faster there); each role falls back to cuBLAS call by call
+# where the library cannot run (cutlass_gemm.not_supported_reasons)
+CUTLASS_WARP_ROWNORM_16BIT = dataclasses.replace(
+    CUBLAS_WARP_ROWNORM_16BIT, name="cutlass_warp_rownorm", qkv="cutlass", proj="cutlass", conv="cutlass",
+    fc2="cutlass", cutlass="pingpong_128x128",
+    evidence=tuple((f"dit_step/sweep_arena_cutlass_warp_rownorm/{n}x50x400/{d}/20261208T011714Z-cacdc2",
+                    f"dit_step/sweep_arena_cublas_warp_rownorm/{n}x50x400/{d}/20261208T011714Z-cacdc2")
+                   for n in (128, 256) for d in ("fp16", "bf16")))
+# fused_attention whose arena form is cutlass_warp_rownorm: the 16-bit plan from CUTLASS_MIN_ROWS rows
+FUSED_ATTENTION_CUTLASS_16BIT = dataclasses.replace(
+    FUSED_ATTENTION_16BIT, arena_plan=CUTLASS_WARP_ROWNORM_16BIT)
 # fp32 form for A/B runs only: no bucket picks it (CUBLAS_FP32's evidence has it slower)
 FUSED_ATTENTION_FP32 = dataclasses.replace(FUSED_ATTENTION_16BIT, pdl=CUBLAS_FP32.pdl, arena_plan=CUBLAS_FP32,
                                            evidence=())
@@ -181,9 +206,9 @@ WGMMA_TF32 = dataclasses.replace(
 # (dtype family) -> ((first row, last row, plan), ...): the buckets cover 0 .. ANY_ROWS
 TABLE: dict[str, tuple[tuple[int, int, BodyPlan], ...]] = {
     "fp16": ((0, WGMMA_MAX_ROWS, WGMMA_16BIT), (WGMMA_MAX_ROWS + 1, 31, CUBLAS_16BIT),
-             (32, ANY_ROWS, FUSED_ATTENTION_16BIT)),
+             (32, CUTLASS_MIN_ROWS - 1, FUSED_ATTENTION_16BIT), (CUTLASS_MIN_ROWS, ANY_ROWS, FUSED_ATTENTION_CUTLASS_16BIT)),
     "bf16": ((0, WGMMA_MAX_ROWS, WGMMA_16BIT), (WGMMA_MAX_ROWS + 1, 31, CUBLAS_16BIT),
-             (32, ANY_ROWS, FUSED_ATTENTION_16BIT)),
+             (32, CUTLASS_MIN_ROWS - 1, FUSED_ATTENTION_16BIT), (CUTLASS_MIN_ROWS, ANY_ROWS, FUSED_ATTENTION_CUTLASS_16BIT)),
     "tf32": ((0, WGMMA_MAX_ROWS, WGMMA_TF32), (WGMMA_MAX_ROWS + 1, ANY_ROWS, CUBLAS_FP32)),
     "ieee": ((0, ANY_ROWS, CUBLAS_FP32),),
 }
@@ -192,9 +217,11 @@ UNKNOWN_ROWS = {"fp16": CUBLAS_16BIT, "bf16": CUBLAS_16BIT, "tf32": CUBLAS_FP32,
 # Plans by name per family, for benches and tests comparing plans the table does not pick there
 NAMED = {
     "fp16": {"cublas": CUBLAS_16BIT, "fused_attention": FUSED_ATTENTION_16BIT, "wgmma": WGMMA_16BIT,
-             "fused_attention_warp_rownorm": FUSED_ATTENTION_WARP_ROWNORM_16BIT},
+             "fused_attention_warp_rownorm": FUSED_ATTENTION_WARP_ROWNORM_16BIT,
+             "cutlass_warp_rownorm": CUTLASS_WARP_ROWNORM_16BIT},
     "bf16": {"cublas": CUBLAS_16BIT, "fused_attention": FUSED_ATTENTION_16BIT, "wgmma": WGMMA_16BIT,
-             "fused_attention_warp_rownorm": FUSED_ATTENTION_WARP_ROWNORM_16BIT},
+             "fused_attention_warp_rownorm": FUSED_ATTENTION_WARP_ROWNORM_16BIT,
+             "cutlass_warp_rownorm": CUTLASS_WARP_ROWNORM_16BIT},
     "tf32": {"cublas": CUBLAS_FP32, "fused_attention": FUSED_ATTENTION_FP32, "wgmma": WGMMA_TF32},
     "ieee": {"cublas": CUBLAS_FP32, "fused_attention": FUSED_ATTENTION_FP32},
 }
@@ -267,8 +294,8 @@ def scoped_plan() -> Union[BodyPlan, str, None]:
 
 
 def describe_table() -> str:
-    """The table in one line per family, e.g. "fp16: 0-8 wgmma, 9-31 cublas, 32+ fused_attention (arena
-    cublas_warp_rownorm)" (for explain())."""
+    """The table in one line per family, e.g. "fp16: 0-8 wgmma, 9-31 cublas, 32-127 fused_attention (arena
+    cublas_warp_rownorm), 128+ ..." (for explain())."""
     def span(lo: int, hi: int) -> str:
         return f"{lo}+" if hi == ANY_ROWS else f"{lo}-{hi}"
 

@@ -271,7 +271,13 @@ def cutlass_linear(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor
     lib = load_library(path)
     if lib is None:
         return None
-    cfg = _resolve_config(config, gelu, path)
+    return _launch(lib, _resolve_config(config, gelu, path), a, w, bias, gelu, out, workspace, pdl, path)
+
+
+def _launch(lib: ctypes.CDLL, cfg: CutlassConfig, a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+            gelu: bool, out: Optional[torch.Tensor], workspace: Optional[torch.Tensor], pdl: bool,
+            path: Optional[str]) -> torch.Tensor:
+    """:func:`cutlass_linear` after its operand checks: the workspace, the output and the launch."""
     m, k = a.shape
     n = w.shape[0]
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
@@ -297,5 +303,45 @@ def cutlass_linear(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def not_supported_reasons(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+                          config: Union[str, int], path: Optional[str] = None) -> list[str]:
+    """Why :func:`linear_into` would leave this call to its caller (empty: it runs it): the library
+    absent or unusable, operands :func:`cutlass_linear` refuses (not on a CUDA device included), a GPU
+    other than SM90 (the kernels are sm_90a), or ``config`` not in the library."""
+    reasons = []
+    why = unavailable_reason(path)
+    if why is not None:
+        reasons.append(why)
+    try:
+        _check_operands(a, w, bias, out)
+    except ValueError as exc:
+        reasons.append(str(exc))
+    else:
+        major, minor = _capability(a.device)
+        if (major, minor) != (9, 0):
+            reasons.append(f"the library's kernels are sm_90a, {a.device} is sm_{major}{minor}")
+    if why is None and not any(config in (c.name, c.index) for c in configs(path)):
+        reasons.append(f"config {config!r} is not one of the library's {[c.name for c in configs(path)]}")
+    return reasons
+
+
+def linear_into(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
+                config: Union[str, int], *, path: Optional[str] = None) -> bool:
+    """``out = a @ w.T (+ bias)`` on ``config`` (:func:`cutlass_linear`, no GELU); False, nothing
+    launched, where :func:`not_supported_reasons` is not empty, for the caller's cuBLAS fallback.
+    Shapes and dtypes: :func:`cutlass_linear`'s, with ``out`` given."""
+    if load_library(path) is None or not_supported_reasons(a, w, bias, out, config, path):
+        return False
+    cfg = next(c for c in configs(path) if config in (c.name, c.index))
+    _launch(load_library(path), cfg, a, w, bias, False, out, None, False, path)
+    return True
+
+
 __all__ = ["CutlassConfig", "DEFAULT_PATH", "ENV_VAR", "Role", "body_roles", "configs", "cutlass_linear",
-           "library_path", "load_library", "unavailable_reason", "workspace_bytes"]
+           "library_path", "linear_into", "load_library", "not_supported_reasons", "unavailable_reason",
+           "workspace_bytes"]

@@ -21,7 +21,7 @@ from ..errors import dtype_str, fail, shape_str
 from ..reference.dit_body import clamp_lengths
 from ..packing import (GATE_A, GATE_C, GATE_M, MOD_VECTORS, PER_BLOCK, SCALE_A, SCALE_C, SCALE_M,
                        SHIFT_A, SHIFT_C, SHIFT_M)
-from . import dit_linear_cuda
+from . import cutlass_gemm, dit_linear_cuda
 from ._launch import pdl_supported, plan_pdl
 from .body_plans import BodyPlan, body_plan, choose_variant, named_plan, resolve_plan, scoped_plan
 from .cfg_euler import cfg_euler
@@ -205,9 +205,11 @@ class _BodyCall:
             self.fc2_parts = torch.empty((self.fc2_config[0], m, c), dtype=torch.float32, device=dev)
 
     def gemm(self, kernel: str, a_, w_, b_, out_) -> None:
-        """``out_ = a_ @ w_.T (+ b_)``: on the wgmma kernel where the role's kernel says so and the
-        call fits it, else cuBLAS."""
+        """``out_ = a_ @ w_.T (+ b_)``: on the wgmma kernel or the CUTLASS library where the role's kernel
+        says so and the call fits it, else cuBLAS."""
         if kernel == "wgmma" and linear_into(a_, w_, b_, out_, pdl=self.linear_pdl, tf32=self.tf32):
+            return
+        if kernel == "cutlass" and cutlass_gemm.linear_into(a_, w_, b_, out_, self.p.cutlass):
             return
         _cublas_mm(a_, w_, b_, out_)
 
@@ -279,7 +281,7 @@ class _BodyCall:
                                                              config=self.fc2_config, tf32=self.tf32):
             y_fc2, b_fc2 = self.fc2_parts, blk.fc2_b  # the row-norm adds the partials and the bias
         else:
-            torch.addmm(blk.fc2_b, fbuf, blk.fc2_w.t(), out=self.y)
+            self.gemm(self.p.fc2, fbuf, blk.fc2_w, blk.fc2_b, self.y)  # wgmma_splitk that could not run: cuBLAS
             y_fc2, b_fc2 = self.y, None
         rownorm(y_fc2, self.h, a, self.valid, bias=b_fc2, table=self.table, gate=_mod_off(i, GATE_M, c),
                 shift=_mod_off(nxt[0], nxt[1], c), scale=_mod_off(nxt[0], nxt[2], c), **self.rn, **self.common)
