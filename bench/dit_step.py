@@ -283,6 +283,12 @@ SWEEP_WGMMA_PDL = {"none": frozenset(), "linear": frozenset({"linear"}),
                 "linear_rownorm": frozenset({"linear", "rownorm", "cfg_euler"}),
                 "linear_rownorm_qk": frozenset({"linear", "rownorm", "cfg_euler", "qk_cache"})}
 
+# --sweep-variants cutlass_pdl: PDL sets of the CUTLASS arena plan (shipped: none)
+SWEEP_CUTLASS_PDL = {"none": frozenset(), "linear": frozenset({"linear"}),
+                     "rownorm": frozenset({"rownorm", "cfg_euler"}),
+                     "linear_rownorm": frozenset({"linear", "rownorm", "cfg_euler"}),
+                     "linear_rownorm_qk": frozenset({"linear", "rownorm", "cfg_euler", "qk_cache"})}
+
 # --sweep-variants rownorm: (rows per program, num_warps) of the row-norm kernel; (1, 4) is the shipped rule
 SWEEP_ROWNORM = ((1, 4), (1, 1), (1, 2), (2, 2), (2, 4), (4, 4), (2, 8), (4, 8))
 
@@ -327,6 +333,9 @@ def sweep_plans(swept: set) -> list:
                    _plan("cutlass_warp_rownorm", name="cublas_warp_rownorm", qkv="cublas", proj="cublas",
                          conv="cublas", fc2="cublas", cutlass=None)),
                   ("arena", "sweep_arena_cutlass_warp_rownorm", _plan("cutlass_warp_rownorm"))]
+    if "cutlass_pdl" in swept:  # the arena step on cutlass_warp_rownorm under PDL sets ("linear": its CUTLASS GEMMs)
+        plans += [("arena", f"sweep_arena_cutlass_pdl_{name}", _plan("cutlass_warp_rownorm", pdl=kernels))
+                  for name, kernels in SWEEP_CUTLASS_PDL.items()]
     if "qkv" in swept:  # the step on the in-place arena: wgmma's QKV GEMM with the q/k-cache epilogue or not; cublas
         plans += [("arena", "sweep_arena_wgmma_qkv_cache_on", _plan("wgmma", arena_qkv="wgmma_qk_cache")),
                   ("arena", "sweep_arena_wgmma_qkv_cache_off", _plan("wgmma", arena_qkv="qk_cache")),
@@ -718,7 +727,8 @@ def main(argv=None) -> int:
                          "wgmma QKV + cache epilogue; tf32: the wgmma plan's TF32 GEMMs against cublas for "
                          "fp32-tf32 bodies; arena_attention: the arena step on the table's plan and on "
                          "fused_attention_warp_rownorm, the fused attention kernel's arena form; cutlass: "
-                         "the arena step on the table's plan and on cutlass_warp_rownorm)")
+                         "the arena step on the table's plan and on cutlass_warp_rownorm; cutlass_pdl: "
+                         "cutlass_warp_rownorm under PDL sets)")
     ap.add_argument("--sweep-kernels", action="store_true",
                     help="also write each sweep plan's per-kernel table (eager, torch.profiler) under --out")
     ap.add_argument("--variants", default=",".join(PLAN_NAMES + ("arena",)),

@@ -31,7 +31,8 @@
 #                        beside the TF32 default, 16 and 64 streams, one run
 #   bash bench/experiments/device_calls_next.sh plan_ab   # issue 41: the CUTLASS plan's GPU tests, then the steady
 #                        CFM tick, table against named plans (plan_tick_ab.py; carry build_cutlass)
-#                        (plan_sweep: the arena step, cutlass_warp_rownorm against cuBLAS at 64-256 rows)
+#                        (plan_sweep: the arena step, cutlass_warp_rownorm against cuBLAS at 64-256 rows;
+#                        cutlass_pdl: cutlass_pdl.patch applied, the CUTLASS plan's step under PDL sets)
 #   bash bench/experiments/device_calls_next.sh stream    # issue 40's one minicpmo-utils stream alone
 #                        (causal_serving: tokens -> waveform, minicpmo-utils' causal vocoder, 16 and 64 streams)
 #   bash bench/experiments/device_calls_next.sh voices    # issue 40's voice-cache bars (4 voices, arrivals)
@@ -65,7 +66,7 @@ if [ -z "${NO_CUDA_EXT:-}" ] && ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; the
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (plan_sweep, wav_fp16, plan_ab, attn_rows, smem, l1, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (cutlass_pdl, plan_sweep, wav_fp16, plan_ab, attn_rows, smem, l1, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass|restore|ncu|rowstats|enc_patch|smem) ;; *) need_cuda ;; esac
@@ -218,6 +219,18 @@ case $mode in
     timeout ${SWEEP_TIMEOUT:-300} python3 bench/dit_step.py --no-solve --no-steps --sweep --sweep-variants cutlass \
       --sweep-rounds 3 --shapes "${SWEEP_SHAPES:-64,50,400;128,50,400;256,50,400}" --dtypes fp16,bf16 --out "$OUT/plan_sweep" \
       > "$OUT/plan_sweep.log" 2>&1; echo "rc=$?"; grep -E "^sweep" "$OUT/plan_sweep.log" | tail -12 ;;
+  cutlass_pdl)  # issue 41: cutlass_pdl.patch applied (the CUTLASS GEMMs launched under the plan's "linear" PDL), its
+    # GPU test, then the arena step of cutlass_warp_rownorm under PDL sets at 128 / 256 rows (dit_step sweep cutlass_pdl)
+    export TORCH_CFM_CUTLASS_SO=${TORCH_CFM_CUTLASS_SO:-$PWD/build_cutlass/libtcfm_cutlass.so}
+    git apply bench/experiments/cutlass_pdl.patch 2>/dev/null || patch -p1 -s -N < bench/experiments/cutlass_pdl.patch \
+      || echo "cutlass_pdl.patch does not apply (already applied?)"
+    timeout -s INT 150 python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/test_dit_body.py -k cutlass \
+      > "$OUT/test_cutlass_pdl.log" 2>&1
+    echo "cutlass_pdl tests: $(grep -E 'passed|failed|error' "$OUT/test_cutlass_pdl.log" | tail -1)"
+    grep -E "^(FAILED|ERROR)" "$OUT/test_cutlass_pdl.log" | head -5
+    timeout ${SWEEP_TIMEOUT:-300} python3 bench/dit_step.py --no-solve --no-steps --sweep --sweep-variants cutlass_pdl \
+      --sweep-rounds 3 --shapes "${SWEEP_SHAPES:-128,50,400;256,50,400}" --dtypes ${SWEEP_DTYPES:-fp16,bf16} \
+      --out "$OUT/cutlass_pdl" > "$OUT/cutlass_pdl.log" 2>&1; echo "rc=$?"; grep -E "^sweep" "$OUT/cutlass_pdl.log" | tail -20 ;;
   attn_rows)  # issue 41: the attention sweep at the server's large batches, then the whole tick A/B
     timeout ${ATTN_TIMEOUT:-330} python3 bench/experiments/attention_large_rows.py --streams ${ATTN_STREAMS:-16,32,64} \
       --out "$OUT" > "$OUT/attn_rows.log" 2>&1; echo "rc=$?"; grep -vE "warmup|^  " "$OUT/attn_rows.log" | tail -20 ;;
