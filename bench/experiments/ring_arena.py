@@ -391,21 +391,28 @@ class Tally:
     max_err: float = 0.0  # |ring attention - upstream attention|, max
 
 
+def _init_streams(batch, streams: list, g: torch.Generator, frames) -> int:
+    """The state both simulations share: the streams' prompts, T_nom and T_max, one random float64 (H, 2D)
+    key per time index, and a NaN arena of ``frames`` frames (None: K + P_max + T_max). Returns the rows."""
+    batch.streams, batch.g = streams, g
+    rows = len(streams)
+    batch.prompt = torch.tensor([s.prompt for s in streams])
+    batch.t_nom = torch.tensor([s.t_nom for s in streams])
+    batch.t_max = max(max(s.t_nom for s in streams), max(max(s.chunks) for s in streams))
+    batch.frames = KEEP + MAX_PROMPT + batch.t_max if frames is None else frames
+    batch.kv = [torch.randn(s.prompt + sum(s.chunks), HEADS, 2 * HEAD_DIM, generator=g, dtype=torch.float64)
+                for s in streams]
+    batch.arena = torch.full((rows, HEADS, batch.frames, 2 * HEAD_DIM), float("nan"), dtype=torch.float64)
+    return rows
+
+
 class RingBatch:
     """S simulated streams side by side: the upstream newest-first caches (``trim_attention_cache``), the ring
     arena driven by :func:`ring_chunk_plan`, and today's keyed arena's frame plan (``arena_chunk_plan``) on the
     same lengths. Every key is a random float64 (H, 2D) vector named by its time index."""
 
     def __init__(self, streams: list, g: torch.Generator) -> None:
-        self.streams, self.g = streams, g
-        rows = len(streams)
-        self.prompt = torch.tensor([s.prompt for s in streams])
-        self.t_nom = torch.tensor([s.t_nom for s in streams])
-        self.t_max = max(max(s.t_nom for s in streams), max(max(s.chunks) for s in streams))
-        self.frames = KEEP + MAX_PROMPT + max(s.t_nom for s in streams)
-        self.kv = [torch.randn(s.prompt + sum(s.chunks), HEADS, 2 * HEAD_DIM, generator=g, dtype=torch.float64)
-                   for s in streams]
-        self.arena = torch.full((rows, HEADS, self.frames, 2 * HEAD_DIM), float("nan"), dtype=torch.float64)
+        rows = _init_streams(self, streams, g, KEEP + MAX_PROMPT + max(s.t_nom for s in streams))
         self.frame_of = [torch.full((kv.shape[0],), -1, dtype=torch.int64) for kv in self.kv]
         self.cache, self.times = [], []
         for r, s in enumerate(streams):  # the prompt solve: time t has key index P - 1 - t (frame P - 1 - t)
@@ -514,15 +521,7 @@ class FallbackBatch:
     ``time_at[r, j]``: the time index of the key frame j holds (-1: none); ``frame_of[r][t]``: key t's frame."""
 
     def __init__(self, streams: list, g: torch.Generator) -> None:
-        self.streams, self.g = streams, g
-        rows = len(streams)
-        self.prompt = torch.tensor([s.prompt for s in streams])
-        self.t_nom = torch.tensor([s.t_nom for s in streams])
-        self.t_max = max(max(s.t_nom for s in streams), max(max(s.chunks) for s in streams))
-        self.frames = KEEP + MAX_PROMPT + self.t_max  # K + P + T_max
-        self.kv = [torch.randn(s.prompt + sum(s.chunks), HEADS, 2 * HEAD_DIM, generator=g, dtype=torch.float64)
-                   for s in streams]
-        self.arena = torch.full((rows, HEADS, self.frames, 2 * HEAD_DIM), float("nan"), dtype=torch.float64)
+        rows = _init_streams(self, streams, g, None)  # K + P + T_max frames
         self.time_at = torch.full((rows, self.frames), -1, dtype=torch.int64)
         self.frame_of = [torch.full((kv.shape[0],), -1, dtype=torch.int64) for kv in self.kv]
         self.cache, self.times = [], []
@@ -657,26 +656,40 @@ def check_errors() -> None:
             raise AssertionError(f"no ValueError naming {name}")
 
 
+def _run_batches(streams: list, tallies: dict, batch_cls, g: torch.Generator) -> None:
+    """Every stream of each class in ``tallies`` through ``batch_cls``, 128 streams a batch."""
+    for kind in tallies:
+        group = [s for s in streams if s.kind == kind]
+        for i in range(0, len(group), 128):
+            batch_cls(group[i:i + 128], g).run(tallies)
+
+
+def _simulate(title: str, streams: list, kinds: tuple, tally_cls, batch_cls, g: torch.Generator, claims: tuple,
+              cols: tuple) -> dict:
+    """Run every stream of ``kinds`` through ``batch_cls``; print the title, what was checked and the table's
+    header. Returns {kind: tally}."""
+    tallies = {kind: tally_cls() for kind in kinds}
+    start = time.perf_counter()
+    _run_batches(streams, tallies, batch_cls, g)
+    print(f"{title}: {len(streams)} streams, {time.perf_counter() - start:.1f} s; a-d hold for every chunk of every stream")
+    for claim in claims:
+        print("  " + claim)
+    print("  " + " ".join(f"{c:>{max(len(c), 7)}}" for c in cols))
+    return tallies
+
+
 def check(seed: int = 0) -> None:
     """Simulate the streams of :func:`make_streams` in batches and print what a-e found."""
     check_errors()
     g = torch.Generator().manual_seed(seed)
     streams = make_streams(g)
-    tallies = {kind: Tally() for kind in ("regular", "long", "mixed")}
-    start = time.perf_counter()
-    for kind in tallies:
-        group = [s for s in streams if s.kind == kind]
-        for i in range(0, len(group), 128):
-            RingBatch(group[i:i + 128], g).run(tallies)
-    print(f"ring arena check: {len(streams)} streams, {time.perf_counter() - start:.1f} s; "
-          "a-d hold for every chunk of every stream")
-    print("  a. live keys' frames distinct, inside [0, K + R_r); appends never overwrite a live key")
-    print("  b. key walk (walk_len, hole_start, hole_len) = the live frames, each once (and the kept-key walk)")
-    print("  c. ring attention = upstream newest-first + trim_attention_cache, float64, tol 1e-12")
-    print("  d. keyed_to_newest_first(ring arena, frame_keys) = upstream trimmed cache, exactly")
     cols = ("class", "streams", "row-chunks", "trims", "holes", "wrapping", "old-walk holes", "moved: ring",
             "keyed", "keyed/trim", "max err")
-    print("  " + " ".join(f"{c:>{max(len(c), 7)}}" for c in cols))
+    tallies = _simulate("ring arena check", streams, ("regular", "long", "mixed"), Tally, RingBatch, g, (
+        "a. live keys' frames distinct, inside [0, K + R_r); appends never overwrite a live key",
+        "b. key walk (walk_len, hole_start, hole_len) = the live frames, each once (and the kept-key walk)",
+        "c. ring attention = upstream newest-first + trim_attention_cache, float64, tol 1e-12",
+        "d. keyed_to_newest_first(ring arena, frame_keys) = upstream trimmed cache, exactly"), cols)
     total = Tally()
     for kind, t in tallies.items():
         vals = (kind, sum(s.kind == kind for s in streams), t.chunks, t.trims, t.holes, t.wrapping, t.old_holes, 0,
@@ -692,21 +705,14 @@ def check(seed: int = 0) -> None:
 def check_fallback(streams: list, seed: int) -> None:
     """Variant 2 (ring with keyed fallback) over the same streams plus the stepaudio2 class; prints the counts."""
     g = torch.Generator().manual_seed(seed + 2)
-    tallies = {kind: FallbackTally() for kind in ("regular", "long", "mixed", "stepaudio2")}
-    start = time.perf_counter()
-    for kind in tallies:
-        group = [s for s in streams if s.kind == kind]
-        for i in range(0, len(group), 128):
-            FallbackBatch(group[i:i + 128], g).run(tallies)
-    print(f"ring + keyed fallback check: {len(streams)} streams, {time.perf_counter() - start:.1f} s; "
-          "a-d hold for every chunk of every stream")
-    print("  a. live keys' frames distinct, inside [0, K + P + T_max) (ring rows [0, K + R)); the maps agree")
-    print("  b. the walk [0, walk_len = L + T_valid) = the live frames, each once: no hole (idle rows: see idle)")
-    print("  c. attention over the walk = upstream newest-first + trim_attention_cache, float64, tol 1e-12")
-    print("  d. keyed_to_newest_first(arena, frame_keys) = upstream trimmed cache, exactly")
     cols = ("class", "streams", "row-chunks", "ring solves", "fallbacks", "moved: pre", "post", "before last",
             "today", "kept-walk holes", "idle holes", "max err")
-    print("  " + " ".join(f"{c:>{max(len(c), 7)}}" for c in cols))
+    tallies = _simulate("ring + keyed fallback check", streams, ("regular", "long", "mixed", "stepaudio2"),
+                        FallbackTally, FallbackBatch, g, (
+        "a. live keys' frames distinct, inside [0, K + P + T_max) (ring rows [0, K + R)); the maps agree",
+        "b. the walk [0, walk_len = L + T_valid) = the live frames, each once: no hole (idle rows: see idle)",
+        "c. attention over the walk = upstream newest-first + trim_attention_cache, float64, tol 1e-12",
+        "d. keyed_to_newest_first(arena, frame_keys) = upstream trimmed cache, exactly"), cols)
     for kind, t in tallies.items():
         vals = (kind, sum(s.kind == kind for s in streams), t.chunks, t.ring_chunks, t.fallbacks, t.pre_moved,
                 t.post_moved, t.early_moved, t.keyed_moves, t.kept_holes, t.idle_holes, f"{t.max_err:.1e}")
