@@ -32,7 +32,8 @@
 #   bash bench/experiments/device_calls_next.sh plan_ab   # issue 41: the CUTLASS plan's GPU tests, then the steady
 #                        CFM tick, table against named plans (plan_tick_ab.py; carry build_cutlass)
 #                        (plan_sweep: the arena step, cutlass_warp_rownorm against cuBLAS at 64-256 rows;
-#                        cutlass_pdl: cutlass_pdl.patch applied, the CUTLASS plan's step under PDL sets)
+#                        cutlass_pdl: cutlass_pdl.patch applied, the CUTLASS plan's step under PDL sets;
+#                        gemm_table: every GEMM role at 32 / 64 / 128 rows, cuBLAS and each CUTLASS config)
 #   bash bench/experiments/device_calls_next.sh stream    # issue 40's one minicpmo-utils stream alone
 #                        (causal_serving: tokens -> waveform, minicpmo-utils' causal vocoder, 16 and 64 streams)
 #   bash bench/experiments/device_calls_next.sh voices    # issue 40's voice-cache bars (4 voices, arrivals)
@@ -66,7 +67,7 @@ if [ -z "${NO_CUDA_EXT:-}" ] && ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; the
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (cutlass_pdl, plan_sweep, wav_fp16, plan_ab, attn_rows, smem, l1, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (gemm_table, cutlass_pdl, plan_sweep, wav_fp16, plan_ab, attn_rows, smem, l1, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass|restore|ncu|rowstats|enc_patch|smem) ;; *) need_cuda ;; esac
@@ -231,6 +232,10 @@ case $mode in
     timeout ${SWEEP_TIMEOUT:-300} python3 bench/dit_step.py --no-solve --no-steps --sweep --sweep-variants cutlass_pdl \
       --sweep-rounds 3 --shapes "${SWEEP_SHAPES:-128,50,400;256,50,400}" --dtypes ${SWEEP_DTYPES:-fp16,bf16} \
       --out "$OUT/cutlass_pdl" > "$OUT/cutlass_pdl.log" 2>&1; echo "rc=$?"; grep -E "^sweep" "$OUT/cutlass_pdl.log" | tail -20 ;;
+  gemm_table)  # issue 41's GEMM bar: every role at 32 / 64 / 128 rows, cuBLAS and every CUTLASS config, % of peak, one run
+    timeout ${GEMM_TIMEOUT:-400} python3 bench/cutlass_gemm.py --so $PWD/build_cutlass/libtcfm_cutlass.so \
+      --dtypes ${GEMM_DTYPES:-fp16} --rows 32,64,128 --out "$OUT/gemm_table" > "$OUT/gemm_table.log" 2>&1
+    echo "rc=$?"; grep -E "^\| (qkv|proj|conv|fc1|fc1_bias|fc2) " "$OUT/gemm_table/cutlass_gemm.md" | cut -d'|' -f2-7 ;;
   attn_rows)  # issue 41: the attention sweep at the server's large batches, then the whole tick A/B
     timeout ${ATTN_TIMEOUT:-330} python3 bench/experiments/attention_large_rows.py --streams ${ATTN_STREAMS:-16,32,64} \
       --out "$OUT" > "$OUT/attn_rows.log" 2>&1; echo "rc=$?"; grep -vE "warmup|^  " "$OUT/attn_rows.log" | tail -20 ;;
