@@ -59,7 +59,8 @@ arrival tick to its first chunk's result),
 ``captures_measured`` (CUDA graphs captured during the measured ticks: 0 after a complete warm-up),
 ``bytes_per_stream`` (the front's memory plan; CUDA: also the measured peak over the empty server /
 C), stage shares (``share_encoder``/``share_cfm``/``share_vocoder``, and ``ms_encoder``/``ms_cfm``/``ms_vocoder``
-per tick, torch_cfm rows: a separate timed pass), streams and chunks counted. Rows (JSON lines, provenance: gpu, torch, triton, commit)
+per tick, torch_cfm rows: a separate timed pass, streams all in one phase; ``--arrival-stages``: also
+``arrival_ms_*`` under the row's own arrivals, :func:`arrival_stages`), streams and chunks counted. Rows (JSON lines, provenance: gpu, torch, triton, commit)
 are upserted into ``serving.jsonl`` (identity: op, provider, variant, stage, concurrency, dtype,
 gpu) under
 ``--out`` (default ``bench/results``); ``serving.md`` (table) and ``serving.png`` (throughput and
@@ -89,7 +90,7 @@ import random
 import sys
 import time
 import traceback
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -680,7 +681,8 @@ PROVIDERS = {"torch_cfm": TorchCfmProvider, "torch_cfm/paced": TorchCfmPacedProv
 
 
 # ---------------------------------------------------------------------------------- one run
-def run_one(provider, c: int, wl: Workload, seed: int) -> dict:
+def run_one(provider, c: int, wl: Workload, seed: int, on_measure: Optional[Callable[[], None]] = None) -> dict:
+    """The workload's ticks over ``provider`` (``on_measure``: called before the first measured tick)."""
     arrivals = Arrivals(c, wl.chunks, seed)
     remaining: dict[int, int] = {}
     chunk_lat, tick_times, step_times, first, new_at = [], [], [], [], {}
@@ -693,6 +695,8 @@ def run_one(provider, c: int, wl: Workload, seed: int) -> dict:
         measure = tick >= warm_ticks
         if measure and captured_before is None:
             captured_before = captures()
+            if on_measure is not None:
+                on_measure()
         admitted = arrivals.tick(len(remaining))
         t0 = time.perf_counter()
         if admitted:
@@ -733,6 +737,7 @@ def run_one(provider, c: int, wl: Workload, seed: int) -> dict:
             "chunk_ms_p50": _pct(chunk_lat, 0.5), "chunk_ms_p99": _pct(chunk_lat, 0.99),
             "tick_ms_p50": _pct(tick_times, 0.5), "tick_ms_p99": _pct(tick_times, 0.99),
             "step_ms_p50": _pct(step_times, 0.5), "step_ms_p99": _pct(step_times, 0.99),
+            "step_ms_mean": round(step_s * 1e3 / len(step_times), 3) if step_times else None,
             "first_chunk_ms_p50": _pct(first, 0.5), "first_chunk_ms_p99": _pct(first, 0.99),
             "ticks": len(tick_times), "streams": streams, "chunks": chunks, "measured_s": round(measured_s, 3),
             "captures_measured": captures() - (captured_before or 0)}
@@ -771,6 +776,43 @@ def stage_shares(provider: TorchCfmProvider, c: int, wl: Workload) -> dict:
     total = sum(server.stats[k] for k in ("encoder", "cfm", "vocoder")) or float("nan")
     out = {f"share_{k}": round(server.stats[k] / total, 3) for k in ("encoder", "cfm", "vocoder")}
     out.update({f"ms_{k}": round(server.stats[k] / 3 * 1e3, 3) for k in ("encoder", "cfm", "vocoder")})
+    return out
+
+
+def arrival_stages(provider: TorchCfmProvider, c: int, wl: Workload, seed: int) -> dict:
+    """The front's per-stage ms per tick under the row's own arrivals (a second pass of :func:`run_one`
+    with timing=True, which syncs per stage): ``arrival_ms_<stage>``, the pass's mean step
+    (``arrival_step_ms_mean``) and what the step spends outside the three stages (``arrival_ms_other``:
+    checks, grouping and the provider's own work). :func:`stage_shares` times streams all in one phase
+    (one encoder group, equal caches); this times the mix of cache lengths arrivals make."""
+    server = provider.server
+    keys = ("encoder", "cfm", "vocoder", "ticks")
+    opening = dict.fromkeys(keys, 0.0)  # what the arrivals' prompt solves add (outside the steps)
+    plain_open = provider.open
+
+    def reset() -> None:
+        for key in keys:
+            server.stats[key] = opening[key] = 0
+
+    def open_(ids) -> None:
+        before = {k: server.stats[k] for k in keys}
+        plain_open(ids)
+        for k in keys:
+            opening[k] += server.stats[k] - before[k]
+
+    server.timing, provider.open = True, open_
+    try:
+        reset()
+        got = run_one(provider, c, wl, seed, on_measure=reset)
+    finally:
+        server.timing = False
+        del provider.open  # the class's method again
+    ticks = server.stats["ticks"]
+    if not ticks or got["step_ms_mean"] is None:
+        return {}
+    out = {f"arrival_ms_{k}": round((server.stats[k] - opening[k]) / ticks * 1e3, 3) for k in keys[:3]}
+    out["arrival_step_ms_mean"] = got["step_ms_mean"]
+    out["arrival_ms_other"] = round(got["step_ms_mean"] - sum(out[f"arrival_ms_{k}"] for k in keys[:3]), 3)
     return out
 
 
@@ -887,6 +929,9 @@ def main(argv=None) -> list[dict]:
                     help="run the front's encoder and HiFT eagerly (the CFM keeps its graphs): the graphs' A/B")
     ap.add_argument("--vocoder", choices=("hift", "causal"), default="hift",
                     help="the wav stage's vocoder: the HiFTGenerator, or minicpmo-utils' causal one")
+    ap.add_argument("--arrival-stages", action="store_true",
+                    help="torch_cfm mel/wav rows: also time each stage per tick under the row's own arrivals "
+                         "(a second pass, synced per stage: arrival_ms_*)")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tables", action="store_true",
@@ -997,6 +1042,8 @@ def main(argv=None) -> list[dict]:
                     if prov_name.startswith("torch_cfm") and stage in ("mel", "wav"):
                         row.update(stage_shares(prov, c, wl))
                         row["stage_graphs"] = graph_report(prov.server)
+                        if args.arrival_stages:
+                            row.update(arrival_stages(prov, c, wl, args.seed + c))
                     del prov
                 except Exception as exc:  # noqa: BLE001
                     traceback.print_exc()

@@ -74,6 +74,25 @@ def test_fp16_vocoder_provider_serves_waveforms(tmp_path):
     assert prov.vocoder_precision == "fp16" and serving.PROVIDERS[prov.name] is prov
 
 
+def test_arrival_stages_split_the_step(tmp_path):
+    """--arrival-stages: per-stage ms per tick under the row's arrivals, the prompt solves of opens left
+    out; the stages are timed inside the step, so what is left of the step is >= 0."""
+    rows = serving.main(["--device", "cpu", "--tiny", "--quick", "--concurrency", "3", "--ticks", "3", "--chunks", "2",
+                         "--warm-ticks", "1", "--stages", "mel,wav", "--providers", "torch_cfm", "--arrival-stages",
+                         "--out", str(tmp_path)])
+    for r in rows:
+        if r.get("error", "").startswith("no HiFT"):
+            continue
+        assert not r.get("error"), r
+        stages = [r[f"arrival_ms_{k}"] for k in ("encoder", "cfm", "vocoder")]
+        assert stages[0] > 0 and stages[1] > 0
+        assert stages[2] > stages[1] / 20 if r["stage"] == "wav" else stages[2] < stages[1] / 20  # mel: no vocoder
+        assert r["arrival_step_ms_mean"] > 0 and r["arrival_ms_other"] >= 0
+        assert abs(r["arrival_step_ms_mean"] - sum(stages) - r["arrival_ms_other"]) < 1e-2
+    prov = serving.TorchCfmProvider
+    assert "open" not in vars(prov) or callable(prov.open)
+
+
 def test_upstream_graph_peer_solves_like_the_upstream():
     """The peer's batched loop over the upstream estimator, each row vs the upstream's own
     ``solve_euler_chunk`` of that row alone (its batch-1 solver), fp32."""

@@ -33,7 +33,8 @@
 #                        CFM tick, table against named plans (plan_tick_ab.py; carry build_cutlass)
 #                        (plan_sweep: the arena step, cutlass_warp_rownorm against cuBLAS at 64-256 rows;
 #                        cutlass_pdl: cutlass_pdl.patch applied, the CUTLASS plan's step under PDL sets;
-#                        gemm_table: every GEMM role at 32 / 64 / 128 rows, cuBLAS and each CUTLASS config)
+#                        gemm_table: every GEMM role at 32 / 64 / 128 rows, cuBLAS and each CUTLASS config;
+#                        arrivals: issue 43's tick split by stage under arrivals, --arrival-stages)
 #   bash bench/experiments/device_calls_next.sh stream    # issue 40's one minicpmo-utils stream alone
 #                        (causal_serving: tokens -> waveform, minicpmo-utils' causal vocoder, 16 and 64 streams)
 #   bash bench/experiments/device_calls_next.sh voices    # issue 40's voice-cache bars (4 voices, arrivals)
@@ -67,7 +68,7 @@ if [ -z "${NO_CUDA_EXT:-}" ] && ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; the
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (gemm_table, cutlass_pdl, plan_sweep, wav_fp16, plan_ab, attn_rows, smem, l1, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (arrivals, gemm_table, cutlass_pdl, plan_sweep, wav_fp16, plan_ab, attn_rows, smem, l1, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass|restore|ncu|rowstats|enc_patch|smem) ;; *) need_cuda ;; esac
@@ -232,6 +233,13 @@ case $mode in
     timeout ${SWEEP_TIMEOUT:-300} python3 bench/dit_step.py --no-solve --no-steps --sweep --sweep-variants cutlass_pdl \
       --sweep-rounds 3 --shapes "${SWEEP_SHAPES:-128,50,400;256,50,400}" --dtypes ${SWEEP_DTYPES:-fp16,bf16} \
       --out "$OUT/cutlass_pdl" > "$OUT/cutlass_pdl.log" 2>&1; echo "rc=$?"; grep -E "^sweep" "$OUT/cutlass_pdl.log" | tail -20 ;;
+  arrivals)  # issue 43: where a steady tick goes under arrivals (bench/serving.py --arrival-stages): per-stage ms
+    # per tick with the cache-length mix arrivals make, and the step's time outside the three stages
+    timeout ${ARR_TIMEOUT:-450} python3 bench/serving.py --stages ${ARR_STAGES:-wav} --concurrency ${ARR_C:-16,64} --quick \
+      --warmup --dtype fp16 --providers torch_cfm --arrival-stages --out "$OUT" > "$OUT/arrivals.log" 2>&1; echo "rc=$?"
+    python3 -c "import json,sys; [print(r['stage'], r['concurrency'], r['steady_audio_s_per_s'], r['step_ms_mean'],
+      {k: v for k, v in r.items() if k.startswith(('ms_', 'arrival_'))}) for r in map(json.loads, open(sys.argv[1]))]" \
+      "$OUT/serving.jsonl" ;;
   gemm_table)  # issue 41's GEMM bar: every role at 32 / 64 / 128 rows, cuBLAS and every CUTLASS config, % of peak, one run
     timeout ${GEMM_TIMEOUT:-400} python3 bench/cutlass_gemm.py --so $PWD/build_cutlass/libtcfm_cutlass.so \
       --dtypes ${GEMM_DTYPES:-fp16} --rows 32,64,128 --out "$OUT/gemm_table" > "$OUT/gemm_table.log" 2>&1
