@@ -57,7 +57,7 @@ def trim_attention_cache(att_cache: torch.Tensor, prompt_len: int,
 def reversed_key_index(lengths: torch.Tensor, frames: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather index between a newest-first cache and the in-place arena's reversed key order.
 
-    The fused body's in-place arena (:func:`torch_cfm.ops.dit_body.dit_body_arena_into`) keeps
+    The fused body's in-place arena (:func:`torch_cfm.kernels.dit_body.dit_body_arena_into`) keeps
     row r's ``lengths[r]`` keys at frames [0, lengths[r]) with frame j holding key
     ``lengths[r] - 1 - j``. The map is its own inverse, so one index serves both directions.
 
