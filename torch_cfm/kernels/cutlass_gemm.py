@@ -31,6 +31,8 @@ from typing import Optional, Union
 
 import torch
 
+from .. import policy
+
 ENV_VAR = "TORCH_CFM_CUTLASS_SO"
 DEFAULT_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                             "build_cutlass", "libtcfm_cutlass.so")
@@ -303,11 +305,6 @@ def _launch(lib: ctypes.CDLL, cfg: CutlassConfig, a: torch.Tensor, w: torch.Tens
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def not_supported_reasons(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out: torch.Tensor,
                           config: Union[str, int], path: Optional[str] = None) -> list[str]:
     """Why :func:`linear_into` would leave this call to its caller (empty: it runs it): the library
@@ -322,9 +319,10 @@ def not_supported_reasons(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch
     except ValueError as exc:
         reasons.append(str(exc))
     else:
-        major, minor = _capability(a.device)
-        if (major, minor) != (9, 0):
-            reasons.append(f"the library's kernels are sm_90a, {a.device} is sm_{major}{minor}")
+        cap = policy.device_capability(a.device)
+        if cap != (9, 0):
+            reasons.append(f"the library's kernels are sm_90a, {a.device} is "
+                           + ("not an NVIDIA GPU" if cap is None else f"sm_{cap[0]}{cap[1]}"))
     if why is None and not any(config in (c.name, c.index) for c in configs(path)):
         reasons.append(f"config {config!r} is not one of the library's {[c.name for c in configs(path)]}")
     return reasons
@@ -335,10 +333,11 @@ def linear_into(a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], 
     """``out = a @ w.T (+ bias)`` on ``config`` (:func:`cutlass_linear`, no GELU); False, nothing
     launched, where :func:`not_supported_reasons` is not empty, for the caller's cuBLAS fallback.
     Shapes and dtypes: :func:`cutlass_linear`'s, with ``out`` given."""
-    if load_library(path) is None or not_supported_reasons(a, w, bias, out, config, path):
+    lib = load_library(path)
+    if lib is None or not_supported_reasons(a, w, bias, out, config, path):
         return False
     cfg = next(c for c in configs(path) if config in (c.name, c.index))
-    _launch(load_library(path), cfg, a, w, bias, False, out, None, False, path)
+    _launch(lib, cfg, a, w, bias, False, out, None, False, path)
     return True
 
 
