@@ -39,6 +39,8 @@
 #                        (causal_serving: tokens -> waveform, minicpmo-utils' causal vocoder, 16 and 64 streams)
 #   bash bench/experiments/device_calls_next.sh voices    # issue 40's voice-cache bars (4 voices, arrivals)
 #                        (voices_ab: CFM alone at 64 streams with the cache, this tree against .old)
+#   bash bench/experiments/device_calls_next.sh free_frames  # issue 41: free_frame_arena.patch applied, its
+#                        extension and tests (free_frames_ab: the steady CFM tick against the tree before, one call)
 #   bash bench/experiments/device_calls_next.sh v5a       # issue 41: the fused attention kernel's arena form
 #                        (GPU tests, then the arena step against the table's arena plan at 32-128 rows;
 #                        v5a_ab: the A/B alone)
@@ -68,7 +70,7 @@ if [ -z "${NO_CUDA_EXT:-}" ] && ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; the
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (arrivals, gemm_table, cutlass_pdl, plan_sweep, wav_fp16, plan_ab, attn_rows, smem, l1, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (free_frames, free_frames_ab, arrivals, gemm_table, cutlass_pdl, plan_sweep, wav_fp16, plan_ab, attn_rows, smem, l1, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass|restore|ncu|rowstats|enc_patch|smem) ;; *) need_cuda ;; esac
@@ -184,8 +186,34 @@ case $mode in
       echo "$f: $(grep -E 'passed|failed|error' "$OUT/$f.log" | tail -1)"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -5
     done
     need_cuda; ENC_AB_STAGES=${ENC_AB_STAGES:-wav} bash "$0" enc_ab ;;
+  free_frames)  # issue 41 item 4: free_frame_arena.patch. This tree (with its CUDA extension) copied to .old,
+    # the patch applied, the extension rebuilt (the patch changes the QKV epilogue's arguments), the GPU and
+    # the arena's CPU tests; then `free_frames_ab` (the steady CFM tick, .old against the patched tree)
+    rm -rf .old && mkdir .old && cp -r torch_cfm compile_rules bench tests csrc setup.py pyproject.toml .old/
+    rm -f .old/torch_cfm/compile_rules && ln -s ../compile_rules .old/torch_cfm/compile_rules
+    git apply bench/experiments/free_frame_arena.patch 2>/dev/null || patch -p1 -s < bench/experiments/free_frame_arena.patch \
+      || { echo "the patch does not apply"; exit 1; }
+    rm -f torch_cfm/_C_cuda*.so
+    CXX=g++ CC=gcc MAX_JOBS=16 timeout 200 python3 setup.py build_ext --build-lib /tmp/cudabuild > "$OUT/build_ff.log" 2>&1
+    cp /tmp/cudabuild/torch_cfm/_C_cuda*.so torch_cfm/ && echo "patched _C_cuda built at ${SECONDS}s" \
+      || { tail -20 "$OUT/build_ff.log"; exit 1; }
+    for f in test_arena_frames test_solver test_dit_linear_cuda test_dit_body test_graphs test_server \
+             test_stepaudio2_server test_minicpmo_server; do
+      timeout -s INT ${TEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider -rfE "tests/$f.py" > "$OUT/$f.log" 2>&1
+      echo "$f: $(grep -E 'passed|failed|error' "$OUT/$f.log" | tail -1)"; grep -E "^(FAILED|ERROR)" "$OUT/$f.log" | head -5
+      rm -f "$OUT/$f.log"
+    done
+    if [ "${FF_MEMCHECK:-1}" = 1 ]; then  # the append tables, pre-moves and compactions under compute-sanitizer
+      timeout 180 compute-sanitizer --tool memcheck --error-exitcode 3 python3 tests/gpu_memcheck.py --quick \
+        > "$OUT/memcheck.log" 2>&1; echo "memcheck exit: $?"; tail -3 "$OUT/memcheck.log"; rm -f "$OUT/memcheck.log"
+    fi ;;
+  free_frames_ab)  # after free_frames on the same machine: CFM alone at FF_C streams, .old (its own extension) then
+    # the patched tree, the steady tick and audio-s/s of each
+    ENC_AB_OLD_SO=keep ENC_AB_STAGES=cfm ENC_AB_C=${FF_C:-16,64} bash "$0" enc_ab ;;
   enc_ab)  # issue 43 item 2: this tree against the previous one (carry .old), tokens -> mel / waveform, one call
-    cp torch_cfm/_C*.so .old/torch_cfm/; [ -e .old/torch_cfm/compile_rules ] || ln -s ../compile_rules .old/torch_cfm/compile_rules
+    # (ENC_AB_OLD_SO=keep: .old keeps the extension it has, built from its own sources)
+    [ -n "${ENC_AB_OLD_SO:-}" ] || cp torch_cfm/_C*.so .old/torch_cfm/
+    [ -e .old/torch_cfm/compile_rules ] || ln -s ../compile_rules .old/torch_cfm/compile_rules
     for side in ${ENC_AB_SIDES:-old new}; do
       dir=$PWD; [ $side = old ] && dir=$PWD/.old
       (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout ${ENC_AB_TIMEOUT:-200} python3 bench/serving.py \
