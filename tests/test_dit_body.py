@@ -122,6 +122,23 @@ def test_reference_body_fp64_matches_independent_oracle(case):
         assert (natt[:, i, :, tn + ln:] == 0).all()
 
 
+def test_reference_body_residual_rounding():
+    """``dit_body_reference(residual=...)`` rounds the residual stream after each update: a float64
+    body kept in float64 is the default bitwise, in float32 it moves by float32 rounding (about 1e-7),
+    in fp16 by fp16 rounding (about 1e-3), each against the default float64 body."""
+    model = random_dit(TINY, seed=1).double()
+    x, mu, tt, spks, cond, cnn, att, valid, cached = make_inputs(TINY, 3, 7, 5, torch.float64, seed=3,
+                                                                 valid=[7, 3, 0], cached=[5, 2, 4])
+    packed = pack_dit(model, torch.float64, "cpu")
+    args = (stage_input(x, mu, spks, cond, torch.float64), packed.body, modulation_table(packed, tt[:1]), cnn, att,
+            valid, cached)
+    exact = dit_body_reference(*args)[0]
+    assert torch.equal(dit_body_reference(*args, residual=torch.float64)[0], exact)
+    err32 = err_rel_fro(dit_body_reference(*args, residual=torch.float32)[0], exact)
+    err16 = err_rel_fro(dit_body_reference(*args, residual=torch.float16)[0], exact)
+    assert 1e-9 < err32 < 1e-6 and 1e-5 < err16 < 1e-2, (err32, err16)
+
+
 def test_fp32_op_within_oracle_vs_model_reference():
     case = RAGGED[0]
     model = random_dit(TINY, seed=2)

@@ -80,7 +80,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import torch_cfm.models.dit_blocks as dit_blocks  # noqa: E402
 from torch_cfm import policy  # noqa: E402
-from torch_cfm.models import DiT, DiTConfig, StreamingCFM, trim_attention_cache  # noqa: E402
+from torch_cfm.models import DiT, DiTConfig, trim_attention_cache  # noqa: E402
+from torch_cfm.solve import StreamingCFM  # noqa: E402
 
 import upstream_flow as U  # noqa: E402  (tests/)
 from oracle import err_max, err_rel_fro  # noqa: E402

@@ -100,6 +100,7 @@ def dit_body_reference(
     att_cache: Optional[torch.Tensor] = None,
     valid_lengths: Optional[torch.Tensor] = None,
     cache_lengths: Optional[torch.Tensor] = None,
+    residual: Optional[torch.dtype] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One estimator evaluation of a streaming chunk (docs/design.md §1-2) on packed weights.
 
@@ -110,6 +111,8 @@ def dit_body_reference(
         cnn_cache: (depth, N, 2C, 2) or None (zeros).
         att_cache: (depth, N, H, L, 2D) or None (L = 0).
         valid_lengths, cache_lengths: optional (N,) int32 (clamped to [0, T], [0, L]).
+        residual: a dtype the residual stream is rounded to after each update, to measure a body that
+            kept it narrower (None: float32, float64 for a float64 body, as every shipped kernel does).
     Returns:
         velocity (N, Cout, T), new_cnn_cache (depth, N, 2C, 2), new_att_cache
         (depth, N, H, T+L, 2D), all in x_in's dtype.
@@ -124,6 +127,7 @@ def dit_body_reference(
     valid = clamp_lengths(valid_lengths, n_rows, t_len, dev)
     cached = clamp_lengths(cache_lengths, n_rows, l_len, dev)
     table = mod_table.to(stat)
+    keep = (lambda t: t) if residual is None else (lambda t: t.to(residual).to(stat))  # noqa: E731
 
     def mod_vec(i: int, j: int) -> torch.Tensor:
         return table[:, i, j][:, None, :]  # (R, 1, C)
@@ -136,7 +140,7 @@ def dit_body_reference(
         return torch.gather(hist, 1, idx[:, :, None].expand(-1, -1, hist.shape[2])).transpose(1, 2)
 
     xt = x_in.transpose(1, 2)
-    h = (torch.matmul(xt, weights[0].t()) + weights[1]).to(cd).to(stat)
+    h = keep((torch.matmul(xt, weights[0].t()) + weights[1]).to(cd).to(stat))
     new_cnn = x_in.new_zeros((depth, n_rows, 2 * c, 2))
     new_att = x_in.new_zeros((depth, n_rows, heads, t_len + l_len, 2 * d))
     for i in range(depth):
@@ -156,7 +160,7 @@ def dit_body_reference(
         o = cfm_attention_reference(q.transpose(1, 2), cache_i[..., :d], cache_i[..., d:],
                                     key_lengths=valid + cached)
         y = (torch.matmul(o.transpose(1, 2).reshape(n_rows, t_len, heads * d), proj_w.t()) + proj_b).to(cd)
-        h = h + mod_vec(i, GATE_A) * y.to(stat)
+        h = keep(h + mod_vec(i, GATE_A) * y.to(stat))
         # conv block (before the MLP)
         a = adaln(h, i, SHIFT_C, SCALE_C)
         hist1 = torch.cat([conv_old[:, :c].transpose(1, 2), a], dim=1)
@@ -166,12 +170,12 @@ def dit_body_reference(
         y = _conv_taps(hist2, c2_w, c2_b, t_len, stat)
         new_cnn[i, :, :c] = last_two(hist1)
         new_cnn[i, :, c:] = last_two(hist2)
-        h = h + mod_vec(i, GATE_C) * y
+        h = keep(h + mod_vec(i, GATE_C) * y)
         # MLP
         a = adaln(h, i, SHIFT_M, SCALE_M)
         f = torch.nn.functional.gelu((torch.matmul(a, fc1_w.t()) + fc1_b).to(cd), approximate="tanh")
         y = (torch.matmul(f, fc2_w.t()) + fc2_b).to(cd)
-        h = h + mod_vec(i, GATE_M) * y.to(stat)
+        h = keep(h + mod_vec(i, GATE_M) * y.to(stat))
     a = adaln(h, depth, 0, 1)
     out = (torch.matmul(a, weights[-2].t()) + weights[-1]).to(cd)
     return out.transpose(1, 2).contiguous(), new_cnn, new_att
