@@ -210,7 +210,10 @@ case $mode in
         > "$OUT/memcheck.log" 2>&1; echo "memcheck exit: $?"; tail -3 "$OUT/memcheck.log"; rm -f "$OUT/memcheck.log"
     fi ;;
   free_frames_ab)  # after free_frames on the same machine: CFM alone at FF_C streams, .old (its own extension) then
-    # the patched tree, the steady tick and audio-s/s of each
+    # the patched tree, the steady tick and audio-s/s of each. A later call gets this tree afresh (the patched
+    # extension kept as a build output): the patch is applied again where it is not
+    [ -d .old ] || { echo "free_frames_ab: run free_frames first (no .old)"; exit 2; }
+    git apply --check bench/experiments/free_frame_arena.patch 2>/dev/null && git apply bench/experiments/free_frame_arena.patch
     ENC_AB_OLD_SO=keep ENC_AB_STAGES=cfm ENC_AB_C=${FF_C:-16,64} bash "$0" enc_ab ;;
   enc_ab)  # issue 43 item 2: this tree against the previous one (carry .old), tokens -> mel / waveform, one call
     # (ENC_AB_OLD_SO=keep: .old keeps the extension it has, built from its own sources)
