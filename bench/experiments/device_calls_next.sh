@@ -20,6 +20,8 @@
 #   bash bench/experiments/device_calls_next.sh smem      # issue 43: the convolution's window in shared memory or L1
 #                        (l1: its operand copies through L1, vocoder_conv_l1.py)
 #   bash bench/experiments/device_calls_next.sh rowstats  # issue 41: the CUTLASS producer epilogue's first run
+#   bash bench/experiments/device_calls_next.sh conv1d    # issue 41: the convs as CUTLASS implicit-GEMM convs
+#                        (carry build_conv1d: cutlass_conv1d.build('build_conv1d/libconv1d.so') on the CPU box)
 #   bash bench/experiments/device_calls_next.sh overlap   # issue 43: the vocoder under the CFM on two CUDA streams
 #                        (pipeline: tokens -> waveform with the vocoder one tick behind, against the front)
 #   bash bench/experiments/device_calls_next.sh restore   # issue 40: a voice hit's slot write, copy_ vs copy_wide_
@@ -70,7 +72,7 @@ if [ -z "${NO_CUDA_EXT:-}" ] && ! ls torch_cfm/_C_cuda*.so > /dev/null 2>&1; the
 fi
 need_cuda() { [ -n "${CUDA_BUILD:-}" ] && { wait "$CUDA_BUILD"; CUDA_BUILD=; }; ls torch_cfm/_C_cuda*.so > /dev/null 2>&1 || echo "(no _C_cuda: Triton paths)"; }
 MINI=.upstream/minicpmo-utils
-[ $# -gt 0 ] || { echo "usage: $0 MODE... (free_frames, free_frames_ab, arrivals, gemm_table, cutlass_pdl, plan_sweep, wav_fp16, plan_ab, attn_rows, smem, l1, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 MODE... (free_frames, free_frames_ab, conv1d, arrivals, gemm_table, cutlass_pdl, plan_sweep, wav_fp16, plan_ab, attn_rows, smem, l1, overlap, pipeline, standing, encprof, enc_patch, enc_ab, voices_ab, rowstats, restore, ncu, voc, peers_close, peers, peers64, peers_bars, peers_memory, vocoder, tiles, tiles_ab, causal, causal_fused, encoder, voices, tests, stream, causal_serving, cutlass, v5a, v5a_ab)" >&2; exit 2; }
 for mode in "$@"; do
 echo "== $mode (${SECONDS}s)"
 case $mode in tests|cutlass|restore|ncu|rowstats|enc_patch|smem) ;; *) need_cuda ;; esac
@@ -288,6 +290,11 @@ case $mode in
     lib=; [ -f build_convw/libconvw.so ] && lib="--lib build_convw/libconvw.so"
     timeout ${SMEM_TIMEOUT:-300} python3 bench/experiments/vocoder_conv_smem.py ${SMEM_ARGS:---quick} $lib --out "$OUT" \
       > "$OUT/smem.log" 2>&1; echo "rc=$?"; grep -E "^C=|Error" "$OUT/smem.log" | tail -40 ;;
+  conv1d)  # issue 41: the block's convs as CUTLASS implicit-GEMM convs against the shipped GEMM + TAPS row-norm
+    # (cutlass_conv1d.py); carry build_conv1d (the .so built on the CPU box: the device cannot fetch the headers)
+    lib=; [ -f build_conv1d/libconv1d.so ] && lib="--lib build_conv1d/libconv1d.so"
+    timeout 300 python3 bench/experiments/cutlass_conv1d.py $lib --out "$OUT" > "$OUT/conv1d.log" 2>&1
+    tail -8 "$OUT/conv1d.log" | cut -c1-2000 ;;
   rowstats)  # issue 41: the producer epilogue (GEMM + gated residual + centred row sums) against float64 and the unfused path
     # carry build_rowstats (the .so built here: the device cannot fetch the CUTLASS headers)
     lib=; [ -f build_rowstats/librowstats.so ] && lib="--lib build_rowstats/librowstats.so"
