@@ -23,7 +23,6 @@ import argparse
 import ctypes
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -32,7 +31,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [os.path.dirname(HERE), ROOT]
+sys.path[:0] = [HERE, os.path.dirname(HERE), ROOT]
 
 C, T, HIST = 512, 50, 2
 CONFIGS = {0: "ws_128x128_st3", 1: "ws_64x128_st4", 2: "ws_128x128_deep"}
@@ -40,21 +39,10 @@ LN_EPS = 1e-5
 
 
 def build(out: str) -> str:
-    """nvcc the experiment into ``out`` (a shared library); returns its path."""
-    inc = os.environ.get("CUTLASS_INCLUDE") or os.path.expanduser(
-        "~/.cache/torch_cfm/cutlass-4.2.0.0/cutlass_library/source/include")
-    if not os.path.isfile(os.path.join(inc, "cutlass", "version.h")):
-        subprocess.run(["bash", os.path.join(ROOT, "csrc", "cutlass", "build.sh"), tempfile.mkdtemp()], check=True,
-                       stdout=subprocess.DEVNULL)  # fetches and unpacks the headers into the cache
-    util = os.path.join(os.path.dirname(os.path.dirname(inc)), "source", "tools", "util", "include")
-    util = util if os.path.isdir(util) else os.path.join(os.path.dirname(inc), "tools", "util", "include")
-    nvcc = os.environ.get("NVCC", "nvcc")
-    cmd = [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "-gencode", "arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
-           "-Xcompiler", "-fPIC", "-shared", "-cudart", "static", f"-I{inc}", f"-I{util}", "-Xptxas", "-v",
-           os.path.join(HERE, "cutlass_conv1d.cu"), "-o", out]
-    log = subprocess.run(cmd, check=True, capture_output=True, text=True)
-    print("\n".join(line for line in log.stderr.splitlines() if "registers" in line or "spill" in line))
-    return out
+    """nvcc ``cutlass_conv1d.cu`` into ``out`` (a shared library); returns its path."""
+    from cutlass_residual_rowstats import build as build_experiment
+
+    return build_experiment(out, "cutlass_conv1d.cu")
 
 
 def inputs(n: int, device, seed: int):

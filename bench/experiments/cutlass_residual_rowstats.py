@@ -49,17 +49,21 @@ sys.path[:0] = [os.path.dirname(HERE)]
 TILE_N, TILE_M = 128, 128
 
 
-def build(out: str) -> str:
-    """nvcc the experiment into ``out`` (a shared library); returns its path."""
+def build(out: str, source: str = "cutlass_residual_rowstats.cu") -> str:
+    """nvcc the experiment ``source`` (a file beside this one) into ``out`` (a shared library, sm_90a, the
+    CUDA runtime linked statically); returns its path. Headers: ``CUTLASS_INCLUDE``, else the nvidia-cutlass
+    wheel's as ``csrc/cutlass/build.sh`` caches them (and their tools/util/include beside them)."""
     inc = os.environ.get("CUTLASS_INCLUDE") or os.path.expanduser(
         "~/.cache/torch_cfm/cutlass-4.2.0.0/cutlass_library/source/include")
     if not os.path.isfile(os.path.join(inc, "cutlass", "version.h")):
         subprocess.run(["bash", os.path.join(ROOT, "csrc", "cutlass", "build.sh"), tempfile.mkdtemp()], check=True,
                        stdout=subprocess.DEVNULL)  # fetches and unpacks the headers into the cache
+    util = os.path.join(os.path.dirname(inc), "tools", "util", "include")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     nvcc = os.environ.get("NVCC", "nvcc")
     cmd = [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "-gencode", "arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
-           "-Xcompiler", "-fPIC", "-shared", "-cudart", "static", f"-I{inc}", "-Xptxas", "-v",
-           os.path.join(HERE, "cutlass_residual_rowstats.cu"), "-o", out]
+           "-Xcompiler", "-fPIC", "-shared", "-cudart", "static", f"-I{inc}", f"-I{util}", "-Xptxas", "-v",
+           os.path.join(HERE, source), "-o", out]
     log = subprocess.run(cmd, check=True, capture_output=True, text=True)
     print("\n".join(line for line in log.stderr.splitlines() if "registers" in line or "spill" in line))
     return out

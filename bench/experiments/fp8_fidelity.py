@@ -373,13 +373,18 @@ def errors(result, ref) -> dict:
             "cache_lengths": lengths, "finite": bool(torch.isfinite(stream).all())}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def workload_args(ap: argparse.ArgumentParser) -> None:
+    """The stream workload's options (shared with residual16_fidelity.py)."""
     ap.add_argument("--quick", action="store_true", help="tiny config (hidden 64, depth 2, 4 heads of 16)")
     ap.add_argument("--prompt", type=int, default=None, help="prompt frames (default 300; --quick 150)")
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    workload_args(ap)
     ap.add_argument("--runs", default="default",
                     help="'default' (every run but the extra FP8 attributions and the block-scaled / fp16-conv "
                          "variants), 'block' (only those: " + ", ".join(BLOCK_RUNS) + "), 'all', or a comma "

@@ -97,11 +97,7 @@ def run_stream(master: DiT, dtype: torch.dtype, residual, w: "F.Workload"):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="tiny config (hidden 64, depth 2, 4 heads of 16)")
-    ap.add_argument("--prompt", type=int, default=None, help="prompt frames (default 300; --quick 150)")
-    ap.add_argument("--chunks", type=int, default=8)
-    ap.add_argument("--chunk", type=int, default=50)
-    ap.add_argument("--seed", type=int, default=0)
+    F.workload_args(ap)
     ap.add_argument("--out", default=os.path.join(HERE, "residual16_fidelity.json"))
     args = ap.parse_args()
 
